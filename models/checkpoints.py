@@ -1,0 +1,94 @@
+"""Deterministic random refiner checkpoints for tests and benchmarks, written as real diffusers folders.
+
+``tiny`` keeps the full test suite fast on two CPU cores; ``medium`` (~20 M parameters) is big enough for
+the benchmark's GEMMs to mean something. Both keep the real latent width (128 channels) so any stage-1
+latent fits, and set every architectural switch the parity tests vary (RoPE type, gated attention) through
+``overrides``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import SanaWMLTX2RefinerTransformer3DModel
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        in_channels=128,
+        out_channels=128,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=32,
+        num_layers=2,
+        audio_in_channels=8,
+        audio_out_channels=8,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+    ),
+    "medium": dict(
+        in_channels=128,
+        out_channels=128,
+        num_attention_heads=6,
+        attention_head_dim=64,
+        cross_attention_dim=384,
+        caption_channels=128,
+        num_layers=8,
+        audio_in_channels=8,
+        audio_out_channels=8,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+    ),
+}
+
+
+def build_model(preset: str = "tiny", seed: int = 0, **overrides: Any) -> SanaWMLTX2RefinerTransformer3DModel:
+    """A randomly initialised refiner, identical for the same ``(preset, seed, overrides)``."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    config = {**PRESETS[preset], **overrides}
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = SanaWMLTX2RefinerTransformer3DModel(**config)
+        # Default init leaves the output projections and gates near their trained-from-zero values; scale every
+        # parameter up a little so the random model actually mixes its inputs and parity tests can fail.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.ndim >= 1 and "scale_shift_table" not in name:
+                    param.add_(torch.randn_like(param) * 0.02)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.eval()
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    class_name: str | None = None,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a random refiner folder (``config.json`` + safetensors) that ``load_refiner`` reads.
+
+    ``class_name="LTX2VideoTransformer3DModel"`` writes the layout the SANA-WM release ships; ``max_shard_size``
+    (e.g. ``"200KB"``) writes a sharded checkpoint with an index file.
+    """
+    out = Path(out_dir)
+    model = build_model(preset, seed=seed, **overrides)
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **kwargs)
+    if class_name is not None:
+        config_path = out / "config.json"
+        config = json.loads(config_path.read_text())
+        config["_class_name"] = class_name
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out

@@ -1,0 +1,33 @@
+"""Refining a whole clip in one call: the library form of ``python -m app refine`` and ``POST /v1/refine``."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SessionConfig
+from .errors import InvalidInputError
+from .loading import Refiner
+from .session import RefinerSession
+
+
+def refine_clip(
+    refiner: Refiner,
+    latents: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_attention_mask: torch.Tensor | None = None,
+    config: SessionConfig | None = None,
+) -> torch.Tensor:
+    """The refined clip (B, C, T, H, W) in the model's dtype: the sink frames unchanged, then every block.
+
+    Like the reference pipeline, a clip must have more frames than ``sink_frames``.
+    """
+    config = config or SessionConfig()
+    frames = int(latents.shape[2]) if isinstance(latents, torch.Tensor) and latents.ndim == 5 else None
+    if frames is not None and frames <= config.sink_frames:
+        raise InvalidInputError(
+            f"the clip has {frames} frames but sink_frames={config.sink_frames}; send more than sink_frames "
+            "frames (the sink is never refined, so such a clip has nothing to refine)"
+        )
+    session = RefinerSession(refiner, config)
+    units = session.push(latents, prompt_embeds, prompt_attention_mask, flush=True)
+    return torch.cat([unit.latents for unit in units], dim=2)  # (B, C, T, H, W)
