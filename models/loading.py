@@ -132,7 +132,11 @@ def load_refiner(path: str | Path, device: str | torch.device = "auto", dtype: s
     torch_dtype = resolve_dtype(dtype, torch_device)
     try:
         model = SanaWMLTX2RefinerTransformer3DModel.from_pretrained(
-            str(folder), local_files_only=True, use_safetensors=True, torch_dtype=torch_dtype
+            str(folder),
+            local_files_only=True,
+            use_safetensors=True,
+            torch_dtype=torch_dtype,
+            low_cpu_mem_usage=False,
         )
     except Exception as exc:  # diffusers raises many types for a broken folder; name the folder and the cause
         raise ModelLoadError(f"{folder}: could not load the refiner weights: {exc}") from exc

@@ -1,0 +1,116 @@
+"""Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service),
+``bench`` (the benchmark). Errors go to stderr with a non-zero exit status."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app", description="wm-refiner: streaming SANA-WM refiner")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    refine = commands.add_parser("refine", help="refine one clip from a safetensors file")
+    refine.add_argument("--model", required=True, help="refiner folder (diffusers layout)")
+    refine.add_argument("--input", required=True, help="safetensors with latents, prompt_embeds[, prompt_attention_mask]")
+    refine.add_argument("--output", required=True, help="safetensors to write the refined latents to (float32)")
+    refine.add_argument("--seed", type=int, default=42)
+    refine.add_argument("--fps", type=float, default=16.0)
+    refine.add_argument("--sink-frames", type=int, default=1)
+    refine.add_argument("--block-size", type=int, default=3)
+    refine.add_argument("--kv-max-frames", type=int, default=11)
+    refine.add_argument("--positions", choices=("absolute", "rebased"), default="absolute")
+    refine.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    refine.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, float64 or auto")
+
+    make = commands.add_parser("make-checkpoint", help="write a random refiner folder for tests and benchmarks")
+    make.add_argument("--preset", choices=("tiny", "medium"), default="tiny")
+    make.add_argument("--out", required=True)
+    make.add_argument("--seed", type=int, default=0)
+
+    serve = commands.add_parser("serve", help="run the HTTP/WebSocket service")
+    serve.add_argument("--config", help="YAML settings file (see configs/)")
+    serve.add_argument("--model", help="refiner folder; default: the embedded tiny refiner, built on first start")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--device")
+    serve.add_argument("--dtype")
+    serve.add_argument("--api-key")
+
+    bench = commands.add_parser("bench", help="benchmark the cache against the naive window recompute")
+    bench.add_argument("--preset", choices=("tiny", "medium"), default="medium")
+    bench.add_argument("--blocks", type=int, default=12, help="steady-state blocks to time")
+    bench.add_argument("--height", type=int, default=8)
+    bench.add_argument("--width", type=int, default=8)
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--service", action="store_true", help="also time the WebSocket path of a local server")
+    bench.add_argument("--output", help="also write the report (markdown) to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "refine":
+            return refine_command(args)
+        if args.command == "make-checkpoint":
+            from models.checkpoints import write_checkpoint
+
+            out = write_checkpoint(args.out, preset=args.preset, seed=args.seed)
+            print(f"wrote a random {args.preset} refiner to {out}")
+            return 0
+        if args.command == "serve":
+            from app.serve import serve_command
+
+            return serve_command(args)
+        if args.command == "bench":
+            from app.bench import bench_command
+
+            return bench_command(args)
+    except Exception as exc:  # the CLI's contract: one clear line on stderr, non-zero exit
+        from models.errors import RefinerError
+
+        kind = "error" if isinstance(exc, RefinerError) else f"error ({type(exc).__name__})"
+        print(f"{kind}: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def refine_command(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    from models import SessionConfig, load_refiner, refine_clip
+    from models.errors import MissingInputError
+
+    input_path = Path(args.input)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"input file {str(input_path)!r} does not exist")
+    try:
+        tensors = load_file(str(input_path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{input_path} is not a safetensors file ({exc}); write it with safetensors.torch.save_file")
+    for name in ("latents", "prompt_embeds"):
+        if name not in tensors:
+            raise MissingInputError(f"{input_path} has no {name!r} tensor (found {sorted(tensors)})")
+    config = SessionConfig(
+        seed=args.seed,
+        fps=args.fps,
+        sink_frames=args.sink_frames,
+        block_size=args.block_size,
+        kv_max_frames=args.kv_max_frames,
+        positions=args.positions,
+    )
+    refiner = load_refiner(args.model, device=args.device, dtype=args.dtype)
+    refined = refine_clip(
+        refiner, tensors["latents"], tensors["prompt_embeds"], tensors.get("prompt_attention_mask"), config
+    )
+    output_path = Path(args.output)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"latents": refined.to(device="cpu", dtype=torch.float32).contiguous()}, str(output_path))
+    print(f"refined {refined.shape[2]} frames -> {output_path}")
+    return 0
