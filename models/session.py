@@ -129,8 +129,12 @@ class RefinerSession:
         self.refiner = refiner
         self.config = config or SessionConfig()
         generator = torch.Generator(device=refiner.device).manual_seed(self.config.seed)
-        # The schedule in fp32, as the reference scheduler stores it; every sigma used below is read from it.
-        self._sigmas = torch.tensor(self.config.sigmas, dtype=torch.float32, device=refiner.device)
+        # The reference does its mixing and Euler arithmetic in fp32; a float64 model is the high-precision twin
+        # of a float32 run, so it does the same arithmetic in float64 instead.
+        self._math_dtype = torch.float64 if refiner.dtype == torch.float64 else torch.float32
+        # The schedule rounded to fp32, as the reference scheduler stores it; every sigma below is read from it.
+        sigmas = torch.tensor(self.config.sigmas, dtype=torch.float32, device=refiner.device)
+        self._sigmas = sigmas.to(self._math_dtype)
         self._state = SessionState(prompt=prompt, rng_state=generator.get_state())
 
     # --- state -------------------------------------------------------------------------------------------
@@ -396,25 +400,28 @@ class RefinerSession:
 
         generator = torch.Generator(device=device)
         generator.set_state(state.rng_state)
-        noise = torch.randn(clean.shape, generator=generator, device=device, dtype=dtype)  # (B, C, t, H, W)
+        # float64 is the verification twin of a float32 run: it draws the same float32 noise and widens it.
+        noise_dtype = torch.float32 if dtype == torch.float64 else dtype
+        noise = torch.randn(clean.shape, generator=generator, device=device, dtype=noise_dtype)  # (B, C, t, H, W)
         sigmas = self._sigmas
         sigma_max = float(sigmas[0])
-        x = ((1.0 - sigma_max) * clean.float() + sigma_max * noise.float()).to(dtype)
+        math = self._math_dtype
+        x = ((1.0 - sigma_max) * clean.to(math) + sigma_max * noise.to(math)).to(dtype)
 
         frames, height, width = plan.frames, geometry.height, geometry.width
         for i in range(config.steps):
             sigma = float(sigmas[i])
             tokens = pack(x)  # (B, N, C)
             velocity, _ = run_forward(model, tokens, sigma, block_tables, state.prompt, window("denoise"))
-            raw_sigma = torch.full((*tokens.shape[:2], 1), sigma, dtype=torch.float32, device=device)
-            denoised = tokens.float() - velocity.float() * raw_sigma  # (B, N, C)
+            raw_sigma = torch.full((*tokens.shape[:2], 1), sigma, dtype=math, device=device)
+            denoised = tokens.to(math) - velocity.to(math) * raw_sigma  # (B, N, C)
             x0 = unpack(denoised.to(dtype), frames, height, width)  # (B, C, t, H, W)
             if sigma <= 1.0e-6:
                 x = x0.to(dtype)
             else:
                 # Flow-matching Euler step from sigmas[i] to sigmas[i+1], in fp32 like the reference scheduler.
-                flow = (x.float() - x0.float()) / sigma
-                x = (x.float() + (sigmas[i + 1] - sigmas[i]) * flow).to(dtype)
+                flow = (x.to(math) - x0.to(math)) / sigma
+                x = (x.to(math) + (sigmas[i + 1] - sigmas[i]) * flow).to(dtype)
 
         _, captured = run_forward(model, pack(x), 0.0, block_tables, state.prompt, window("commit"))
         keep_tokens = (config.max_history_frames - frames) * geometry.tokens_per_frame
