@@ -1,0 +1,115 @@
+"""Loading refiner folders: layouts, bit-stable weights, and clear errors (never a network lookup)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from models import ModelLoadError, RefinerSession, SessionConfig, from_model, load_refiner
+from models.checkpoints import build_model, write_checkpoint
+from models.loading import resolve_device, resolve_dtype
+
+from .conftest import make_inputs
+
+
+def refine(refiner, latents, embeds):
+    units = RefinerSession(refiner, SessionConfig()).push(latents, embeds, flush=True)
+    return torch.cat([u.latents for u in units], dim=2)
+
+
+def test_loaded_weights_are_bit_stable(tiny_dir):
+    """Loaded twice, and against the same weights built in memory: identical bits, aligned storage."""
+    latents, embeds = make_inputs(frames=7, seed=9)
+    first, second = load_refiner(tiny_dir, device="cpu", dtype="float32"), load_refiner(tiny_dir, "cpu", "float32")
+    in_memory = from_model(build_model("tiny"))
+    expected = refine(in_memory, latents, embeds)
+    assert torch.equal(refine(first, latents, embeds), expected)
+    assert torch.equal(refine(second, latents, embeds), expected)
+    assert all(p.data_ptr() % 64 == 0 for p in first.model.parameters())
+
+
+@pytest.mark.parametrize("layout", ["ltx2-class-name", "sharded"])
+def test_release_layouts_load(layout, tmp_path):
+    kwargs = {"class_name": "LTX2VideoTransformer3DModel"} if layout == "ltx2-class-name" else {"max_shard_size": "60KB"}
+    folder = write_checkpoint(tmp_path / layout, preset="tiny", **kwargs)
+    if layout == "sharded":
+        assert (folder / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    refiner = load_refiner(folder, device="cpu", dtype="float32")
+    latents, embeds = make_inputs(frames=5, seed=10)
+    assert torch.equal(refine(refiner, latents, embeds), refine(from_model(build_model("tiny")), latents, embeds))
+    assert refiner.info.num_layers == 2 and refiner.info.caption_channels == 32
+
+
+def test_dtypes_load(tiny_dir):
+    for dtype, torch_dtype in [("bfloat16", torch.bfloat16), ("float64", torch.float64), ("auto", torch.float32)]:
+        refiner = load_refiner(tiny_dir, device="cpu", dtype=dtype)
+        assert refiner.dtype == torch_dtype and next(refiner.model.parameters()).dtype == torch_dtype
+        latents, embeds = make_inputs(frames=4)
+        out = refine(refiner, latents, embeds)
+        assert out.dtype == torch_dtype and torch.isfinite(out.float()).all()
+
+
+def edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "breakage, fragment",
+    [
+        ("missing-folder", "does not exist"),
+        ("no-config", "config.json is missing"),
+        ("no-weights", "no diffusion_pytorch_model.safetensors"),
+        ("cross-attn-mod", "cross_attn_mod"),
+        ("no-prompt-embeddings", "use_prompt_embeddings"),
+        ("other-class", "_class_name"),
+        ("patch-size", "patch_size=2"),
+        ("truncated-weights", "could not load"),
+    ],
+)
+def test_bad_folders_fail_clearly(breakage, fragment, tiny_dir, tmp_path):
+    folder = tmp_path / "model"
+    if breakage != "missing-folder":
+        shutil.copytree(tiny_dir, folder)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    if breakage == "no-config":
+        (folder / "config.json").unlink()
+    elif breakage == "no-weights":
+        weights.unlink()
+    elif breakage == "cross-attn-mod":
+        edit_config(folder, cross_attn_mod=True)
+    elif breakage == "no-prompt-embeddings":
+        edit_config(folder, use_prompt_embeddings=False)
+    elif breakage == "other-class":
+        edit_config(folder, _class_name="UNet2DConditionModel")
+    elif breakage == "patch-size":
+        edit_config(folder, patch_size=2)
+    elif breakage == "truncated-weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match=fragment):
+        load_refiner(folder, device="cpu", dtype="float32")
+
+
+def test_hub_ids_are_not_looked_up(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(ModelLoadError, match="Nothing is ever downloaded"):
+        load_refiner("Efficient-Large-Model/SANA-WM-refiner", device="cpu")
+
+
+def test_device_and_dtype_resolution():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    for bad in ("tpu", "gpu0"):
+        with pytest.raises(ModelLoadError, match="unknown device"):
+            resolve_device(bad)
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        resolve_dtype("float8", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="CUDA is not available"):
+            resolve_device("cuda")

@@ -1,0 +1,213 @@
+"""Session behaviour: fail-closed blocks, bounded cache, input validation, prompts, flush."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import (
+    InvalidConfigError,
+    InvalidInputError,
+    MissingInputError,
+    RefinerSession,
+    SessionConfig,
+    StreamClosedError,
+    from_model,
+)
+from models.checkpoints import build_model
+
+from .conftest import make_inputs, reference_refine
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def fail_on_call(module: torch.nn.Module, call: int):
+    """Make ``module``'s ``call``-th forward (1-based) raise, like an out-of-memory error would."""
+    calls = {"n": 0}
+
+    def hook(mod, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise InjectedFault(f"injected fault on forward {call}")
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def snapshot(session: RefinerSession):
+    state = session.state
+    return (state.frames_received, state.frames_returned, state.history_frames, state.blocks_refined,
+            state.cache_bytes, None if state.pending is None else state.pending.clone(), state.rng_state.clone())
+
+
+def assert_same(a, b):
+    assert a[:5] == b[:5]
+    assert (a[5] is None and b[5] is None) or torch.equal(a[5], b[5])
+    assert torch.equal(a[6], b[6])
+
+
+@pytest.mark.parametrize("failing_call", [1, 2, 4, 6, 8])
+def test_failure_mid_block_changes_nothing_and_retry_is_bit_identical(failing_call):
+    """The failing push holds two blocks of 3 denoising forwards + 1 commit forward each: forward 4 is the first
+    block's commit, 6 and 8 fail the second block after the first one was computed."""
+    latents, embeds = make_inputs(frames=10, seed=4)
+    refiner = from_model(build_model("tiny"))
+    uninterrupted = RefinerSession(refiner, SessionConfig())
+    expected = uninterrupted.push(latents[:, :, :4], embeds) + uninterrupted.push(latents[:, :, 4:10])
+
+    session = RefinerSession(refiner, SessionConfig())
+    got = session.push(latents[:, :, :4], embeds)
+    before = snapshot(session)
+    handle = fail_on_call(refiner.model.transformer_blocks[1], failing_call)
+    try:
+        with pytest.raises(InjectedFault):
+            session.push(latents[:, :, 4:10])
+    finally:
+        handle.remove()
+    assert_same(snapshot(session), before)
+    got += session.push(latents[:, :, 4:10])
+    assert [(u.frame_start, u.frame_end) for u in got] == [(u.frame_start, u.frame_end) for u in expected]
+    for a, b in zip(got, expected):
+        assert torch.equal(a.latents, b.latents)
+
+
+def test_stream_keeps_committed_blocks_and_retries_the_failed_one():
+    """Block-level form (used by a WebSocket): earlier blocks stay, the failed block's frames stay pending."""
+    latents, embeds = make_inputs(frames=10, seed=5)
+    refiner = from_model(build_model("tiny"))
+    expected = RefinerSession(refiner, SessionConfig()).push(latents, embeds)
+    session = RefinerSession(refiner, SessionConfig())
+    got = []
+    handle = fail_on_call(refiner.model.transformer_blocks[0], 1 + 4 + 2)  # inside the second block
+    try:
+        with pytest.raises(InjectedFault):
+            for unit in session.stream(latents, embeds):
+                got.append(unit)
+    finally:
+        handle.remove()
+    assert [u.frame_end for u in got] == [1, 4]
+    assert session.state.frames_returned == 4 and session.state.pending_frames == 6
+    while (unit := session.step()) is not None:
+        got.append(unit)
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(got, expected)) and len(got) == len(expected)
+
+
+def test_cache_bytes_constant_after_window_fills():
+    refiner = from_model(build_model("tiny"))
+    config = SessionConfig()
+    latents, embeds = make_inputs(frames=config.sink_frames + 200 * config.block_size, height=2, width=2, seed=6)
+    session = RefinerSession(refiner, config)
+    session.push(latents[:, :, :1], embeds)
+    sizes, storage = [], []
+    for block in range(200):
+        start = 1 + block * config.block_size
+        session.push(latents[:, :, start : start + config.block_size])
+        sizes.append(session.cache_bytes)
+        layers = [*session.state.sink, *session.state.history]
+        storage.append(sum(t.untyped_storage().nbytes() for kv in layers for t in (kv.key, kv.value)))
+    info = refiner.info
+    formula = 2 * info.num_layers * config.kv_max_frames * 2 * 2 * info.inner_dim * 4
+    window_full = (config.kv_max_frames - config.sink_frames) // config.block_size + 1
+    assert sizes[:window_full - 1] == sorted(sizes[:window_full - 1]) and sizes[0] < formula
+    assert set(sizes[window_full:]) == {formula}
+    assert set(storage[window_full:]) == {formula}  # no hidden growth through views of old buffers
+    assert session.state.history_frames == config.kv_max_frames - config.sink_frames
+
+
+def test_new_prompt_applies_to_blocks_refined_after_it():
+    refiner = from_model(build_model("tiny"))
+    latents, embeds = make_inputs(frames=7, seed=7)
+    other = torch.randn_like(embeds)
+    session = RefinerSession(refiner, SessionConfig())
+    first = session.push(latents[:, :, :4], embeds)
+    second = session.push(latents[:, :, 4:7], other)
+    same_prompt = RefinerSession(refiner, SessionConfig()).push(latents, embeds)
+    assert torch.equal(first[1].latents, same_prompt[1].latents)
+    assert not torch.equal(second[0].latents, same_prompt[2].latents)
+
+
+def test_flush_semantics():
+    refiner = from_model(build_model("tiny"))
+    latents, embeds = make_inputs(frames=6, seed=8)
+    only_sink = RefinerSession(refiner, SessionConfig(sink_frames=2))
+    units = only_sink.push(latents[:, :, :2], embeds, flush=True)
+    assert [(u.kind, u.frame_start, u.frame_end) for u in units] == [("sink", 0, 2)]
+    too_short = RefinerSession(refiner, SessionConfig(sink_frames=2))
+    units = too_short.push(latents[:, :, :1], embeds, flush=True)
+    assert [(u.kind, u.frame_end) for u in units] == [("sink", 1)] and torch.equal(units[0].latents, latents[:, :, :1])
+    session = RefinerSession(refiner, SessionConfig())
+    session.push(latents[:, :, :5], embeds)
+    assert [(u.frame_start, u.frame_end) for u in session.flush()] == [(4, 5)]
+    with pytest.raises(StreamClosedError):
+        session.push(latents[:, :, 5:6])
+    expected = reference_refine(build_model("tiny"), latents[:, :, :5], embeds)
+    assert expected.shape[2] == 5
+
+
+BAD_CHUNKS = [
+    ("rank", lambda lat, emb: (lat[0], emb), InvalidInputError, "rank 5"),
+    ("channels", lambda lat, emb: (lat[:, :64], emb), InvalidInputError, "channels"),
+    ("dtype", lambda lat, emb: (lat.to(torch.int32), emb), InvalidInputError, "dtype"),
+    ("float64", lambda lat, emb: (lat.double(), emb), InvalidInputError, "float32, float16, bfloat16"),
+    ("nan", lambda lat, emb: (lat.clone().index_fill_(2, torch.tensor([1]), float("nan")), emb), InvalidInputError,
+     "NaN"),
+    ("inf-prompt", lambda lat, emb: (lat, emb.clone().fill_(float("inf"))), InvalidInputError, "prompt_embeds"),
+    ("prompt-width", lambda lat, emb: (lat, emb[:, :, :16]), InvalidInputError, "prompt_embeds"),
+    ("prompt-batch", lambda lat, emb: (lat, emb.repeat(2, 1, 1)), InvalidInputError, "B=1"),
+    ("no-prompt", lambda lat, emb: (lat, None), MissingInputError, "prompt_embeds"),
+    ("no-latents", lambda lat, emb: (None, emb), MissingInputError, "latents"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CHUNKS, ids=[c[0] for c in BAD_CHUNKS])
+def test_bad_first_chunk_is_rejected_and_changes_nothing(case, tiny_refiner):
+    _, mutate, error, fragment = case
+    latents, embeds = make_inputs(frames=4)
+    session = RefinerSession(tiny_refiner, SessionConfig())
+    with pytest.raises(error, match=fragment):
+        session.push(*mutate(latents, embeds))
+    assert session.state.frames_received == 0 and session.state.geometry is None
+    assert len(session.push(latents, embeds)) == 2
+
+
+def test_later_chunk_must_match_geometry(tiny_refiner):
+    latents, embeds = make_inputs(frames=4)
+    session = RefinerSession(tiny_refiner, SessionConfig())
+    session.push(latents, embeds)
+    before = snapshot(session)
+    for bad in (torch.randn(1, 128, 2, 5, 3), torch.randn(2, 128, 2, 4, 3)):
+        with pytest.raises(InvalidInputError, match="do not match"):
+            session.push(bad)
+    mask = torch.ones(1, 3)
+    with pytest.raises(InvalidInputError, match="prompt_attention_mask"):
+        session.push(latents[:, :, :1], embeds, mask)
+    assert_same(snapshot(session), before)
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        (dict(kv_max_frames=3), "kv_max_frames must be >= sink_frames \\+ block_size = 4"),
+        (dict(sink_frames=0), "sink_frames must be >= 1"),
+        (dict(block_size=-2), "block_size must be >= 1"),
+        (dict(sigmas=(0.9,)), "at least 2"),
+        (dict(sigmas=(0.5, 0.7, 0.0)), "strictly decreasing"),
+        (dict(sigmas=(0.9, 0.5)), "end in 0.0"),
+        (dict(sigmas=(1.5, 0.0)), "within \\[0, 1\\]"),
+        (dict(positions="relative"), "'absolute' or 'rebased'"),
+        (dict(fps=0), "fps"),
+        (dict(seed=-1), "seed"),
+        (dict(block_size=2.5), "integer"),
+        (dict(sink_frames=10**9, kv_max_frames=10**9 + 3), "sink_frames"),
+    ],
+)
+def test_invalid_config(fields, fragment):
+    with pytest.raises(InvalidConfigError, match=fragment):
+        SessionConfig(**fields)
+
+
+def test_config_from_dict_rejects_unknown_fields():
+    assert SessionConfig.from_dict({"block_size": 2, "sigmas": [0.5, 0.0]}).sigmas == (0.5, 0.0)
+    with pytest.raises(InvalidConfigError, match="blocksize"):
+        SessionConfig.from_dict({"blocksize": 2})
