@@ -1,0 +1,127 @@
+"""Request plumbing shared by the routes: the app's services, bounded body reading, payload checks."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import torch
+from fastapi import Depends
+from starlette.requests import HTTPConnection, Request
+
+from models.session import SessionState, Unit
+
+from .codec import LATENTS, OCTET_STREAM, PROMPT_EMBEDS, encode
+from .errors import ApiError
+from .services import Services
+from .settings import Settings
+
+def get_services(connection: HTTPConnection) -> Services:
+    return connection.app.state.services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+OCTET_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}},
+        "description": "a safetensors file: latents (B, C, t, H, W)[, prompt_embeds (B, L, D)"
+        "[, prompt_attention_mask (B, L)]]",
+    }
+}
+OCTET_RESPONSE = {
+    200: {
+        "content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}},
+        "description": "a safetensors file with latents (B, C, n, H, W) and metadata frame_start, frame_end",
+    }
+}
+
+
+def require_content_type(request: Request, expected: str) -> None:
+    """415 unless the body is declared as ``expected`` (an absent header is taken as that)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type != expected:
+        raise ApiError(
+            "unsupported_media_type",
+            f"Content-Type {declared!r} is not accepted here; send the body as {expected}",
+        )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit``: from Content-Length before
+    reading anything, else while it streams in, so an oversized body is never held in memory."""
+    too_large = ApiError(
+        "payload_too_large",
+        f"the body is larger than the limit of {limit} bytes (max_body_bytes); send fewer frames per chunk",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ApiError("invalid_payload", f"Content-Length {declared!r} is not a number") from None
+        if size > limit:
+            raise too_large
+    parts: list[bytes] = []
+    received = 0
+    async for part in request.stream():
+        received += len(part)
+        if received > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+def check_payload(
+    tensors: dict[str, torch.Tensor], settings: Settings, max_frames: int, frames_setting: str
+) -> torch.Tensor:
+    """The request's latents, after the checks that need no session: presence and size limits. Shapes, dtypes
+    and values are the session's to check (``RefinerSession.check``)."""
+    latents = tensors.get(LATENTS)
+    if latents is None:
+        raise ApiError(
+            "missing_input",
+            f"the payload has no 'latents' tensor (found {sorted(tensors)}); send latents shaped (B, C, t, H, W)",
+        )
+    if latents.ndim == 5 and latents.shape[2] > max_frames:
+        raise ApiError(
+            "too_many_frames",
+            f"the payload holds {latents.shape[2]} frames, more than the limit of {max_frames} ({frames_setting}); "
+            "split it into smaller chunks",
+        )
+    embeds = tensors.get(PROMPT_EMBEDS)
+    if embeds is not None and embeds.ndim == 3 and embeds.shape[1] > settings.max_prompt_tokens:
+        raise ApiError(
+            "prompt_too_long",
+            f"prompt_embeds holds {embeds.shape[1]} tokens, more than the limit of {settings.max_prompt_tokens} "
+            "(max_prompt_tokens); send a shorter prompt",
+        )
+    return latents
+
+
+def units_payload(
+    units: list[Unit],
+    state: SessionState,
+    request_shape: tuple[int, ...],
+    response_dtype: str,
+    metadata: dict[str, object] | None = None,
+) -> bytes:
+    """The frames ``units`` finalized, as one safetensors latents (B, C, n, H, W), n >= 0."""
+    if units:
+        latents = torch.cat([unit.latents for unit in units], dim=2)  # (B, C, n, H, W)
+        frame_start, frame_end = units[0].frame_start, units[-1].frame_end
+    else:
+        geometry = state.geometry
+        if geometry is not None:
+            shape = (geometry.batch, geometry.channels, 0, geometry.height, geometry.width)
+        else:
+            shape = (*request_shape[:2], 0, *request_shape[3:5])
+        latents = torch.zeros(shape)  # (B, C, 0, H, W)
+        frame_start = frame_end = state.frames_returned
+    if response_dtype == "float32":
+        latents = latents.to(torch.float32)
+    meta = {"frame_start": frame_start, "frame_end": frame_end, **(metadata or {})}
+    return encode({LATENTS: latents}, meta)

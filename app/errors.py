@@ -1,0 +1,119 @@
+"""The one error table: each kind of failure, its HTTP status, its WebSocket behaviour and its JSON envelope.
+
+Routes raise ``ApiError(kind, message)``; the handlers in ``app.main`` and the stream route turn it into the
+response. Errors from ``models`` (each with a stable ``code``) are mapped with ``from_refiner_error``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from models.errors import RefinerError
+
+# WebSocket close codes (RFC 6455 section 7.4.1).
+WS_NORMAL = 1000
+WS_GOING_AWAY = 1001
+WS_POLICY_VIOLATION = 1008
+WS_MESSAGE_TOO_BIG = 1009
+WS_INTERNAL_ERROR = 1011
+WS_TRY_AGAIN_LATER = 1013
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """How one kind of failure is reported.
+
+    ``ws_close``: None keeps the WebSocket open after the error event (the session can continue); a code
+    closes it after the event. Before the handshake is accepted every kind is an HTTP denial with ``status``.
+    """
+
+    status: int
+    ws_close: int | None = None
+    retry_after: bool = False
+
+
+ERRORS: dict[str, ErrorKind] = {
+    # 400: the payload cannot be read, or a tensor the request needs is absent.
+    "invalid_payload": ErrorKind(400),
+    "missing_input": ErrorKind(400),
+    # 401
+    "unauthorized": ErrorKind(401, ws_close=WS_POLICY_VIOLATION),
+    # 404 / 405
+    "session_not_found": ErrorKind(404, ws_close=WS_POLICY_VIOLATION),
+    "not_found": ErrorKind(404),
+    "method_not_allowed": ErrorKind(405),
+    # 409
+    "seq_conflict": ErrorKind(409),
+    "stream_closed": ErrorKind(409),
+    "stream_in_use": ErrorKind(409),
+    # 410
+    "session_evicted": ErrorKind(410, ws_close=WS_POLICY_VIOLATION),
+    # 413: the WebSocket closes, as RFC 6455 prescribes for a message the endpoint will not take.
+    "payload_too_large": ErrorKind(413, ws_close=WS_MESSAGE_TOO_BIG),
+    "too_many_frames": ErrorKind(413),
+    "prompt_too_long": ErrorKind(413),
+    # 415
+    "unsupported_media_type": ErrorKind(415),
+    # 422
+    "invalid_input": ErrorKind(422),
+    "invalid_config": ErrorKind(422),
+    "invalid_request": ErrorKind(422),
+    # 503: always with Retry-After. A draining server closes streams; a busy engine only fails that message.
+    "not_ready": ErrorKind(503, ws_close=WS_TRY_AGAIN_LATER, retry_after=True),
+    "draining": ErrorKind(503, ws_close=WS_GOING_AWAY, retry_after=True),
+    "too_many_sessions": ErrorKind(503, retry_after=True),
+    "engine_busy": ErrorKind(503, retry_after=True),
+    # 500: a bug or a device failure; the session was restored, but the stream is closed to be safe.
+    "internal_error": ErrorKind(500, ws_close=WS_INTERNAL_ERROR),
+}
+
+# models' error codes -> the kinds above.
+_REFINER_CODES = {
+    "invalid_config": "invalid_config",
+    "invalid_input": "invalid_input",
+    "missing_input": "missing_input",
+    "stream_closed": "stream_closed",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, kind: str, message: str):
+        if kind not in ERRORS:
+            raise KeyError(f"unknown error kind {kind!r}")
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+    @property
+    def spec(self) -> ErrorKind:
+        return ERRORS[self.kind]
+
+    @property
+    def status(self) -> int:
+        return self.spec.status
+
+    def envelope(self) -> dict[str, Any]:
+        return envelope(self.kind, self.message)
+
+    def headers(self, retry_after_s: int) -> dict[str, str]:
+        return {"Retry-After": str(retry_after_s)} if self.spec.retry_after else {}
+
+
+def envelope(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def from_exception(exc: BaseException) -> ApiError:
+    """Any exception as the ApiError it is reported as."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RefinerError) and exc.code in _REFINER_CODES:
+        return ApiError(_REFINER_CODES[exc.code], str(exc))
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return ApiError(
+            "internal_error",
+            "the device ran out of memory refining this request; the session is unchanged, retry later or "
+            "send smaller chunks",
+        )
+    return ApiError("internal_error", f"internal error ({type(exc).__name__}); the session is unchanged")

@@ -1,0 +1,151 @@
+"""The FastAPI app factory: ``create_app(settings)``.
+
+Everything the app holds (``app.services.Services``: engine, registry, metrics, the loaded refiner) is built per
+app and reached through ``app.state.services``; nothing is created at import time, so tests can run several
+apps in one process. The lifespan starts the services and, on shutdown, drains them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Match
+
+from models.errors import RefinerError
+
+from .auth import ApiKeyMiddleware
+from .errors import ApiError, envelope, from_exception
+from .services import Services
+from .settings import Settings
+
+log = logging.getLogger("app")
+
+# Probes and scrapers must work without credentials (orchestrators and Prometheus rarely carry them).
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+# --- the app ---------------------------------------------------------------------------------------------
+def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], None] | None = None) -> FastAPI:
+    """The service. ``warmup_gate`` (tests) runs on the engine thread before the warm-up and may block it."""
+    from .routes import chunks, health, info, metrics, refine, sessions, stream
+
+    settings = settings or Settings()
+    services = Services(settings, warmup_gate=warmup_gate)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            await services.start()
+            yield
+        finally:
+            await services.stop()
+
+    app = FastAPI(
+        title="wm-refiner",
+        version="1",
+        summary="Streaming SANA-WM stage-2 refiner: latent chunks in, refined latents out",
+        lifespan=lifespan,
+    )
+    app.state.services = services
+    for module in (health, metrics, info, sessions, chunks, refine, stream):
+        app.include_router(module.router)
+
+    install_error_handlers(app, services)
+    app.add_middleware(
+        ApiKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS, on_reject=services.reject
+    )
+    app.add_middleware(HttpMetricsMiddleware, services=services)
+    return app
+
+
+def error_response(error: ApiError, services: Services) -> JSONResponse:
+    services.reject(error)
+    return JSONResponse(
+        error.envelope(), status_code=error.status, headers=error.headers(services.settings.retry_after_s)
+    )
+
+
+def install_error_handlers(app: FastAPI, services: Services) -> None:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(from_exception(exc), services)
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err.get("loc", ()))
+            problems.append(f"{where}: {err.get('msg')}")
+        message = "invalid request: " + "; ".join(problems) + "; see GET /openapi.json for the accepted values"
+        return error_response(ApiError("invalid_request", message), services)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = ApiError("not_found", f"no route {request.url.path}; see /docs for the routes")
+        elif exc.status_code == 405:
+            error = ApiError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
+        else:
+            services.metrics.rejected_requests.labels(reason=f"http_{exc.status_code}").inc()
+            return JSONResponse(
+                envelope(f"http_{exc.status_code}", str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+            )
+        response = error_response(error, services)
+        if exc.headers:
+            response.headers.update(exc.headers)
+        return response
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(from_exception(exc), services)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RefinerError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+class HttpMetricsMiddleware:
+    """Request latency by route template (``/v1/sessions/{session_id}``, never the raw path), method, status."""
+
+    def __init__(self, app, services: Services):
+        self.app = app
+        self.services = services
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.services.metrics.http_request_duration.labels(
+                route=self._template(scope), method=scope["method"], status=str(status)
+            ).observe(time.perf_counter() - started)
+
+    def _template(self, scope) -> str:
+        route = scope.get("route")
+        if route is not None and getattr(route, "path", None):
+            return route.path
+        # Requests refused before routing (401) still belong to a route; match it without running it.
+        app = scope.get("app")
+        for candidate in getattr(app, "routes", ()):
+            match, _ = candidate.matches(scope)
+            if match == Match.FULL:
+                return candidate.path
+        return "unmatched"

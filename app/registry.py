@@ -1,0 +1,157 @@
+"""The session registry: admission (a maximum count), lookup, idle eviction, and cache-byte accounting.
+
+Lives on the event loop. The sessions' tensors are only touched by the engine; the registry reads their
+immutable ``SessionState`` snapshots for accounting.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from models import Refiner, RefinerSession, SessionConfig
+
+from .engine import Lane
+from .errors import ApiError
+
+
+@dataclass(eq=False)
+class SessionHandle:
+    id: str
+    config: SessionConfig
+    lane: Lane
+    created_at: float = field(default_factory=time.time)
+    last_active: float = 0.0  # registry clock
+    last_active_wall: float = field(default_factory=time.time)
+    streaming: bool = False  # a WebSocket is attached
+    requests_in_flight: int = 0
+
+    @property
+    def session(self) -> RefinerSession:
+        return self.lane.session
+
+    def describe(self) -> dict[str, Any]:
+        state = self.lane.session.state
+        return {
+            "session_id": self.id,
+            "config": self.config.to_dict(),
+            "frames_received": state.frames_received,
+            "frames_returned": state.frames_returned,
+            "pending_frames": state.pending_frames,
+            "history_frames": state.history_frames,
+            "blocks_refined": state.blocks_refined,
+            "flushed": state.flushed,
+            "next_seq": self.lane.next_seq,
+            "kv_cache_bytes": state.cache_bytes,
+            "pending_bytes": state.pending_bytes,
+            "streaming": self.streaming,
+            "created_at": _iso(self.created_at),
+            "last_active_at": _iso(self.last_active_wall),
+        }
+
+
+class Registry:
+    def __init__(
+        self,
+        max_sessions: int,
+        idle_timeout_s: float,
+        remember_evicted: int,
+        retry_after_s: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.remember_evicted = remember_evicted
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self._sessions: dict[str, SessionHandle] = {}
+        # Evicted ids answer 410 (the client should start over), unknown or deleted ones 404.
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def handles(self) -> list[SessionHandle]:
+        return list(self._sessions.values())
+
+    def create(self, refiner: Refiner, config: SessionConfig) -> SessionHandle:
+        self.evict_idle()
+        if len(self._sessions) >= self.max_sessions:
+            raise ApiError(
+                "too_many_sessions",
+                f"the server holds its maximum of {self.max_sessions} sessions (max_sessions); delete one you no "
+                f"longer need or retry in {self.retry_after_s} s",
+            )
+        session_id = uuid.uuid4().hex
+        lane = Lane(session=RefinerSession(refiner, config), name=f"session {session_id}")
+        handle = SessionHandle(id=session_id, config=config, lane=lane, last_active=self.clock())
+        self._sessions[session_id] = handle
+        return handle
+
+    def get(self, session_id: str) -> SessionHandle:
+        """The live session, touched; ApiError 404 (unknown or deleted) or 410 (evicted) otherwise."""
+        handle = self._sessions.get(session_id)
+        if handle is not None and self._idle(handle, self.clock()):
+            self._evict(handle)
+            handle = None
+        if handle is None:
+            if session_id in self._evicted:
+                raise ApiError(
+                    "session_evicted",
+                    f"session {session_id} was evicted after {self.idle_timeout_s:g} s without activity "
+                    "(session_idle_timeout_s); create a new session and send the stream again",
+                )
+            raise ApiError(
+                "session_not_found", f"no session {session_id!r}; create one with POST /v1/sessions"
+            )
+        self.touch(handle)
+        return handle
+
+    def touch(self, handle: SessionHandle) -> None:
+        handle.last_active = self.clock()
+        handle.last_active_wall = time.time()
+
+    def delete(self, session_id: str) -> None:
+        handle = self.get(session_id)
+        self._close(handle, ApiError("session_not_found", f"session {session_id} was deleted"))
+
+    def close_all(self, error: ApiError) -> None:
+        for handle in self.handles():
+            self._close(handle, error)
+
+    def evict_idle(self) -> list[str]:
+        now = self.clock()
+        idle = [h for h in self._sessions.values() if self._idle(h, now)]
+        for handle in idle:
+            self._evict(handle)
+        return [h.id for h in idle]
+
+    def total_cache_bytes(self) -> int:
+        return sum(h.lane.session.state.cache_bytes for h in self._sessions.values())
+
+    # --- internals -----------------------------------------------------------------------------------------
+    def _idle(self, handle: SessionHandle, now: float) -> bool:
+        # A session with an open stream or work in the engine is in use however long since its last request.
+        busy = handle.streaming or handle.requests_in_flight or handle.lane.queued
+        return not busy and now - handle.last_active > self.idle_timeout_s
+
+    def _evict(self, handle: SessionHandle) -> None:
+        self._close(
+            handle,
+            ApiError("session_evicted", f"session {handle.id} was evicted after {self.idle_timeout_s:g} s idle"),
+        )
+        self._evicted[handle.id] = None
+        while len(self._evicted) > self.remember_evicted:
+            self._evicted.popitem(last=False)
+
+    def _close(self, handle: SessionHandle, error: ApiError) -> None:
+        handle.lane.closed = error
+        self._sessions.pop(handle.id, None)
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()

@@ -1,0 +1,63 @@
+"""POST /v1/refine: a whole clip in, the whole refined clip out, through a throwaway session."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+from starlette.requests import Request
+from starlette.responses import Response
+
+from models import RefinerSession, SessionConfig
+
+from ..codec import OCTET_STREAM, PROMPT_EMBEDS, PROMPT_MASK, decode
+from ..deps import OCTET_BODY, OCTET_RESPONSE, ServicesDep, check_payload, read_body, require_content_type, units_payload
+from ..engine import ChunkJob, Lane
+from ..errors import ApiError
+
+router = APIRouter(tags=["refine"])
+
+
+@router.post("/v1/refine", openapi_extra=OCTET_BODY, responses=OCTET_RESPONSE)
+async def refine(
+    request: Request,
+    services: ServicesDep,
+    seed: Annotated[int | None, Query()] = None,
+    fps: Annotated[float | None, Query()] = None,
+    sink_frames: Annotated[int | None, Query()] = None,
+    block_size: Annotated[int | None, Query()] = None,
+    kv_max_frames: Annotated[int | None, Query()] = None,
+    positions: Annotated[Literal["absolute", "rebased"] | None, Query()] = None,
+) -> Response:
+    services.require_ready()
+    settings = services.settings
+    asked = dict(
+        seed=seed, fps=fps, sink_frames=sink_frames, block_size=block_size, kv_max_frames=kv_max_frames,
+        positions=positions,
+    )
+    defaults = settings.session_defaults().to_dict()
+    config = SessionConfig.from_dict({**defaults, **{k: v for k, v in asked.items() if v is not None}})
+    require_content_type(request, OCTET_STREAM)
+    body = await read_body(request, settings.max_body_bytes)
+    tensors = decode(body)
+    latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames")
+    if PROMPT_EMBEDS not in tensors:
+        raise ApiError(
+            "missing_input",
+            "the payload has no 'prompt_embeds' tensor; a clip needs prompt_embeds (B, L, caption_channels) and "
+            "optionally prompt_attention_mask (B, L)",
+        )
+    # A one-shot clip is a session of its own: it takes turns with the streams block by block.
+    lane = Lane(session=RefinerSession(services.require_model(), config), name="one-shot clip")
+    shape = tuple(latents.shape)
+    job = ChunkJob(
+        lane,
+        latents,
+        tensors[PROMPT_EMBEDS],
+        tensors.get(PROMPT_MASK),
+        flush=True,
+        min_frames=config.sink_frames + 1,
+        finalize=lambda units, state: units_payload(units, state, shape, settings.response_dtype),
+    )
+    result = await services.engine.run(job)
+    return Response(result.value, media_type=OCTET_STREAM)

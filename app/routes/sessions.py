@@ -1,0 +1,88 @@
+"""Sessions: create (POST /v1/sessions), inspect (GET), end (DELETE)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from models import SessionConfig
+
+from ..deps import ServicesDep, read_body, require_content_type
+from ..errors import ApiError
+
+router = APIRouter(tags=["sessions"])
+
+# A session config is a few numbers; a body beyond this is a mistake or an attack.
+MAX_CONFIG_BYTES = 64 * 1024
+
+
+class SessionCreate(BaseModel):
+    """Every field optional; unset fields take the server's defaults (GET /v1/info)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int | None = None
+    fps: float | None = None
+    sink_frames: int | None = None
+    block_size: int | None = None
+    kv_max_frames: int | None = None
+    sigmas: list[float] | None = None
+    positions: Literal["absolute", "rebased"] | None = None
+
+
+CREATE_BODY = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": SessionCreate.model_json_schema()}},
+    }
+}
+
+
+@router.post("/v1/sessions", status_code=201, openapi_extra=CREATE_BODY)
+async def create_session(request: Request, services: ServicesDep) -> JSONResponse:
+    services.require_ready()
+    body = await read_body(request, min(MAX_CONFIG_BYTES, services.settings.max_body_bytes))
+    fields = parse_config_body(request, body)
+    defaults = services.settings.session_defaults().to_dict()
+    config = SessionConfig.from_dict({**defaults, **fields})
+    handle = services.registry.create(services.require_model(), config)
+    return JSONResponse({"session_id": handle.id, "config": config.to_dict()}, status_code=201)
+
+
+def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
+    """The fields a client set; an empty body means all defaults."""
+    if not body.strip():
+        return {}
+    require_content_type(request, "application/json")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError("invalid_payload", f"the body is not JSON ({exc}); send a JSON object such as {{\"seed\": 7}}")
+    if not isinstance(data, dict):
+        raise ApiError("invalid_config", f"the body must be a JSON object of config fields, got {type(data).__name__}")
+    try:
+        parsed = SessionCreate.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        fields = ", ".join(SessionCreate.model_fields)
+        raise ApiError("invalid_config", f"invalid session config: {problems}; the fields are {fields}") from None
+    return parsed.model_dump(exclude_none=True)
+
+
+@router.get("/v1/sessions/{session_id}")
+async def get_session(session_id: str, services: ServicesDep) -> dict[str, Any]:
+    return services.registry.get(session_id).describe()
+
+
+@router.delete("/v1/sessions/{session_id}", status_code=204, response_class=Response)
+async def delete_session(session_id: str, services: ServicesDep) -> Response:
+    services.registry.delete(session_id)
+    for stream in list(services.streams):
+        if stream.session_id == session_id:
+            stream.close(1000, "session deleted")
+    return Response(status_code=204)

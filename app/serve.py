@@ -1,0 +1,65 @@
+"""``python -m app serve``: settings from YAML + environment + flags, the embedded tiny refiner when no model
+is given, and uvicorn with a drain before it closes connections."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import uvicorn
+
+from .main import create_app
+from .services import Services, ensure_embedded_model
+from .settings import Settings, load_settings
+
+log = logging.getLogger("app")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn closes every WebSocket with 1012 as soon as its shutdown starts; drain first, so in-flight
+    blocks finish and streams are closed by the app with a code and a reason the client can act on."""
+
+    def __init__(self, config: uvicorn.Config, services: Services):
+        super().__init__(config)
+        self.services = services
+
+    async def shutdown(self, sockets=None) -> None:
+        try:
+            await self.services.drain()
+        except Exception:  # a failed drain must not stop the server from shutting down
+            log.exception("drain failed")
+        await super().shutdown(sockets)
+
+
+def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        # uvicorn refuses an oversized message itself (close 1009) before buffering all of it.
+        ws_max_size=settings.max_ws_message_bytes,
+        timeout_graceful_shutdown=settings.drain_timeout_s + 5,
+        lifespan="on",
+        **uvicorn_options,
+    )
+    return DrainingServer(config, app.state.services)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    flags = {name: getattr(args, name, None) for name in ("model", "host", "port", "device", "dtype", "api_key")}
+    return load_settings(getattr(args, "config", None), **flags)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings.model:
+        folder = ensure_embedded_model(settings.embedded_model_dir)
+        log.info("no --model given: serving the embedded tiny refiner from %s", folder)
+    server = build_server(settings)
+    asyncio.run(server.serve())
+    # uvicorn reports a failed start-up (e.g. the model did not load) by not starting, not by raising.
+    return 0 if server.started else 1

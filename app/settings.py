@@ -1,0 +1,160 @@
+"""Service settings: defaults < YAML file (``--config``) < ``WM_REFINER_*`` environment < command-line flags.
+
+Every limit the service enforces is a field here, so an operator can see and change all of them in one place
+(``docs/service.md`` lists each with its environment variable).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+
+from models.config import DEFAULT_SIGMAS, SessionConfig
+from models.errors import InvalidConfigError
+
+ENV_PREFIX = "WM_REFINER_"
+MiB = 1024 * 1024
+
+
+def _default_cache_dir() -> Path:
+    return Path("~/.cache/wm-refiner").expanduser()
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        frozen=True,
+        protected_namespaces=(),
+    )
+
+    # --- the model -----------------------------------------------------------------------------------------
+    model: str | None = Field(
+        default=None, description="refiner folder (diffusers layout); unset: the embedded tiny refiner"
+    )
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir, description="where the embedded tiny refiner is built on first start"
+    )
+    device: str = Field(default="auto", description="cpu, cuda, cuda:N or auto")
+    dtype: str = Field(default="auto", description="float32, bfloat16, float16, float64 or auto")
+    torch_threads: PositiveInt | None = Field(
+        default=None, description="CPU threads for torch's kernels; unset: torch's default (one per core)"
+    )
+
+    # --- the server ----------------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key: str | None = Field(default=None, repr=False, description="unset: no authentication")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    # --- limits --------------------------------------------------------------------------------------------
+    max_sessions: PositiveInt = 16
+    max_body_bytes: PositiveInt = 64 * MiB
+    max_ws_message_bytes: PositiveInt = 64 * MiB
+    max_frames_per_chunk: PositiveInt = 64
+    max_clip_frames: PositiveInt = 512
+    max_prompt_tokens: PositiveInt = 1024
+    session_idle_timeout_s: PositiveFloat = 600.0
+    evicted_ids_remembered: PositiveInt = 10_000
+    engine_queue_depth: PositiveInt = 64
+    session_queue_depth: PositiveInt = 4
+    ws_outbound_queue: PositiveInt = 8
+    retry_after_s: PositiveInt = 1
+    drain_timeout_s: PositiveFloat = 30.0
+
+    # --- warm-up -------------------------------------------------------------------------------------------
+    warmup: bool = True
+    warmup_height: PositiveInt = 4
+    warmup_width: PositiveInt = 4
+    warmup_prompt_tokens: PositiveInt = 8
+
+    # --- responses -----------------------------------------------------------------------------------------
+    response_dtype: Literal["float32", "model"] = "float32"
+
+    # --- session defaults (a client's POST /v1/sessions fields override these) -----------------------------
+    default_seed: int = 42
+    default_fps: float = 16.0
+    default_sink_frames: int = 1
+    default_block_size: int = 3
+    default_kv_max_frames: int = 11
+    default_sigmas: tuple[float, ...] = DEFAULT_SIGMAS
+    default_positions: Literal["absolute", "rebased"] = "absolute"
+
+    @model_validator(mode="after")
+    def _session_defaults_valid(self) -> Settings:
+        try:
+            self.session_defaults()
+        except InvalidConfigError as exc:
+            raise ValueError(f"default session settings: {exc}") from None
+        return self
+
+    def session_defaults(self) -> SessionConfig:
+        return SessionConfig(
+            seed=self.default_seed,
+            fps=self.default_fps,
+            sink_frames=self.default_sink_frames,
+            block_size=self.default_block_size,
+            kv_max_frames=self.default_kv_max_frames,
+            sigmas=self.default_sigmas,
+            positions=self.default_positions,
+        )
+
+    @property
+    def embedded_model_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser() / "tiny"
+
+    def limits(self) -> dict[str, Any]:
+        """The limits clients can run into, as /v1/info reports them."""
+        names = (
+            "max_sessions",
+            "max_body_bytes",
+            "max_ws_message_bytes",
+            "max_frames_per_chunk",
+            "max_clip_frames",
+            "max_prompt_tokens",
+            "session_idle_timeout_s",
+            "engine_queue_depth",
+            "session_queue_depth",
+            "ws_outbound_queue",
+        )
+        return {name: getattr(self, name) for name in names}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"config file {str(file)!r} does not exist")
+    data = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: a settings file must be a mapping of setting: value, got {type(data).__name__}")
+    return data
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Settings from the YAML file (or ``WM_REFINER_CONFIG``), the environment and explicit overrides.
+
+    ``None`` overrides are ignored, so unset command-line flags fall through to the environment and the file.
+    """
+    path = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
+    file_values = read_yaml(path) if path else {}
+
+    class _Layered(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, InitSettingsSource(settings_cls, file_values))
+
+    layered = _Layered(**{key: value for key, value in overrides.items() if value is not None})
+    # Hand back the plain class: the layering only matters while the values are being read.
+    return Settings.model_construct(**layered.model_dump())
