@@ -1,0 +1,161 @@
+"""Saving a session to one safetensors file and restoring it, bit for bit.
+
+A session's KV cache cannot be rebuilt without re-running its history, so a restart must carry it: config,
+prompt, sink and history K/V, generator state, pending frames and counters. Files are written atomically
+(temporary file, fsync, rename), so a crash mid-write leaves the previous snapshot or none, never half of one.
+Restoring checks that the snapshot was made with the same model geometry and dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .attention import LayerKV
+from .config import SessionConfig
+from .errors import RefinerError
+from .forward import Prompt
+from .loading import Refiner
+from .session import Geometry, RefinerSession, SessionState
+
+FORMAT = "wm-refiner-session/1"
+
+
+class SnapshotError(RefinerError):
+    """A snapshot that cannot be restored (corrupt, foreign, or made for another model)."""
+
+    code = "snapshot_error"
+
+
+def _model_key(refiner: Refiner) -> dict:
+    info = refiner.info
+    return {
+        "num_layers": info.num_layers,
+        "inner_dim": info.inner_dim,
+        "in_channels": info.in_channels,
+        "caption_channels": info.caption_channels,
+        "rope_type": info.rope_type,
+        "dtype": info.dtype,
+    }
+
+
+def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = None):
+    """(tensors, metadata) describing the session completely; tensors are on the CPU and contiguous."""
+    state = session.state
+    tensors: dict[str, torch.Tensor] = {"rng_state": state.rng_state.cpu()}
+    if state.pending is not None:
+        tensors["pending"] = state.pending
+    if state.prompt is not None:
+        tensors["prompt_embeds"] = state.prompt.embeds
+        if state.prompt.mask is not None:
+            tensors["prompt_mask"] = state.prompt.mask
+    for name, layers in (("sink", state.sink or ()), ("history", state.history)):
+        for index, kv in enumerate(layers):
+            tensors[f"{name}.{index}.key"] = kv.key
+            tensors[f"{name}.{index}.value"] = kv.value
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    counters = {
+        "frames_received": state.frames_received,
+        "frames_returned": state.frames_returned,
+        "history_frames": state.history_frames,
+        "blocks_refined": state.blocks_refined,
+        "flushed": state.flushed,
+        "has_sink": state.sink is not None,
+        "history_rotated": bool(state.history and state.history[0].rotated),
+        "geometry": None if state.geometry is None else list(vars(state.geometry).values()),
+    }
+    metadata = {
+        "format": FORMAT,
+        "config": json.dumps(session.config.to_dict()),
+        "model": json.dumps(_model_key(session.refiner)),
+        "state": json.dumps(counters),
+        **(extra or {}),
+    }
+    return tensors, metadata
+
+
+def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
+    """Rebuild a session saved by ``session_to_tensors``; returns (session, metadata)."""
+    if metadata.get("format") != FORMAT:
+        raise SnapshotError(f"not a session snapshot (format {metadata.get('format')!r}, expected {FORMAT!r})")
+    try:
+        model = json.loads(metadata["model"])
+        config = SessionConfig.from_dict(json.loads(metadata["config"]))
+        counters = json.loads(metadata["state"])
+    except (KeyError, ValueError, RefinerError) as exc:
+        raise SnapshotError(f"snapshot metadata is unreadable: {exc}") from None
+    if model != _model_key(refiner):
+        raise SnapshotError(f"snapshot was made for model {model}, the loaded model is {_model_key(refiner)}")
+    device, num_layers = refiner.device, refiner.num_layers
+
+    def get(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise SnapshotError(f"snapshot is missing tensor {name!r}")
+        return tensors[name].to(device)
+
+    def layers(name: str, rotated: bool) -> tuple[LayerKV, ...]:
+        return tuple(LayerKV(get(f"{name}.{i}.key"), get(f"{name}.{i}.value"), rotated) for i in range(num_layers))
+
+    try:
+        prompt = None
+        if "prompt_embeds" in tensors:
+            prompt = Prompt(get("prompt_embeds"), get("prompt_mask") if "prompt_mask" in tensors else None)
+        geometry = Geometry(*counters["geometry"]) if counters["geometry"] is not None else None
+        state = SessionState(
+            frames_received=int(counters["frames_received"]),
+            frames_returned=int(counters["frames_returned"]),
+            pending=get("pending") if "pending" in tensors else None,
+            geometry=geometry,
+            prompt=prompt,
+            sink=layers("sink", False) if counters["has_sink"] else None,
+            history=layers("history", bool(counters["history_rotated"])) if counters["history_frames"] else (),
+            history_frames=int(counters["history_frames"]),
+            rng_state=tensors["rng_state"].to(torch.uint8),
+            flushed=bool(counters["flushed"]),
+            blocks_refined=int(counters["blocks_refined"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"snapshot state is inconsistent: {exc}") from None
+    pending = 0 if state.pending is None else int(state.pending.shape[2])
+    if pending != state.pending_frames:
+        raise SnapshotError(f"snapshot holds {pending} pending frames but its counters say {state.pending_frames}")
+    session = RefinerSession(refiner, config)
+    session.restore(state)
+    return session, metadata
+
+
+def save_snapshot(path: str | Path, session: RefinerSession, extra: dict[str, str] | None = None) -> Path:
+    """Write the session to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors, metadata = session_to_tensors(session, extra)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_snapshot(path: str | Path, refiner: Refiner):
+    """(session, metadata) from a snapshot file; ``SnapshotError`` if it is corrupt or foreign."""
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SnapshotError(f"{path}: unreadable snapshot ({exc})") from None
+    return session_from_tensors(refiner, tensors, metadata)
