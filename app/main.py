@@ -14,10 +14,11 @@ from typing import Callable
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Match
+from starlette.routing import Match, WebSocketRoute
 
 from models.errors import RefinerError
 
@@ -144,8 +145,17 @@ class HttpMetricsMiddleware:
             return route.path
         # Requests refused before routing (401) still belong to a route; match it without running it.
         app = scope.get("app")
-        for candidate in getattr(app, "routes", ()):
+        for candidate in iter_route_contexts(getattr(app, "routes", ())):
             match, _ = candidate.matches(scope)
             if match == Match.FULL:
                 return candidate.path
         return "unmatched"
+
+
+def registered_routes(app: FastAPI) -> list[tuple[str, frozenset[str], bool]]:
+    """Every route the app serves, through included routers: (path template, methods, is_websocket)."""
+    routes = []
+    for context in iter_route_contexts(app.routes):
+        websocket = isinstance(context.original_route, WebSocketRoute) or context.methods is None
+        routes.append((context.path, frozenset(context.methods or ()), websocket))
+    return routes

@@ -1,0 +1,213 @@
+"""Fixtures for the service: a tiny refiner folder, apps in-process and behind a real uvicorn on loopback,
+payload helpers, and diffusers' reference pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import save
+
+from app.codec import decode_response
+from app.main import create_app
+from app.serve import build_server
+from app.settings import Settings
+from models import SessionConfig, load_refiner, refine_clip
+from models.checkpoints import write_checkpoint
+
+# Every wait in these tests polls until a deadline; the deadline only bounds a broken run.
+DEADLINE_S = 60.0
+OCTET = {"content-type": "application/octet-stream"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    # The tiny model gains nothing from threads, and on a busy 2-core machine OpenMP workers spinning against
+    # each other make a 10 ms block take seconds.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-refiner"), preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def refiner(checkpoint_dir):
+    """A refiner of our own for expected values; the apps load theirs on their engine threads."""
+    return load_refiner(checkpoint_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture
+def make_settings(checkpoint_dir, tmp_path):
+    def make(**overrides) -> Settings:
+        values = dict(model=str(checkpoint_dir), device="cpu", dtype="float32", cache_dir=tmp_path / "cache")
+        values.update(overrides)
+        return Settings(**values)
+
+    return make
+
+
+def wait_until(predicate, what: str, timeout: float = DEADLINE_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def wait_ready(client) -> None:
+    wait_until(lambda: client.get("/ready").status_code == 200, "/ready to answer 200")
+
+
+@contextlib.contextmanager
+def running_app(settings: Settings, **kwargs) -> Iterator[TestClient]:
+    """The app in-process (lifespan included), ready."""
+    with TestClient(create_app(settings, **kwargs)) as client:
+        wait_ready(client)
+        yield client
+
+
+@pytest.fixture
+def client(make_settings):
+    with running_app(make_settings()) as client:
+        yield client
+
+
+# --- a real server on loopback -----------------------------------------------------------------------------
+class LiveServer:
+    def __init__(self, settings: Settings):
+        self.server = build_server(settings.model_copy(update={"host": "127.0.0.1", "port": _free_port()}))
+        self.settings = settings
+        self.port = self.server.config.port
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        try:
+            self.loop.run_until_complete(self.server.serve())
+        finally:
+            self.loop.close()
+
+    def on_loop(self, coroutine):
+        """Start ``coroutine`` on the server's event loop; returns its concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    @property
+    def services(self):
+        return self.server.services
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        wait_until(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start")
+        assert self.server.started, "uvicorn did not start"
+        with httpx.Client(base_url=self.base_url, timeout=DEADLINE_S) as http:
+            wait_ready(http)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(DEADLINE_S)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def live_server(make_settings):
+    with LiveServer(make_settings()) as server:
+        yield server
+
+
+# --- payloads ----------------------------------------------------------------------------------------------
+def make_clip(frames: int = 11, height: int = 4, width: int = 4, prompt_len: int = 6, seed: int = 0, mask=True):
+    generator = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, 128, frames, height, width, generator=generator)  # (B, C, T, H, W)
+    embeds = torch.randn(1, prompt_len, 32, generator=generator)  # (B, L, D)
+    attention = None
+    if mask:
+        attention = torch.ones(1, prompt_len, dtype=torch.int64)
+        attention[:, -2:] = 0  # padding tokens, so a mask that is ignored changes the result
+    return latents, embeds, attention
+
+
+def payload(latents=None, embeds=None, mask=None, **extra) -> bytes:
+    tensors = {}
+    if latents is not None:
+        tensors["latents"] = latents.contiguous()
+    if embeds is not None:
+        tensors["prompt_embeds"] = embeds.contiguous()
+    if mask is not None:
+        tensors["prompt_attention_mask"] = mask.contiguous()
+    tensors.update(extra)
+    return save(tensors)
+
+
+def read_latents(data: bytes) -> tuple[torch.Tensor, dict[str, str]]:
+    tensors, metadata = decode_response(data)
+    return tensors["latents"], metadata
+
+
+def expected_clip(refiner, latents, embeds, mask=None, **config) -> torch.Tensor:
+    return refine_clip(refiner, latents, embeds, mask, SessionConfig(**config))
+
+
+def reference_refine(checkpoint_dir, latents, embeds, mask=None, *, seed=42, fps=16.0, sink_frames=1,
+                     block_size=3, kv_max_frames=11) -> torch.Tensor:
+    """diffusers' ``SanaWMLTX2Refiner.__call__`` on its own model instance, text encoder replaced."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SanaWMLTX2RefinerTransformer3DModel
+    from diffusers.pipelines.sana_wm.refiner import SanaWMLTX2Refiner
+
+    model = SanaWMLTX2RefinerTransformer3DModel.from_pretrained(str(checkpoint_dir), low_cpu_mem_usage=False)
+    pipe = SanaWMLTX2Refiner(
+        transformer=model,
+        connectors=None,
+        tokenizer=None,
+        text_encoder=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    attention = torch.ones(embeds.shape[:2]) if mask is None else mask
+    pipe._encode_prompt = lambda prompt, device, dtype: (embeds.to(device, dtype), attention.to(device))
+    return pipe(
+        latents,
+        "unused: the prompt embeddings are fixed",
+        fps=fps,
+        sink_size=sink_frames,
+        block_size=block_size,
+        kv_max_frames=kv_max_frames,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="latent",
+    )
+
+
+def session_state(client, session_id: str) -> dict:
+    """The session's state without its timestamps (which every request moves)."""
+    response = client.get(f"/v1/sessions/{session_id}")
+    assert response.status_code == 200, response.text
+    state = response.json()
+    state.pop("last_active_at")
+    return state

@@ -1,0 +1,104 @@
+"""The API key covers every route the app registers, HTTP and WebSocket, except /health, /ready, /metrics."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from starlette.testclient import WebSocketDenialResponse
+
+from app.main import PUBLIC_PATHS, registered_routes
+
+from .conftest import OCTET, make_clip, payload, running_app
+
+KEY = "s3cret-key"
+WRONG = {"authorization": "Bearer not-the-key"}
+GOOD = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint_dir, tmp_path_factory):
+    from app.settings import Settings
+
+    settings = Settings(
+        model=str(checkpoint_dir), device="cpu", dtype="float32", api_key=KEY, cache_dir=tmp_path_factory.mktemp("c")
+    )
+    with running_app(settings) as client:
+        yield client
+
+
+def concrete(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "some-id", path)
+
+
+def http_routes(app):
+    for path, methods, websocket in registered_routes(app):
+        if not websocket:
+            for method in sorted(methods - {"HEAD"}):
+                yield method, path
+
+
+def ws_routes(app):
+    return [path for path, _, websocket in registered_routes(app) if websocket]
+
+
+def test_the_walk_sees_every_kind_of_route(client):
+    paths = {path for _, path in http_routes(client.app)}
+    assert {"/v1/sessions", "/v1/sessions/{session_id}/chunks", "/v1/refine", "/v1/info", "/openapi.json"} <= paths
+    assert ws_routes(client.app) == ["/v1/sessions/{session_id}/stream"]
+
+
+def test_every_http_route_but_the_probes_needs_the_key(client):
+    checked = 0
+    for method, path in http_routes(client.app):
+        url = concrete(path)
+        if path in PUBLIC_PATHS:
+            assert client.request(method, url).status_code == 200, path
+            continue
+        for headers in ({}, WRONG, {"authorization": KEY}, {"authorization": f"Basic {KEY}"}):
+            response = client.request(method, url, headers=headers)
+            assert response.status_code == 401, f"{method} {path} with {headers}: {response.status_code}"
+            assert response.json()["error"]["code"] == "unauthorized"
+            assert response.headers["www-authenticate"].startswith("Bearer")
+        # The key in the query string is never read.
+        assert client.request(method, url, params={"api_key": KEY, "key": KEY}).status_code == 401
+        assert client.request(method, url, headers=GOOD).status_code != 401, f"{method} {path} refused the key"
+        checked += 1
+    assert checked >= 7
+
+
+def test_every_websocket_route_refuses_before_accepting(client):
+    session_id = client.post("/v1/sessions", headers=GOOD).json()["session_id"]
+    for path in ws_routes(client.app):
+        url = path.replace("{session_id}", session_id)
+        for headers in ({}, WRONG):
+            with pytest.raises(WebSocketDenialResponse) as denied:
+                with client.websocket_connect(url, headers=headers):
+                    pass
+            assert denied.value.status_code == 401
+            assert denied.value.json()["error"]["code"] == "unauthorized"
+        with pytest.raises(WebSocketDenialResponse):
+            with client.websocket_connect(f"{url}?api_key={KEY}"):
+                pass
+        with client.websocket_connect(url, headers=GOOD) as ws:
+            latents, embeds, _ = make_clip(frames=1)
+            ws.send_bytes(payload(latents, embeds))
+            assert ws.receive()["type"] == "websocket.send"
+
+
+def test_unknown_paths_are_401_too(client):
+    assert client.get("/v1/secret-admin").status_code == 401
+    assert client.get("/v1/secret-admin", headers=GOOD).status_code == 404
+
+
+def test_the_key_works_end_to_end(client):
+    latents, embeds, mask = make_clip(frames=4)
+    response = client.post("/v1/refine", content=payload(latents, embeds, mask), headers={**OCTET, **GOOD})
+    assert response.status_code == 200
+
+
+def test_rejections_are_counted(client):
+    client.get("/v1/info")
+    text = client.get("/metrics").text
+    line = next(l for l in text.splitlines() if l.startswith('refiner_rejected_requests_total{reason="unauthorized"}'))
+    assert float(line.split()[-1]) >= 1

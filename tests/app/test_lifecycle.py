@@ -1,0 +1,157 @@
+"""Metrics count what happened; shutdown drains (in-flight blocks delivered, then close 1001 with a reason)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.sync.client import connect
+
+from .conftest import (
+    DEADLINE_S,
+    OCTET,
+    LiveServer,
+    expected_clip,
+    make_clip,
+    payload,
+    read_latents,
+    running_app,
+    wait_until,
+)
+
+
+def scrape(client) -> dict[tuple[str, tuple], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_count_blocks_frames_and_sessions(make_settings):
+    with running_app(make_settings()) as client:
+        start = scrape(client)
+        assert value(start, "refiner_blocks_refined_total") == 0, "the warm-up is not a client's block"
+        assert value(start, "refiner_active_sessions") == 0
+
+        latents, embeds, mask = make_clip(frames=8)
+        a = client.post("/v1/sessions").json()["session_id"]
+        b = client.post("/v1/sessions").json()["session_id"]
+        # a: 8 frames over HTTP, flushed -> the sink, blocks [1, 4) [4, 7) and the short [7, 8).
+        client.post(f"/v1/sessions/{a}/chunks", content=payload(latents[:, :, :5], embeds, mask), headers=OCTET)
+        client.post(f"/v1/sessions/{a}/chunks?flush=true", content=payload(latents[:, :, 5:]), headers=OCTET)
+        # b: 7 frames over the WebSocket, not flushed -> the sink and two blocks.
+        with client.websocket_connect(f"/v1/sessions/{b}/stream") as ws:
+            ws.send_bytes(payload(latents[:, :, :7], embeds))
+            for _ in range(3):
+                assert ws.receive().get("bytes")
+        # A rejected chunk counts as rejected, not as frames.
+        assert client.post(f"/v1/sessions/{a}/chunks", content=b"junk", headers=OCTET).status_code == 400
+
+        samples = scrape(client)
+        assert value(samples, "refiner_blocks_refined_total") == 5
+        assert value(samples, "refiner_block_latency_seconds_count") == 5
+        assert value(samples, "refiner_time_to_first_block_seconds_count") == 2
+        assert value(samples, "refiner_frames_in_total") == 15
+        assert value(samples, "refiner_frames_out_total") == 15
+        assert value(samples, "refiner_active_sessions") == 2
+        assert value(samples, "refiner_engine_queue_depth") == 0
+        assert value(samples, "refiner_rejected_requests_total", reason="invalid_payload") == 1
+        states = [client.get(f"/v1/sessions/{s}").json() for s in (a, b)]
+        assert value(samples, "refiner_kv_cache_bytes") == sum(s["kv_cache_bytes"] for s in states) > 0
+        chunk_requests = value(
+            samples,
+            "refiner_http_request_duration_seconds_count",
+            route="/v1/sessions/{session_id}/chunks",
+            method="POST",
+            status="200",
+        )
+        assert chunk_requests == 2
+        text = client.get("/metrics").text
+        assert a not in text and b not in text, "no per-session labels"
+
+        assert client.delete(f"/v1/sessions/{a}").status_code == 204
+        samples = scrape(client)
+        assert value(samples, "refiner_active_sessions") == 1
+        assert value(samples, "refiner_kv_cache_bytes") == states[1]["kv_cache_bytes"]
+
+
+def test_shutdown_finishes_in_flight_blocks_then_closes_streams_with_1001(make_settings, refiner):
+    server = LiveServer(make_settings())
+    with server:
+        services = server.services
+        latents, embeds, mask = make_clip(frames=7)
+        with httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+            session_id = http.post("/v1/sessions").json()["session_id"]
+        release = threading.Event()
+        with connect(f"{server.ws_url}/v1/sessions/{session_id}/stream", open_timeout=DEADLINE_S) as ws:
+            # Hold the engine so the chunk is provably in flight when the shutdown starts.
+            blocker = server.on_loop(services.engine.call(lambda: release.wait(DEADLINE_S)))
+            ws.send(payload(latents, embeds, mask))
+            wait_until(lambda: services.engine.outstanding == 1, "the chunk to reach the engine")
+            server.server.should_exit = True
+            wait_until(lambda: services.draining, "the drain to start")
+            release.set()
+            blocker.result(DEADLINE_S)
+            units = []
+            with pytest.raises(Exception):
+                while True:
+                    message = ws.recv(timeout=DEADLINE_S)
+                    assert isinstance(message, bytes), message
+                    units.append(read_latents(message)[0])
+            assert ws.close_code == 1001
+            assert "shutting down" in ws.close_reason
+        server.thread.join(DEADLINE_S)
+        assert not server.thread.is_alive()
+    refined = torch.cat(units, dim=2)
+    assert torch.equal(refined, expected_clip(refiner, latents, embeds, mask)[:, :, :7])
+
+
+def test_draining_refuses_new_streams(make_settings):
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        client.portal.call(client.app.state.services.drain)
+        from starlette.testclient import WebSocketDenialResponse
+
+        with pytest.raises(WebSocketDenialResponse) as denied:
+            with client.websocket_connect(f"/v1/sessions/{session_id}/stream"):
+                pass
+        assert denied.value.status_code == 503
+        assert denied.value.headers["retry-after"]
+
+
+def test_second_stream_on_a_session_is_refused(make_settings):
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        from starlette.testclient import WebSocketDenialResponse
+
+        with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+            with pytest.raises(WebSocketDenialResponse) as denied:
+                with client.websocket_connect(f"/v1/sessions/{session_id}/stream"):
+                    pass
+            assert denied.value.status_code == 409
+            ws.send_text(json.dumps({"type": "flush"}))
+            assert json.loads(ws.receive_text()) == {"type": "done", "frames": 0}
+
+
+def test_info_reports_model_defaults_and_limits(make_settings):
+    with running_app(make_settings(max_frames_per_chunk=5, default_block_size=2)) as client:
+        info = client.get("/v1/info").json()
+        assert info["model"]["class"] == "SanaWMLTX2RefinerTransformer3DModel"
+        assert (info["model"]["layers"], info["model"]["channels"], info["model"]["caption_channels"]) == (2, 128, 32)
+        assert (info["model"]["dtype"], info["model"]["device"]) == ("float32", "cpu")
+        assert info["default_session_config"]["block_size"] == 2
+        assert info["limits"]["max_frames_per_chunk"] == 5
+        created = client.post("/v1/sessions", json={"seed": 5}).json()
+        assert created["config"]["block_size"] == 2 and created["config"]["seed"] == 5
