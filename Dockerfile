@@ -1,0 +1,47 @@
+# wm-refiner service image. CPU by default:
+#   docker build -t wm-refiner .
+# CUDA (any CUDA runtime base; torch wheels from the matching index):
+#   docker build -t wm-refiner:cuda \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04 \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 .
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    DEBIAN_FRONTEND=noninteractive
+
+# CUDA base images ship no Python 3.11; the slim Python image already has it. Either way the project lives in
+# a virtualenv so the system Python stays untouched.
+RUN if ! command -v python3.11 >/dev/null 2>&1; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends software-properties-common \
+        && add-apt-repository -y ppa:deadsnakes/ppa \
+        && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3.11 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+RUN useradd --create-home --uid 1000 app && mkdir -p /cache /models && chown app /cache
+WORKDIR /srv/wm-refiner
+
+# Dependencies first (cached while only the code changes), then the code; the README's install command.
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY models ./models
+COPY configs ./configs
+RUN python -m pip install --extra-index-url "${TORCH_INDEX}" -e .
+
+USER app
+ENV WM_REFINER_HOST=0.0.0.0 \
+    WM_REFINER_PORT=8000 \
+    WM_REFINER_CACHE_DIR=/cache
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2)"
+# SIGTERM starts the drain (stop admitting, finish in-flight blocks, close streams with 1001).
+STOPSIGNAL SIGTERM
+CMD ["python", "-m", "app", "serve"]

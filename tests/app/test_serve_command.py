@@ -1,0 +1,57 @@
+"""The README's first command, ``python -m app serve``, really starts a server that answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from .conftest import _free_port, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_python_m_app_serve_with_defaults_builds_the_tiny_refiner_and_answers(tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
+    env.update(
+        WM_REFINER_PORT=str(port),
+        WM_REFINER_CACHE_DIR=str(tmp_path / "cache"),
+        OMP_NUM_THREADS="1",  # a busy 2-core CI box: no spinning OpenMP workers
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def answers(path):
+            try:
+                return httpx.get(base + path, timeout=5).status_code == 200
+            except httpx.HTTPError:
+                assert process.poll() is None, f"the server exited: {log.read_text()}"
+                return False
+
+        wait_until(lambda: answers("/health"), "/health", timeout=120)
+        wait_until(lambda: answers("/ready"), "/ready", timeout=120)
+        assert httpx.get(base + "/health").json() == {"status": "ok"}
+        info = httpx.get(base + "/v1/info").json()
+        assert info["model"]["device"] == "cpu" and info["model"]["layers"] == 2
+        assert (tmp_path / "cache" / "tiny" / "config.json").is_file()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    # uvicorn shuts down gracefully, then re-raises the signal it caught, so the process ends "by SIGTERM".
+    assert code in (0, -signal.SIGTERM), log.read_text()
+    assert "Application shutdown complete" in log.read_text()
