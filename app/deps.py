@@ -6,7 +6,7 @@ from typing import Annotated
 
 import torch
 from fastapi import Depends
-from starlette.requests import HTTPConnection, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from models.session import SessionState, Unit
 
@@ -67,11 +67,15 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large
     parts: list[bytes] = []
     received = 0
-    async for part in request.stream():
-        received += len(part)
-        if received > limit:
-            raise too_large
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            received += len(part)
+            if received > limit:
+                raise too_large
+            parts.append(part)
+    except ClientDisconnect:
+        # Nobody is left to answer; end the request without logging it as a server error.
+        raise ApiError("invalid_payload", "the client disconnected before the body was complete") from None
     return b"".join(parts)
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 
 import uvicorn
+
+from models.errors import ModelLoadError
 
 from .main import create_app
 from .services import Services, ensure_embedded_model
@@ -56,6 +59,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def serve_command(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.model and not Path(settings.model).expanduser().is_dir():
+        # Fail before uvicorn starts: one clear line (app.cli prints it) instead of a start-up traceback.
+        raise ModelLoadError(
+            f"model folder {settings.model!r} does not exist; pass a local refiner folder in diffusers layout, "
+            "or no --model to serve the embedded tiny refiner"
+        )
     if not settings.model:
         folder = ensure_embedded_model(settings.embedded_model_dir)
         log.info("no --model given: serving the embedded tiny refiner from %s", folder)

@@ -73,14 +73,15 @@ def test_every_websocket_route_refuses_before_accepting(client):
         url = path.replace("{session_id}", session_id)
         for headers in ({}, WRONG):
             with pytest.raises(WebSocketDenialResponse) as denied:
-                with client.websocket_connect(url, headers=headers):
+                # A copy: the test client adds its handshake headers to the dict it is given.
+                with client.websocket_connect(url, headers=dict(headers)):
                     pass
             assert denied.value.status_code == 401
             assert denied.value.json()["error"]["code"] == "unauthorized"
         with pytest.raises(WebSocketDenialResponse):
             with client.websocket_connect(f"{url}?api_key={KEY}"):
                 pass
-        with client.websocket_connect(url, headers=GOOD) as ws:
+        with client.websocket_connect(url, headers=dict(GOOD)) as ws:
             latents, embeds, _ = make_clip(frames=1)
             ws.send_bytes(payload(latents, embeds))
             assert ws.receive()["type"] == "websocket.send"
@@ -102,3 +103,24 @@ def test_rejections_are_counted(client):
     text = client.get("/metrics").text
     line = next(l for l in text.splitlines() if l.startswith('refiner_rejected_requests_total{reason="unauthorized"}'))
     assert float(line.split()[-1]) >= 1
+
+
+def test_a_real_server_refuses_the_websocket_handshake_with_401(make_settings):
+    import httpx
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from .conftest import DEADLINE_S, LiveServer
+
+    with LiveServer(make_settings(api_key=KEY)) as server:
+        with httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+            assert http.post("/v1/sessions").status_code == 401
+            session_id = http.post("/v1/sessions", headers=GOOD).json()["session_id"]
+        url = f"{server.ws_url}/v1/sessions/{session_id}/stream"
+        for headers in ({}, WRONG):
+            with pytest.raises(InvalidStatus) as refused:
+                connect(url, additional_headers=headers, open_timeout=DEADLINE_S)
+            assert refused.value.response.status_code == 401
+        with connect(url, additional_headers=GOOD, open_timeout=DEADLINE_S) as ws:
+            ws.send('{"type": "flush"}')
+            assert ws.recv(timeout=DEADLINE_S) == '{"type": "done", "frames": 0}'

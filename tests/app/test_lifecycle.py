@@ -155,3 +155,73 @@ def test_info_reports_model_defaults_and_limits(make_settings):
         assert info["limits"]["max_frames_per_chunk"] == 5
         created = client.post("/v1/sessions", json={"seed": 5}).json()
         assert created["config"]["block_size"] == 2 and created["config"]["seed"] == 5
+
+
+class StalledClient:
+    """A WebSocket peer that sends its messages but never reads: every send blocks until ``unblock``."""
+
+    def __init__(self, messages):
+        import asyncio
+
+        self.messages = list(messages)
+        self.received = 0
+        self.sent = []
+        self.sending = False
+        self.unblock = asyncio.Event()
+        self.scope = {}
+
+    async def receive(self):
+        if self.received < len(self.messages):
+            self.received += 1
+            return {"type": "websocket.receive", "bytes": self.messages[self.received - 1]}
+        await self.unblock.wait()
+        return {"type": "websocket.disconnect", "code": 1000}
+
+    async def send_bytes(self, data):
+        self.sending = True
+        await self.unblock.wait()
+        self.sent.append(data)
+
+    async def send_text(self, text):
+        await self.unblock.wait()
+
+    async def close(self, code=1000, reason=""):
+        pass
+
+
+def test_a_slow_reader_stalls_only_its_own_stream(make_settings, refiner):
+    from app.routes.stream import StreamConnection
+
+    with running_app(make_settings(ws_outbound_queue=1)) as client:
+        services = client.app.state.services
+        latents, embeds, mask = make_clip(frames=13)
+        slow_id = client.post("/v1/sessions").json()["session_id"]
+        messages = [payload(latents[:, :, :4], embeds, mask)] + [
+            payload(latents[:, :, i : i + 3]) for i in (4, 7, 10)
+        ]
+        peer = client.portal.call(lambda: _make_peer(messages))
+        handle = services.registry.get(slow_id)
+        running = client.portal.start_task_soon(lambda: StreamConnection(peer, handle, services).run())
+
+        # The first message yields two units; the writer is stuck on the first, so the reader holds back.
+        wait_until(lambda: peer.sending and peer.received == 2, "the slow stream to stall")
+        # Meanwhile another session is served in full, and the engine has nothing stuck in it.
+        other = client.post("/v1/sessions").json()["session_id"]
+        response = client.post(
+            f"/v1/sessions/{other}/chunks?flush=true", content=payload(latents, embeds, mask), headers=OCTET
+        )
+        assert response.status_code == 200
+        assert torch.equal(read_latents(response.content)[0], expected_clip(refiner, latents, embeds, mask))
+        assert services.engine.outstanding == 0
+        assert peer.received == 2, "the stalled stream must not read (and queue) more input"
+
+        client.portal.call(lambda: peer.unblock.set())
+        running.result(DEADLINE_S)
+        assert peer.received == 4
+        units = [read_latents(data)[0] for data in peer.sent]
+        assert [u.shape[2] for u in units] == [1, 3, 3, 3, 3]
+        assert torch.equal(torch.cat(units, dim=2), expected_clip(refiner, latents, embeds, mask)[:, :, :13])
+
+
+async def _make_peer(messages):
+    return StalledClient(messages)
