@@ -24,6 +24,7 @@ from models.errors import RefinerError
 
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, envelope, from_exception
+from .routes import chunks, health, info, metrics, refine, sessions, stream
 from .services import Services
 from .settings import Settings
 
@@ -36,8 +37,6 @@ PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # --- the app ---------------------------------------------------------------------------------------------
 def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], None] | None = None) -> FastAPI:
     """The service. ``warmup_gate`` (tests) runs on the engine thread before the warm-up and may block it."""
-    from .routes import chunks, health, info, metrics, refine, sessions, stream
-
     settings = settings or Settings()
     services = Services(settings, warmup_gate=warmup_gate)
 

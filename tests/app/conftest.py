@@ -70,6 +70,21 @@ def wait_until(predicate, what: str, timeout: float = DEADLINE_S):
     raise AssertionError(f"gave up waiting for {what}")
 
 
+class EngineHold:
+    """Occupies the engine thread until released, so work submitted meanwhile provably waits in its queue."""
+
+    def __init__(self):
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self) -> None:
+        self.started.set()
+        self.release.wait(DEADLINE_S)
+
+    def wait_started(self) -> None:
+        assert self.started.wait(DEADLINE_S), "the engine never picked up the hold"
+
+
 def wait_ready(client) -> None:
     wait_until(lambda: client.get("/ready").status_code == 200, "/ready to answer 200")
 

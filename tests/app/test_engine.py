@@ -4,7 +4,6 @@ and a warm-up that reaches the steady-state window."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from app.services import warmup_job
 from app.settings import Settings
 from models import RefinerSession, SessionConfig
 
-from .conftest import DEADLINE_S, expected_clip, make_clip
+from .conftest import DEADLINE_S, EngineHold, expected_clip, make_clip
 
 
 def run_with_engine(coroutine_fn, queue_depth=16, lane_depth=4):
@@ -36,8 +35,9 @@ def test_lanes_take_turns_one_step_each_and_keep_their_own_order(refiner):
     order = []
 
     async def scenario(engine):
-        release = threading.Event()
-        held = asyncio.ensure_future(engine.call(lambda: release.wait(DEADLINE_S)))
+        hold = EngineHold()
+        held = asyncio.ensure_future(engine.call(hold))
+        await asyncio.to_thread(hold.wait_started)
         lanes = [lane(refiner, "a"), lane(refiner, "b")]
         futures = []
         for name, one in zip("ab", lanes):
@@ -51,7 +51,7 @@ def test_lanes_take_turns_one_step_each_and_keep_their_own_order(refiner):
                     on_unit=lambda unit, name=name: order.append((name, unit.frame_start)),
                 )
                 futures.append(engine.submit(job))
-        release.set()
+        hold.release.set()
         await held
         await asyncio.gather(*futures)
 
@@ -62,8 +62,9 @@ def test_lanes_take_turns_one_step_each_and_keep_their_own_order(refiner):
 
 def test_queue_bounds_refuse_at_once(refiner):
     async def scenario(engine):
-        release = threading.Event()
-        held = asyncio.ensure_future(engine.call(lambda: release.wait(DEADLINE_S)))
+        hold = EngineHold()
+        held = asyncio.ensure_future(engine.call(hold))
+        await asyncio.to_thread(hold.wait_started)
         latents, embeds, _ = make_clip(frames=1)
         one, two = lane(refiner, "one"), lane(refiner, "two")
         first = engine.submit(ChunkJob(one, latents, embeds))
@@ -75,7 +76,7 @@ def test_queue_bounds_refuse_at_once(refiner):
             engine.submit(ChunkJob(lane(refiner, "three"), latents, embeds))
         assert engine_full.value.kind == "engine_busy" and "engine_queue_depth" in engine_full.value.message
         assert engine.outstanding == 2
-        release.set()
+        hold.release.set()
         await asyncio.gather(held, first, second)
         assert engine.outstanding == 0
         engine.stop_accepting()

@@ -14,6 +14,7 @@ from app.settings import Settings
 
 from .conftest import (
     OCTET,
+    EngineHold,
     expected_clip,
     make_clip,
     payload,
@@ -328,8 +329,9 @@ def test_too_many_sessions_is_503_with_retry_after(make_settings):
 def test_full_engine_queue_is_503_and_the_queued_chunk_still_completes(make_settings, refiner):
     with running_app(make_settings(engine_queue_depth=1)) as client:
         services = client.app.state.services
-        release = threading.Event()
-        blocker = client.portal.start_task_soon(services.engine.call, lambda: release.wait(30))
+        hold = EngineHold()
+        blocker = client.portal.start_task_soon(services.engine.call, hold)
+        hold.wait_started()
         a, b = new_session(client), new_session(client)
         result = {}
         waiting = threading.Thread(
@@ -340,7 +342,7 @@ def test_full_engine_queue_is_503_and_the_queued_chunk_still_completes(make_sett
         before = session_state(client, b)
         assert_error(post_chunk(client, b, payload(LATENTS[:, :, :5], EMBEDS, MASK), seq=0), 503, "engine_busy")
         assert session_state(client, b) == before
-        release.set()
+        hold.release.set()
         blocker.result(30)
         waiting.join(30)
         assert result["a"].status_code == 200

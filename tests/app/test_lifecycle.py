@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest
@@ -14,6 +13,7 @@ from websockets.sync.client import connect
 from .conftest import (
     DEADLINE_S,
     OCTET,
+    EngineHold,
     LiveServer,
     expected_clip,
     make_clip,
@@ -94,15 +94,16 @@ def test_shutdown_finishes_in_flight_blocks_then_closes_streams_with_1001(make_s
         latents, embeds, mask = make_clip(frames=7)
         with httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
             session_id = http.post("/v1/sessions").json()["session_id"]
-        release = threading.Event()
+        hold = EngineHold()
         with connect(f"{server.ws_url}/v1/sessions/{session_id}/stream", open_timeout=DEADLINE_S) as ws:
             # Hold the engine so the chunk is provably in flight when the shutdown starts.
-            blocker = server.on_loop(services.engine.call(lambda: release.wait(DEADLINE_S)))
+            blocker = server.on_loop(services.engine.call(hold))
+            hold.wait_started()
             ws.send(payload(latents, embeds, mask))
             wait_until(lambda: services.engine.outstanding == 1, "the chunk to reach the engine")
             server.server.should_exit = True
             wait_until(lambda: services.draining, "the drain to start")
-            release.set()
+            hold.release.set()
             blocker.result(DEADLINE_S)
             units = []
             with pytest.raises(Exception):
