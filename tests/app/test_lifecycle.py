@@ -56,6 +56,8 @@ def test_metrics_count_blocks_frames_and_sessions(make_settings):
             ws.send_bytes(payload(latents[:, :, :7], embeds))
             for _ in range(3):
                 assert ws.receive().get("bytes")
+        # The stream's job settles just after its last unit went out.
+        wait_until(lambda: client.app.state.services.engine.outstanding == 0, "the stream's job to settle")
         # A rejected chunk counts as rejected, not as frames.
         assert client.post(f"/v1/sessions/{a}/chunks", content=b"junk", headers=OCTET).status_code == 400
 
