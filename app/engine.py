@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from models.errors import InvalidInputError
+from models.clip import check_clip_length
 from models.session import RefinerSession, SessionState, StepPlan, StepResult, Unit
 
 from .errors import ApiError
@@ -76,7 +76,7 @@ class ChunkJob:
     flush: bool = False
     seq: int | None = None
     atomic: bool = True
-    min_frames: int | None = None
+    one_shot: bool = False  # a whole clip (/v1/refine): must have more frames than the sink
     on_unit: Callable[[Unit], None] | None = None
     finalize: Callable[[list[Unit], SessionState], Any] | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -322,15 +322,9 @@ class Engine:
         try:
             latents = job.latents
             if latents is None and job.flush:
-                latents = _empty_latents(session)
-            if job.min_frames is not None and isinstance(latents, torch.Tensor) and latents.ndim == 5:
-                frames = int(latents.shape[2])
-                if frames < job.min_frames:
-                    sink = session.config.sink_frames
-                    raise InvalidInputError(
-                        f"the clip has {frames} frames but sink_frames={sink}; send more than sink_frames frames "
-                        "(the sink is never refined, so such a clip has nothing to refine)"
-                    )
+                latents = session.empty_latents()
+            if job.one_shot:
+                check_clip_length(latents, session.config)
             chunk = session.check(latents, job.prompt_embeds, job.prompt_attention_mask)
             session.append(chunk, flush=job.flush)
         except Exception as exc:
@@ -404,14 +398,6 @@ class Engine:
                 lane.queued -= 1
                 _resolve(job.loop, job.future, None, stopped)
         self._ring.clear()
-
-
-def _empty_latents(session: RefinerSession) -> torch.Tensor:
-    """A zero-frame chunk in the session's geometry, for a flush that carries no frames."""
-    geometry = session.state.geometry
-    if geometry is None:
-        return torch.zeros(1, session.refiner.info.in_channels, 0, 1, 1)
-    return torch.zeros(geometry.batch, geometry.channels, 0, geometry.height, geometry.width)  # (B, C, 0, H, W)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, error: BaseException | None):

@@ -10,6 +10,16 @@ from .loading import Refiner
 from .session import RefinerSession
 
 
+def check_clip_length(latents, config: SessionConfig) -> None:
+    """A one-shot clip must have more frames than ``sink_frames`` (the reference pipeline refuses it too)."""
+    frames = int(latents.shape[2]) if isinstance(latents, torch.Tensor) and latents.ndim == 5 else None
+    if frames is not None and frames <= config.sink_frames:
+        raise InvalidInputError(
+            f"the clip has {frames} frames but sink_frames={config.sink_frames}; send more than sink_frames "
+            "frames (the sink is never refined, so such a clip has nothing to refine)"
+        )
+
+
 def refine_clip(
     refiner: Refiner,
     latents: torch.Tensor,
@@ -22,12 +32,7 @@ def refine_clip(
     Like the reference pipeline, a clip must have more frames than ``sink_frames``.
     """
     config = config or SessionConfig()
-    frames = int(latents.shape[2]) if isinstance(latents, torch.Tensor) and latents.ndim == 5 else None
-    if frames is not None and frames <= config.sink_frames:
-        raise InvalidInputError(
-            f"the clip has {frames} frames but sink_frames={config.sink_frames}; send more than sink_frames "
-            "frames (the sink is never refined, so such a clip has nothing to refine)"
-        )
+    check_clip_length(latents, config)
     session = RefinerSession(refiner, config)
     units = session.push(latents, prompt_embeds, prompt_attention_mask, flush=True)
     return torch.cat([unit.latents for unit in units], dim=2)  # (B, C, T, H, W)

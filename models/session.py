@@ -320,7 +320,7 @@ class RefinerSession:
         """Append a chunk and yield each unit as soon as it is final. A failing step leaves the session as it was
         before that step (earlier units of the chunk stay committed, its frames stay pending)."""
         if latents is None and flush:
-            latents = self._empty_chunk()
+            latents = self.empty_latents()
         chunk = self.check(latents, prompt_embeds, prompt_attention_mask)
         self.append(chunk, flush=flush)
         while (unit := self.step()) is not None:
@@ -346,7 +346,8 @@ class RefinerSession:
         """End the stream: refine the pending frames as a final short block."""
         return self.push(None, flush=True)
 
-    def _empty_chunk(self) -> torch.Tensor:
+    def empty_latents(self) -> torch.Tensor:
+        """A zero-frame chunk (B, C, 0, H, W) in this session's geometry, for a flush that carries no frames."""
         g = self._state.geometry
         if g is None:
             return torch.zeros(1, self.refiner.info.in_channels, 0, 1, 1)

@@ -56,7 +56,7 @@ async def refine(
         tensors[PROMPT_EMBEDS],
         tensors.get(PROMPT_MASK),
         flush=True,
-        min_frames=config.sink_frames + 1,
+        one_shot=True,
         finalize=lambda units, state: units_payload(units, state, shape, settings.response_dtype),
     )
     result = await services.engine.run(job)
