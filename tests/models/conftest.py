@@ -39,6 +39,16 @@ def reference_refine(model, latents, prompt_embeds, prompt_mask=None, *, seed=42
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    # Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP workers spinning against each
+    # other make a millisecond forward take seconds.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")

@@ -67,9 +67,9 @@ def test_rebased_equals_absolute_in_float64():
 
 
 def test_rebased_does_not_drift_past_one_hour_in_float32():
-    """fps=1 makes a latent frame 8 s of video, so 460 frames reach 3680 s of stream time; RoPE angles depend on
-    time in seconds, so this is the angle regime of a 7200-frame stream at 16 fps."""
-    fps, frames = 1.0, 460
+    """fps=0.5 makes a latent frame 16 s of video, so 262 frames reach 4176 s of stream time; RoPE angles depend
+    on time in seconds, so this is the angle regime of an 8350-frame stream at 16 fps."""
+    fps, frames = 0.5, 262
     assert (frames - 1) * 8 / fps > 3600
     latents, embeds = make_inputs(frames=frames, height=2, width=2, seed=1)
     truth = run(from_model(build_model("tiny"), dtype="float64"), latents, embeds, fps=fps, positions="rebased")
