@@ -14,7 +14,7 @@ Four figures, all measured in one process on one model (a random refiner from ``
 4. The session's KV cache bytes against the closed-form size.
 
 The benchmark reports; it never asserts a timing. ``--service`` calls ``service_benchmark``, the hook for the
-WebSocket path, which the service work fills in.
+WebSocket path (``app.bench_service``).
 """
 
 from __future__ import annotations
@@ -47,15 +47,8 @@ LATENT_SEED = 1234
 def bench_command(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: run, print the report, optionally write it as markdown."""
     report = run_bench(args)
-    status = 0
     if getattr(args, "service", False):
-        try:
-            report["service"] = service_benchmark(args)
-        except NotImplementedError as exc:
-            # The compute figures are still worth printing; the non-zero status tells scripts that the part they
-            # asked for is missing.
-            report["service"] = {"status": "not run", "reason": str(exc)}
-            status = 2
+        report["service"] = service_benchmark(args)
     text = format_report(report)
     print(text)
     output = getattr(args, "output", None)
@@ -64,18 +57,26 @@ def bench_command(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}", file=sys.stderr)
-    if status:
-        print(f"--service: {report['service']['reason']}", file=sys.stderr)
-    return status
+    return 0
 
 
 def service_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    """Time the WebSocket path of a local server (per-block latency through the service vs. in-process).
+    """Time the WebSocket path of a local server against the same block in-process (``app.bench_service``)."""
+    from .bench_service import service_benchmark as run_service
 
-    Returns a dict that ``format_report`` prints under "Service path". The server is being built separately;
-    until it exists this hook says so instead of starting anything.
-    """
-    raise NotImplementedError("service path: see issue 3")
+    previous_threads = torch.get_num_threads()
+    threads = _set_threads(getattr(args, "threads", None))
+    try:
+        return run_service(
+            args,
+            preset=_arg(args, "preset", "medium"),
+            height=int(_arg(args, "height", 8)),
+            width=int(_arg(args, "width", 8)),
+            blocks=int(_arg(args, "blocks", 12)),
+            threads=threads,
+        )
+    finally:
+        torch.set_num_threads(previous_threads)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -768,7 +769,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"- distinct storage behind the cached tensors: {cache['storage_bytes']:,} B",
     ]
     service = report.get("service")
-    if service is not None:
+    if service is not None and "steady_ratio" in service:
+        from .bench_service import format_service
+
+        lines += ["", *format_service(service)]
+    elif service is not None:
         lines += ["", "## Service path", ""]
         lines += [f"- {key}: {value}" for key, value in service.items()]
     lines += ["", f"(benchmark wall time {report['elapsed_s']:.1f} s)", ""]

@@ -85,16 +85,21 @@ def test_threads_restored_and_round_budget_respected(tmp_path):
     assert "stopped early" in bench.format_report(report)
 
 
-def test_service_hook_is_a_named_placeholder(tmp_path, capsys):
-    with pytest.raises(NotImplementedError, match="issue 3"):
-        bench.service_benchmark(_args(tmp_path))
+def test_service_path_runs_a_real_server(tmp_path, capsys):
     out = tmp_path / "report.md"
-    status = bench.bench_command(_args(tmp_path, blocks=1, service=True, output=str(out)))
-    assert status == 2  # asked for a part that was not measured
+    status = bench.bench_command(_args(tmp_path, blocks=2, service=True, output=str(out), threads=1))
+    assert status == 0
     text = out.read_text()
     assert text.startswith("# wm-refiner benchmark")
     for heading in ("## Time per block", "## FLOPs per block and efficiency", "## KV cache per session",
-                    "## Service path"):
+                    "## Service path (WebSocket"):
         assert heading in text
-    assert "see issue 3" in text
     assert "## Time per block" in capsys.readouterr().out
+
+
+def test_service_figures_are_consistent(tmp_path):
+    figures = bench.service_benchmark(_args(tmp_path, blocks=2, threads=1))
+    assert figures["blocks_timed"] == 2 and len(figures["first_block_s"]) == 3
+    # Over the socket a block cannot be faster than the server says it took to refine it.
+    assert figures["websocket_block_median_s"] >= figures["server_reported_latency_median_s"] > 0
+    assert figures["steady_ratio"] == figures["websocket_block_median_s"] / figures["in_process_block_median_s"]
