@@ -37,6 +37,16 @@ OCTET_RESPONSE = {
 }
 
 
+def reject_unknown_query(request: Request, known: frozenset[str] = frozenset()) -> None:
+    """422 for a query parameter the route does not take: a misspelt ``flsuh=true`` or a config field sent as
+    ``POST /v1/sessions?seed=7`` would otherwise be ignored without a word, and the client get what it did not
+    ask for."""
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = f"this route takes only {sorted(known)}" if known else "this route takes no query parameters"
+        raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; {takes}")
+
+
 def require_content_type(request: Request, expected: str) -> None:
     """415 unless the body is declared as ``expected`` (an absent header is taken as that)."""
     declared = request.headers.get("content-type")

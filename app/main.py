@@ -24,6 +24,7 @@ from models.errors import RefinerError
 
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, envelope, from_exception
+from .openapi import document_api_key
 from .routes import chunks, health, info, metrics, refine, sessions, stream
 from .services import Services
 from .settings import Settings
@@ -59,6 +60,8 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         app.include_router(module.router)
 
     install_error_handlers(app, services)
+    if settings.api_key:
+        document_api_key(app, PUBLIC_PATHS)
     app.add_middleware(
         ApiKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS, on_reject=services.reject
     )

@@ -9,13 +9,28 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..codec import OCTET_STREAM, PROMPT_EMBEDS, PROMPT_MASK, decode
-from ..deps import OCTET_BODY, OCTET_RESPONSE, ServicesDep, check_payload, read_body, require_content_type, units_payload
+from ..deps import (
+    OCTET_BODY,
+    OCTET_RESPONSE,
+    ServicesDep,
+    check_payload,
+    read_body,
+    reject_unknown_query,
+    require_content_type,
+    units_payload,
+)
 from ..engine import ChunkJob
+from ..openapi import errors
 
 router = APIRouter(tags=["sessions"])
+CHUNK_QUERY = frozenset({"seq", "flush"})
 
 
-@router.post("/v1/sessions/{session_id}/chunks", openapi_extra=OCTET_BODY, responses=OCTET_RESPONSE)
+@router.post(
+    "/v1/sessions/{session_id}/chunks",
+    openapi_extra=OCTET_BODY,
+    responses={**OCTET_RESPONSE, **errors(400, 401, 404, 409, 410, 413, 415, 422, 500, 503)},
+)
 async def post_chunk(
     session_id: str,
     request: Request,
@@ -23,6 +38,7 @@ async def post_chunk(
     seq: Annotated[int | None, Query(ge=0, description="counts accepted chunks from 0; repeat the last to retry")] = None,
     flush: Annotated[bool, Query(description="also refine the pending frames as a final block and end the stream")] = False,
 ) -> Response:
+    reject_unknown_query(request, CHUNK_QUERY)
     services.require_ready()
     settings = services.settings
     registry = services.registry

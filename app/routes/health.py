@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter
 from starlette.responses import JSONResponse
 
 from ..deps import ServicesDep
 from ..errors import ApiError
+from ..openapi import NotReady
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
+async def health() -> dict[str, Literal["ok"]]:
     """The process answers. Never touches the model."""
     return {"status": "ok"}
 
 
-@router.get("/ready", responses={503: {"description": "not ready; the envelope's message says why"}})
+@router.get(
+    "/ready",
+    response_model=dict[str, Literal["ready"]],
+    responses={
+        503: {
+            "model": NotReady,
+            "description": "not ready (loading, warming up, draining); the envelope's message says why",
+            "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+        }
+    },
+)
 async def ready(services: ServicesDep) -> JSONResponse:
     """200 once the model is loaded and warmed up and sessions can be admitted; 503 with the reason otherwise."""
     try:

@@ -7,11 +7,12 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..deps import ServicesDep
+from ..openapi import errors
 
 router = APIRouter(tags=["info"])
 
 
-@router.get("/v1/info")
+@router.get("/v1/info", responses=errors(401, 503))
 async def info(services: ServicesDep) -> dict[str, Any]:
     model = services.require_model().info
     return {

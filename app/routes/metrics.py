@@ -10,6 +10,10 @@ from ..deps import ServicesDep
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", response_class=Response)
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}},
+)
 async def metrics(services: ServicesDep) -> Response:
     return Response(services.metrics.render(), media_type=services.metrics.content_type)

@@ -11,24 +11,42 @@ from starlette.responses import Response
 from models import RefinerSession, SessionConfig
 
 from ..codec import OCTET_STREAM, PROMPT_EMBEDS, PROMPT_MASK, decode
-from ..deps import OCTET_BODY, OCTET_RESPONSE, ServicesDep, check_payload, read_body, require_content_type, units_payload
+from ..deps import (
+    OCTET_BODY,
+    OCTET_RESPONSE,
+    ServicesDep,
+    check_payload,
+    read_body,
+    reject_unknown_query,
+    require_content_type,
+    units_payload,
+)
 from ..engine import ChunkJob, Lane
 from ..errors import ApiError
+from ..openapi import FPS_MAX, FRAMES_MAX, KV_MAX_FRAMES_MIN, SEED_MAX, errors
 
 router = APIRouter(tags=["refine"])
+REFINE_QUERY = frozenset({"seed", "fps", "sink_frames", "block_size", "kv_max_frames", "positions"})
 
 
-@router.post("/v1/refine", openapi_extra=OCTET_BODY, responses=OCTET_RESPONSE)
+@router.post(
+    "/v1/refine",
+    openapi_extra=OCTET_BODY,
+    responses={**OCTET_RESPONSE, **errors(400, 401, 413, 415, 422, 500, 503)},
+)
 async def refine(
     request: Request,
     services: ServicesDep,
-    seed: Annotated[int | None, Query()] = None,
-    fps: Annotated[float | None, Query()] = None,
-    sink_frames: Annotated[int | None, Query()] = None,
-    block_size: Annotated[int | None, Query()] = None,
-    kv_max_frames: Annotated[int | None, Query()] = None,
+    seed: Annotated[int | None, Query(ge=0, le=SEED_MAX)] = None,
+    fps: Annotated[float | None, Query(gt=0, le=FPS_MAX)] = None,
+    sink_frames: Annotated[int | None, Query(ge=1, le=FRAMES_MAX)] = None,
+    block_size: Annotated[int | None, Query(ge=1, le=FRAMES_MAX)] = None,
+    kv_max_frames: Annotated[
+        int | None, Query(ge=KV_MAX_FRAMES_MIN, le=FRAMES_MAX, description="at least sink_frames + block_size")
+    ] = None,
     positions: Annotated[Literal["absolute", "rebased"] | None, Query()] = None,
 ) -> Response:
+    reject_unknown_query(request, REFINE_QUERY)
     services.require_ready()
     settings = services.settings
     asked = dict(

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from models import SessionConfig
 
-from ..deps import ServicesDep, read_body, require_content_type
+from ..deps import ServicesDep, read_body, reject_unknown_query, require_content_type
 from ..errors import ApiError
+from ..openapi import (
+    FPS_MAX,
+    FRAMES_MAX,
+    KV_MAX_FRAMES_MIN,
+    SEED_MAX,
+    SIGMAS_MIN_ITEMS,
+    SessionCreated,
+    SessionDescription,
+    errors,
+)
 
 router = APIRouter(tags=["sessions"])
 
@@ -24,14 +34,20 @@ MAX_CONFIG_BYTES = 64 * 1024
 class SessionCreate(BaseModel):
     """Every field optional; unset fields take the server's defaults (GET /v1/info)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON false is not seed 0, nor "3" a block size; a client sending those has a bug worth hearing of.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    seed: int | None = None
-    fps: float | None = None
-    sink_frames: int | None = None
-    block_size: int | None = None
-    kv_max_frames: int | None = None
-    sigmas: list[float] | None = None
+    seed: Annotated[int | None, Field(ge=0, le=SEED_MAX)] = None
+    fps: Annotated[float | None, Field(gt=0, le=FPS_MAX)] = None
+    sink_frames: Annotated[int | None, Field(ge=1, le=FRAMES_MAX)] = None
+    block_size: Annotated[int | None, Field(ge=1, le=FRAMES_MAX)] = None
+    kv_max_frames: Annotated[
+        int | None, Field(ge=KV_MAX_FRAMES_MIN, le=FRAMES_MAX, description="at least sink_frames + block_size")
+    ] = None
+    sigmas: Annotated[
+        list[Annotated[float, Field(ge=0, le=1)]] | None,
+        Field(min_length=SIGMAS_MIN_ITEMS, description="strictly decreasing, ending in 0.0"),
+    ] = None
     positions: Literal["absolute", "rebased"] | None = None
 
 
@@ -39,12 +55,20 @@ CREATE_BODY = {
     "requestBody": {
         "required": False,
         "content": {"application/json": {"schema": SessionCreate.model_json_schema()}},
+        "description": "the session config; an empty body (or {}) takes every default",
     }
 }
 
 
-@router.post("/v1/sessions", status_code=201, openapi_extra=CREATE_BODY)
+@router.post(
+    "/v1/sessions",
+    status_code=201,
+    openapi_extra=CREATE_BODY,
+    response_model=None,
+    responses={201: {"model": SessionCreated, "description": "the new session"}, **errors(400, 401, 413, 415, 422, 503)},
+)
 async def create_session(request: Request, services: ServicesDep) -> JSONResponse:
+    reject_unknown_query(request)  # the config goes in the body; ?seed=7 must not be ignored quietly
     services.require_ready()
     body = await read_body(request, min(MAX_CONFIG_BYTES, services.settings.max_body_bytes))
     fields = parse_config_body(request, body)
@@ -63,6 +87,11 @@ def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError("invalid_payload", f"the body is not JSON ({exc}); send a JSON object such as {{\"seed\": 7}}")
+    except RecursionError:
+        # Found by the schema fuzzer: a few kB of "[[[[..." exhaust the parser's stack; that is the client's 400.
+        raise ApiError(
+            "invalid_payload", "the body nests JSON too deeply; send a flat JSON object such as {\"seed\": 7}"
+        ) from None
     if not isinstance(data, dict):
         raise ApiError("invalid_config", f"the body must be a JSON object of config fields, got {type(data).__name__}")
     try:
@@ -74,12 +103,21 @@ def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
     return parsed.model_dump(exclude_none=True)
 
 
-@router.get("/v1/sessions/{session_id}")
+@router.get(
+    "/v1/sessions/{session_id}",
+    response_model=None,
+    responses={200: {"model": SessionDescription, "description": "the session's state"}, **errors(401, 404, 410, 422)},
+)
 async def get_session(session_id: str, services: ServicesDep) -> dict[str, Any]:
     return services.registry.get(session_id).describe()
 
 
-@router.delete("/v1/sessions/{session_id}", status_code=204, response_class=Response)
+@router.delete(
+    "/v1/sessions/{session_id}",
+    status_code=204,
+    response_class=Response,
+    responses={204: {"description": "ended; the cache is freed"}, **errors(401, 404, 410, 422)},
+)
 async def delete_session(session_id: str, services: ServicesDep) -> Response:
     services.registry.delete(session_id)
     for stream in list(services.streams):
