@@ -17,6 +17,7 @@ WS_GOING_AWAY = 1001
 WS_POLICY_VIOLATION = 1008
 WS_MESSAGE_TOO_BIG = 1009
 WS_INTERNAL_ERROR = 1011
+WS_SERVICE_RESTART = 1012  # the session was saved: reconnect to the same id once the server is back
 WS_TRY_AGAIN_LATER = 1013
 
 
@@ -47,6 +48,8 @@ ERRORS: dict[str, ErrorKind] = {
     "seq_conflict": ErrorKind(409),
     "stream_closed": ErrorKind(409),
     "stream_in_use": ErrorKind(409),
+    # A reattaching stream asked for frames the session no longer keeps; it may reconnect from the first kept.
+    "resume_unavailable": ErrorKind(409, ws_close=WS_POLICY_VIOLATION),
     # 410
     "session_evicted": ErrorKind(410, ws_close=WS_POLICY_VIOLATION),
     # 413: the WebSocket closes, as RFC 6455 prescribes for a message the endpoint will not take.

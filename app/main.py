@@ -25,7 +25,7 @@ from models.errors import RefinerError
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, envelope, from_exception
 from .openapi import document_api_key
-from .routes import chunks, health, info, metrics, refine, sessions, stream
+from .routes import admin, chunks, health, info, metrics, refine, sessions, stream
 from .services import Services
 from .settings import Settings
 
@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         lifespan=lifespan,
     )
     app.state.services = services
-    for module in (health, metrics, info, sessions, chunks, refine, stream):
+    for module in (health, metrics, info, sessions, chunks, refine, stream, admin):
         app.include_router(module.router)
 
     install_error_handlers(app, services)

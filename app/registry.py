@@ -2,6 +2,9 @@
 
 Lives on the event loop. The sessions' tensors are only touched by the engine; the registry reads their
 immutable ``SessionState`` snapshots for accounting.
+
+A session whose WebSocket dropped (closed before a flush) is *detached*: it is kept ``ws_reattach_grace_s``
+for the client to reconnect, and evicted after that with no new stream and no request.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from models import Refiner, RefinerSession, SessionConfig
 
 from .engine import Lane
 from .errors import ApiError
+from .resume import RetainedUnits, SentUnit
 
 
 @dataclass(eq=False)
@@ -29,10 +33,26 @@ class SessionHandle:
     last_active_wall: float = field(default_factory=time.time)
     streaming: bool = False  # a WebSocket is attached
     requests_in_flight: int = 0
+    # The stream dropped before a flush; the session waits ws_reattach_grace_s for a reconnect.
+    detached: bool = False
+    # Units the streams of this session sent, for a client that reattaches (app.resume).
+    retained: RetainedUnits = field(default_factory=lambda: RetainedUnits(32))
+    # The connection units go to now (app.routes.stream.StreamConnection), or None while detached.
+    stream: Any = None
+    # Engine futures of stream jobs not settled yet; a reattaching stream waits for them before it reports
+    # where the stream stands, so its frame counts include every message the old connection handed over.
+    stream_jobs: set = field(default_factory=set)
 
     @property
     def session(self) -> RefinerSession:
         return self.lane.session
+
+    def publish(self, unit: SentUnit) -> None:
+        """A stream unit was committed (called on the loop, in commit order): keep it, and send it if a client
+        is attached. A unit committed while detached is only kept, for the client's reconnect."""
+        self.retained.add(unit)
+        if self.stream is not None:
+            self.stream.send_unit(unit.payload)
 
     def describe(self) -> dict[str, Any]:
         state = self.lane.session.state
@@ -49,6 +69,9 @@ class SessionHandle:
             "kv_cache_bytes": state.cache_bytes,
             "pending_bytes": state.pending_bytes,
             "streaming": self.streaming,
+            "detached": self.detached,
+            # The earliest frame a reattaching stream can ask for again (resume_from).
+            "resumable_from": self.retained.first_frame(state.frames_returned),
             "created_at": _iso(self.created_at),
             "last_active_at": _iso(self.last_active_wall),
         }
@@ -61,16 +84,20 @@ class Registry:
         idle_timeout_s: float,
         remember_evicted: int,
         retry_after_s: int,
+        reattach_grace_s: float = 60.0,
+        resume_units: int = 32,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
+        self.reattach_grace_s = reattach_grace_s
+        self.resume_units = resume_units
         self.remember_evicted = remember_evicted
         self.retry_after_s = retry_after_s
         self.clock = clock
         self._sessions: dict[str, SessionHandle] = {}
-        # Evicted ids answer 410 (the client should start over), unknown or deleted ones 404.
-        self._evicted: OrderedDict[str, None] = OrderedDict()
+        # Evicted ids answer 410 (the client should start over), unknown or deleted ones 404; the value says why.
+        self._evicted: OrderedDict[str, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -88,7 +115,19 @@ class Registry:
             )
         session_id = uuid.uuid4().hex
         lane = Lane(session=RefinerSession(refiner, config), name=f"session {session_id}")
-        handle = SessionHandle(id=session_id, config=config, lane=lane, last_active=self.clock())
+        return self.adopt(session_id, lane)
+
+    def adopt(self, session_id: str, lane: Lane, detached: bool = False) -> SessionHandle:
+        """Register a session under ``session_id`` (a new one, or one restored from a snapshot; no capacity
+        check there: those sessions were admitted before the restart)."""
+        handle = SessionHandle(
+            id=session_id,
+            config=lane.session.config,
+            lane=lane,
+            last_active=self.clock(),
+            detached=detached,
+            retained=RetainedUnits(self.resume_units),
+        )
         self._sessions[session_id] = handle
         return handle
 
@@ -99,11 +138,12 @@ class Registry:
             self._evict(handle)
             handle = None
         if handle is None:
-            if session_id in self._evicted:
+            reason = self._evicted.get(session_id)
+            if reason is not None:
                 raise ApiError(
                     "session_evicted",
-                    f"session {session_id} was evicted after {self.idle_timeout_s:g} s without activity "
-                    "(session_idle_timeout_s); create a new session and send the stream again",
+                    f"session {session_id} was evicted after {reason}; create a new session and send the stream "
+                    "again",
                 )
             raise ApiError(
                 "session_not_found", f"no session {session_id!r}; create one with POST /v1/sessions"
@@ -134,17 +174,21 @@ class Registry:
         return sum(h.lane.session.state.cache_bytes for h in self._sessions.values())
 
     # --- internals -----------------------------------------------------------------------------------------
+    def _limit(self, handle: SessionHandle) -> float:
+        return self.reattach_grace_s if handle.detached else self.idle_timeout_s
+
     def _idle(self, handle: SessionHandle, now: float) -> bool:
         # A session with an open stream or work in the engine is in use however long since its last request.
         busy = handle.streaming or handle.requests_in_flight or handle.lane.queued
-        return not busy and now - handle.last_active > self.idle_timeout_s
+        return not busy and now - handle.last_active > self._limit(handle)
 
     def _evict(self, handle: SessionHandle) -> None:
-        self._close(
-            handle,
-            ApiError("session_evicted", f"session {handle.id} was evicted after {self.idle_timeout_s:g} s idle"),
-        )
-        self._evicted[handle.id] = None
+        if handle.detached:
+            reason = f"its stream dropped and none reattached within {self.reattach_grace_s:g} s (ws_reattach_grace_s)"
+        else:
+            reason = f"{self.idle_timeout_s:g} s without activity (session_idle_timeout_s)"
+        self._close(handle, ApiError("session_evicted", f"session {handle.id} was evicted after {reason}"))
+        self._evicted[handle.id] = reason
         while len(self._evicted) > self.remember_evicted:
             self._evicted.popitem(last=False)
 

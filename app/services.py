@@ -2,8 +2,10 @@
 
 Lifecycle: ``start`` runs the engine thread and loads the refiner on it (a load failure fails start-up), then
 warms the model up in the background at the steady-state window shape while ``/health`` already answers and
-``/ready`` says why it is not ready. ``drain`` stops admitting, lets in-flight blocks finish and closes the
-streams with 1001 and a reason, before the server closes connections.
+``/ready`` says why it is not ready. ``drain`` stops admitting, lets in-flight blocks finish, writes every live
+session to ``snapshot_dir`` (when set) and closes the streams with a code and a reason (1012 "service restart"
+for a saved session, 1001 otherwise), before the server closes connections. The next start restores the saved
+sessions under their ids, before it reports ready.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import torch
 from models import Refiner, RefinerSession, load_refiner
 
 from .engine import ChunkJob, Engine, Lane
-from .errors import WS_GOING_AWAY, ApiError
+from .errors import WS_GOING_AWAY, WS_SERVICE_RESTART, ApiError
 from .metrics import Metrics
-from .registry import Registry
+from .registry import Registry, SessionHandle
 from .settings import Settings
+from .snapshots import SessionRecord, restore_all, save_record, session_at
 
 log = logging.getLogger("app")
 
@@ -43,6 +46,8 @@ class Services:
             idle_timeout_s=settings.session_idle_timeout_s,
             remember_evicted=settings.evicted_ids_remembered,
             retry_after_s=settings.retry_after_s,
+            reattach_grace_s=settings.ws_reattach_grace_s,
+            resume_units=settings.ws_resume_units,
         )
         self.metrics.track(
             sessions=lambda: len(self.registry),
@@ -55,6 +60,8 @@ class Services:
         self.streams: set[Any] = set()  # open WebSocket streams (app.routes.stream.StreamConnection)
         self.warmup_gate = warmup_gate
         self._tasks: list[asyncio.Task] = []
+        self._drain_task: asyncio.Task | None = None
+        self.drain_report: dict[str, Any] | None = None
 
     # --- admission -----------------------------------------------------------------------------------------
     def require_ready(self) -> None:
@@ -82,6 +89,8 @@ class Services:
             torch.set_num_threads(settings.torch_threads)
         self.refiner = await self.engine.call(lambda: _load(settings))
         log.info("loaded %s", self.refiner.info.to_dict())
+        if settings.snapshot_dir is not None:
+            await self._restore(Path(settings.snapshot_dir).expanduser())
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
         self._tasks.append(asyncio.create_task(self._evict_forever(), name="evict-idle"))
 
@@ -102,18 +111,45 @@ class Services:
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {exc}"
 
+    async def _restore(self, folder: Path) -> None:
+        """Bring back the sessions the previous process saved, under their ids. They start detached: their
+        clients have ``ws_reattach_grace_s`` to reconnect."""
+        records = await self.engine.call(lambda: restore_all(folder, self.refiner))
+        for record in records:
+            lane = Lane(
+                session=record.session,
+                name=f"session {record.session_id}",
+                next_seq=record.next_seq,
+                last_seq=record.last_seq,
+                last_response=record.last_response,
+                first_block_done=record.session.state.blocks_refined > 0,
+            )
+            handle = self.registry.adopt(record.session_id, lane, detached=not record.session.state.flushed)
+            handle.retained.restore(record.units)
+        if records:
+            log.info("restored %d session(s) from %s", len(records), folder)
+
     async def _evict_forever(self) -> None:
-        interval = min(self.settings.session_idle_timeout_s / 2, 5.0)
+        settings = self.settings
+        interval = min(settings.session_idle_timeout_s / 2, settings.ws_reattach_grace_s / 2, 5.0)
         while True:
             await asyncio.sleep(interval)
+            if self.draining:
+                # The sessions are saved as they stand; evicting them now would not remove their snapshots.
+                continue
             evicted = self.registry.evict_idle()
             if evicted:
                 log.info("evicted %d idle session(s)", len(evicted))
 
-    async def drain(self) -> None:
-        """Stop admitting, finish in-flight blocks, close streams cleanly. Idempotent."""
-        if self.draining:
-            return
+    async def drain(self) -> dict[str, Any]:
+        """Stop admitting, finish in-flight blocks, save the sessions, close streams cleanly. Idempotent: later
+        calls (SIGTERM after the admin route, then the lifespan) wait for the first and get its report."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+        return await asyncio.shield(self._drain_task)
+
+    async def _drain(self) -> dict[str, Any]:
+        started = time.perf_counter()
         self.draining = True
         self.not_ready_reason = "draining: the server is shutting down"
         self.engine.stop_accepting()
@@ -121,13 +157,58 @@ class Services:
         if not await self.engine.wait_idle(timeout):
             log.warning("drain: %d job(s) still running after %.0f s", self.engine.outstanding, timeout)
         # The engine hands results to the loop in order; one more call puts us behind the last of them, so no
-        # stream is closed before the units it was owed are queued.
+        # stream is closed (or saved) before the units it was owed are queued (and retained).
         with contextlib.suppress(Exception):
             await self.engine.call(lambda: None)
+        saved: set[str] = set()
+        if self.settings.snapshot_dir is not None:
+            saved = await self._save_sessions(Path(self.settings.snapshot_dir).expanduser())
         streams = list(self.streams)
         for stream in streams:
-            stream.close(WS_GOING_AWAY, "server shutting down; reconnect after it restarts")
+            if stream.session_id in saved:
+                stream.close(
+                    WS_SERVICE_RESTART,
+                    "service restart: session saved; reconnect with ?resume_from=<frames received> when back",
+                )
+            else:
+                stream.close(WS_GOING_AWAY, "server shutting down; reconnect after it restarts")
         await asyncio.gather(*(stream.closed() for stream in streams), return_exceptions=True)
+        self.drain_report = {
+            "draining": True,
+            "sessions": len(self.registry),
+            "sessions_saved": len(saved),
+            "snapshot_dir": None if self.settings.snapshot_dir is None else str(self.settings.snapshot_dir),
+            "streams_closed": len(streams),
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+        log.info("drain done: %s", self.drain_report)
+        return self.drain_report
+
+    async def _save_sessions(self, folder: Path) -> set[str]:
+        """Write every live session to ``folder``, on the engine thread (idle by now, and stopped from taking
+        work, so no forward can run while a session is read). Returns the ids written."""
+        # The service's fields that live on the loop are read here, on the loop.
+        handles = self.registry.handles()
+        retained = {handle.id: list(handle.retained) for handle in handles}
+
+        def save_all() -> set[str]:
+            written = set()
+            for handle in handles:
+                try:
+                    save_record(folder, _record(handle, retained[handle.id]))
+                except Exception:  # one session that cannot be saved must not cost the others
+                    log.exception("drain: could not save session %s", handle.id)
+                    continue
+                written.add(handle.id)
+            return written
+
+        try:
+            written = await self.engine.call(save_all)
+        except Exception:
+            log.exception("drain: saving sessions to %s failed", folder)
+            return set()
+        log.info("drain: saved %d of %d session(s) to %s", len(written), len(handles), folder)
+        return written
 
     async def stop(self) -> None:
         await self.drain()
@@ -135,6 +216,17 @@ class Services:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.engine.stop)
+
+
+def _record(handle: SessionHandle, units) -> SessionRecord:
+    """The session as its clients last saw it settle (engine thread). An HTTP chunk caught half-way (a drain
+    that timed out) is saved as before that chunk: its request fails, so its client sends it again."""
+    lane = handle.lane
+    session, next_seq = lane.session, lane.next_seq
+    head = lane.jobs[0] if lane.jobs else None
+    if head is not None and head.atomic and head.started and head.before is not None:
+        session = session_at(session, head.before)
+    return SessionRecord(handle.id, session, next_seq, lane.last_seq, lane.last_response, units)
 
 
 def warmup_job(refiner: Refiner, settings: Settings) -> ChunkJob:

@@ -66,6 +66,15 @@ class Settings(BaseSettings):
     ws_outbound_queue: PositiveInt = 8
     retry_after_s: PositiveInt = 1
     drain_timeout_s: PositiveFloat = 30.0
+    # A dropped WebSocket keeps its session this long for the client to reattach (then 410).
+    ws_reattach_grace_s: PositiveFloat = 60.0
+    # Units a session keeps after sending them, so a reattaching client can ask for what it missed.
+    ws_resume_units: PositiveInt = 32
+
+    # --- restarts ------------------------------------------------------------------------------------------
+    snapshot_dir: Path | None = Field(
+        default=None, description="where drain writes live sessions and start-up restores them; unset: none"
+    )
 
     # --- warm-up -------------------------------------------------------------------------------------------
     warmup: bool = True
@@ -121,6 +130,8 @@ class Settings(BaseSettings):
             "engine_queue_depth",
             "session_queue_depth",
             "ws_outbound_queue",
+            "ws_reattach_grace_s",
+            "ws_resume_units",
         )
         return {name: getattr(self, name) for name in names}
 

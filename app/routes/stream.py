@@ -6,6 +6,13 @@ metadata ``frame_start``, ``frame_end``, ``latency_ms``), ``{"type": "error", "e
 rejected message (the session goes on as if it never arrived), and after a flush ``{"type": "done",
 "frames": N}`` and close 1000. The connection is closed with an error only when the session cannot continue.
 
+Reattach (docs/service.md): ``?resume_from=N`` on the URL makes the connection a resume of the session's stream.
+It takes the session over from a previous connection that is still open (a dropped client whose socket the
+server has not noticed yet), waits until every message that connection handed to the engine is done, then
+sends ``{"type": "session", ...}`` (frames received and returned, next seq, flushed) and again every retained
+unit holding frames at or after N, before any new unit. Units are retained per session (``ws_resume_units``),
+not per connection, so units committed while no client is attached are kept too.
+
 Flow control: one reader and one writer per connection. The reader submits a message only when the previous
 one is done and fewer than ``ws_outbound_queue`` units wait to be written, so a client that stops reading
 stalls its own stream (and, through TCP, its own sends) but never the engine or another session.
@@ -32,6 +39,7 @@ from ..deps import check_payload
 from ..engine import ChunkJob
 from ..errors import WS_MESSAGE_TOO_BIG, WS_NORMAL, WS_POLICY_VIOLATION, ApiError, from_exception
 from ..registry import SessionHandle
+from ..resume import SentUnit
 from ..services import Services
 
 log = logging.getLogger(__name__)
@@ -48,16 +56,52 @@ async def stream(websocket: WebSocket, session_id: str) -> None:
     try:
         services.require_ready()
         handle = services.registry.get(session_id)
-        if handle.streaming:
+        resume_from = parse_resume_from(websocket.query_params.get("resume_from"))
+        if handle.streaming and resume_from is None:
             raise ApiError(
                 "stream_in_use",
-                f"session {session_id} already has an open stream; close it before opening another",
+                f"session {session_id} already has an open stream; close it before opening another, or "
+                "reconnect with ?resume_from=N to take the session over",
             )
     except ApiError as error:
         await deny(websocket, error, services)
         return
-    await websocket.accept()
-    await StreamConnection(websocket, handle, services).run()
+    if resume_from is not None:
+        try:
+            # Refused before taking anything over, so a bad resume leaves the session and its stream as they
+            # were. Frames still being refined for the old connection may make a larger resume_from valid, so
+            # that bound is only checked here when nothing is in flight (and again once it is).
+            handle.retained.check(
+                resume_from,
+                handle.session.state.frames_returned if not handle.stream_jobs else max(resume_from, 0),
+            )
+        except ApiError as error:
+            await refuse(websocket, error, services)
+            return
+    connection = StreamConnection(websocket, handle, services, resume_from)
+    # Claimed before the first await, so two connections racing for one session cannot both pass the check.
+    connection.claim()
+    try:
+        await websocket.accept()
+    except BaseException:
+        connection.release()
+        raise
+    await connection.run()
+
+
+def parse_resume_from(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ApiError(
+            "invalid_request",
+            f"resume_from={value!r} is not a frame index; pass the number of frames received so far (>= 0)",
+        )
+    return number
 
 
 async def deny(websocket: WebSocket, error: ApiError, services: Services) -> None:
@@ -72,48 +116,151 @@ async def deny(websocket: WebSocket, error: ApiError, services: Services) -> Non
     await websocket.close(error.spec.ws_close or WS_POLICY_VIOLATION, error.message[:_MAX_REASON])
 
 
+async def refuse(websocket: WebSocket, error: ApiError, services: Services) -> None:
+    """Accept, explain with an error event, close: for resume errors, which a client handles in-band (many
+    WebSocket clients cannot read a refused handshake's body)."""
+    services.reject(error)
+    await websocket.accept()
+    await websocket.send_text(json.dumps({"type": "error", **error.envelope()}))
+    await websocket.close(error.spec.ws_close or WS_POLICY_VIOLATION, error.message[:_MAX_REASON])
+
+
 class StreamConnection:
-    def __init__(self, websocket: WebSocket, handle: SessionHandle, services: Services):
+    def __init__(self, websocket: WebSocket, handle: SessionHandle, services: Services, resume_from: int | None = None):
         self.websocket = websocket
         self.handle = handle
         self.services = services
         self.settings = services.settings
+        self.resume_from = resume_from
         self.loop = asyncio.get_running_loop()
         self.outbox: asyncio.Queue = asyncio.Queue()  # bounded by the reader, see _wait_for_room
         self.units_waiting = 0
         self.room = asyncio.Event()
         self.closing = False
+        # Units reach this connection only once it is attached: before that they are retained by the session
+        # and sent as part of the resume, so a unit is never sent twice or skipped.
+        self.attached = False
+        # The client went away (closed or lost the connection) rather than the server closing the stream.
+        self.dropped = False
         self._done = asyncio.Event()
         self._reader: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
+        self._claimed = False
+        self.previous: StreamConnection | None = None
 
     @property
     def session_id(self) -> str:
         return self.handle.id
 
     # --- lifecycle -----------------------------------------------------------------------------------------
-    async def run(self) -> None:
+    def claim(self) -> None:
+        """Become the session's connection (a previous one, if any, is abandoned in ``run``)."""
+        if self._claimed:
+            return
+        self._claimed = True
+        self.previous = self.handle.stream
+        self.handle.stream = self
         self.handle.streaming = True
+        self.handle.detached = False
         self.services.streams.add(self)
-        writer = asyncio.create_task(self._write_loop(), name=f"ws-writer {self.session_id}")
-        self._reader = asyncio.create_task(self._read_loop(), name=f"ws-reader {self.session_id}")
+
+    def release(self) -> None:
+        self.services.streams.discard(self)
+        handle = self.handle
+        if handle.stream is self:  # not taken over by a newer connection
+            handle.stream = None
+            handle.streaming = False
+            # The client left before the end of the stream: keep the session ws_reattach_grace_s for it to
+            # reattach. A stream the server closed (an error, a deletion) leaves the session as it was.
+            handle.detached = self.dropped and not handle.session.state.flushed
+            self.services.registry.touch(handle)
+        self._done.set()
+
+    async def run(self) -> None:
+        self.claim()
+        self._writer = asyncio.create_task(self._write_loop(), name=f"ws-writer {self.session_id}")
         try:
-            # wait() rather than await: the writer cancels the reader after a close it initiated.
-            await asyncio.wait({self._reader})
+            if await self._attach():
+                self._reader = asyncio.create_task(self._read_loop(), name=f"ws-reader {self.session_id}")
+                # wait() rather than await: the writer cancels the reader after a close it initiated.
+                await asyncio.wait({self._reader})
             self.outbox.put_nowait(_STOP)
-            await asyncio.wait({writer}, timeout=self.settings.drain_timeout_s)
+            await asyncio.wait({self._writer}, timeout=self.settings.drain_timeout_s)
         finally:
-            writer.cancel()
-            self._reader.cancel()
-            self.handle.streaming = False
-            self.services.registry.touch(self.handle)
-            self.services.streams.discard(self)
-            self._done.set()
+            self._writer.cancel()
+            if self._reader is not None:
+                self._reader.cancel()
+            self.release()
+
+    async def _attach(self) -> bool:
+        """Start receiving units; on a resume, first report the stream's position and send what was missed.
+        False when the connection is to be closed instead (the error is queued)."""
+        handle = self.handle
+        if self.resume_from is None:
+            self.attached = True
+            return True
+        previous = self.previous
+        if previous is not None and previous is not self:
+            previous.abandon()
+            await asyncio.wait({asyncio.ensure_future(previous.closed())}, timeout=self.settings.drain_timeout_s)
+        if handle.stream is not self:  # an even newer connection took over meanwhile
+            self.close(WS_POLICY_VIOLATION, "another connection resumed this session")
+            return False
+        # Messages the old connection handed to the engine count as received: wait until they are done (their
+        # units are then retained), so frames_received below is final and the client resends exactly the rest.
+        jobs = list(handle.stream_jobs)
+        if jobs:
+            await asyncio.wait(jobs, timeout=self.settings.drain_timeout_s)
+        if handle.stream is not self:
+            self.close(WS_POLICY_VIOLATION, "another connection resumed this session")
+            return False
+        state = handle.session.state
+        try:
+            units = handle.retained.resume(self.resume_from, state.frames_returned)
+        except ApiError as error:
+            self._report(error, close_code=WS_POLICY_VIOLATION)
+            return False
+        event = {
+            "type": "session",
+            "session_id": handle.id,
+            "frames_received": state.frames_received,
+            "frames_returned": state.frames_returned,
+            "pending_frames": state.pending_frames,
+            "next_seq": handle.lane.next_seq,
+            "flushed": state.flushed,
+            "resume_from": self.resume_from,
+            "resent_from": units[0].frame_start if units else state.frames_returned,
+        }
+        self.outbox.put_nowait(("text", json.dumps(event)))
+        # No await from here to ``attached``: a unit committed meanwhile is either in ``units`` or sent live.
+        for unit in units:
+            self.send_unit(unit.payload, force=True)
+        self.attached = True
+        return True
 
     def close(self, code: int, reason: str) -> None:
         """Close after everything already queued has been sent (drain, session deleted)."""
         if not self.closing:
             self.closing = True
             self.outbox.put_nowait(("close", code, reason[:_MAX_REASON]))
+
+    def abandon(self) -> None:
+        """A reattaching connection took the session over: stop at once. Nothing is lost by dropping the queue:
+        the session retains the units, and the new connection resends what its client is missing."""
+        self.closing = True
+        self.attached = False
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+        for task in (self._reader, self._writer):
+            if task is not None:
+                task.cancel()
+        self.room.set()
+        # Best effort: a live peer learns why; a dead one costs nothing (bounded, off the reattach path).
+        asyncio.ensure_future(self._close_quietly(WS_POLICY_VIOLATION, "another connection resumed this session"))
+
+    async def _close_quietly(self, code: int, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.websocket.close(code, reason), timeout=5.0)
 
     async def closed(self) -> None:
         await self._done.wait()
@@ -124,8 +271,10 @@ class StreamConnection:
             try:
                 message = await self.websocket.receive()
             except (WebSocketDisconnect, RuntimeError):
+                self.dropped = not self.closing
                 return
             if message["type"] == "websocket.disconnect":
+                self.dropped = not self.closing
                 return
             self.services.registry.touch(self.handle)
             data, text = message.get("bytes"), message.get("text")
@@ -165,7 +314,7 @@ class StreamConnection:
                 on_unit=self._deliver_from(received),
             )
             self.services.require_ready()
-            await self.services.engine.run(job)
+            await self._run(job)
         except (ApiError, RefinerError) as exc:
             self._report(exc)
         except Exception as exc:
@@ -192,7 +341,7 @@ class StreamConnection:
                 job = ChunkJob(
                     self.handle.lane, None, flush=True, atomic=False, on_unit=self._deliver_from(time.perf_counter())
                 )
-                await self.services.engine.run(job)
+                await self._run(job)
             except Exception as exc:
                 self._report(exc)
                 return
@@ -200,10 +349,27 @@ class StreamConnection:
         self.outbox.put_nowait(("text", json.dumps({"type": "done", "frames": frames})))
         self.close(WS_NORMAL, "stream flushed")
 
+    async def _run(self, job: ChunkJob) -> None:
+        """Submit a job and wait for it. Once submitted the job belongs to the session, not this connection:
+        if the client drops, the job still runs to the end and its units are retained for a reattach."""
+        future = self.services.engine.submit(job)
+        jobs = self.handle.stream_jobs
+        jobs.add(future)
+
+        def settled(done: asyncio.Future) -> None:
+            jobs.discard(done)
+            if not done.cancelled():
+                done.exception()  # retrieved: a job whose connection is gone must not log "never retrieved"
+
+        future.add_done_callback(settled)
+        await asyncio.shield(future)
+
     # --- writing -------------------------------------------------------------------------------------------
     def _deliver_from(self, received: float):
-        """An ``on_unit`` for the engine thread: encode there, hand the bytes to the loop, never block."""
+        """An ``on_unit`` for the engine thread: encode there, hand the unit to the session on the loop (which
+        retains it and passes it to whichever connection is attached then), never block."""
         response_dtype = self.settings.response_dtype
+        publish = self.handle.publish
 
         def deliver(unit: Unit) -> None:
             latents = unit.latents.float() if response_dtype == "float32" else unit.latents
@@ -212,11 +378,14 @@ class StreamConnection:
                 {LATENTS: latents},
                 {"frame_start": unit.frame_start, "frame_end": unit.frame_end, "latency_ms": f"{latency_ms:.3f}"},
             )
-            self.loop.call_soon_threadsafe(self._enqueue_unit, payload)
+            self.loop.call_soon_threadsafe(publish, SentUnit(unit.frame_start, unit.frame_end, payload))
 
         return deliver
 
-    def _enqueue_unit(self, payload: bytes) -> None:
+    def send_unit(self, payload: bytes, force: bool = False) -> None:
+        """Queue a unit for this client (the session's ``publish`` calls it once attached)."""
+        if not (self.attached or force) or self.closing:
+            return
         self.units_waiting += 1
         self.outbox.put_nowait(("bytes", payload))
 
@@ -254,6 +423,7 @@ class StreamConnection:
                     return
             except (WebSocketDisconnect, RuntimeError, OSError) as exc:
                 log.info("stream %s: client went away while sending (%r)", self.session_id, exc)
+                self.dropped = not self.closing
                 self.closing = True
                 if self._reader is not None:
                     self._reader.cancel()

@@ -62,6 +62,10 @@ def test_every_http_route_but_the_probes_needs_the_key(client):
             assert response.headers["www-authenticate"].startswith("Bearer")
         # The key in the query string is never read.
         assert client.request(method, url, params={"api_key": KEY, "key": KEY}).status_code == 401
+        if path.startswith("/v1/admin/"):
+            # With the key it would drain this module's server; test_reliability covers it on a server of its own.
+            checked += 1
+            continue
         assert client.request(method, url, headers=GOOD).status_code != 401, f"{method} {path} refused the key"
         checked += 1
     assert checked >= 7

@@ -1,0 +1,176 @@
+"""Live sessions on disk across a restart: one safetensors file per session in ``snapshot_dir``.
+
+A file holds what ``models.snapshot`` saves of the session (config, prompt, KV cache, generator state, pending
+frames, counters: ``session_to_tensors``) plus the service's own fields: the session id, ``next_seq``, the last
+``seq`` and its stored response (a retry after the restart gets the same bytes), and the units retained for a
+reattaching stream. Everything sits in one file so that one atomic rename commits all of it; a restart can never
+pair a session with another moment's seq counters or units.
+
+Writing and reading run on the engine thread (the session's tensors are the engine's), reading only at start-up
+and writing only once the engine is idle, so a snapshot never overlaps a forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from models import Refiner, RefinerSession, SessionState
+from models.snapshot import SnapshotError, session_from_tensors, session_to_tensors
+
+from .resume import SentUnit
+
+log = logging.getLogger("app")
+
+APP_FORMAT = "wm-refiner-app/1"
+SUFFIX = ".session.safetensors"
+UNIT_TENSOR = "app.unit.{}"
+LAST_RESPONSE_TENSOR = "app.last_response"
+
+
+@dataclass
+class SessionRecord:
+    """A session as it is saved and restored: the model-side session plus the service's fields."""
+
+    session_id: str
+    session: RefinerSession
+    next_seq: int
+    last_seq: int | None
+    last_response: bytes | None
+    units: list[SentUnit]
+
+
+def snapshot_path(folder: Path, session_id: str) -> Path:
+    return folder / f"{session_id}{SUFFIX}"
+
+
+def session_at(session: RefinerSession, state: SessionState) -> RefinerSession:
+    """``session`` as it was at ``state`` (e.g. before a half-done request), without touching the live one."""
+    copy = RefinerSession(session.refiner, session.config)
+    copy.restore(state)
+    return copy
+
+
+def save_record(folder: Path, record: SessionRecord) -> Path:
+    """Write ``record`` atomically (temporary file, fsync, rename): a crash leaves the old file or none."""
+    folder.mkdir(parents=True, exist_ok=True)
+    app_fields = {
+        "format": APP_FORMAT,
+        "session_id": record.session_id,
+        "next_seq": record.next_seq,
+        "last_seq": record.last_seq,
+        "has_last_response": record.last_response is not None,
+        "units": [[unit.frame_start, unit.frame_end] for unit in record.units],
+    }
+    tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)})
+    for index, unit in enumerate(record.units):
+        tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.payload)
+    if record.last_response is not None:
+        tensors[LAST_RESPONSE_TENSOR] = _bytes_tensor(record.last_response)
+    path = snapshot_path(folder, record.session_id)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+    return path
+
+
+def load_record(path: Path, refiner: Refiner) -> SessionRecord:
+    """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model."""
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SnapshotError(f"{path.name}: unreadable snapshot ({exc})") from None
+    try:
+        fields = json.loads(metadata["app"])
+        if fields.get("format") != APP_FORMAT:
+            raise SnapshotError(f"{path.name}: not a service snapshot (format {fields.get('format')!r})")
+        session_id = str(fields["session_id"])
+        if path.name != f"{session_id}{SUFFIX}":
+            raise SnapshotError(f"{path.name}: holds session {session_id}, not the one its name says")
+        units = [
+            SentUnit(int(start), int(end), _tensor_bytes(tensors[UNIT_TENSOR.format(index)]))
+            for index, (start, end) in enumerate(fields["units"])
+        ]
+        last_response = _tensor_bytes(tensors[LAST_RESPONSE_TENSOR]) if fields["has_last_response"] else None
+        next_seq = int(fields["next_seq"])
+        last_seq = None if fields["last_seq"] is None else int(fields["last_seq"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
+    session, _ = session_from_tensors(refiner, tensors, metadata)
+    for earlier, later in zip(units, units[1:]):
+        if later.frame_start != earlier.frame_end:
+            raise SnapshotError(f"{path.name}: retained units are not contiguous")
+    if units and units[-1].frame_end > session.state.frames_returned:
+        raise SnapshotError(
+            f"{path.name}: retained units end at frame {units[-1].frame_end}, after the session's "
+            f"{session.state.frames_returned} returned frames"
+        )
+    return SessionRecord(session_id, session, next_seq, last_seq, last_response, units)
+
+
+def restore_all(folder: Path, refiner: Refiner) -> list[SessionRecord]:
+    """Every readable snapshot in ``folder``, each file removed once read (a later crash must not bring back a
+    session that has moved on since). A bad file is renamed ``*.corrupt`` and logged; it never stops start-up."""
+    if not folder.is_dir():
+        return []
+    for leftover in folder.glob(f".*{SUFFIX}.*.tmp"):
+        # A write that never reached its rename: the previous file (if any) is the valid one.
+        leftover.unlink(missing_ok=True)
+    records = []
+    for path in sorted(folder.glob(f"*{SUFFIX}")):
+        try:
+            records.append(load_record(path, refiner))
+        except Exception as exc:  # a bad file costs one session, never the server
+            aside = path.with_name(path.name + ".corrupt")
+            log.warning("snapshot %s cannot be restored (%s); moved aside to %s", path, exc, aside.name)
+            try:
+                os.replace(path, aside)
+            except OSError:
+                log.exception("could not move %s aside", path)
+            continue
+        path.unlink()
+    if records:
+        _fsync_dir(folder)
+    return records
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.to(torch.uint8).contiguous().numpy().tobytes()
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename is only durable once the directory entry is; not every platform can open a directory.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
