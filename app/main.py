@@ -62,6 +62,8 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
     install_error_handlers(app, services)
     if settings.api_key:
         document_api_key(app, PUBLIC_PATHS)
+    # Added first, so it runs innermost: errors raised by the routes, not by the middlewares around them.
+    app.add_middleware(AnswerUnexpectedErrors, services=services)
     app.add_middleware(
         ApiKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS, on_reject=services.reject
     )
@@ -112,6 +114,40 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+class AnswerUnexpectedErrors:
+    """A bug or a device failure in a route (say, a forward out of memory) answers 500 with the envelope, like
+    every other error, on a connection that stays usable.
+
+    Starlette's catch-all ``Exception`` handler would answer too, but it then re-raises to the server, and
+    uvicorn closes the connection right after the response; found by tests/app/test_bad_input.py, the client
+    could read a connection reset instead of the 500.
+    """
+
+    def __init__(self, app, services: Services):
+        self.app = app
+        self.services = services
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_and_note(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as exc:
+            if started:  # too late for a clean answer; let the server end the connection
+                raise
+            log.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            await error_response(from_exception(exc), self.services)(scope, receive, send)
 
 
 class HttpMetricsMiddleware:

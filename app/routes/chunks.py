@@ -12,6 +12,7 @@ from ..codec import OCTET_STREAM, PROMPT_EMBEDS, PROMPT_MASK, decode
 from ..deps import (
     OCTET_BODY,
     OCTET_RESPONSE,
+    PlainInteger,
     ServicesDep,
     check_payload,
     read_body,
@@ -35,7 +36,9 @@ async def post_chunk(
     session_id: str,
     request: Request,
     services: ServicesDep,
-    seq: Annotated[int | None, Query(ge=0, description="counts accepted chunks from 0; repeat the last to retry")] = None,
+    seq: Annotated[
+        int | None, Query(ge=0, description="counts accepted chunks from 0; repeat the last to retry"), PlainInteger
+    ] = None,
     flush: Annotated[bool, Query(description="also refine the pending frames as a final block and end the stream")] = False,
 ) -> Response:
     reject_unknown_query(request, CHUNK_QUERY)

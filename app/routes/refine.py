@@ -14,6 +14,7 @@ from ..codec import OCTET_STREAM, PROMPT_EMBEDS, PROMPT_MASK, decode
 from ..deps import (
     OCTET_BODY,
     OCTET_RESPONSE,
+    PlainInteger,
     ServicesDep,
     check_payload,
     read_body,
@@ -37,12 +38,14 @@ REFINE_QUERY = frozenset({"seed", "fps", "sink_frames", "block_size", "kv_max_fr
 async def refine(
     request: Request,
     services: ServicesDep,
-    seed: Annotated[int | None, Query(ge=0, le=SEED_MAX)] = None,
+    seed: Annotated[int | None, Query(ge=0, le=SEED_MAX), PlainInteger] = None,
     fps: Annotated[float | None, Query(gt=0, le=FPS_MAX)] = None,
-    sink_frames: Annotated[int | None, Query(ge=1, le=FRAMES_MAX)] = None,
-    block_size: Annotated[int | None, Query(ge=1, le=FRAMES_MAX)] = None,
+    sink_frames: Annotated[int | None, Query(ge=1, le=FRAMES_MAX), PlainInteger] = None,
+    block_size: Annotated[int | None, Query(ge=1, le=FRAMES_MAX), PlainInteger] = None,
     kv_max_frames: Annotated[
-        int | None, Query(ge=KV_MAX_FRAMES_MIN, le=FRAMES_MAX, description="at least sink_frames + block_size")
+        int | None,
+        Query(ge=KV_MAX_FRAMES_MIN, le=FRAMES_MAX, description="at least sink_frames + block_size"),
+        PlainInteger,
     ] = None,
     positions: Annotated[Literal["absolute", "rebased"] | None, Query()] = None,
 ) -> Response:
