@@ -217,6 +217,10 @@ REQUEST_CASES = [
     ("content-type-empty", {"content-type": ""}, {}, 415, "unsupported_media_type"),
     ("seq-not-a-number", OCTET, {"seq": "one"}, 422, "invalid_request"),
     ("seq-fraction", OCTET, {"seq": "1.5"}, 422, "invalid_request"),
+    # Found by fuzzing: these used to pass as integers.
+    ("seq-written-as-float", OCTET, {"seq": "1.0"}, 422, "invalid_request"),
+    ("seq-signed-float", OCTET, {"seq": "+1.0"}, 422, "invalid_request"),
+    ("seq-underscores", OCTET, {"seq": "0_1"}, 422, "invalid_request"),
     ("seq-huge", OCTET, {"seq": str(10**30)}, 409, "seq_conflict"),
     ("seq-behind", OCTET, {"seq": 0, "flush": "true"}, 200, None),  # a replay of seq 0: the stored response
     ("flush-number", OCTET, {"flush": "2"}, 422, "invalid_request"),
@@ -327,6 +331,8 @@ REFINE_QUERY_CASES = [
     {"kv_max_frames": 4, "sink_frames": 2, "block_size": 3},  # valid each, not together: the model's 422
     {"positions": "ABSOLUTE"},
     {"seed": "0x10"},
+    {"seed": "7.0"},
+    {"block_size": "+3.0"},
     {"sigmas": "0.5"},  # not a one-shot parameter: refused, not ignored
     {"sink_frame": 2},
 ]
@@ -529,4 +535,38 @@ def test_too_many_frames_in_a_clip_is_413(small_server, expected):
     response = http.post("/v1/refine", content=payload(torch.randn(1, 128, 13, 1, 1), EMBEDS), headers=OCTET)
     assert_error(response, 413, "too_many_frames")
     assert live_state(http, bystander) == before
+    live_finish(http, bystander, expected)
+
+
+# --- a forward that fails --------------------------------------------------------------------------------------
+def test_a_failing_forward_fails_only_its_request(small_server, expected):
+    """Input that passes every check can still fail on the device (out of memory on a huge frame): that request
+    gets 500 internal_error, its session is restored, the bystander never notices, and once the device copes
+    again the same chunk returns exactly the untroubled bytes. On a real server: the bug this found was
+    uvicorn closing the connection right after the 500, so the client could read a reset instead."""
+    server, http = small_server
+    target, bystander = live_started_session(http), live_started_session(http)
+    before = {sid: live_state(http, sid) for sid in (target, bystander)}
+    session = server.services.registry.handles()  # read-only look-up from the test thread; the engine is idle
+    session = next(handle for handle in session if handle.id == target).session
+    calls = []
+
+    def out_of_memory(plan):
+        calls.append(plan)
+        raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    session.execute = out_of_memory  # this session's forwards only
+    try:
+        response = http.post(
+            f"/v1/sessions/{target}/chunks", params={"seq": 1, "flush": "true"}, content=payload(LATENTS[:, :, 5:8]),
+            headers=OCTET,
+        )
+    finally:
+        del session.execute
+    body = assert_error(response, 500, "internal_error")
+    assert calls, "the forward was never attempted"
+    assert "out of memory" in body["error"]["message"]
+    for session_id, state in before.items():
+        assert live_state(http, session_id) == state
+    live_finish(http, target, expected)
     live_finish(http, bystander, expected)
