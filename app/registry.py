@@ -3,8 +3,9 @@
 Lives on the event loop. The sessions' tensors are only touched by the engine; the registry reads their
 immutable ``SessionState`` snapshots for accounting.
 
-A session whose WebSocket dropped (closed before a flush) is *detached*: it is kept ``ws_reattach_grace_s``
-for the client to reconnect, and evicted after that with no new stream and no request.
+A session whose client left its WebSocket before a flush is *detached*: it is kept ``ws_reattach_grace_s`` from
+the moment the stream ended for the client to reconnect a stream, and evicted after that. Reading its state
+does not extend the wait (a client polling GET is not back); a new stream, or a chunk accepted over HTTP, ends it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class SessionHandle:
     requests_in_flight: int = 0
     # The stream dropped before a flush; the session waits ws_reattach_grace_s for a reconnect.
     detached: bool = False
+    detached_at: float = 0.0  # registry clock
+    detached_seq: int = 0  # next_seq when detached: a chunk accepted since (over HTTP) means the client is back
     # Units the streams of this session sent, for a client that reattaches (app.resume).
     retained: RetainedUnits = field(default_factory=lambda: RetainedUnits(32))
     # The connection units go to now (app.routes.stream.StreamConnection), or None while detached.
@@ -125,11 +128,21 @@ class Registry:
             config=lane.session.config,
             lane=lane,
             last_active=self.clock(),
-            detached=detached,
             retained=RetainedUnits(self.resume_units),
         )
+        if detached:
+            self.detach(handle)
         self._sessions[session_id] = handle
         return handle
+
+    def detach(self, handle: SessionHandle) -> None:
+        """The session's stream ended before a flush: the grace period starts now."""
+        handle.detached = True
+        handle.detached_at = self.clock()
+        handle.detached_seq = handle.lane.next_seq
+
+    def attach(self, handle: SessionHandle) -> None:
+        handle.detached = False
 
     def get(self, session_id: str) -> SessionHandle:
         """The live session, touched; ApiError 404 (unknown or deleted) or 410 (evicted) otherwise."""
@@ -174,13 +187,16 @@ class Registry:
         return sum(h.lane.session.state.cache_bytes for h in self._sessions.values())
 
     # --- internals -----------------------------------------------------------------------------------------
-    def _limit(self, handle: SessionHandle) -> float:
-        return self.reattach_grace_s if handle.detached else self.idle_timeout_s
-
     def _idle(self, handle: SessionHandle, now: float) -> bool:
         # A session with an open stream or work in the engine is in use however long since its last request.
         busy = handle.streaming or handle.requests_in_flight or handle.lane.queued
-        return not busy and now - handle.last_active > self._limit(handle)
+        if busy:
+            return False
+        if handle.detached and handle.lane.next_seq != handle.detached_seq:
+            handle.detached = False  # the client came back over HTTP: the ordinary idle timeout applies again
+        if handle.detached:
+            return now - handle.detached_at > self.reattach_grace_s
+        return now - handle.last_active > self.idle_timeout_s
 
     def _evict(self, handle: SessionHandle) -> None:
         if handle.detached:

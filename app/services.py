@@ -112,8 +112,8 @@ class Services:
             self.not_ready_reason = f"warm-up failed: {exc}"
 
     async def _restore(self, folder: Path) -> None:
-        """Bring back the sessions the previous process saved, under their ids. They start detached: their
-        clients have ``ws_reattach_grace_s`` to reconnect."""
+        """Bring back the sessions the previous process saved, under their ids. Those that had a stream open
+        start detached: their clients have ``ws_reattach_grace_s`` to reconnect."""
         records = await self.engine.call(lambda: restore_all(folder, self.refiner))
         for record in records:
             lane = Lane(
@@ -124,7 +124,8 @@ class Services:
                 last_response=record.last_response,
                 first_block_done=record.session.state.blocks_refined > 0,
             )
-            handle = self.registry.adopt(record.session_id, lane, detached=not record.session.state.flushed)
+            detached = record.streaming and not record.session.state.flushed
+            handle = self.registry.adopt(record.session_id, lane, detached=detached)
             handle.retained.restore(record.units)
         if records:
             log.info("restored %d session(s) from %s", len(records), folder)
@@ -190,12 +191,13 @@ class Services:
         # The service's fields that live on the loop are read here, on the loop.
         handles = self.registry.handles()
         retained = {handle.id: list(handle.retained) for handle in handles}
+        streaming = {handle.id: handle.streaming or handle.detached for handle in handles}
 
         def save_all() -> set[str]:
             written = set()
             for handle in handles:
                 try:
-                    save_record(folder, _record(handle, retained[handle.id]))
+                    save_record(folder, _record(handle, retained[handle.id], streaming[handle.id]))
                 except Exception:  # one session that cannot be saved must not cost the others
                     log.exception("drain: could not save session %s", handle.id)
                     continue
@@ -218,7 +220,7 @@ class Services:
         await asyncio.to_thread(self.engine.stop)
 
 
-def _record(handle: SessionHandle, units) -> SessionRecord:
+def _record(handle: SessionHandle, units, streaming: bool) -> SessionRecord:
     """The session as its clients last saw it settle (engine thread). An HTTP chunk caught half-way (a drain
     that timed out) is saved as before that chunk: its request fails, so its client sends it again."""
     lane = handle.lane
@@ -226,7 +228,7 @@ def _record(handle: SessionHandle, units) -> SessionRecord:
     head = lane.jobs[0] if lane.jobs else None
     if head is not None and head.atomic and head.started and head.before is not None:
         session = session_at(session, head.before)
-    return SessionRecord(handle.id, session, next_seq, lane.last_seq, lane.last_response, units)
+    return SessionRecord(handle.id, session, next_seq, lane.last_seq, lane.last_response, units, streaming)
 
 
 def warmup_job(refiner: Refiner, settings: Settings) -> ChunkJob:

@@ -46,6 +46,7 @@ class SessionRecord:
     last_seq: int | None
     last_response: bytes | None
     units: list[SentUnit]
+    streaming: bool = False  # a WebSocket was attached when it was saved: its client will want to reattach
 
 
 def snapshot_path(folder: Path, session_id: str) -> Path:
@@ -69,6 +70,7 @@ def save_record(folder: Path, record: SessionRecord) -> Path:
         "last_seq": record.last_seq,
         "has_last_response": record.last_response is not None,
         "units": [[unit.frame_start, unit.frame_end] for unit in record.units],
+        "streaming": record.streaming,
     }
     tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)})
     for index, unit in enumerate(record.units):
@@ -123,7 +125,7 @@ def load_record(path: Path, refiner: Refiner) -> SessionRecord:
             f"{path.name}: retained units end at frame {units[-1].frame_end}, after the session's "
             f"{session.state.frames_returned} returned frames"
         )
-    return SessionRecord(session_id, session, next_seq, last_seq, last_response, units)
+    return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")))
 
 
 def restore_all(folder: Path, refiner: Refiner) -> list[SessionRecord]:

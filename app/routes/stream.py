@@ -56,28 +56,28 @@ async def stream(websocket: WebSocket, session_id: str) -> None:
     try:
         services.require_ready()
         handle = services.registry.get(session_id)
-        resume_from = parse_resume_from(websocket.query_params.get("resume_from"))
-        if handle.streaming and resume_from is None:
-            raise ApiError(
-                "stream_in_use",
-                f"session {session_id} already has an open stream; close it before opening another, or "
-                "reconnect with ?resume_from=N to take the session over",
-            )
     except ApiError as error:
         await deny(websocket, error, services)
         return
-    if resume_from is not None:
-        try:
+    try:
+        resume_from = parse_resume_from(websocket.query_params.get("resume_from"))
+        if resume_from is not None:
             # Refused before taking anything over, so a bad resume leaves the session and its stream as they
             # were. Frames still being refined for the old connection may make a larger resume_from valid, so
             # that bound is only checked here when nothing is in flight (and again once it is).
-            handle.retained.check(
-                resume_from,
-                handle.session.state.frames_returned if not handle.stream_jobs else max(resume_from, 0),
-            )
-        except ApiError as error:
-            await refuse(websocket, error, services)
-            return
+            frames_returned = handle.session.state.frames_returned
+            handle.retained.check(resume_from, frames_returned if not handle.stream_jobs else resume_from)
+    except ApiError as error:
+        await refuse(websocket, error, services)
+        return
+    if handle.streaming and resume_from is None:
+        error = ApiError(
+            "stream_in_use",
+            f"session {session_id} already has an open stream; close it before opening another, or "
+            "reconnect with ?resume_from=N to take the session over",
+        )
+        await deny(websocket, error, services)
+        return
     connection = StreamConnection(websocket, handle, services, resume_from)
     # Claimed before the first await, so two connections racing for one session cannot both pass the check.
     connection.claim()
@@ -161,7 +161,7 @@ class StreamConnection:
         self.previous = self.handle.stream
         self.handle.stream = self
         self.handle.streaming = True
-        self.handle.detached = False
+        self.services.registry.attach(self.handle)
         self.services.streams.add(self)
 
     def release(self) -> None:
@@ -172,8 +172,9 @@ class StreamConnection:
             handle.streaming = False
             # The client left before the end of the stream: keep the session ws_reattach_grace_s for it to
             # reattach. A stream the server closed (an error, a deletion) leaves the session as it was.
-            handle.detached = self.dropped and not handle.session.state.flushed
             self.services.registry.touch(handle)
+            if self.dropped and not handle.session.state.flushed:
+                self.services.registry.detach(handle)
         self._done.set()
 
     async def run(self) -> None:
@@ -394,6 +395,10 @@ class StreamConnection:
         self.services.reject(error)
         self.outbox.put_nowait(("text", json.dumps({"type": "error", **error.envelope()})))
         code = close_code or error.spec.ws_close
+        if error.kind == "draining" and self.services.draining:
+            # The drain closes every stream itself once the sessions are saved, with the code that says whether
+            # this one was (1012) or not (1001); closing here would pre-empt that.
+            code = None
         if code is not None:
             self.close(code, error.message)
 

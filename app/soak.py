@@ -1,0 +1,510 @@
+"""``python -m app.soak``: many WebSocket sessions against a real server process, with faults, checked bit for bit.
+
+The server runs as ``python -m app serve`` (the embedded tiny refiner, one torch thread, a snapshot folder).
+Each session streams a seeded random clip in random splits over one WebSocket at a time. Faults are injected
+from a seeded RNG: a client drops its connection abruptly (TCP abort, no close frame) after a unit or right after
+sending a message, and once, when a given share of all frames has come back, the server gets SIGTERM and a new
+server process is started on the same port and snapshot folder. Clients reconnect with ``?resume_from=<frames
+received>``, read the ``session`` event, resend the frames the server does not have, and carry on.
+
+Checked: every unit starts exactly where the previous one ended (nothing lost, nothing duplicated), every session
+ends with ``done`` and its frames equal ``models.refine_clip`` of the same clip on the same checkpoint, computed in
+this process, bit for bit; and the server's resident memory (VmRSS from /proc, sampled all along) stays flat:
+the second half's peak does not exceed the first half's by more than a margin. Every wait has a deadline, so a
+broken server fails the run instead of hanging it. The figures are printed (and returned by ``run_soak``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    sessions: int = 8
+    blocks: int = 50  # refined blocks per session, after the sink
+    block_size: int = 3
+    sink_frames: int = 1
+    height: int = 2
+    width: int = 2
+    prompt_tokens: int = 6
+    max_chunk_frames: int = 6  # a client sends 1..this many frames per message
+    seed: int = 0
+    drop_after_unit: float = 0.04  # chance a client aborts its connection after receiving a unit
+    drop_after_send: float = 0.03  # chance a client aborts right after sending a message (frames in flight)
+    max_drops_per_session: int = 6
+    restart_at: float = 0.4  # share of all frames returned when the server gets SIGTERM
+    send_pause_s: float = 0.02  # upper bound of a random pause between messages, so the run spans some time
+    deadline_s: float = 240.0
+    rss_margin_fraction: float = 0.10
+    rss_margin_bytes: int = 32 * MiB
+
+    @property
+    def frames(self) -> int:
+        return self.sink_frames + self.blocks * self.block_size
+
+
+class SoakFailure(AssertionError):
+    pass
+
+
+# --- the server process ------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m app serve`` in a subprocess, configured through ``WM_REFINER_*``; log to a file."""
+
+    def __init__(self, port: int, cache_dir: Path, snapshot_dir: Path | None, log_path: Path, **settings: Any):
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.ws_url = f"ws://127.0.0.1:{port}"
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
+        env.update(
+            WM_REFINER_PORT=str(port),
+            WM_REFINER_CACHE_DIR=str(cache_dir),
+            WM_REFINER_TORCH_THREADS="1",
+            OMP_NUM_THREADS="1",  # a small shared CPU: no OpenMP workers spinning against each other
+            PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        )
+        if snapshot_dir is not None:
+            env["WM_REFINER_SNAPSHOT_DIR"] = str(snapshot_dir)
+        for name, value in settings.items():
+            env[f"WM_REFINER_{name.upper()}"] = str(value)
+        self.env = env
+        self.process: subprocess.Popen | None = None
+
+    def start(self, ready_timeout: float = 120.0) -> ServerProcess:
+        with self.log_path.open("a") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "app", "serve"], cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SoakFailure(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/ready", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise SoakFailure(f"the server was not ready within {ready_timeout:.0f} s:\n{self.log()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def rss_bytes(self) -> int | None:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, AssertionError):
+            return None
+        return None
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM (the drain), then wait for the exit; the exit status."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise SoakFailure(f"the server did not exit within {timeout:.0f} s of SIGTERM:\n{self.log()}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-6000:]
+        except OSError:
+            return ""
+
+
+class RssSampler:
+    """Samples the current server's VmRSS in a thread: (seconds since start, server generation, bytes)."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int, int]] = []
+        self.server: ServerProcess | None = None
+        self.generation = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._started = time.monotonic()
+
+    def watch(self, server: ServerProcess) -> None:
+        self.server = server
+        self.generation += 1
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            server, generation = self.server, self.generation
+            if server is None:
+                continue
+            rss = server.rss_bytes()
+            if rss is not None:
+                self.samples.append((time.monotonic() - self._started, generation, rss))
+
+
+# --- one client --------------------------------------------------------------------------------------------
+@dataclass
+class ClientStats:
+    units: int = 0
+    frames: int = 0
+    connections: int = 0
+    drops: int = 0
+    sent_high: int = 0  # frames sent so far over all connections (some may never have arrived)
+    resent_frames: int = 0  # frames sent again because the session event showed they never arrived
+    reconnect_refusals: int = 0  # connection refused / 503 while the server restarted
+
+
+@dataclass
+class Shared:
+    config: SoakConfig
+    deadline: float
+    frames_returned: int = 0
+    restart_done: asyncio.Event = field(default_factory=asyncio.Event)
+    restart_wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    server: ServerProcess | None = None
+
+    def check_deadline(self, what: str) -> None:
+        if time.monotonic() > self.deadline:
+            raise SoakFailure(f"deadline passed while {what}")
+
+
+async def stream_session(index: int, session_id: str, clip: torch.Tensor, prompt: torch.Tensor, shared: Shared,
+                         stats: ClientStats) -> torch.Tensor:
+    """Stream ``clip`` through session ``session_id`` until ``done``, surviving drops and a server restart."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+    from .codec import decode_response
+
+    config = shared.config
+    rng = random.Random(config.seed * 7919 + index)
+    total = clip.shape[2]
+    units: list[torch.Tensor] = []
+    frames_got = 0
+    while True:
+        shared.check_deadline(f"session {index} had {frames_got}/{total} frames")
+        server = shared.server
+        url = f"{server.ws_url}/v1/sessions/{session_id}/stream?resume_from={frames_got}"
+        try:
+            async with connect(url, max_size=None, open_timeout=10, close_timeout=2, ping_interval=None) as ws:
+                stats.connections += 1
+                event = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if event.get("type") != "session":
+                    raise SoakFailure(f"session {index}: expected the session event, got {event}")
+                if event["frames_returned"] < frames_got:
+                    raise SoakFailure(f"session {index}: server returned {event['frames_returned']} < {frames_got}")
+                sent_from = event["frames_received"]
+                stats.resent_frames += max(0, stats.sent_high - sent_from)
+                sender = asyncio.create_task(_send(ws, clip, prompt, sent_from, event["flushed"], rng, config, stats))
+                try:
+                    while True:
+                        message = await asyncio.wait_for(ws.recv(), 60)
+                        if isinstance(message, str):
+                            event = json.loads(message)
+                            if event.get("type") == "done":
+                                if event["frames"] != total or frames_got != total:
+                                    raise SoakFailure(f"session {index}: done with {event} after {frames_got}")
+                                return torch.cat(units, dim=2)
+                            if event.get("error", {}).get("code") == "draining":
+                                # The server is stopping and did not take that message; it closes the stream
+                                # next, and the session event after the reconnect says what to send again.
+                                continue
+                            raise SoakFailure(f"session {index}: unexpected event {event}")
+                        tensors, metadata = decode_response(message)
+                        start, end = int(metadata["frame_start"]), int(metadata["frame_end"])
+                        if start != frames_got:
+                            kind = "duplicated" if start < frames_got else "lost"
+                            raise SoakFailure(f"session {index}: frames {kind}: unit [{start}, {end}) after {frames_got}")
+                        units.append(tensors["latents"])
+                        frames_got = end
+                        stats.units += 1
+                        stats.frames = frames_got
+                        shared.frames_returned += end - start
+                        if shared.frames_returned >= config.restart_at * config.sessions * total:
+                            shared.restart_wanted.set()
+                        if stats.drops < config.max_drops_per_session and rng.random() < config.drop_after_unit:
+                            stats.drops += 1
+                            ws.transport.abort()  # abrupt: no close frame, as a lost network would
+                            raise ConnectionResetError("injected drop")
+                finally:
+                    sender.cancel()
+                    await asyncio.gather(sender, return_exceptions=True)
+        except SoakFailure:
+            raise
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if status != 503:
+                raise SoakFailure(f"session {index}: handshake refused with {status}: {exc.response.body!r}")
+            stats.reconnect_refusals += 1
+        except ConnectionRefusedError:
+            stats.reconnect_refusals += 1  # the server is down (restarting)
+        except (ConnectionClosed, InvalidHandshake, OSError, asyncio.TimeoutError):
+            # Our own injected drop, or the server's 1012 on restart.
+            pass
+        await asyncio.sleep(rng.uniform(0.01, 0.1))
+
+
+async def _send(ws, clip, prompt, sent_from: int, flushed: bool, rng: random.Random, config: SoakConfig,
+                stats: ClientStats) -> None:
+    """Send the frames from ``sent_from`` on in random splits (the first carrying the prompt), then the flush."""
+    from safetensors.torch import save
+
+    total = clip.shape[2]
+    cursor = sent_from
+    if not flushed:
+        while cursor < total:
+            size = min(rng.randint(1, config.max_chunk_frames), total - cursor)
+            tensors = {"latents": clip[:, :, cursor : cursor + size].contiguous()}
+            if cursor == 0:
+                tensors["prompt_embeds"] = prompt
+            await ws.send(save(tensors))
+            cursor += size
+            stats.sent_high = max(stats.sent_high, cursor)
+            if stats.drops < config.max_drops_per_session and rng.random() < config.drop_after_send:
+                stats.drops += 1
+                # The message may or may not have reached the server; the next session event says which.
+                ws.transport.abort()
+                return
+            await asyncio.sleep(rng.uniform(0, config.send_pause_s))
+    await ws.send(json.dumps({"type": "flush"}))
+
+
+# --- the run -----------------------------------------------------------------------------------------------
+def make_clip(config: SoakConfig, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(config.seed * 1000 + index)
+    latents = torch.randn(1, 128, config.frames, config.height, config.width, generator=generator)  # (B, C, T, H, W)
+    prompt = torch.randn(1, config.prompt_tokens, 32, generator=generator)  # (B, L, D)
+    return latents, prompt
+
+
+def run_soak(config: SoakConfig = SoakConfig(), workdir: Path | None = None) -> dict[str, Any]:
+    """Run the soak; the figures, or SoakFailure. ``workdir`` keeps the server log and snapshots (a temporary
+    folder otherwise)."""
+    torch.set_num_threads(1)
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="wm-soak-") as folder:
+            return asyncio.run(_soak(config, Path(folder)))
+    workdir.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(_soak(config, workdir))
+
+
+async def _soak(config: SoakConfig, workdir: Path) -> dict[str, Any]:
+    from models import SessionConfig, load_refiner, refine_clip
+
+    started = time.monotonic()
+    shared = Shared(config, deadline=started + config.deadline_s)
+    port = free_port()
+    cache_dir, snapshot_dir = workdir / "cache", workdir / "snapshots"
+    server_settings = dict(
+        log_level="warning",
+        max_sessions=max(16, config.sessions),
+        # Long enough that a session never expires between its client's reconnects, restart included.
+        ws_reattach_grace_s=config.deadline_s,
+        default_block_size=config.block_size,
+        default_sink_frames=config.sink_frames,
+        warmup_height=config.height,
+        warmup_width=config.width,
+    )
+
+    def new_server() -> ServerProcess:
+        return ServerProcess(port, cache_dir, snapshot_dir, workdir / "server.log", **server_settings)
+
+    figures: dict[str, Any] = {}
+    servers: list[ServerProcess] = []
+    with RssSampler() as sampler:
+        try:
+            servers.append(await asyncio.to_thread(new_server().start))
+            shared.server = servers[-1]
+            sampler.watch(shared.server)
+            async with httpx.AsyncClient(base_url=shared.server.base_url, timeout=30) as http:
+                sessions = []
+                for index in range(config.sessions):
+                    created = await http.post("/v1/sessions", json={"seed": 1000 + index})
+                    created.raise_for_status()
+                    sessions.append(created.json())
+            # The expected outputs: the same checkpoint (the one the server built), in this process.
+            refiner = load_refiner(cache_dir / "tiny", device="cpu", dtype="float32")
+            clips = [make_clip(config, index) for index in range(config.sessions)]
+            expected = [
+                refine_clip(refiner, latents, prompt, None, SessionConfig.from_dict(created["config"]))
+                for (latents, prompt), created in zip(clips, sessions)
+            ]
+            stats = [ClientStats() for _ in sessions]
+            stream_started = time.monotonic()
+            restarter = asyncio.create_task(_restart_once(shared, servers, sampler, snapshot_dir, new_server, figures))
+            clients = [
+                asyncio.create_task(stream_session(i, created["session_id"], *clips[i], shared, stats[i]))
+                for i, created in enumerate(sessions)
+            ]
+            try:
+                remaining = shared.deadline - time.monotonic()
+                done, pending = await asyncio.wait(clients, timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # the first failure, as it was raised
+                if pending:
+                    raise SoakFailure(f"{len(pending)} session(s) unfinished at the deadline")
+            finally:
+                for task in (*clients, restarter):
+                    task.cancel()
+                await asyncio.gather(*clients, restarter, return_exceptions=True)
+            stream_seconds = time.monotonic() - stream_started
+            if not figures.get("restarts"):
+                raise SoakFailure("the server restart never happened (restart_at too high?)")
+            frames_checked = 0
+            for index, (task, want) in enumerate(zip(clients, expected)):
+                got = task.result()
+                if got.shape != want.shape or not torch.equal(got, want):
+                    raise SoakFailure(f"session {index}: output differs from its uninterrupted run")
+                frames_checked += got.shape[2]
+            async with httpx.AsyncClient(base_url=shared.server.base_url, timeout=30) as http:
+                for created in sessions:
+                    state = (await http.get(f"/v1/sessions/{created['session_id']}")).json()
+                    if state["frames_returned"] != config.frames or not state["flushed"]:
+                        raise SoakFailure(f"server state after the run: {state}")
+            exit_code = await asyncio.to_thread(shared.server.terminate)
+        finally:
+            for server in servers:
+                server.kill()
+    memory = memory_figures(sampler.samples, config)
+    figures.update(
+        sessions=config.sessions,
+        blocks_per_session=config.blocks,
+        frames_per_session=config.frames,
+        latent_hw=f"{config.height}x{config.width}",
+        frames_checked=frames_checked,
+        units_received=sum(s.units for s in stats),
+        disconnects_injected=sum(s.drops for s in stats),
+        reconnects=sum(s.connections for s in stats) - config.sessions,
+        reconnects_refused_during_restart=sum(s.reconnect_refusals for s in stats),
+        frames_resent_by_clients=sum(s.resent_frames for s in stats),
+        last_exit_code=exit_code,
+        stream_seconds=round(stream_seconds, 1),
+        duration_s=round(time.monotonic() - started, 1),
+        seed=config.seed,
+        **memory,
+    )
+    if not memory["rss_flat"]:
+        raise SoakFailure(f"server memory grew: {memory}")
+    return figures
+
+
+async def _restart_once(shared: Shared, servers, sampler: RssSampler, snapshot_dir: Path, new_server, figures):
+    """SIGTERM the server once the set share of frames is back, then start a new one on the same folder."""
+    await shared.restart_wanted.wait()
+    old = shared.server
+    began = time.monotonic()
+    code = await asyncio.to_thread(old.terminate)
+    if code not in (0, -signal.SIGTERM):
+        raise SoakFailure(f"the server exited with {code} on SIGTERM:\n{old.log()}")
+    saved = sorted(p.name for p in snapshot_dir.glob("*.session.safetensors"))
+    servers.append(await asyncio.to_thread(new_server().start))
+    shared.server = servers[-1]
+    sampler.watch(shared.server)
+    left = sorted(p.name for p in snapshot_dir.glob("*.session.safetensors"))
+    figures.update(
+        restarts=1,
+        restart_at_frames=shared.frames_returned,
+        snapshots_written=len(saved),
+        snapshots_left_after_restore=len(left),
+        restart_downtime_s=round(time.monotonic() - began, 1),
+    )
+    shared.restart_done.set()
+
+
+def memory_figures(samples: list[tuple[float, int, int]], config: SoakConfig) -> dict[str, Any]:
+    """Peak RSS of the first and the second half of the run (by time, over both server processes), per server,
+    and whether the second half stayed within the margin of the first."""
+    if len(samples) < 4:
+        return {"rss_samples": len(samples), "rss_flat": False}
+    begin, end = samples[0][0], samples[-1][0]
+    middle = (begin + end) / 2
+    first = max(rss for t, _, rss in samples if t < middle)
+    second = max(rss for t, _, rss in samples if t >= middle)
+    allowed = first + max(first * config.rss_margin_fraction, config.rss_margin_bytes)
+    per_server: dict[int, int] = {}
+    for _, generation, rss in samples:
+        per_server[generation] = max(per_server.get(generation, 0), rss)
+    return {
+        "rss_samples": len(samples),
+        "rss_peak_first_half_mib": round(first / MiB, 1),
+        "rss_peak_second_half_mib": round(second / MiB, 1),
+        "rss_allowed_mib": round(allowed / MiB, 1),
+        "rss_peak_per_server_mib": [round(per_server[g] / MiB, 1) for g in sorted(per_server)],
+        "rss_flat": second <= allowed,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.soak", description=__doc__.split("\n\n")[0])
+    defaults = SoakConfig()
+    parser.add_argument("--sessions", type=int, default=defaults.sessions)
+    parser.add_argument("--blocks", type=int, default=defaults.blocks)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--height", type=int, default=defaults.height)
+    parser.add_argument("--width", type=int, default=defaults.width)
+    parser.add_argument("--deadline-s", type=float, default=defaults.deadline_s)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the server log and snapshots here")
+    args = parser.parse_args(argv)
+    config = SoakConfig(
+        sessions=args.sessions,
+        blocks=args.blocks,
+        seed=args.seed,
+        height=args.height,
+        width=args.width,
+        deadline_s=args.deadline_s,
+    )
+    try:
+        figures = run_soak(config, args.workdir)
+    except SoakFailure as exc:
+        print(f"soak FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
