@@ -1,9 +1,9 @@
 """``python -m app.soak``: many WebSocket sessions against a real server process, with faults, checked bit for bit.
 
 The server runs as ``python -m app serve`` (the embedded tiny refiner, one torch thread, a snapshot folder).
-Each session streams a seeded random clip in random splits over one WebSocket at a time. Faults are injected
-from a seeded RNG: a client drops its connection abruptly (TCP abort, no close frame) after a unit or right after
-sending a message, and once, when a given share of all frames has come back, the server gets SIGTERM and a new
+Each session streams a seeded random clip in random splits over one WebSocket at a time. Faults are drawn up
+front from the seed (``FaultPlan``): a client drops its connection abruptly (TCP abort, no close frame) right
+after a given unit arrives or right after sending a given message, and once, when a given share of all frames has come back, the server gets SIGTERM and a new
 server process is started on the same port and snapshot folder. Clients reconnect with ``?resume_from=<frames
 received>``, read the ``session`` event, resend the frames the server does not have, and carry on.
 
@@ -50,9 +50,8 @@ class SoakConfig:
     prompt_tokens: int = 6
     max_chunk_frames: int = 6  # a client sends 1..this many frames per message
     seed: int = 0
-    drop_after_unit: float = 0.04  # chance a client aborts its connection after receiving a unit
-    drop_after_send: float = 0.03  # chance a client aborts right after sending a message (frames in flight)
-    max_drops_per_session: int = 6
+    drops_after_unit: int = 2  # per session: aborts right after receiving a unit
+    drops_after_send: int = 2  # per session: aborts right after sending a message (frames in flight)
     restart_at: float = 0.4  # share of all frames returned when the server gets SIGTERM
     send_pause_s: float = 0.02  # upper bound of a random pause between messages, so the run spans some time
     deadline_s: float = 240.0
@@ -186,6 +185,33 @@ class RssSampler:
                 self.samples.append((time.monotonic() - self._started, generation, rss))
 
 
+# --- one client ----------------------------------------------------------------------------------------------
+@dataclass
+class FaultPlan:
+    """Where one session's client splits its clip and drops its connection, drawn up front from the seed, so
+    the same seed injects the same faults at the same frames however the run's timing falls."""
+
+    boundaries: list[int]  # the clip is sent as messages ending at these frames
+    drop_after_unit_end: set[int]  # abort once the unit ending at this frame has arrived
+    drop_after_send_end: set[int]  # abort once the message ending at this frame has been sent
+
+    @classmethod
+    def draw(cls, config: SoakConfig, index: int) -> FaultPlan:
+        rng = random.Random(f"soak-{config.seed}-{index}")
+        boundaries, cursor = [], 0
+        while cursor < config.frames:
+            cursor = min(cursor + rng.randint(1, config.max_chunk_frames), config.frames)
+            boundaries.append(cursor)
+        unit_ends = list(range(config.sink_frames, config.frames, config.block_size))  # every unit but the last
+        after_unit = set(rng.sample(unit_ends, min(config.drops_after_unit, len(unit_ends))))
+        after_send = set(rng.sample(boundaries[:-1], min(config.drops_after_send, len(boundaries) - 1)))
+        return cls(boundaries, after_unit, after_send)
+
+    def next_boundary(self, cursor: int) -> int:
+        """The end of the next message from ``cursor`` (after a resume, ``cursor`` may fall inside one)."""
+        return next(end for end in self.boundaries if end > cursor)
+
+
 # --- one client --------------------------------------------------------------------------------------------
 @dataclass
 class ClientStats:
@@ -195,7 +221,7 @@ class ClientStats:
     drops: int = 0
     sent_high: int = 0  # frames sent so far over all connections (some may never have arrived)
     resent_frames: int = 0  # frames sent again because the session event showed they never arrived
-    reconnect_refusals: int = 0  # connection refused / 503 while the server restarted
+    reconnect_refusals: int = 0  # connection attempts refused (down) or answered 503 (not ready) during the restart
 
 
 @dataclass
@@ -221,7 +247,8 @@ async def stream_session(index: int, session_id: str, clip: torch.Tensor, prompt
     from .codec import decode_response
 
     config = shared.config
-    rng = random.Random(config.seed * 7919 + index)
+    plan = FaultPlan.draw(config, index)
+    jitter = random.Random(f"jitter-{config.seed}-{index}")  # pauses only: timing, never what is checked
     total = clip.shape[2]
     units: list[torch.Tensor] = []
     frames_got = 0
@@ -239,7 +266,7 @@ async def stream_session(index: int, session_id: str, clip: torch.Tensor, prompt
                     raise SoakFailure(f"session {index}: server returned {event['frames_returned']} < {frames_got}")
                 sent_from = event["frames_received"]
                 stats.resent_frames += max(0, stats.sent_high - sent_from)
-                sender = asyncio.create_task(_send(ws, clip, prompt, sent_from, event["flushed"], rng, config, stats))
+                sender = asyncio.create_task(_send(ws, clip, prompt, sent_from, event["flushed"], plan, jitter, config, stats))
                 try:
                     while True:
                         message = await asyncio.wait_for(ws.recv(), 60)
@@ -266,7 +293,8 @@ async def stream_session(index: int, session_id: str, clip: torch.Tensor, prompt
                         shared.frames_returned += end - start
                         if shared.frames_returned >= config.restart_at * config.sessions * total:
                             shared.restart_wanted.set()
-                        if stats.drops < config.max_drops_per_session and rng.random() < config.drop_after_unit:
+                        if end in plan.drop_after_unit_end:
+                            plan.drop_after_unit_end.discard(end)
                             stats.drops += 1
                             ws.transport.abort()  # abrupt: no close frame, as a lost network would
                             raise ConnectionResetError("injected drop")
@@ -285,11 +313,11 @@ async def stream_session(index: int, session_id: str, clip: torch.Tensor, prompt
         except (ConnectionClosed, InvalidHandshake, OSError, asyncio.TimeoutError):
             # Our own injected drop, or the server's 1012 on restart.
             pass
-        await asyncio.sleep(rng.uniform(0.01, 0.1))
+        await asyncio.sleep(jitter.uniform(0.01, 0.1))
 
 
-async def _send(ws, clip, prompt, sent_from: int, flushed: bool, rng: random.Random, config: SoakConfig,
-                stats: ClientStats) -> None:
+async def _send(ws, clip, prompt, sent_from: int, flushed: bool, plan: FaultPlan, jitter: random.Random,
+                config: SoakConfig, stats: ClientStats) -> None:
     """Send the frames from ``sent_from`` on in random splits (the first carrying the prompt), then the flush."""
     from safetensors.torch import save
 
@@ -297,19 +325,20 @@ async def _send(ws, clip, prompt, sent_from: int, flushed: bool, rng: random.Ran
     cursor = sent_from
     if not flushed:
         while cursor < total:
-            size = min(rng.randint(1, config.max_chunk_frames), total - cursor)
-            tensors = {"latents": clip[:, :, cursor : cursor + size].contiguous()}
+            end = plan.next_boundary(cursor)
+            tensors = {"latents": clip[:, :, cursor:end].contiguous()}
             if cursor == 0:
                 tensors["prompt_embeds"] = prompt
             await ws.send(save(tensors))
-            cursor += size
+            cursor = end
             stats.sent_high = max(stats.sent_high, cursor)
-            if stats.drops < config.max_drops_per_session and rng.random() < config.drop_after_send:
+            if end in plan.drop_after_send_end:
+                plan.drop_after_send_end.discard(end)
                 stats.drops += 1
                 # The message may or may not have reached the server; the next session event says which.
                 ws.transport.abort()
                 return
-            await asyncio.sleep(rng.uniform(0, config.send_pause_s))
+            await asyncio.sleep(jitter.uniform(0, config.send_pause_s))
     await ws.send(json.dumps({"type": "flush"}))
 
 
@@ -419,7 +448,7 @@ async def _soak(config: SoakConfig, workdir: Path) -> dict[str, Any]:
         units_received=sum(s.units for s in stats),
         disconnects_injected=sum(s.drops for s in stats),
         reconnects=sum(s.connections for s in stats) - config.sessions,
-        reconnects_refused_during_restart=sum(s.reconnect_refusals for s in stats),
+        reconnect_attempts_refused=sum(s.reconnect_refusals for s in stats),
         frames_resent_by_clients=sum(s.resent_frames for s in stats),
         last_exit_code=exit_code,
         stream_seconds=round(stream_seconds, 1),
