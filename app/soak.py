@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -368,6 +369,9 @@ async def _soak(config: SoakConfig, workdir: Path) -> dict[str, Any]:
     shared = Shared(config, deadline=started + config.deadline_s)
     port = free_port()
     cache_dir, snapshot_dir = workdir / "cache", workdir / "snapshots"
+    # The last server's drain leaves the run's sessions here; a reused workdir must not restore them.
+    if snapshot_dir.is_dir():
+        shutil.rmtree(snapshot_dir)
     server_settings = dict(
         log_level="warning",
         max_sessions=max(16, config.sessions),
