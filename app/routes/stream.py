@@ -37,7 +37,7 @@ from models.session import Unit
 from ..codec import LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode, encode
 from ..deps import check_payload
 from ..engine import ChunkJob
-from ..errors import WS_MESSAGE_TOO_BIG, WS_NORMAL, WS_POLICY_VIOLATION, ApiError, from_exception
+from ..errors import WS_MESSAGE_TOO_BIG, WS_NORMAL, WS_POLICY_VIOLATION, WS_TRY_AGAIN_LATER, ApiError, from_exception
 from ..registry import SessionHandle
 from ..resume import SentUnit
 from ..services import Services
@@ -170,9 +170,9 @@ class StreamConnection:
         if handle.stream is self:  # not taken over by a newer connection
             handle.stream = None
             handle.streaming = False
+            self.services.registry.touch(handle)
             # The client left before the end of the stream: keep the session ws_reattach_grace_s for it to
             # reattach. A stream the server closed (an error, a deletion) leaves the session as it was.
-            self.services.registry.touch(handle)
             if self.dropped and not handle.session.state.flushed:
                 self.services.registry.detach(handle)
         self._done.set()
@@ -212,6 +212,13 @@ class StreamConnection:
         jobs = list(handle.stream_jobs)
         if jobs:
             await asyncio.wait(jobs, timeout=self.settings.drain_timeout_s)
+        if handle.stream_jobs:
+            # Counts taken now could still move, and the client would resend frames the session gets anyway.
+            self._report(
+                ApiError("engine_busy", "the previous connection's messages are still being refined; reconnect shortly"),
+                close_code=WS_TRY_AGAIN_LATER,
+            )
+            return False
         if handle.stream is not self:
             self.close(WS_POLICY_VIOLATION, "another connection resumed this session")
             return False
