@@ -10,6 +10,7 @@ from fastapi import Depends
 from pydantic import BeforeValidator
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
+from models import SessionConfig
 from models.session import SessionState, Unit
 
 from .codec import LATENTS, OCTET_STREAM, PROMPT_EMBEDS, encode
@@ -120,6 +121,18 @@ def check_payload(
             f"the payload holds {latents.shape[2]} frames, more than the limit of {max_frames} ({frames_setting}); "
             "split it into smaller chunks",
         )
+    if latents.ndim == 5 and latents.shape[0] > settings.max_batch:
+        raise ApiError(
+            "invalid_input",
+            f"latents have batch {latents.shape[0]}, more than the limit of {settings.max_batch} (max_batch); "
+            "split the batch over several sessions",
+        )
+    if latents.ndim == 5 and latents.shape[3] * latents.shape[4] > settings.max_frame_tokens:
+        raise ApiError(
+            "invalid_input",
+            f"latent frames of {latents.shape[3]}x{latents.shape[4]} = {latents.shape[3] * latents.shape[4]} "
+            f"tokens exceed the limit of {settings.max_frame_tokens} (max_frame_tokens); send smaller frames",
+        )
     embeds = tensors.get(PROMPT_EMBEDS)
     if embeds is not None and embeds.ndim == 3 and embeds.shape[1] > settings.max_prompt_tokens:
         raise ApiError(
@@ -153,3 +166,22 @@ def units_payload(
         latents = latents.to(torch.float32)
     meta = {"frame_start": frame_start, "frame_end": frame_end, **(metadata or {})}
     return encode({LATENTS: latents}, meta)
+
+
+def check_config_limits(config: SessionConfig, settings: Settings) -> SessionConfig:
+    """Refuse a valid config whose window or step count exceeds what this server allows (422, naming the
+    setting), so one client cannot claim unbounded memory or compute."""
+    window = config.kv_max_frames + config.block_size
+    if window > settings.max_window_frames:
+        raise ApiError(
+            "invalid_config",
+            f"kv_max_frames + block_size = {window} exceeds this server's limit of {settings.max_window_frames} "
+            "(max_window_frames); ask for a smaller window",
+        )
+    if config.steps > settings.max_denoise_steps:
+        raise ApiError(
+            "invalid_config",
+            f"{len(config.sigmas)} sigmas make {config.steps} forwards per block, more than this server's limit of "
+            f"{settings.max_denoise_steps} (max_denoise_steps); send a shorter schedule",
+        )
+    return config

@@ -59,6 +59,15 @@ class Settings(BaseSettings):
     max_frames_per_chunk: PositiveInt = 64
     max_clip_frames: PositiveInt = 512
     max_prompt_tokens: PositiveInt = 1024
+    # A session's memory and compute follow from what its client asks for; these caps bound them server-side.
+    max_window_frames: PositiveInt = Field(
+        default=64, description="largest kv_max_frames + block_size a session may ask for (bounds its KV cache)"
+    )
+    max_denoise_steps: PositiveInt = Field(default=16, description="most sigmas - 1 (forwards per block) a session may ask for")
+    max_frame_tokens: PositiveInt = Field(
+        default=4096, description="largest H x W per latent frame (4096 covers 2048x2048 pixels)"
+    )
+    max_batch: PositiveInt = Field(default=4, description="largest batch B per session")
     session_idle_timeout_s: PositiveFloat = 600.0
     evicted_ids_remembered: PositiveInt = 10_000
     engine_queue_depth: PositiveInt = 64

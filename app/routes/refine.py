@@ -16,6 +16,7 @@ from ..deps import (
     OCTET_RESPONSE,
     PlainInteger,
     ServicesDep,
+    check_config_limits,
     check_payload,
     read_body,
     reject_unknown_query,
@@ -58,6 +59,7 @@ async def refine(
     )
     defaults = settings.session_defaults().to_dict()
     config = SessionConfig.from_dict({**defaults, **{k: v for k, v in asked.items() if v is not None}})
+    check_config_limits(config, settings)
     require_content_type(request, OCTET_STREAM)
     body = await read_body(request, settings.max_body_bytes)
     tensors = decode(body)

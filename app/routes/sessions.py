@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from models import SessionConfig
 
-from ..deps import ServicesDep, read_body, reject_unknown_query, require_content_type
+from ..deps import ServicesDep, check_config_limits, read_body, reject_unknown_query, require_content_type
 from ..errors import ApiError
 from ..openapi import (
     FPS_MAX,
@@ -73,7 +73,7 @@ async def create_session(request: Request, services: ServicesDep) -> JSONRespons
     body = await read_body(request, min(MAX_CONFIG_BYTES, services.settings.max_body_bytes))
     fields = parse_config_body(request, body)
     defaults = services.settings.session_defaults().to_dict()
-    config = SessionConfig.from_dict({**defaults, **fields})
+    config = check_config_limits(SessionConfig.from_dict({**defaults, **fields}), services.settings)
     handle = services.registry.create(services.require_model(), config)
     return JSONResponse({"session_id": handle.id, "config": config.to_dict()}, status_code=201)
 

@@ -570,3 +570,45 @@ def test_a_failing_forward_fails_only_its_request(small_server, expected):
         assert live_state(http, session_id) == state
     live_finish(http, target, expected)
     live_finish(http, bystander, expected)
+
+
+# --- server-side caps on what one session may cost ------------------------------------------------------------
+
+
+def test_session_caps_are_enforced(tmp_path):
+    """Configs and chunks beyond the server's per-session caps get 422 naming the setting; within them, fine."""
+    from fastapi.testclient import TestClient
+    from safetensors.torch import save
+
+    from app.main import create_app
+    from app.settings import Settings
+    from models.checkpoints import write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "tiny", preset="tiny")
+    settings = Settings(
+        model=str(folder), warmup=False, max_window_frames=8, max_denoise_steps=2, max_frame_tokens=12, max_batch=1,
+        default_kv_max_frames=5,
+    )
+    with TestClient(create_app(settings)) as client:
+        for body, setting in [
+            ({"kv_max_frames": 6, "block_size": 3}, "max_window_frames"),
+            ({"sigmas": [0.9, 0.6, 0.3, 0.0]}, "max_denoise_steps"),
+        ]:
+            response = client.post("/v1/sessions", json=body)
+            assert response.status_code == 422 and setting in response.json()["error"]["message"], body
+        response = client.post("/v1/refine?kv_max_frames=7&block_size=2", content=b"x",
+                               headers={"content-type": "application/octet-stream"})
+        assert response.status_code == 422 and "max_window_frames" in response.text
+        session = client.post("/v1/sessions", json={"sigmas": [0.9, 0.5, 0.0]}).json()["session_id"]
+        embeds = torch.randn(1, 4, 32)
+        for latents, setting in [(torch.randn(1, 128, 2, 4, 4), "max_frame_tokens"),
+                                 (torch.randn(2, 128, 2, 3, 4), "max_batch")]:
+            response = client.post(f"/v1/sessions/{session}/chunks", content=save(
+                {"latents": latents, "prompt_embeds": embeds.expand(latents.shape[0], -1, -1).contiguous()}),
+                headers={"content-type": "application/octet-stream"})
+            assert response.status_code == 422 and setting in response.json()["error"]["message"]
+        assert client.get(f"/v1/sessions/{session}").json()["frames_received"] == 0
+        response = client.post(f"/v1/sessions/{session}/chunks", content=save(
+            {"latents": torch.randn(1, 128, 4, 3, 4), "prompt_embeds": embeds}),
+            headers={"content-type": "application/octet-stream"})
+        assert response.status_code == 200
