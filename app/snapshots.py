@@ -15,16 +15,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 from models import Refiner, RefinerSession, SessionState
-from models.snapshot import SnapshotError, session_from_tensors, session_to_tensors
+from models.snapshot import (
+    SnapshotError,
+    fsync_dir,
+    read_tensors,
+    session_from_tensors,
+    session_to_tensors,
+    write_atomically,
+)
 
 from .resume import SentUnit
 
@@ -77,29 +81,12 @@ def save_record(folder: Path, record: SessionRecord) -> Path:
         tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.payload)
     if record.last_response is not None:
         tensors[LAST_RESPONSE_TENSOR] = _bytes_tensor(record.last_response)
-    path = snapshot_path(folder, record.session_id)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(folder)
-    return path
+    return write_atomically(snapshot_path(folder, record.session_id), tensors, metadata)
 
 
 def load_record(path: Path, refiner: Refiner) -> SessionRecord:
     """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model."""
-    try:
-        tensors = load_file(str(path))
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise SnapshotError(f"{path.name}: unreadable snapshot ({exc})") from None
+    tensors, metadata = read_tensors(path)
     try:
         fields = json.loads(metadata["app"])
         if fields.get("format") != APP_FORMAT:
@@ -150,7 +137,7 @@ def restore_all(folder: Path, refiner: Refiner) -> list[SessionRecord]:
             continue
         path.unlink()
     if records:
-        _fsync_dir(folder)
+        fsync_dir(folder)
     return records
 
 
@@ -162,17 +149,3 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.to(torch.uint8).contiguous().numpy().tobytes()
-
-
-def _fsync_dir(folder: Path) -> None:
-    # The rename is only durable once the directory entry is; not every platform can open a directory.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

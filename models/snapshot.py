@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .attention import LayerKV
@@ -130,11 +130,11 @@ def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], met
     return session, metadata
 
 
-def save_snapshot(path: str | Path, session: RefinerSession, extra: dict[str, str] | None = None) -> Path:
-    """Write the session to ``path`` atomically."""
+def write_atomically(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """Write a safetensors file so that a crash leaves the previous file or none: temporary file in the same
+    folder, fsync, rename, fsync of the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors, metadata = session_to_tensors(session, extra)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -145,17 +145,42 @@ def save_snapshot(path: str | Path, session: RefinerSession, extra: dict[str, st
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
     return path
+
+
+def fsync_dir(folder: Path) -> None:
+    # A rename is only durable once the directory entry is; not every platform can open a directory.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file; ``SnapshotError`` when it cannot be read."""
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SnapshotError(f"{Path(path).name}: unreadable snapshot ({exc})") from None
+    return tensors, metadata
+
+
+def save_snapshot(path: str | Path, session: RefinerSession, extra: dict[str, str] | None = None) -> Path:
+    """Write the session to ``path`` atomically."""
+    tensors, metadata = session_to_tensors(session, extra)
+    return write_atomically(path, tensors, metadata)
 
 
 def load_snapshot(path: str | Path, refiner: Refiner):
     """(session, metadata) from a snapshot file; ``SnapshotError`` if it is corrupt or foreign."""
-    try:
-        tensors = load_file(str(path))
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise SnapshotError(f"{path}: unreadable snapshot ({exc})") from None
+    tensors, metadata = read_tensors(path)
     return session_from_tensors(refiner, tensors, metadata)
