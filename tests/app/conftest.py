@@ -23,20 +23,11 @@ from app.serve import build_server
 from app.settings import Settings
 from models import SessionConfig, load_refiner, refine_clip
 from models.checkpoints import write_checkpoint
+from tests.reference import reference_refine as reference_pipeline
 
 # Every wait in these tests polls until a deadline; the deadline only bounds a broken run.
 DEADLINE_S = 60.0
 OCTET = {"content-type": "application/octet-stream"}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread():
-    # The tiny model gains nothing from threads, and on a busy 2-core machine OpenMP workers spinning against
-    # each other make a 10 ms block take seconds.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -192,31 +183,12 @@ def expected_clip(refiner, latents, embeds, mask=None, **config) -> torch.Tensor
 
 def reference_refine(checkpoint_dir, latents, embeds, mask=None, *, seed=42, fps=16.0, sink_frames=1,
                      block_size=3, kv_max_frames=11) -> torch.Tensor:
-    """diffusers' ``SanaWMLTX2Refiner.__call__`` on its own model instance, text encoder replaced."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SanaWMLTX2RefinerTransformer3DModel
-    from diffusers.pipelines.sana_wm.refiner import SanaWMLTX2Refiner
+    """diffusers' ``SanaWMLTX2Refiner.__call__`` on its own model instance loaded from ``checkpoint_dir``."""
+    from diffusers import SanaWMLTX2RefinerTransformer3DModel
 
     model = SanaWMLTX2RefinerTransformer3DModel.from_pretrained(str(checkpoint_dir), low_cpu_mem_usage=False)
-    pipe = SanaWMLTX2Refiner(
-        transformer=model,
-        connectors=None,
-        tokenizer=None,
-        text_encoder=None,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    attention = torch.ones(embeds.shape[:2]) if mask is None else mask
-    pipe._encode_prompt = lambda prompt, device, dtype: (embeds.to(device, dtype), attention.to(device))
-    return pipe(
-        latents,
-        "unused: the prompt embeddings are fixed",
-        fps=fps,
-        sink_size=sink_frames,
-        block_size=block_size,
-        kv_max_frames=kv_max_frames,
-        generator=torch.Generator("cpu").manual_seed(seed),
-        output_type="latent",
-    )
+    return reference_pipeline(model, latents, embeds, mask, seed=seed, fps=fps, sink=sink_frames, block=block_size,
+                              kv_max=kv_max_frames)
 
 
 def session_state(client, session_id: str) -> dict:

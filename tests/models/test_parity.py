@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 from models import RefinerSession, SessionConfig, from_model, refine_clip
 from models.checkpoints import build_model
 
-from .conftest import make_inputs, reference_refine
+from tests.reference import reference_refine
+
+from .conftest import make_inputs
 
 # (name, model overrides, batch, sink, block, kv_max, frames, padded prompt mask)
 CASES = [
