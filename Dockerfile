@@ -25,7 +25,7 @@ RUN if ! command -v python3.11 >/dev/null 2>&1; then \
     && python3.11 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
-RUN useradd --create-home --uid 1000 app && mkdir -p /cache /models && chown app /cache
+RUN useradd --create-home --uid 1000 app && mkdir -p /cache /models /snapshots && chown app /cache /snapshots
 WORKDIR /srv/wm-refiner
 
 # Dependencies first (cached while only the code changes), then the code; the README's install command.
@@ -42,6 +42,7 @@ ENV WM_REFINER_HOST=0.0.0.0 \
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \
     CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2)"
-# SIGTERM starts the drain (stop admitting, finish in-flight blocks, close streams with 1001).
+# SIGTERM starts the drain (stop admitting, finish in-flight blocks, save sessions if WM_REFINER_SNAPSHOT_DIR is
+# set, close streams with 1012 or 1001).
 STOPSIGNAL SIGTERM
 CMD ["python", "-m", "app", "serve"]

@@ -6,7 +6,7 @@ metadata ``frame_start``, ``frame_end``, ``latency_ms``), ``{"type": "error", "e
 rejected message (the session goes on as if it never arrived), and after a flush ``{"type": "done",
 "frames": N}`` and close 1000. The connection is closed with an error only when the session cannot continue.
 
-Reattach (docs/service.md): ``?resume_from=N`` on the URL makes the connection a resume of the session's stream.
+Reattach (README, "Reattach and restarts"): ``?resume_from=N`` on the URL makes the connection a resume of the session's stream.
 It takes the session over from a previous connection that is still open (a dropped client whose socket the
 server has not noticed yet), waits until every message that connection handed to the engine is done, then
 sends ``{"type": "session", ...}`` (frames received and returned, next seq, flushed) and again every retained
