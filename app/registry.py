@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from models import Refiner, RefinerSession, SessionConfig
+from models import Prompt, Refiner, RefinerSession, SessionConfig
 
 from .engine import Lane
 from .errors import ApiError
@@ -108,7 +108,7 @@ class Registry:
     def handles(self) -> list[SessionHandle]:
         return list(self._sessions.values())
 
-    def create(self, refiner: Refiner, config: SessionConfig) -> SessionHandle:
+    def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None = None) -> SessionHandle:
         self.evict_idle()
         if len(self._sessions) >= self.max_sessions:
             raise ApiError(
@@ -117,7 +117,7 @@ class Registry:
                 f"longer need or retry in {self.retry_after_s} s",
             )
         session_id = uuid.uuid4().hex
-        lane = Lane(session=RefinerSession(refiner, config), name=f"session {session_id}")
+        lane = Lane(session=RefinerSession(refiner, config, prompt), name=f"session {session_id}")
         return self.adopt(session_id, lane)
 
     def adopt(self, session_id: str, lane: Lane, detached: bool = False) -> SessionHandle:

@@ -22,7 +22,10 @@ from typing import Any, Callable
 
 import torch
 
-from models import Refiner, RefinerSession, load_refiner
+from safetensors.torch import load_file
+
+from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, load_refiner
+from models.session import check_prompt
 
 from .engine import ChunkJob, Engine, Lane
 from .errors import WS_GOING_AWAY, WS_SERVICE_RESTART, ApiError
@@ -55,6 +58,7 @@ class Services:
             queue=lambda: self.engine.outstanding,
         )
         self.refiner: Refiner | None = None
+        self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
         self.not_ready_reason: str | None = "loading the model"
         self.draining = False
         self.streams: set[Any] = set()  # open WebSocket streams (app.routes.stream.StreamConnection)
@@ -89,6 +93,9 @@ class Services:
             torch.set_num_threads(settings.torch_threads)
         self.refiner = await self.engine.call(lambda: _load(settings))
         log.info("loaded %s", self.refiner.info.to_dict())
+        if settings.default_prompt is not None:
+            refiner = self.refiner
+            self.default_prompt = await self.engine.call(lambda: load_default_prompt(settings.default_prompt, refiner))
         if settings.snapshot_dir is not None:
             await self._restore(Path(settings.snapshot_dir).expanduser())
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
@@ -275,3 +282,21 @@ def ensure_embedded_model(folder: Path) -> Path:
 
 def _load(settings: Settings) -> Refiner:
     return load_refiner(model_dir(settings), device=settings.device, dtype=settings.dtype)
+
+
+def load_default_prompt(path: Path, refiner: Refiner) -> Prompt:
+    """The server's default prompt conditioning; a bad file stops start-up with a message naming it."""
+    path = Path(path).expanduser()
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # missing, unreadable or not safetensors: the operator must fix the setting
+        raise ModelLoadError(
+            f"default_prompt {str(path)!r} is not a readable safetensors file ({exc}); write prompt_embeds "
+            "(1, L, caption_channels) with safetensors.torch.save_file"
+        ) from None
+    if "prompt_embeds" not in tensors:
+        raise ModelLoadError(f"default_prompt {str(path)!r} holds no 'prompt_embeds' tensor (found {sorted(tensors)})")
+    try:
+        return check_prompt(refiner, tensors["prompt_embeds"], tensors.get("prompt_attention_mask"), batch=1)
+    except RefinerError as exc:
+        raise ModelLoadError(f"default_prompt {str(path)!r}: {exc}") from None

@@ -85,6 +85,14 @@ class Settings(BaseSettings):
         default=None, description="where drain writes live sessions and start-up restores them; unset: none"
     )
 
+    # --- prompt ------------------------------------------------------------------------------------------------
+    default_prompt: Path | None = Field(
+        default=None,
+        description="safetensors file with prompt_embeds (1, L, caption_channels) and optionally "
+        "prompt_attention_mask (1, L), used by sessions and clips whose first chunk carries no prompt; unset: "
+        "the first chunk must carry one",
+    )
+
     # --- warm-up -------------------------------------------------------------------------------------------
     warmup: bool = True
     warmup_height: PositiveInt = 4

@@ -192,9 +192,11 @@ class RefinerSession:
 
         prompt = None
         if prompt_embeds is not None:
-            prompt = self._check_prompt(prompt_embeds, prompt_attention_mask, batch)
+            prompt = check_prompt(self.refiner, prompt_embeds, prompt_attention_mask, batch)
         elif prompt_attention_mask is not None:
             raise MissingInputError("prompt_attention_mask was sent without prompt_embeds; send both or neither")
+        elif state.prompt is not None and state.prompt.embeds.shape[0] != batch:
+            prompt = _broadcast_prompt(state.prompt, batch)
         if prompt is None and state.prompt is None and latents.shape[2] > 0:
             raise MissingInputError(
                 "the first chunk with frames must carry prompt_embeds (B, L, "
@@ -202,32 +204,6 @@ class RefinerSession:
             )
         device, dtype = self.refiner.device, self.refiner.dtype
         return Chunk(latents=latents.to(device=device, dtype=dtype), prompt=prompt)
-
-    def _check_prompt(self, embeds: torch.Tensor, mask: torch.Tensor | None, batch: int) -> Prompt:
-        info = self.refiner.info
-        _check_tensor("prompt_embeds", embeds, LATENT_DTYPES)
-        if embeds.ndim != 3 or embeds.shape[0] != batch or embeds.shape[2] != info.caption_channels:
-            raise InvalidInputError(
-                f"prompt_embeds must be shaped (B={batch}, L, {info.caption_channels}), got {tuple(embeds.shape)}"
-            )
-        length = int(embeds.shape[1])
-        if length < 1:
-            raise InvalidInputError("prompt_embeds has no tokens (L = 0); send at least one")
-        _check_finite("prompt_embeds", embeds)
-        device, dtype = self.refiner.device, self.refiner.dtype
-        if mask is None:
-            # A missing mask means "attend to every token": the reference passes an all-ones mask then.
-            mask_values = torch.ones(batch, length, device=device, dtype=dtype)
-        else:
-            _check_tensor("prompt_attention_mask", mask, MASK_DTYPES)
-            if tuple(mask.shape) != (batch, length):
-                raise InvalidInputError(
-                    f"prompt_attention_mask must be shaped (B, L) = ({batch}, {length}), got {tuple(mask.shape)}"
-                )
-            if mask.is_floating_point():
-                _check_finite("prompt_attention_mask", mask)
-            mask_values = (mask != 0).to(device=device, dtype=dtype)
-        return Prompt(embeds=embeds.to(device=device, dtype=dtype), mask=mask_values)
 
     def append(self, chunk: Chunk, flush: bool = False) -> None:
         """Add a checked chunk's frames (and prompt) to the pending frames. Bookkeeping only."""
@@ -437,6 +413,46 @@ class RefinerSession:
             for old, new in zip(history or [None] * num_layers, captured)
         )
         return StepResult(plan, x, new_history=new_history, rng_state=generator.get_state())
+
+
+def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | None, batch: int) -> Prompt:
+    """Validate prompt conditioning for ``batch`` streams and cast it to the model: embeds (B, L, caption_channels),
+    mask (B, L) of any dtype (nonzero = attend; absent = all ones)."""
+    info = refiner.info
+    _check_tensor("prompt_embeds", embeds, LATENT_DTYPES)
+    if embeds.ndim != 3 or embeds.shape[0] != batch or embeds.shape[2] != info.caption_channels:
+        raise InvalidInputError(
+            f"prompt_embeds must be shaped (B={batch}, L, {info.caption_channels}), got {tuple(embeds.shape)}"
+        )
+    length = int(embeds.shape[1])
+    if length < 1:
+        raise InvalidInputError("prompt_embeds has no tokens (L = 0); send at least one")
+    _check_finite("prompt_embeds", embeds)
+    device, dtype = refiner.device, refiner.dtype
+    if mask is None:
+        # A missing mask means "attend to every token": the reference passes an all-ones mask then.
+        mask_values = torch.ones(batch, length, device=device, dtype=dtype)
+    else:
+        _check_tensor("prompt_attention_mask", mask, MASK_DTYPES)
+        if tuple(mask.shape) != (batch, length):
+            raise InvalidInputError(
+                f"prompt_attention_mask must be shaped (B, L) = ({batch}, {length}), got {tuple(mask.shape)}"
+            )
+        if mask.is_floating_point():
+            _check_finite("prompt_attention_mask", mask)
+        mask_values = (mask != 0).to(device=device, dtype=dtype)
+    return Prompt(embeds=embeds.to(device=device, dtype=dtype), mask=mask_values)
+
+
+def _broadcast_prompt(prompt: Prompt, batch: int) -> Prompt:
+    """A one-stream prompt (a server's default) reused for every stream of a batch."""
+    if prompt.embeds.shape[0] != 1:
+        raise InvalidInputError(
+            f"this session's prompt has batch {prompt.embeds.shape[0]} but the latents have batch {batch}; send "
+            "prompt_embeds (B, L, D) matching the latents"
+        )
+    mask = None if prompt.mask is None else prompt.mask.expand(batch, -1).contiguous()  # (B, L)
+    return Prompt(embeds=prompt.embeds.expand(batch, -1, -1).contiguous(), mask=mask)  # (B, L, D)
 
 
 def _newest(tokens: torch.Tensor, keep: int) -> torch.Tensor:

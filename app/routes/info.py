@@ -26,6 +26,7 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             "details": model.to_dict(),
         },
         "default_session_config": services.settings.session_defaults().to_dict(),
+        "default_prompt": services.default_prompt is not None,
         "limits": services.settings.limits(),
         "ready": services.not_ready_reason is None,
     }

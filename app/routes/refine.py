@@ -64,19 +64,20 @@ async def refine(
     body = await read_body(request, settings.max_body_bytes)
     tensors = decode(body)
     latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames")
-    if PROMPT_EMBEDS not in tensors:
+    if PROMPT_EMBEDS not in tensors and services.default_prompt is None:
         raise ApiError(
             "missing_input",
             "the payload has no 'prompt_embeds' tensor; a clip needs prompt_embeds (B, L, caption_channels) and "
-            "optionally prompt_attention_mask (B, L)",
+            "optionally prompt_attention_mask (B, L) (this server has no default_prompt)",
         )
     # A one-shot clip is a session of its own: it takes turns with the streams block by block.
-    lane = Lane(session=RefinerSession(services.require_model(), config), name="one-shot clip")
+    session = RefinerSession(services.require_model(), config, services.default_prompt)
+    lane = Lane(session=session, name="one-shot clip")
     shape = tuple(latents.shape)
     job = ChunkJob(
         lane,
         latents,
-        tensors[PROMPT_EMBEDS],
+        tensors.get(PROMPT_EMBEDS),
         tensors.get(PROMPT_MASK),
         flush=True,
         one_shot=True,

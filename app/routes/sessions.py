@@ -74,7 +74,7 @@ async def create_session(request: Request, services: ServicesDep) -> JSONRespons
     fields = parse_config_body(request, body)
     defaults = services.settings.session_defaults().to_dict()
     config = check_config_limits(SessionConfig.from_dict({**defaults, **fields}), services.settings)
-    handle = services.registry.create(services.require_model(), config)
+    handle = services.registry.create(services.require_model(), config, services.default_prompt)
     return JSONResponse({"session_id": handle.id, "config": config.to_dict()}, status_code=201)
 
 
