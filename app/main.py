@@ -116,6 +116,19 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
+class ResponseStart:
+    """An ASGI ``send`` that notes the status once the response has started (None before)."""
+
+    def __init__(self, send):
+        self.send = send
+        self.status: int | None = None
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+
 class AnswerUnexpectedErrors:
     """A bug or a device failure in a route (say, a forward out of memory) answers 500 with the envelope, like
     every other error, on a connection that stays usable.
@@ -133,18 +146,11 @@ class AnswerUnexpectedErrors:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def send_and_note(message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        response = ResponseStart(send)
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive, response)
         except Exception as exc:
-            if started:  # too late for a clean answer; let the server end the connection
+            if response.status is not None:  # too late for a clean answer; let the server end the connection
                 raise
             log.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
             await error_response(from_exception(exc), self.services)(scope, receive, send)
@@ -162,17 +168,11 @@ class HttpMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = 500
-
-        async def send_and_note(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        response = ResponseStart(send)
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive, response)
         finally:
+            status = 500 if response.status is None else response.status
             self.services.metrics.http_request_duration.labels(
                 route=self._template(scope), method=scope["method"], status=str(status)
             ).observe(time.perf_counter() - started)

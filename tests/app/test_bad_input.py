@@ -26,14 +26,13 @@ from .conftest import (
     expected_clip,
     payload,
     read_latents,
-    running_app,
     wait_until,
 )
-from .test_errors import (
+from .test_errors import (  # noqa: F401 (client: the same module-scoped app with the same limits)
     CHUNK_CASES,
+    client,
     EMBEDS,
     LATENTS,
-    LIMITS,
     MASK,
     assert_error,
     finish_and_check,
@@ -57,15 +56,6 @@ STABLE_FIELDS = (
     "kv_cache_bytes",
     "pending_bytes",
 )
-
-
-@pytest.fixture(scope="module")
-def client(checkpoint_dir, tmp_path_factory):
-    settings = Settings(
-        model=str(checkpoint_dir), device="cpu", dtype="float32", cache_dir=tmp_path_factory.mktemp("cache"), **LIMITS
-    )
-    with running_app(settings) as client:
-        yield client
 
 
 @pytest.fixture(autouse=True)
