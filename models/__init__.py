@@ -6,14 +6,30 @@
         ...                                            # the sink once, then each refined block
     session.flush()                                    # the final short block
 
-or, for a whole clip, ``refine_clip(refiner, latents, prompt_embeds)``.
+or, for a whole clip, ``refine_clip(refiner, latents, prompt_embeds)``. Several sessions' forwards run as one
+model call with ``run_batch`` (what the service's engine does); a session's bytes do not depend on which
+sessions share its forwards (``models.determinism``).
 """
 
-from .attention import CaptureError, ForwardWindow, KVCapture, LayerKV, WindowAttnProcessor, install_processors
-from .checkpoints import PRESETS, build_model, write_checkpoint
-from .clip import refine_clip
-from .config import DEFAULT_SIGMAS, SessionConfig
-from .errors import (
+from .determinism import request_reproducible_gemm
+
+# Before torch runs its first GEMM: see models.determinism.
+request_reproducible_gemm()
+
+from .attention import (  # noqa: E402
+    CaptureError,
+    ForwardWindow,
+    KVWrites,
+    PreparedPrompt,
+    PromptAttnProcessor,
+    RowWindow,
+    WindowAttnProcessor,
+    install_processors,
+)
+from .checkpoints import PRESETS, build_model, write_checkpoint  # noqa: E402
+from .clip import refine_clip  # noqa: E402
+from .config import DEFAULT_SIGMAS, SessionConfig  # noqa: E402
+from .errors import (  # noqa: E402
     InvalidConfigError,
     InvalidInputError,
     MissingInputError,
@@ -21,39 +37,48 @@ from .errors import (
     RefinerError,
     StreamClosedError,
 )
-from .forward import Prompt, run_forward
-from .loading import ModelInfo, Refiner, from_model, load_refiner
-from .session import Chunk, RefinerSession, SessionState, StepPlan, StepResult, Unit
+from .forward import Prompt  # noqa: E402
+from .kv import SessionKV, WindowLayout  # noqa: E402
+from .loading import ModelInfo, Refiner, from_model, load_refiner  # noqa: E402
+from .session import BlockRun, Chunk, RefinerSession, SessionCheckpoint, SessionState, StepPlan, Unit  # noqa: E402
+from .step import RowForward, prepare_prompt, run_batch  # noqa: E402
 
 __all__ = [
+    "BlockRun",
     "CaptureError",
     "Chunk",
     "DEFAULT_SIGMAS",
     "ForwardWindow",
     "InvalidConfigError",
     "InvalidInputError",
-    "KVCapture",
-    "LayerKV",
+    "KVWrites",
     "MissingInputError",
     "ModelInfo",
     "ModelLoadError",
     "PRESETS",
+    "PreparedPrompt",
     "Prompt",
+    "PromptAttnProcessor",
     "Refiner",
     "RefinerError",
     "RefinerSession",
+    "RowForward",
+    "RowWindow",
+    "SessionCheckpoint",
     "SessionConfig",
+    "SessionKV",
     "SessionState",
     "StepPlan",
-    "StepResult",
     "StreamClosedError",
     "Unit",
     "WindowAttnProcessor",
+    "WindowLayout",
     "build_model",
     "from_model",
     "install_processors",
     "load_refiner",
+    "prepare_prompt",
     "refine_clip",
-    "run_forward",
+    "run_batch",
     "write_checkpoint",
 ]

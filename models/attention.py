@@ -1,37 +1,50 @@
-"""Windowed self-attention for the streaming refiner, and the K/V capture lifecycle.
+"""Self- and cross-attention of a batched refiner forward, and the lifecycle of the K/V each forward writes.
 
-Shape letters: B batch, N tokens, D inner dim, A heads.
+Shape letters: R rows of the batched call, B one session's batch, N tokens, D inner dim, A heads, L prompt
+length, T tokens per frame.
 
-The model keeps no per-session state. For each forward the caller builds a ``ForwardWindow`` from the
-session's cache; it is passed as diffusers' ``kv_cache`` and its mode is fixed at creation. If the mode
-captures, the window owns a ``KVCapture`` that is read exactly once through ``take()``. Everything that can
-leave a capture empty (a mode mismatch, a second read, a forward that never reached attention, a processor
-that ignores the window) raises ``CaptureError`` naming the layer, the mode, the likely cause and the fix.
+A batched forward carries blocks of several sessions, each with its own window, positions and prompt. The
+model keeps no per-session state: for each forward the caller builds a ``ForwardWindow`` holding one
+``RowWindow`` per session, passed to the blocks as diffusers' ``kv_cache`` (self-attention) and a
+``PromptBatch`` passed as ``encoder_hidden_states`` (cross-attention). Every op that mixes tokens runs per
+session, on exactly the shapes a solo forward uses; everything else (the linear layers, norms, the
+feed-forward) runs on the stacked rows. That is what makes a session's output independent of its neighbours
+(``models.determinism``).
 
-``WindowAttnProcessor`` performs the same operations, in the same order, as diffusers'
-``SanaWMLTX2RefinerAttnProcessor``, so absolute-position output is bit-identical to the reference; it adds
-rebased positions (history keys kept pre-RoPE and rotated to the current window) and float64 RoPE.
+``WindowAttnProcessor`` (attn1) does what diffusers' ``SanaWMLTX2RefinerAttnProcessor`` does, op for op, so the
+output stays bit-identical to the reference; but instead of concatenating ``[sink | history | block]`` per
+forward it writes the block's K/V into the session's window buffer (``models.kv``) and attends to the buffer.
+``PromptAttnProcessor`` (attn2) does what ``SanaWMLTX2AudioVideoAttnProcessor`` does, per session over that
+session's own unpadded prompt (padding a shorter prompt changes SDPA's bits); given a plain tensor it *is*
+diffusers' processor, so the model still runs under diffusers' own forward.
+
+The write lifecycle: each ``ForwardWindow`` owns a one-shot ``KVWrites`` record. Every layer registers its
+write for every session; the forward's driver calls ``verify()`` once, right after the forward. A commit
+keeps what the last forward wrote, so anything that could leave a write missing (a window made for another
+mode, a record read twice or reused, a forward that short-circuited before attention, a processor that
+ignores the window) raises ``CaptureError`` naming the layer, the mode, the likely cause and the fix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_sana_wm_refiner import SanaWMLTX2AudioVideoAttnProcessor
 
 from .errors import CaptureError
+from .kv import SessionKV
 from .rope import RopeTables, apply_rope
 
-# What a forward does with the cache:
-#   sink:    no prefix; capture pre-RoPE K/V of the sink frames.
-#   denoise: attend to [sink | history | block]; capture nothing.
-#   commit:  attend to [sink | history | block]; capture the block's K/V for the history
-#            (post-RoPE with absolute positions, pre-RoPE with rebased ones).
+# What a forward does with its session's cache:
+#   sink:    no prefix; keep the sink's pre-RoPE K and its V.
+#   denoise: attend to [sink | history | block]; the block's K/V are scratch.
+#   commit:  the same; the block's K/V become history when the block is committed.
 WindowMode = Literal["sink", "denoise", "commit"]
 
-# The diffusers ``kv_cache_mode`` string each of our modes runs under (the model validates it).
+# The diffusers ``kv_cache_mode`` each kind of forward corresponds to (the model validates the string).
 DIFFUSERS_MODE: dict[str, str] = {
     "sink": "capture_pre_rope",
     "denoise": "inject",
@@ -39,120 +52,130 @@ DIFFUSERS_MODE: dict[str, str] = {
 }
 
 _FIX = (
-    "run forwards through models.forward.run_forward (it builds a fresh window per forward and reads its "
-    "capture once), and keep models.attention.WindowAttnProcessor on every block's attn1 "
-    "(models.attention.install_processors(model))"
+    "run forwards through models.step.run_batch (it builds a fresh window per forward and verifies its writes "
+    "once), and keep models.attention.WindowAttnProcessor on every block's attn1 and PromptAttnProcessor on "
+    "every attn2 (models.attention.install_processors(model))"
 )
 
 
 @dataclass(frozen=True)
-class LayerKV:
-    """One layer's K/V, each (B, N, D). ``rotated`` says whether RoPE has been applied to ``key``."""
+class PreparedPrompt:
+    """A session's prompt as cross-attention reads it: caption-projected embeds (B, L, D) and the additive mask
+    bias (B, 1, L) (None: attend to every token). Computed once per prompt, not per forward."""
 
-    key: torch.Tensor
-    value: torch.Tensor
-    rotated: bool
+    embeds: torch.Tensor
+    bias: torch.Tensor | None
 
 
-class KVCapture:
-    """The K/V one forward captured, one slot per layer; read once with ``take()``."""
+@dataclass(frozen=True)
+class RowWindow:
+    """One session's part of a batched forward: rows ``[row_start, row_end)`` of the stacked batch."""
 
-    def __init__(self, mode: WindowMode, num_layers: int, rotated: bool):
-        self.mode = mode
-        self.rotated = rotated
-        self._slots: list[LayerKV | None] = [None] * num_layers
-        self._taken = False
+    kv: SessionKV
+    mode: WindowMode
+    tables: RopeTables  # RoPE of the block's own tokens (queries and new keys)
+    history_frames: int  # the block slot starts after this many history frames
+    frames: int
+    row_start: int
+    row_end: int
+    prompt: PreparedPrompt
+    owner: object = None  # who this row belongs to (the session), for errors and fault injection in tests
 
-    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self._taken:
+    @property
+    def slot(self) -> tuple[int, int]:
+        """Token range this forward writes its K/V to; attention reads the window up to its end."""
+        if self.mode == "sink":
+            return 0, self.kv.layout.sink_tokens
+        return self.kv.layout.block(self.history_frames, self.frames)
+
+
+class KVWrites:
+    """Which (layer, session) pairs one forward wrote; read once with ``verify()``."""
+
+    def __init__(self, modes: Sequence[WindowMode], num_layers: int):
+        self.modes = list(modes)
+        self._written = [[False] * len(self.modes) for _ in range(num_layers)]
+        self._verified = False
+
+    @property
+    def mode(self) -> str:
+        kinds = sorted(set(self.modes))
+        return kinds[0] if len(kinds) == 1 else "+".join(kinds)
+
+    def mark(self, layer: int, row: int) -> None:
+        if self._verified:
             raise CaptureError(
-                f"layer {layer}: K/V stored into a capture of mode {self.mode!r} that was already read. "
+                f"layer {layer}: K/V written through a window of mode {self.mode!r} that was already verified. "
                 f"Cause: a window was reused for a second forward. Fix: {_FIX}."
             )
-        if self._slots[layer] is not None:
+        if self._written[layer][row]:
             raise CaptureError(
-                f"layer {layer}: a second K/V was stored into a capture of mode {self.mode!r}. Cause: a window "
-                f"was reused for a second forward, or a processor captured twice. Fix: {_FIX}."
+                f"layer {layer}: a second K/V write for session row {row} in one forward of mode {self.mode!r}. "
+                f"Cause: a window was reused for a second forward, or a processor wrote twice. Fix: {_FIX}."
             )
-        self._slots[layer] = LayerKV(key, value, self.rotated)
+        self._written[layer][row] = True
 
-    def take(self, processors: list[str] | None = None) -> list[LayerKV]:
-        """Every layer's K/V; raises if read before or if any layer is empty."""
-        if self._taken:
+    def verify(self, processors: list[str] | None = None) -> None:
+        """Raise unless every layer wrote every session's K/V exactly once in this forward."""
+        if self._verified:
             raise CaptureError(
-                f"capture of mode {self.mode!r} was already read (reading clears it). Cause: K/V collected twice. "
-                "Fix: keep the list returned by the first take() instead of reading again."
+                f"the K/V writes of a forward of mode {self.mode!r} were already verified. Cause: K/V collected "
+                "twice. Fix: verify each forward's window once, right after the forward."
             )
-        missing = [i for i, slot in enumerate(self._slots) if slot is None]
+        missing = [i for i, rows in enumerate(self._written) if not all(rows)]
         if missing:
             layer = missing[0]
             found = f" (attn1 processor there: {processors[layer]})" if processors else ""
             raise CaptureError(
-                f"missing captured K/V on layer {layer}{found} of {len(self._slots)} for mode {self.mode!r} "
+                f"missing captured K/V on layer {layer}{found} of {len(self._written)} for mode {self.mode!r} "
                 f"(layers without K/V: {missing}). Likely causes: the forward short-circuited or failed before "
                 "that layer's self-attention ran, or a custom attention processor ignores the window and its "
                 f"capture. Fix: {_FIX}."
             )
-        self._taken = True
-        slots = [slot for slot in self._slots if slot is not None]
-        self._slots = [None] * len(self._slots)
-        return slots
+        self._verified = True
 
 
 class LayerWindow:
-    """What one layer's self-attention reads from the cache during one forward (diffusers' layer cache slot)."""
+    """What one layer's self-attention reads and writes during one forward (diffusers' layer cache slot)."""
 
     def __init__(self, window: ForwardWindow, index: int):
         self.window = window
         self.index = index
 
     def check_mode(self, kv_cache_mode: str | None) -> None:
-        expected = DIFFUSERS_MODE[self.window.mode]
+        expected = self.window.kv_cache_mode
         if kv_cache_mode != expected:
             raise CaptureError(
                 f"layer {self.index}: the forward ran with kv_cache_mode={kv_cache_mode!r} but its window was "
-                f"created for mode {self.window.mode!r}, which needs kv_cache_mode={expected!r}. Cause: capture "
-                f"enabled in one mode and collected in another. Fix: {_FIX}."
+                f"created for mode {self.window.writes.mode!r}, which needs kv_cache_mode={expected!r}. Cause: "
+                f"capture enabled in one mode and collected in another. Fix: {_FIX}."
             )
 
 
 class ForwardWindow:
-    """The cache view of one forward, passed to diffusers as ``kv_cache``: fixed mode, optional capture.
+    """The cache view of one batched forward, passed to diffusers' blocks as ``kv_cache``."""
 
-    ``sink`` holds pre-RoPE sink K/V per layer (rotated here with ``sink_tables``); ``history`` holds the
-    history K/V per layer, post-RoPE (absolute) or pre-RoPE (rebased, rotated with ``history_tables``).
-    """
-
-    def __init__(
-        self,
-        mode: WindowMode,
-        num_layers: int,
-        sink: list[LayerKV] | None = None,
-        sink_tables: RopeTables | None = None,
-        history: list[LayerKV] | None = None,
-        history_tables: RopeTables | None = None,
-        capture_rotated: bool = True,
-    ):
-        if mode not in DIFFUSERS_MODE:
-            raise ValueError(f"unknown window mode {mode!r}; use one of {sorted(DIFFUSERS_MODE)}")
-        if mode == "sink" and (sink or history):
-            raise ValueError("a sink capture runs without a prefix: pass neither sink nor history")
-        if sink is not None and sink_tables is None:
-            raise ValueError("sink K/V is stored pre-RoPE: pass sink_tables to rotate it")
-        if history and not history[0].rotated and history_tables is None:
-            raise ValueError("pre-RoPE history K/V needs history_tables")
-        self.mode = mode
-        self.sink = sink
-        self.sink_pe = sink_tables  # the attribute diffusers' forward reads and hands to every layer
-        self.history = history
-        self.history_tables = history_tables
-        rotated = capture_rotated if mode == "commit" else False
-        self.capture = KVCapture(mode, num_layers, rotated) if mode != "denoise" else None
+    def __init__(self, rows: Sequence[RowWindow], num_layers: int):
+        if not rows:
+            raise ValueError("a forward needs at least one session")
+        for row in rows:
+            if row.mode not in DIFFUSERS_MODE:
+                raise ValueError(f"unknown window mode {row.mode!r}; use one of {sorted(DIFFUSERS_MODE)}")
+            if row.mode != "sink" and not row.kv.has_sink:
+                raise ValueError("a block forward attends to the sink: capture the sink first")
+        self.rows = list(rows)
+        self.writes = KVWrites([row.mode for row in rows], num_layers)
+        self.sink_pe = None  # diffusers' forward reads this attribute; our rows carry their own tables
         self._layers = [LayerWindow(self, i) for i in range(num_layers)]
 
     @property
     def kv_cache_mode(self) -> str:
-        return DIFFUSERS_MODE[self.mode]
+        modes = {row.mode for row in self.rows}
+        if modes == {"sink"}:
+            return DIFFUSERS_MODE["sink"]
+        if modes == {"denoise"}:
+            return DIFFUSERS_MODE["denoise"]
+        return DIFFUSERS_MODE["commit"]
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -161,8 +184,51 @@ class ForwardWindow:
         return self._layers[layer]
 
 
+class PromptBatch:
+    """The prompts of a batched forward, handed to the blocks as ``encoder_hidden_states``."""
+
+    def __init__(self, rows: Sequence[RowWindow]):
+        self.rows = list(rows)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.unflatten(2, (heads, -1))  # (B, N, A, D/A)
+
+
+def _attend(query, key, value, heads: int, backend, parallel_config, mask=None) -> torch.Tensor:
+    out = dispatch_attention_fn(
+        _heads(query, heads),
+        _heads(key, heads),
+        _heads(value, heads),
+        attn_mask=mask,
+        dropout_p=0.0,
+        is_causal=False,
+        backend=backend,
+        parallel_config=parallel_config,
+    )
+    return out.flatten(2, 3).to(query.dtype)  # (B, N, D)
+
+
+def _gate(attn, hidden_states: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
+    """Per-head output gates of one session's rows (B, N, D). Applied per session: the sigmoid's vectorized and
+    scalar code paths round differently, and which elements fall in the scalar tail depends on the tensor's size."""
+    if gate_logits is None:
+        return hidden_states
+    gates = 2.0 * torch.sigmoid(gate_logits)  # (B, N, A)
+    return (hidden_states.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+
+
+def _project(attn, hidden_states: torch.Tensor) -> torch.Tensor:
+    hidden_states = attn.to_out[0](hidden_states)
+    return attn.to_out[1](hidden_states)
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # (R, N, D)
+
+
 class WindowAttnProcessor:
-    """Self-attention of the active block's queries over ``[sink | history | block]`` keys and values."""
+    """Self-attention of each session's block queries over that session's ``[sink | history | block]``."""
 
     _attention_backend = None
     _parallel_config = None
@@ -179,85 +245,110 @@ class WindowAttnProcessor:
         kv_cache: LayerWindow | None = None,
         kv_cache_mode: str | None = None,
     ) -> torch.Tensor:
-        del encoder_hidden_states, attention_mask, key_rotary_emb, sink_rotary_emb
+        del encoder_hidden_states, attention_mask, key_rotary_emb, sink_rotary_emb, query_rotary_emb
         layer = kv_cache
-        if layer is not None:
-            if not isinstance(layer, LayerWindow):
-                raise CaptureError(
-                    f"attn1 got a kv_cache of type {type(layer).__name__}, not a models.attention.ForwardWindow "
-                    f"layer (mode {kv_cache_mode!r}). Fix: {_FIX}."
-                )
-            layer.check_mode(kv_cache_mode)
-        elif kv_cache_mode is not None:
-            raise CaptureError(f"kv_cache_mode={kv_cache_mode!r} was set without a window. Fix: {_FIX}.")
-        window = layer.window if layer is not None else None
+        if not isinstance(layer, LayerWindow):
+            raise CaptureError(
+                f"attn1 got a kv_cache of type {type(layer).__name__}, not a models.attention.ForwardWindow "
+                f"layer (mode {kv_cache_mode!r}); this refiner only runs windowed forwards. Fix: {_FIX}."
+            )
+        layer.check_mode(kv_cache_mode)
+        window = layer.window
 
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
-        query = attn.norm_q(attn.to_q(hidden_states))  # (B, N, D)
-        key = attn.norm_k(attn.to_k(hidden_states))  # (B, N, D)
-        value = attn.to_v(hidden_states)  # (B, N, D)
+        query = attn.norm_q(attn.to_q(hidden_states))  # (R, N, D)
+        key = attn.norm_k(attn.to_k(hidden_states))  # (R, N, D)
+        value = attn.to_v(hidden_states)  # (R, N, D)
 
-        capture = window.capture if window is not None else None
-        if capture is not None and not capture.rotated:
-            capture.store(layer.index, key, value)
+        outputs = []
+        for index, row in enumerate(window.rows):
+            rows = slice(row.row_start, row.row_end)
+            hidden = self._row(attn, layer.index, row, query[rows], key[rows], value[rows])
+            outputs.append(_gate(attn, hidden, None if gate_logits is None else gate_logits[rows]))
+            window.writes.mark(layer.index, index)
+        return _project(attn, _stack(outputs))
 
-        query = apply_rope(query, query_rotary_emb, attn.rope_type)
-        key = apply_rope(key, query_rotary_emb, attn.rope_type)
+    def _row(self, attn, layer: int, row: RowWindow, query, key, value) -> torch.Tensor:
+        kv = row.kv
+        start, end = row.slot
+        if row.mode == "sink":
+            kv.sink_key[layer].copy_(key)  # pre-RoPE: each block rotates it to where the sink sits then
+        elif kv.history_key is not None:
+            sink = kv.layout.sink_tokens
+            kv.history_key[layer, :, start - sink : end - sink] = key  # pre-RoPE: rebased history is re-rotated
+        query = apply_rope(query, row.tables, attn.rope_type)
+        key = apply_rope(key, row.tables, attn.rope_type)
+        keys, values = kv.key(layer), kv.value(layer)  # (B, N_window, D)
+        keys[:, start:end] = key
+        values[:, start:end] = value
+        return _attend(query, keys[:, :end], values[:, :end], attn.heads, self._attention_backend,
+                       self._parallel_config)
 
-        if capture is not None and capture.rotated:
-            capture.store(layer.index, key, value)
 
-        if window is not None and window.mode != "sink":
-            prefix_k: list[torch.Tensor] = []
-            prefix_v: list[torch.Tensor] = []
-            if window.sink is not None:
-                sink = window.sink[layer.index]
-                prefix_k.append(apply_rope(sink.key.to(key.dtype), window.sink_pe, attn.rope_type))
-                prefix_v.append(sink.value.to(value.dtype))
-            if window.history:
-                history = window.history[layer.index]
-                history_k = history.key.to(key.dtype)
-                if not history.rotated:
-                    history_k = apply_rope(history_k, window.history_tables, attn.rope_type)
-                prefix_k.append(history_k)
-                prefix_v.append(history.value.to(value.dtype))
-            if prefix_k:
-                key = torch.cat([*prefix_k, key], dim=1)  # (B, N_sink + N_history + N, D)
-                value = torch.cat([*prefix_v, value], dim=1)
+class PromptAttnProcessor:
+    """Cross-attention of each session's tokens over that session's own prompt.
 
-        query = query.unflatten(2, (attn.heads, -1))  # (B, N, A, D/A)
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=None,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)  # (B, N, D)
-        if gate_logits is not None:
-            gates = 2.0 * torch.sigmoid(gate_logits)  # (B, N, A)
-            hidden_states = (hidden_states.unflatten(2, (attn.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+    Given a ``PromptBatch`` it runs per session; given a tensor (diffusers' own forward) it is diffusers'
+    ``SanaWMLTX2AudioVideoAttnProcessor``."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self):
+        self._plain = SanaWMLTX2AudioVideoAttnProcessor()
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states=None,
+        attention_mask: torch.Tensor | None = None,
+        query_rotary_emb: RopeTables | None = None,
+        key_rotary_emb: RopeTables | None = None,
+    ) -> torch.Tensor:
+        prompts = encoder_hidden_states
+        if not isinstance(prompts, PromptBatch):
+            return self._plain(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
+                               key_rotary_emb)
+        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
+        query = attn.norm_q(attn.to_q(hidden_states))  # (R, N, D)
+        # Every session's prompt tokens in one projection: rows are independent, so each keeps its own bits.
+        embeds = [row.prompt.embeds for row in prompts.rows]
+        flat = _stack([e.flatten(0, 1) for e in embeds]) if len(embeds) > 1 else embeds[0]  # (sum B*L, D)
+        keys = attn.norm_k(attn.to_k(flat))
+        values = attn.to_v(flat)
+        if len(embeds) > 1:
+            sizes = [e.shape[0] * e.shape[1] for e in embeds]
+            keys = [k.view(e.shape[0], e.shape[1], -1) for k, e in zip(keys.split(sizes), embeds)]  # (B, L, D)
+            values = [v.view(e.shape[0], e.shape[1], -1) for v, e in zip(values.split(sizes), embeds)]
+        else:
+            keys, values = [keys], [values]
+        outputs = []
+        for row, key, value in zip(prompts.rows, keys, values):
+            batch, length = key.shape[0], key.shape[1]
+            mask = None
+            if row.prompt.bias is not None:
+                mask = attn.prepare_attention_mask(row.prompt.bias, length, batch)
+                mask = mask.view(batch, attn.heads, -1, mask.shape[-1])  # (B, A, 1, L)
+            rows = slice(row.row_start, row.row_end)
+            hidden = _attend(query[rows], key, value, attn.heads, self._attention_backend, self._parallel_config, mask)
+            outputs.append(_gate(attn, hidden, None if gate_logits is None else gate_logits[rows]))
+        return _project(attn, _stack(outputs))
 
 
 def install_processors(model: torch.nn.Module) -> None:
-    """Put a ``WindowAttnProcessor`` on every block's self-attention (stateless; shared by all sessions)."""
+    """Put our stateless processors on every block's self- and cross-attention (shared by all sessions)."""
     for block in model.transformer_blocks:
         block.attn1.set_processor(WindowAttnProcessor())
+        block.attn2.set_processor(PromptAttnProcessor())
 
 
 def processor_names(model: torch.nn.Module) -> list[str]:
     return [type(block.attn1.processor).__name__ for block in model.transformer_blocks]
 
 
-def check_processors(model: torch.nn.Module, mode: WindowMode) -> None:
-    """Fail before any compute if a layer's self-attention would ignore the window."""
+def check_processors(model: torch.nn.Module, mode: str) -> None:
+    """Fail before any compute if a layer's attention would ignore the window or the per-session prompts."""
     for index, block in enumerate(model.transformer_blocks):
         processor = block.attn1.processor
         if not isinstance(processor, WindowAttnProcessor):
@@ -265,4 +356,10 @@ def check_processors(model: torch.nn.Module, mode: WindowMode) -> None:
                 f"layer {index}: attn1 uses {type(processor).__name__}, which ignores the window for mode "
                 f"{mode!r} (its K/V would never be captured or its prefix never attended). Cause: a custom "
                 f"attention processor that ignores the capture flag. Fix: {_FIX}."
+            )
+        cross = block.attn2.processor
+        if not isinstance(cross, PromptAttnProcessor):
+            raise CaptureError(
+                f"layer {index}: attn2 uses {type(cross).__name__}, which cannot read each session's own prompt "
+                f"in a batched forward. Fix: {_FIX}."
             )

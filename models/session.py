@@ -2,28 +2,41 @@
 
 Shape letters: B batch, C channels, T frames, H height, W width, N tokens, D inner dim, L prompt length.
 
-A session is an immutable ``SessionState`` plus the code that moves it forward. Every step is
-plan -> execute -> commit: ``plan`` is plain Python bookkeeping (which frames, which positions),
-``execute`` runs the forwards and touches no state, ``commit`` swaps in the new state. A block whose forwards
-fail therefore changes nothing, and ``push`` restores the state it started from when any step fails, so
-retrying the same chunk gives the same bytes. The generator lives in the state as its saved bytes, so it too
-only advances on commit.
+A session is an immutable ``SessionState`` (counters, pending frames, prompt, generator state) plus its KV
+cache (``models.kv.SessionKV``, buffers written in place) and the code that moves both forward. Every step is
+plan -> run -> commit:
+
+- ``plan`` is plain Python bookkeeping (which frames, which positions);
+- ``start`` turns a plan into a ``BlockRun``: the noise is drawn from a copy of the generator, the sink (and,
+  rebased, the history) keys are rotated into the window for this block's positions;
+- the run's forwards go one at a time: ``next_forward`` says what the next one needs, whoever runs it (this
+  session alone in ``step``, or the engine, batched with other sessions' forwards) hands the velocity to
+  ``advance``; a forward writes only its block's slot of the window;
+- ``commit`` makes the finished run part of the session: the state is replaced, the block's K/V become history.
+
+A run that fails (or is dropped) before ``commit`` therefore changes nothing a later block reads. For work
+that must be all or nothing over several blocks (an HTTP chunk, ``push``), ``checkpoint`` / ``rollback`` return
+the state and the cache to an earlier moment.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
 import torch
 
-from .attention import ForwardWindow, LayerKV
+from .attention import PreparedPrompt, WindowMode
 from .config import SessionConfig
 from .errors import InvalidInputError, MissingInputError, StreamClosedError
-from .forward import Prompt, pack, run_forward, unpack
+from .forward import Prompt, pack, unpack
+from .kv import Checkpoint, SessionKV, WindowLayout
 from .loading import Refiner
-from .rope import WindowPositions, rope_tables
+from .rope import RopeTables, WindowPositions, apply_rope, rope_tables
+from .step import RowForward, prepare_prompt, run_batch
+from .transfer import to_device
 
 LATENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *LATENT_DTYPES)
@@ -57,15 +70,14 @@ class Chunk:
 
 @dataclass(frozen=True)
 class SessionState:
-    """Everything a session holds. Replaced, never mutated, so any earlier state is a valid rollback point."""
+    """A session's counters and inputs. Replaced, never mutated; the KV cache lives beside it in the session."""
 
     frames_received: int = 0
     frames_returned: int = 0
     pending: torch.Tensor | None = None  # (B, C, frames_received - frames_returned, H, W)
     geometry: Geometry | None = None
     prompt: Prompt | None = None
-    sink: tuple[LayerKV, ...] | None = None  # pre-RoPE, per layer, (B, S*H*W, D)
-    history: tuple[LayerKV, ...] = ()  # per layer, (B, history_frames*H*W, D)
+    has_sink: bool = False
     history_frames: int = 0
     rng_state: torch.Tensor | None = None
     flushed: bool = False
@@ -74,12 +86,6 @@ class SessionState:
     @property
     def pending_frames(self) -> int:
         return self.frames_received - self.frames_returned
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes held by the KV cache (sink + history K/V over every layer)."""
-        layers = [*(self.sink or ()), *self.history]
-        return sum(kv.key.nbytes + kv.value.nbytes for kv in layers)
 
     @property
     def pending_bytes(self) -> int:
@@ -101,15 +107,23 @@ class StepPlan:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What ``execute`` produced, waiting to be committed."""
+@dataclass(eq=False)
+class BlockRun:
+    """A step in flight: its forwards in order (``modes``), the latents they work on, the generator state after
+    its noise draw. Owned by whoever drives it; the session only changes when it is committed."""
 
     plan: StepPlan
-    latents: torch.Tensor  # (B, C, end - start, H, W): the refined block, or the raw sink frames
-    sink: tuple[LayerKV, ...] | None = None
-    new_history: tuple[LayerKV, ...] | None = None
-    rng_state: torch.Tensor | None = None
+    modes: tuple[WindowMode, ...]
+    x: torch.Tensor  # (B, C, frames, H, W): the latents being refined (the raw frames for the sink)
+    tables: RopeTables | None
+    history_frames: int
+    rng_state: torch.Tensor | None
+    done: int = 0  # forwards finished
+    started_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.modes)
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,30 @@ class Unit:
     latents: torch.Tensor  # (B, C, frame_end - frame_start, H, W)
     frame_start: int
     frame_end: int
+    started_at: float = 0.0  # when its run started (time.perf_counter), for latency figures
+
+
+@dataclass(frozen=True)
+class SessionCheckpoint:
+    """An earlier moment of a session, to ``rollback`` to."""
+
+    state: SessionState
+    kv: SessionKV | None
+    mark: Checkpoint | None
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """The sigmas as Python floats, rounded through fp32 as the reference scheduler stores them, so no step
+    reads a device tensor back (a host sync on CUDA)."""
+
+    sigmas: tuple[float, ...]
+    deltas: tuple[float, ...]  # sigmas[i + 1] - sigmas[i], computed in the math dtype
+
+    @classmethod
+    def build(cls, sigmas: tuple[float, ...], math: torch.dtype) -> _Schedule:
+        values = torch.tensor(sigmas, dtype=torch.float32).to(math)
+        return cls(tuple(float(v) for v in values), tuple(float(b - a) for a, b in zip(values, values[1:])))
 
 
 class RefinerSession:
@@ -132,23 +170,47 @@ class RefinerSession:
         # The reference does its mixing and Euler arithmetic in fp32; a float64 model is the high-precision twin
         # of a float32 run, so it does the same arithmetic in float64 instead.
         self._math_dtype = torch.float64 if refiner.dtype == torch.float64 else torch.float32
-        # The schedule rounded to fp32, as the reference scheduler stores it; every sigma below is read from it.
-        sigmas = torch.tensor(self.config.sigmas, dtype=torch.float32, device=refiner.device)
-        self._sigmas = sigmas.to(self._math_dtype)
+        self._schedule = _Schedule.build(self.config.sigmas, self._math_dtype)
         self._state = SessionState(prompt=prompt, rng_state=generator.get_state())
+        self._kv: SessionKV | None = None
+        self._prepared: tuple[Prompt, PreparedPrompt] | None = None
 
     # --- state -------------------------------------------------------------------------------------------
     @property
     def state(self) -> SessionState:
         return self._state
 
-    def restore(self, state: SessionState) -> None:
-        """Go back to an earlier state of this session (e.g. the one before a failed request)."""
-        self._state = state
+    @property
+    def kv(self) -> SessionKV | None:
+        return self._kv
 
     @property
     def cache_bytes(self) -> int:
-        return self._state.cache_bytes
+        """Bytes the KV cache holds (its preallocated window buffers), 0 before the sink is captured."""
+        return 0 if self._kv is None else self._kv.nbytes
+
+    def checkpoint(self) -> SessionCheckpoint:
+        """Remember this moment (end with ``rollback`` or ``release``)."""
+        kv = self._kv
+        return SessionCheckpoint(self._state, kv, kv.checkpoint() if kv is not None else None)
+
+    def rollback(self, checkpoint: SessionCheckpoint) -> None:
+        """Go back to ``checkpoint``: the state and the cache are exactly as they were then."""
+        self._state = checkpoint.state
+        if checkpoint.kv is None or not checkpoint.mark.had_sink:
+            self._kv = None
+        else:
+            checkpoint.kv.rollback(checkpoint.mark)
+            self._kv = checkpoint.kv
+
+    def release(self, checkpoint: SessionCheckpoint) -> None:
+        """Forget ``checkpoint`` (the work it guarded succeeded)."""
+        if checkpoint.kv is not None:
+            checkpoint.kv.release(checkpoint.mark)
+
+    def load(self, state: SessionState, kv: SessionKV | None) -> None:
+        """Install a state and cache built elsewhere (a snapshot being restored)."""
+        self._state, self._kv = state, kv
 
     # --- input -------------------------------------------------------------------------------------------
     def check(
@@ -202,8 +264,7 @@ class RefinerSession:
                 "the first chunk with frames must carry prompt_embeds (B, L, "
                 f"{info.caption_channels}) and optionally prompt_attention_mask (B, L)"
             )
-        device, dtype = self.refiner.device, self.refiner.dtype
-        return Chunk(latents=latents.to(device=device, dtype=dtype), prompt=prompt)
+        return Chunk(latents=to_device(latents, self.refiner.device, self.refiner.dtype), prompt=prompt)
 
     def append(self, chunk: Chunk, flush: bool = False) -> None:
         """Add a checked chunk's frames (and prompt) to the pending frames. Bookkeeping only."""
@@ -223,12 +284,12 @@ class RefinerSession:
             flushed=flush,
         )
 
-    # --- plan -> execute -> commit ----------------------------------------------------------------------
+    # --- plan -> run -> commit ----------------------------------------------------------------------------
     def plan(self) -> StepPlan | None:
         """The next step that the frames received so far allow, or None."""
         state, config = self._state, self.config
         sink_frames = config.sink_frames
-        if state.sink is None and state.frames_returned == 0:
+        if not state.has_sink and state.frames_returned == 0:
             if state.frames_received >= sink_frames:
                 return StepPlan("sink", 0, sink_frames)
             if state.flushed and state.frames_received > 0:
@@ -246,44 +307,89 @@ class RefinerSession:
         )
         return StepPlan("block", start, end, positions)
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run the forwards of ``plan``. Reads the state, writes nothing."""
-        state = self._state
+    def start(self, plan: StepPlan) -> BlockRun:
+        """Begin ``plan``: draw its noise, rotate the window's prefix to its positions. The state is untouched."""
+        state, config = self._state, self.config
         offset = plan.start - state.frames_returned
         frames = state.pending[:, :, offset : offset + plan.frames]  # (B, C, t, H, W)
         if plan.kind == "sink":
-            if plan.frames < self.config.sink_frames:
-                return StepResult(plan, frames)
-            return StepResult(plan, frames, sink=self._capture_sink(frames, state.prompt))
-        return self._refine_block(plan, frames, state)
+            if plan.frames < config.sink_frames:
+                return BlockRun(plan, (), frames, None, 0, None)  # nothing to refine: returned as sent
+            self._ensure_kv()
+            tables = self._tables(list(range(plan.frames)))
+            return BlockRun(plan, ("sink",), frames, tables, 0, None)
 
-    def commit(self, result: StepResult) -> Unit:
-        """Make a step's result part of the session and return the finalized frames."""
-        state, plan = self._state, result.plan
+        positions = plan.positions
+        self._kv.prepare_block(self._rotator(positions.sink), self._rotator(positions.history))
+        refiner, dtype = self.refiner, self.refiner.dtype
+        generator = torch.Generator(device=refiner.device)
+        generator.set_state(state.rng_state)
+        # float64 is the verification twin of a float32 run: it draws the same float32 noise and widens it.
+        noise_dtype = torch.float32 if dtype == torch.float64 else dtype
+        noise = torch.randn(frames.shape, generator=generator, device=refiner.device, dtype=noise_dtype)
+        sigma_max, math = self._schedule.sigmas[0], self._math_dtype
+        x = ((1.0 - sigma_max) * frames.to(math) + sigma_max * noise.to(math)).to(dtype)  # (B, C, t, H, W)
+        modes = ("denoise",) * config.steps + ("commit",)
+        return BlockRun(plan, modes, x, self._tables(positions.block), state.history_frames, generator.get_state())
+
+    def next_forward(self, run: BlockRun) -> RowForward | None:
+        """What the run's next forward needs, or None when the run is ready to commit."""
+        if run.finished:
+            return None
+        mode = run.modes[run.done]
+        sigma = self._schedule.sigmas[run.done] if mode == "denoise" else 0.0
+        return RowForward(
+            kv=self._kv,
+            tokens=pack(run.x),  # (B, N, C)
+            sigma=sigma,
+            mode=mode,
+            tables=run.tables,
+            history_frames=run.history_frames,
+            frames=run.plan.frames,
+            prompt=self._prepared_prompt(),
+            owner=self,
+        )
+
+    def advance(self, run: BlockRun, velocity: torch.Tensor) -> None:
+        """Take the velocity (B, N, C) of the run's current forward: an Euler step for a denoising forward."""
+        mode = run.modes[run.done]
+        if mode == "denoise":
+            run.x = self._euler(run.x, velocity, run.done)
+        run.done += 1
+
+    def commit(self, run: BlockRun) -> Unit:
+        """Make a finished run part of the session and return the frames it finalized."""
+        state, plan = self._state, run.plan
+        if not run.finished:
+            raise RuntimeError(f"run of {plan} committed after {run.done} of {len(run.modes)} forwards")
         if plan.start != state.frames_returned:
             raise RuntimeError(f"stale step: planned at frame {plan.start}, session is at {state.frames_returned}")
         remaining = state.pending[:, :, plan.frames :]
-        changes: dict = dict(
-            frames_returned=plan.end,
-            pending=remaining if remaining.shape[2] > 0 else None,
-        )
+        changes: dict = dict(frames_returned=plan.end, pending=remaining if remaining.shape[2] > 0 else None)
         if plan.kind == "sink":
-            changes["sink"] = result.sink
+            if run.modes:
+                self._kv.commit_sink()
+                changes.update(has_sink=True, history_frames=0)
         else:
+            self._kv.commit_block(plan.frames)
             changes.update(
-                history=result.new_history,
-                history_frames=min(state.history_frames + plan.frames, self.config.max_history_frames),
-                rng_state=result.rng_state,
+                history_frames=self._kv.history_frames,
+                rng_state=run.rng_state,
                 blocks_refined=state.blocks_refined + 1,
             )
         self._state = dataclasses.replace(state, **changes)
-        return Unit(plan.kind, result.latents, plan.start, plan.end)
+        return Unit(plan.kind, run.x, plan.start, plan.end, run.started_at)
 
     def step(self) -> Unit | None:
+        """Plan, run and commit the next step alone (no batching); None when nothing is ready."""
         plan = self.plan()
         if plan is None:
             return None
-        return self.commit(self.execute(plan))
+        run = self.start(plan)
+        while (forward := self.next_forward(run)) is not None:
+            (velocity,) = run_batch(self.refiner.model, [forward])
+            self.advance(run, velocity)
+        return self.commit(run)
 
     # --- convenience -------------------------------------------------------------------------------------
     def stream(
@@ -311,12 +417,14 @@ class RefinerSession:
     ) -> list[Unit]:
         """All-or-nothing: append a chunk and refine what it completes; on any failure the session is exactly
         as before the call."""
-        before = self._state
+        checkpoint = self.checkpoint()
         try:
-            return list(self.stream(latents, prompt_embeds, prompt_attention_mask, flush=flush))
+            units = list(self.stream(latents, prompt_embeds, prompt_attention_mask, flush=flush))
         except BaseException:
-            self._state = before
+            self.rollback(checkpoint)
             raise
+        self.release(checkpoint)
+        return units
 
     def flush(self) -> list[Unit]:
         """End the stream: refine the pending frames as a final short block."""
@@ -330,89 +438,52 @@ class RefinerSession:
         return torch.zeros(g.batch, g.channels, 0, g.height, g.width)
 
     # --- the compute -------------------------------------------------------------------------------------
-    def _tables(self, positions: list[int], geometry: Geometry):
-        refiner = self.refiner
-        return rope_tables(
-            refiner.model,
-            positions,
-            geometry.batch,
-            geometry.height,
-            geometry.width,
-            self.config.fps,
-            refiner.device,
-            refiner.dtype,
-        )
+    def _ensure_kv(self) -> SessionKV:
+        geometry, config, refiner = self._state.geometry, self.config, self.refiner
+        layout = WindowLayout(config.sink_frames, config.max_history_frames, config.block_size,
+                              geometry.tokens_per_frame)
+        kv = self._kv
+        if kv is None or kv.layout != layout or kv.batch != geometry.batch:
+            kv = SessionKV(refiner.num_layers, geometry.batch, layout, refiner.info.inner_dim, refiner.dtype,
+                           refiner.device, rebased=config.positions == "rebased")
+            self._kv = kv
+        return kv
 
-    def _capture_sink(self, frames: torch.Tensor, prompt: Prompt) -> tuple[LayerKV, ...]:
-        """One sigma-0 forward over the sink frames at positions 0..S-1, no prefix; keep its pre-RoPE K/V."""
-        geometry = self._state.geometry
-        model = self.refiner.model
-        window = ForwardWindow("sink", self.refiner.num_layers)
-        rope = self._tables(list(range(frames.shape[2])), geometry)
-        _, captured = run_forward(model, pack(frames), 0.0, rope, prompt, window)
-        return tuple(captured)
+    def _tables(self, positions: list[int]) -> RopeTables:
+        geometry, refiner = self._state.geometry, self.refiner
+        return rope_tables(refiner.model, positions, geometry.batch, geometry.height, geometry.width,
+                           self.config.fps, refiner.device, refiner.dtype)
 
-    def _refine_block(self, plan: StepPlan, clean: torch.Tensor, state: SessionState) -> StepResult:
-        """Noise the block to sigmas[0], Euler-integrate to 0 with the window, then capture its K/V."""
-        refiner, config, geometry = self.refiner, self.config, state.geometry
-        model, device, dtype = refiner.model, refiner.device, refiner.dtype
-        positions = plan.positions
-        rebased = config.positions == "rebased"
-        sink_tables = self._tables(positions.sink, geometry)
-        block_tables = self._tables(positions.block, geometry)
-        history_tables = self._tables(positions.history, geometry) if rebased and state.history_frames else None
-        history = list(state.history) or None
-        num_layers = refiner.num_layers
+    def _rotator(self, positions: list[int]):
+        """``(layer, pre-RoPE keys) -> keys rotated to positions``, with the tables built once for every layer."""
+        if not positions:
+            return None
+        tables = self._tables(positions)
+        rope_type = self.refiner.info.rope_type
 
-        def window(mode: str) -> ForwardWindow:
-            return ForwardWindow(
-                mode,
-                num_layers,
-                sink=list(state.sink),
-                sink_tables=sink_tables,
-                history=history,
-                history_tables=history_tables,
-                capture_rotated=not rebased,
-            )
+        def rotate(layer: int, keys: torch.Tensor) -> torch.Tensor:
+            return apply_rope(keys, tables, rope_type)
 
-        generator = torch.Generator(device=device)
-        generator.set_state(state.rng_state)
-        # float64 is the verification twin of a float32 run: it draws the same float32 noise and widens it.
-        noise_dtype = torch.float32 if dtype == torch.float64 else dtype
-        noise = torch.randn(clean.shape, generator=generator, device=device, dtype=noise_dtype)  # (B, C, t, H, W)
-        sigmas = self._sigmas
-        sigma_max = float(sigmas[0])
-        math = self._math_dtype
-        x = ((1.0 - sigma_max) * clean.to(math) + sigma_max * noise.to(math)).to(dtype)
+        return rotate
 
-        frames, height, width = plan.frames, geometry.height, geometry.width
-        for i in range(config.steps):
-            sigma = float(sigmas[i])
-            tokens = pack(x)  # (B, N, C)
-            velocity, _ = run_forward(model, tokens, sigma, block_tables, state.prompt, window("denoise"))
-            raw_sigma = torch.full((*tokens.shape[:2], 1), sigma, dtype=math, device=device)
-            denoised = tokens.to(math) - velocity.to(math) * raw_sigma  # (B, N, C)
-            x0 = unpack(denoised.to(dtype), frames, height, width)  # (B, C, t, H, W)
-            if sigma <= 1.0e-6:
-                x = x0.to(dtype)
-            else:
-                # Flow-matching Euler step from sigmas[i] to sigmas[i+1], in fp32 like the reference scheduler.
-                flow = (x.to(math) - x0.to(math)) / sigma
-                x = (x.to(math) + (sigmas[i + 1] - sigmas[i]) * flow).to(dtype)
+    def _prepared_prompt(self) -> PreparedPrompt:
+        prompt = self._state.prompt
+        if self._prepared is None or self._prepared[0] is not prompt:
+            self._prepared = (prompt, prepare_prompt(self.refiner.model, prompt.embeds, prompt.mask))
+        return self._prepared[1]
 
-        _, captured = run_forward(model, pack(x), 0.0, block_tables, state.prompt, window("commit"))
-        keep_tokens = (config.max_history_frames - frames) * geometry.tokens_per_frame
-        new_history = tuple(
-            LayerKV(
-                key=torch.cat([_newest(old.key, keep_tokens), new.key], dim=1),  # (B, N_history, D)
-                value=torch.cat([_newest(old.value, keep_tokens), new.value], dim=1),
-                rotated=new.rotated,
-            )
-            if old is not None
-            else new
-            for old, new in zip(history or [None] * num_layers, captured)
-        )
-        return StepResult(plan, x, new_history=new_history, rng_state=generator.get_state())
+    def _euler(self, x: torch.Tensor, velocity: torch.Tensor, step: int) -> torch.Tensor:
+        """One flow-matching Euler step from sigmas[step] to sigmas[step + 1], in fp32 like the reference."""
+        math, dtype = self._math_dtype, self.refiner.dtype
+        sigma = self._schedule.sigmas[step]
+        _, _, frames, height, width = x.shape
+        tokens = pack(x)  # (B, N, C)
+        denoised = tokens.to(math) - velocity.to(math) * sigma  # (B, N, C)
+        x0 = unpack(denoised.to(dtype), frames, height, width)  # (B, C, t, H, W)
+        if sigma <= 1.0e-6:
+            return x0.to(dtype)
+        flow = (x.to(math) - x0.to(math)) / sigma
+        return (x.to(math) + self._schedule.deltas[step] * flow).to(dtype)
 
 
 def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | None, batch: int) -> Prompt:
@@ -453,11 +524,6 @@ def _broadcast_prompt(prompt: Prompt, batch: int) -> Prompt:
         )
     mask = None if prompt.mask is None else prompt.mask.expand(batch, -1).contiguous()  # (B, L)
     return Prompt(embeds=prompt.embeds.expand(batch, -1, -1).contiguous(), mask=mask)  # (B, L, D)
-
-
-def _newest(tokens: torch.Tensor, keep: int) -> torch.Tensor:
-    """The last ``keep`` tokens of (B, N, D) (all of them if there are fewer)."""
-    return tokens[:, max(tokens.shape[1] - keep, 0) :]
 
 
 def _check_tensor(name: str, tensor, dtypes: tuple[torch.dtype, ...]) -> None:

@@ -17,11 +17,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .attention import LayerKV
 from .config import SessionConfig
 from .errors import RefinerError
 from .forward import Prompt
 from .loading import Refiner
+from .kv import SessionKV, WindowLayout
 from .session import Geometry, RefinerSession, SessionState
 
 FORMAT = "wm-refiner-session/1"
@@ -46,7 +46,10 @@ def _model_key(refiner: Refiner) -> dict:
 
 
 def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = None):
-    """(tensors, metadata) describing the session completely; tensors are on the CPU and contiguous."""
+    """(tensors, metadata) describing the session completely; tensors are on the CPU and contiguous.
+
+    The cache is stored as its parts (per layer: pre-RoPE sink K, sink V, history K and V), not as the window
+    buffers, so a file holds only what the session holds and any later layout of the buffers can read it."""
     state = session.state
     tensors: dict[str, torch.Tensor] = {"rng_state": state.rng_state.cpu()}
     if state.pending is not None:
@@ -55,10 +58,15 @@ def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = N
         tensors["prompt_embeds"] = state.prompt.embeds
         if state.prompt.mask is not None:
             tensors["prompt_mask"] = state.prompt.mask
-    for name, layers in (("sink", state.sink or ()), ("history", state.history)):
-        for index, kv in enumerate(layers):
-            tensors[f"{name}.{index}.key"] = kv.key
-            tensors[f"{name}.{index}.value"] = kv.value
+    kv = session.kv
+    if state.has_sink:
+        parts = kv.export()
+        for index in range(kv.num_layers):
+            tensors[f"sink.{index}.key"] = parts["sink_key"][index]
+            tensors[f"sink.{index}.value"] = parts["sink_value"][index]
+            if state.history_frames:
+                tensors[f"history.{index}.key"] = parts["history_key"][index]
+                tensors[f"history.{index}.value"] = parts["history_value"][index]
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     counters = {
         "frames_received": state.frames_received,
@@ -66,8 +74,9 @@ def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = N
         "history_frames": state.history_frames,
         "blocks_refined": state.blocks_refined,
         "flushed": state.flushed,
-        "has_sink": state.sink is not None,
-        "history_rotated": bool(state.history and state.history[0].rotated),
+        "has_sink": state.has_sink,
+        # Absolute positions keep history keys rotated, rebased ones keep them pre-RoPE.
+        "history_rotated": bool(state.history_frames and session.config.positions == "absolute"),
         "geometry": None if state.geometry is None else list(vars(state.geometry).values()),
     }
     metadata = {
@@ -99,34 +108,57 @@ def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], met
             raise SnapshotError(f"snapshot is missing tensor {name!r}")
         return tensors[name].to(device)
 
-    def layers(name: str, rotated: bool) -> tuple[LayerKV, ...]:
-        return tuple(LayerKV(get(f"{name}.{i}.key"), get(f"{name}.{i}.value"), rotated) for i in range(num_layers))
+    def layers(name: str, part: str) -> list[torch.Tensor]:
+        return [get(f"{name}.{i}.{part}") for i in range(num_layers)]
 
     try:
         prompt = None
         if "prompt_embeds" in tensors:
             prompt = Prompt(get("prompt_embeds"), get("prompt_mask") if "prompt_mask" in tensors else None)
         geometry = Geometry(*counters["geometry"]) if counters["geometry"] is not None else None
+        history_frames = int(counters["history_frames"])
         state = SessionState(
             frames_received=int(counters["frames_received"]),
             frames_returned=int(counters["frames_returned"]),
             pending=get("pending") if "pending" in tensors else None,
             geometry=geometry,
             prompt=prompt,
-            sink=layers("sink", False) if counters["has_sink"] else None,
-            history=layers("history", bool(counters["history_rotated"])) if counters["history_frames"] else (),
-            history_frames=int(counters["history_frames"]),
+            has_sink=bool(counters["has_sink"]),
+            history_frames=history_frames,
             rng_state=tensors["rng_state"].to(torch.uint8),
             flushed=bool(counters["flushed"]),
             blocks_refined=int(counters["blocks_refined"]),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+        rebased = config.positions == "rebased"
+        if history_frames and bool(counters["history_rotated"]) == rebased:
+            raise SnapshotError(
+                f"snapshot keeps history keys {'rotated' if rebased else 'pre-RoPE'}, which {config.positions} "
+                "positions cannot use"
+            )
+        kv = None
+        if state.has_sink:
+            if geometry is None:
+                raise SnapshotError("snapshot has a sink but no geometry")
+            layout = WindowLayout(config.sink_frames, config.max_history_frames, config.block_size,
+                                  geometry.tokens_per_frame)
+            if history_frames > layout.max_history_frames:
+                raise SnapshotError(f"snapshot holds {history_frames} history frames, more than the config allows")
+            kv = SessionKV(num_layers, geometry.batch, layout, refiner.info.inner_dim, refiner.dtype, device, rebased)
+            empty = [None] * num_layers
+            kv.load(
+                layers("sink", "key"),
+                layers("sink", "value"),
+                layers("history", "key") if history_frames else empty,
+                layers("history", "value") if history_frames else empty,
+                history_frames,
+            )
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise SnapshotError(f"snapshot state is inconsistent: {exc}") from None
     pending = 0 if state.pending is None else int(state.pending.shape[2])
     if pending != state.pending_frames:
         raise SnapshotError(f"snapshot holds {pending} pending frames but its counters say {state.pending_frames}")
     session = RefinerSession(refiner, config)
-    session.restore(state)
+    session.load(state, kv)
     return session, metadata
 
 

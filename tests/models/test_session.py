@@ -38,15 +38,25 @@ def fail_on_call(module: torch.nn.Module, call: int):
 
 
 def snapshot(session: RefinerSession):
+    """Everything a later block reads: counters, pending frames, generator, and the cache's live contents."""
     state = session.state
+    kv = session.kv
+    cache = None
+    if kv is not None and kv.has_sink:
+        cache = {name: [t.clone() for t in parts] for name, parts in kv.export().items()}
     return (state.frames_received, state.frames_returned, state.history_frames, state.blocks_refined,
-            state.cache_bytes, None if state.pending is None else state.pending.clone(), state.rng_state.clone())
+            session.cache_bytes, None if state.pending is None else state.pending.clone(), state.rng_state.clone(),
+            cache)
 
 
 def assert_same(a, b):
     assert a[:5] == b[:5]
     assert (a[5] is None and b[5] is None) or torch.equal(a[5], b[5])
     assert torch.equal(a[6], b[6])
+    assert (a[7] is None) == (b[7] is None)
+    if a[7] is not None:
+        for name in a[7]:
+            assert all(torch.equal(x, y) for x, y in zip(a[7][name], b[7][name])), f"cache part {name} changed"
 
 
 @pytest.mark.parametrize("failing_call", [1, 2, 4, 6, 8])
@@ -95,26 +105,32 @@ def test_stream_keeps_committed_blocks_and_retries_the_failed_one():
     assert all(torch.equal(a.latents, b.latents) for a, b in zip(got, expected)) and len(got) == len(expected)
 
 
-def test_cache_bytes_constant_after_window_fills():
+def test_cache_is_allocated_once_and_stays_bounded():
+    """The window buffers are allocated with the sink and never again: 200 blocks later the session holds the
+    same storage, and the live cache (sink + history) is exactly the formula once the window is full."""
     refiner = from_model(build_model("tiny"))
     config = SessionConfig()
     latents, embeds = make_inputs(frames=config.sink_frames + 200 * config.block_size, height=2, width=2, seed=6)
     session = RefinerSession(refiner, config)
     session.push(latents[:, :, :1], embeds)
-    sizes, storage = [], []
+    buffers = session.kv.window.untyped_storage().data_ptr()
+    allocated, live = [], []
     for block in range(200):
         start = 1 + block * config.block_size
         session.push(latents[:, :, start : start + config.block_size])
-        sizes.append(session.cache_bytes)
-        layers = [*session.state.sink, *session.state.history]
-        storage.append(sum(t.untyped_storage().nbytes() for kv in layers for t in (kv.key, kv.value)))
-    info = refiner.info
-    formula = 2 * info.num_layers * config.kv_max_frames * 2 * 2 * info.inner_dim * 4
+        allocated.append(session.cache_bytes)
+        live.append(session.kv.live_bytes)
+        assert session.kv.window.untyped_storage().data_ptr() == buffers, "the window was reallocated"
+    info, tokens, element = refiner.info, 2 * 2, 4
+    window = info.num_layers * 2 * (config.kv_max_frames + config.block_size) * tokens * info.inner_dim * element
+    sink_keys = info.num_layers * config.sink_frames * tokens * info.inner_dim * element
+    assert set(allocated) == {window + sink_keys}
+    formula = 2 * info.num_layers * config.kv_max_frames * tokens * info.inner_dim * element
     window_full = (config.kv_max_frames - config.sink_frames) // config.block_size + 1
-    assert sizes[:window_full - 1] == sorted(sizes[:window_full - 1]) and sizes[0] < formula
-    assert set(sizes[window_full:]) == {formula}
-    assert set(storage[window_full:]) == {formula}  # no hidden growth through views of old buffers
+    assert live[: window_full - 1] == sorted(live[: window_full - 1]) and live[0] < formula
+    assert set(live[window_full:]) == {formula}
     assert session.state.history_frames == config.kv_max_frames - config.sink_frames
+    assert session.state.pending is None
 
 
 def test_new_prompt_applies_to_blocks_refined_after_it():

@@ -1,0 +1,53 @@
+"""Batch invariance: a session's bytes must not depend on which other sessions shared its forwards.
+
+What breaks it on a CPU, found by bisecting a forward module by module (``bench``'s ``--invariance`` probe
+repeats the search): MKL's sgemm splits the reduction (K) dimension across threads when the output is small
+relative to K, and how it splits depends on M, the number of rows in the call. The feed-forward's down
+projection (K = 4 x dim) of a 64-token block therefore gives a row different bits (~2e-6) alone than stacked
+with neighbours, as soon as more than one intra-op thread runs. With one thread, or with MKL's Conditional
+Numerical Reproducibility in strict mode, every row's result depends only on that row: ``MKL_CBWR=AUTO,STRICT``
+(Intel's documented switch; it keeps the CPU's own code path and costs under 5% on the step's shapes here,
+see docs/benchmarks.md).
+
+MKL reads the variable when it runs its first routine, not when the library loads, so ``models`` sets it on
+import unless the user set it already; ``gemm_batch_invariant`` checks, at run time, that it took effect.
+
+The rest of the forward is invariant by construction: attention runs per session over each session's own
+window, every other op is per token or per row, and RoPE and the time embedding run on the same shapes as in a
+solo forward. On CUDA, cuBLAS chooses GEMM kernels by shape, so rows may differ with the batch size there; the
+probe reports it (``ModelInfo.batch_invariant``) and the service logs it.
+"""
+
+from __future__ import annotations
+
+import os
+
+MKL_CBWR = "MKL_CBWR"
+STRICT_CBWR = "AUTO,STRICT"
+
+
+def request_reproducible_gemm() -> str:
+    """Ask MKL for thread-count-independent GEMMs, unless the user chose a setting. Returns the value in force."""
+    return os.environ.setdefault(MKL_CBWR, STRICT_CBWR)
+
+
+def gemm_batch_invariant(device, dtype, inner: int = 1536, outer: int = 384, tokens: int = 64) -> bool:
+    """Whether a linear layer gives a row the same bits alone and stacked with others, here and now (the
+    current intra-op thread count, device and dtype). Shapes default to the medium refiner's FF down
+    projection, the shape that showed the problem."""
+    import torch
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(outer, inner, generator=generator).to(device=device, dtype=dtype)
+    bias = torch.randn(outer, generator=generator).to(device=device, dtype=dtype)
+    rows = torch.randn(8, tokens, inner, generator=generator).to(device=device, dtype=dtype)  # (R, N, K)
+    with torch.no_grad():
+        alone = F.linear(rows[:1], weight, bias)
+        for count in (2, 3, 5, 8):
+            stacked = F.linear(rows[:count], weight, bias)
+            if not torch.equal(alone[0], stacked[0]):
+                return False
+            if not torch.equal(F.linear(rows[count - 1 : count], weight, bias)[0], stacked[count - 1]):
+                return False
+    return True

@@ -1,0 +1,153 @@
+"""One model call over the forwards of several sessions: the batched step.
+
+Shape letters: R rows (the sum of the sessions' batches), N tokens per row, C latent channels, D inner dim.
+
+A ``RowForward`` is what one session asks of a forward: its block's tokens at one noise level, the RoPE of
+its positions, its window (``models.kv``) and its prompt. ``run_batch`` stacks the rows of forwards whose blocks
+have the same token count N and runs the refiner once. It follows diffusers'
+``SanaWMLTX2RefinerTransformer3DModel.forward`` step for step (and calls the model's own blocks, so hooks on them
+see every forward), with three differences that keep each session's bits independent of its neighbours and
+save work:
+
+1. the timestep embedding is computed once per row instead of once per token (every token of a row shares its
+   sigma; the per-row values are broadcast, which gives the same numbers);
+2. the prompt reaches cross-attention already caption-projected (``PreparedPrompt``, computed once per prompt);
+3. self- and cross-attention run per session (``models.attention``).
+
+A forward of a single session is the same call with one row, so solo and batched forwards share every line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .attention import (
+    ForwardWindow,
+    PreparedPrompt,
+    PromptBatch,
+    RowWindow,
+    WindowMode,
+    check_processors,
+    processor_names,
+)
+from .kv import SessionKV
+from .rope import RopeTables
+
+
+@dataclass(frozen=True)
+class RowForward:
+    """One session's next forward: its block tokens (B, N, C) at noise level ``sigma``."""
+
+    kv: SessionKV
+    tokens: torch.Tensor
+    sigma: float
+    mode: WindowMode
+    tables: RopeTables
+    history_frames: int
+    frames: int
+    prompt: PreparedPrompt
+    owner: object = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def group(self) -> tuple[int, torch.dtype, torch.device]:
+        """Forwards that can share one model call: same tokens per row, dtype and device."""
+        return int(self.tokens.shape[1]), self.tokens.dtype, self.tokens.device
+
+
+def prepare_prompt(model: torch.nn.Module, embeds: torch.Tensor, mask: torch.Tensor | None) -> PreparedPrompt:
+    """What cross-attention reads of a prompt (B, L, caption_channels), computed as diffusers' forward does."""
+    batch = embeds.shape[0]
+    with torch.no_grad():
+        projected = model.caption_projection(embeds)
+        projected = projected.view(batch, -1, projected.shape[-1])  # (B, L, D)
+    bias = None
+    if mask is not None:
+        bias = ((1 - mask.to(embeds.dtype)) * -10000.0).unsqueeze(1)  # (B, 1, L)
+    return PreparedPrompt(embeds=projected, bias=bias)
+
+
+def build_window(forwards: Sequence[RowForward], num_layers: int) -> ForwardWindow:
+    """The one-shot cache view of a model call over ``forwards``, their rows stacked in order."""
+    windows, start = [], 0
+    for forward in forwards:
+        windows.append(
+            RowWindow(forward.kv, forward.mode, forward.tables, forward.history_frames, forward.frames, start,
+                      start + forward.rows, forward.prompt, forward.owner)
+        )
+        start += forward.rows
+    return ForwardWindow(windows, num_layers)
+
+
+def run_batch(model: torch.nn.Module, forwards: Sequence[RowForward]) -> list[torch.Tensor]:
+    """The velocity (B, N, C) of each forward, from one model call over all of them."""
+    if not forwards:
+        return []
+    groups = {forward.group for forward in forwards}
+    if len(groups) != 1:
+        raise ValueError(f"forwards of one model call must share (tokens per row, dtype, device); got {groups}")
+    check_processors(model, "+".join(sorted({f.mode for f in forwards})))
+    window = build_window(forwards, len(model.transformer_blocks))
+    windows = window.rows
+    rows = windows[-1].row_end
+
+    tokens = forwards[0].tokens if len(forwards) == 1 else torch.cat([f.tokens for f in forwards])  # (R, N, C)
+    multiplier = float(model.config.timestep_scale_multiplier)
+    timestep = torch.tensor(
+        [f.sigma * multiplier for f in forwards for _ in range(f.rows)], dtype=torch.float32, device=tokens.device
+    )  # (R,)
+
+    with torch.no_grad():
+        # 1. Input projection.
+        hidden = model.proj_in(tokens)  # (R, N, D)
+        # 2. Timestep embedding and modulation, once per row.
+        temb, embedded = model.time_embed(timestep, batch_size=rows, hidden_dtype=hidden.dtype)
+        temb = temb.view(rows, -1, temb.size(-1))  # (R, 1, 6D)
+        embedded = embedded.view(rows, -1, embedded.size(-1))  # (R, 1, D)
+        # 3. Transformer blocks; attention per session.
+        prompts = PromptBatch(windows)
+        for index, block in enumerate(model.transformer_blocks):
+            hidden = block(
+                hidden_states=hidden,
+                encoder_hidden_states=prompts,
+                temb=temb,
+                video_rotary_emb=None,
+                encoder_attention_mask=None,
+                sink_rotary_emb=None,
+                kv_cache=window.get(index),
+                kv_cache_mode=window.kv_cache_mode,
+            )
+        # 4. Output norm and projection.
+        scale_shift = model.scale_shift_table[None, None] + embedded[:, :, None]  # (R, 1, 2, D)
+        shift, scale = scale_shift[:, :, 0], scale_shift[:, :, 1]
+        hidden = model.norm_out(hidden)
+        hidden = hidden * (1 + scale) + shift
+        velocity = model.proj_out(hidden)  # (R, N, C)
+    window.writes.verify(processor_names(model))
+    if len(forwards) == 1:
+        return [velocity]
+    return list(velocity.split([f.rows for f in forwards]))
+
+
+def run_isolated(model: torch.nn.Module, forwards: Sequence[RowForward]) -> list[torch.Tensor | Exception]:
+    """``run_batch``, and if the batched call fails, each forward again on its own, so that only a forward that
+    fails by itself gets an error (in its place in the list); the others get their velocity. Batch invariance
+    makes those the bytes the batched call would have given."""
+    try:
+        return list(run_batch(model, forwards))
+    except Exception as batch_error:
+        if len(forwards) == 1:
+            return [batch_error]
+    results: list[torch.Tensor | Exception] = []
+    for forward in forwards:
+        try:
+            results.append(run_batch(model, [forward])[0])
+        except Exception as error:  # this forward's own failure, reported to its owner only
+            results.append(error)
+    return results

@@ -1,0 +1,40 @@
+"""Host <-> device copies that never stall the thread that issues them.
+
+On CUDA an input chunk is staged in pinned memory and copied with ``non_blocking=True``, so the engine thread
+queues the copy behind the running kernels instead of waiting for them; a refined unit goes the other way into
+pinned memory, with an event the reader waits on (off the engine thread) before it touches the bytes. On a CPU
+both are plain tensors and ``wait`` returns at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` on ``device`` in ``dtype``; from host to CUDA through pinned memory, without blocking."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        staged = tensor if tensor.is_pinned() else tensor.pin_memory()
+        return staged.to(device, non_blocking=True).to(dtype)
+    return tensor.to(device=device, dtype=dtype)
+
+
+class HostCopy:
+    """A tensor on its way to host memory. ``wait()`` returns it once the copy is complete."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._tensor = host
+        else:
+            self._tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._tensor
