@@ -11,9 +11,8 @@ from pydantic import BeforeValidator
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from models import SessionConfig
-from models.session import SessionState, Unit
 
-from .codec import LATENTS, OCTET_STREAM, PROMPT_EMBEDS, encode
+from .codec import LATENTS, OCTET_STREAM, PROMPT_EMBEDS
 from .errors import ApiError
 from .services import Services
 from .settings import Settings
@@ -141,31 +140,6 @@ def check_payload(
             "(max_prompt_tokens); send a shorter prompt",
         )
     return latents
-
-
-def units_payload(
-    units: list[Unit],
-    state: SessionState,
-    request_shape: tuple[int, ...],
-    response_dtype: str,
-    metadata: dict[str, object] | None = None,
-) -> bytes:
-    """The frames ``units`` finalized, as one safetensors latents (B, C, n, H, W), n >= 0."""
-    if units:
-        latents = torch.cat([unit.latents for unit in units], dim=2)  # (B, C, n, H, W)
-        frame_start, frame_end = units[0].frame_start, units[-1].frame_end
-    else:
-        geometry = state.geometry
-        if geometry is not None:
-            shape = (geometry.batch, geometry.channels, 0, geometry.height, geometry.width)
-        else:
-            shape = (*request_shape[:2], 0, *request_shape[3:5])
-        latents = torch.zeros(shape)  # (B, C, 0, H, W)
-        frame_start = frame_end = state.frames_returned
-    if response_dtype == "float32":
-        latents = latents.to(torch.float32)
-    meta = {"frame_start": frame_start, "frame_end": frame_end, **(metadata or {})}
-    return encode({LATENTS: latents}, meta)
 
 
 def check_config_limits(config: SessionConfig, settings: Settings) -> SessionConfig:

@@ -1,21 +1,33 @@
-"""The engine: one worker thread owns the refiner and runs every forward.
+"""The engine: one worker thread owns the refiner, schedules forwards (not blocks) and batches them.
 
-Routes build a job, ``submit`` it and await the returned asyncio future; the engine resolves it from its thread
-with ``loop.call_soon_threadsafe``. Nothing else calls into ``models``' compute, so no two forwards ever touch
-the model at once and the event loop never blocks on torch.
+Routes build ``Work`` (frames to append to a session and refine as far as they allow), ``submit`` it and await
+the returned asyncio future; the engine resolves it from its thread with ``loop.call_soon_threadsafe``. Nothing
+else calls into ``models``' compute, so no two forwards ever touch the model at once and the event loop never
+blocks on torch. The engine knows sessions and forwards only: sequence numbers, replays, streams and encoding
+belong to the service layer (``app.protocol``, ``app.delivery``).
 
-Work is organised in lanes. A lane is one ordered stream of jobs over one ``RefinerSession``: a client
-session, a one-shot clip, or the warm-up. Jobs of a lane run strictly in order; lanes with work take turns,
-one step (the sink capture or one block) per turn, so a long clip or a busy stream cannot starve the others.
+A session with work is in the *ring*. Each iteration is plan -> execute -> commit, with typed records between:
 
-Each engine iteration is plan -> execute -> commit, with typed records between the steps:
+    schedule() -> Batch | None      the next forward of every ready session, in ring order; the first one and
+                                    the following ones of the same group (tokens per row) up to max_batch_rows
+                                    rows form the batch (bookkeeping only, no compute)
+    execute(batch) -> BatchResult   one model call; if it fails, each forward alone, so that only a session
+                                    whose own forward fails gets an error
+    commit(result)                  each run takes its velocity; finished runs are committed, their units handed
+                                    on, work that is done is resolved
 
-    schedule() -> list[ScheduledStep]   which lanes step now, and the StepPlan of each (bookkeeping only)
-    execute(steps) -> list[StepOutput]  the forwards; touches no session state
-    commit(outputs)                     session states advance, units are delivered, jobs finish
+Sessions served in an iteration move to the back of the ring, so a session of another group goes first next
+time (no starvation), and a session's next forward joins the very next iteration after its previous one
+committed: nobody waits for a batch to fill. With batching off every model call holds one session.
 
-Today a schedule holds one step; batching blocks of several sessions into one forward plugs in at ``execute``
-without changing the routes or the sessions.
+Failure: a forward that fails drops its session's block in flight (nothing committed changes). *Atomic* work
+(an HTTP chunk, a clip) is all or nothing: the session returns to its checkpoint from before the work. Other
+work (a WebSocket message) keeps the blocks it committed and its frames stay pending, so the next message
+retries the block.
+
+``pause`` (the drain) stops the engine between two iterations: blocks in flight are dropped, atomic work in
+progress is rolled back, and every unfinished work fails with ``draining``; what stays in the sessions is exactly
+what was committed, and every committed unit has been handed on.
 """
 
 from __future__ import annotations
@@ -31,7 +43,8 @@ from typing import Any, Callable
 import torch
 
 from models.clip import check_clip_length
-from models.session import RefinerSession, SessionState, StepPlan, StepResult, Unit
+from models.session import BlockRun, RefinerSession, SessionCheckpoint, SessionState, Unit
+from models.step import RowForward, run_isolated
 
 from .errors import ApiError
 from .metrics import Metrics
@@ -40,49 +53,42 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Lane:
-    """An ordered stream of jobs over one session. The seq fields are written only by the engine thread."""
+class EngineSession:
+    """A session as the engine holds it: the model-side session and its queue of work."""
 
     session: RefinerSession
     name: str = ""
-    record_metrics: bool = True
-    next_seq: int = 0
-    last_seq: int | None = None
-    last_response: Any = None
-    # Set (from the event loop) when the session is deleted or evicted: queued jobs then fail with it.
+    # Set from the event loop when the session is deleted or evicted: its queued work then fails with it.
     closed: ApiError | None = None
-    first_block_done: bool = False
-    # Engine-thread only: the jobs waiting or running, oldest first.
-    jobs: deque = field(default_factory=deque)
-    # Guarded by the engine's lock: jobs submitted and not yet settled.
+    # Engine thread only.
+    work: deque = field(default_factory=deque)
+    run: BlockRun | None = None
+    checkpoint: SessionCheckpoint | None = None  # taken when atomic work starts
+    in_ring: bool = False
+    # Guarded by the engine's lock: work submitted and not yet settled.
     queued: int = 0
 
 
 @dataclass(eq=False)
-class ChunkJob:
-    """Append one chunk to a lane's session and refine every step it makes possible.
+class Work:
+    """Append a chunk to a session and refine every step it makes possible.
 
-    ``atomic`` (HTTP): all or nothing; on any failure the session goes back to its state before the job and
-    the seq is not used up. Otherwise (WebSocket) each unit is final once committed and handed to ``on_unit``
-    at once; a failing step leaves the session as it was before that step.
-    ``finalize(units, state)`` runs in the engine thread when the job is done and builds its result (e.g. the
-    response bytes, stored for a repeated seq). ``on_unit`` also runs in the engine thread: it must not block.
-    """
+    ``atomic``: all or nothing; on any failure the session goes back to its state before this work. Otherwise
+    each unit is final once committed. ``on_unit`` runs on the engine thread for each committed unit: it must
+    hand the unit on and return (no blocking, no encoding). Every committed unit is also in the result, so a
+    hand-off that failed can be made good."""
 
-    lane: Lane
+    target: EngineSession
     latents: torch.Tensor | None
     prompt_embeds: torch.Tensor | None = None
     prompt_attention_mask: torch.Tensor | None = None
     flush: bool = False
-    seq: int | None = None
-    atomic: bool = True
+    atomic: bool = False
     one_shot: bool = False  # a whole clip (/v1/refine): must have more frames than the sink
     on_unit: Callable[[Unit], None] | None = None
-    finalize: Callable[[list[Unit], SessionState], Any] | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
-    # Engine-side progress.
+    # Engine-side progress; ``started`` means the chunk was checked and appended (accepted).
     started: bool = False
-    before: SessionState | None = None
     units: list[Unit] = field(default_factory=list)
     frames_in: int = 0
     future: asyncio.Future | None = None
@@ -90,22 +96,31 @@ class ChunkJob:
 
 
 @dataclass(frozen=True)
-class JobResult:
-    value: Any
-    replayed: bool = False
+class WorkResult:
+    units: tuple[Unit, ...]
+    frames_in: int
+    state: SessionState
 
 
 @dataclass(frozen=True)
-class ScheduledStep:
-    job: ChunkJob
-    plan: StepPlan
+class Scheduled:
+    target: EngineSession
+    forward: RowForward
 
 
 @dataclass(frozen=True)
-class StepOutput:
-    step: ScheduledStep
-    result: StepResult | None
-    error: BaseException | None
+class Batch:
+    members: tuple[Scheduled, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(member.forward.rows for member in self.members)
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    batch: Batch
+    outcomes: tuple[torch.Tensor | Exception, ...]
     seconds: float
 
 
@@ -117,16 +132,27 @@ class _CallJob:
 
 
 class Engine:
-    def __init__(self, metrics: Metrics, queue_depth: int, lane_depth: int):
+    def __init__(
+        self,
+        metrics: Metrics,
+        queue_depth: int,
+        session_depth: int,
+        max_batch_rows: int = 8,
+        batching: bool = True,
+    ):
         self.metrics = metrics
         self.queue_depth = queue_depth
-        self.lane_depth = lane_depth
+        self.session_depth = session_depth
+        self.max_batch_rows = max_batch_rows
+        self.batching = batching
+        self.model: torch.nn.Module | None = None  # set once the refiner is loaded
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._outstanding = 0
         self._accepting = True
+        self._paused = False
         self._stopping = False
-        self._ring: deque[Lane] = deque()  # engine thread only: lanes with jobs, in turn order
+        self._ring: deque[EngineSession] = deque()  # engine thread only: sessions with work, in turn order
         self._thread: threading.Thread | None = None
 
     # --- event-loop side ---------------------------------------------------------------------------------
@@ -138,10 +164,11 @@ class Engine:
     def outstanding(self) -> int:
         return self._outstanding
 
-    def submit(self, job: ChunkJob) -> asyncio.Future:
-        """Queue a job; raises ApiError (503) at once when the engine or the lane is full or draining."""
+    def submit(self, work: Work) -> asyncio.Future:
+        """Queue work; raises ApiError (503) at once when the engine or the session is full or draining."""
         loop = asyncio.get_running_loop()
-        job.loop, job.future = loop, loop.create_future()
+        work.loop, work.future = loop, loop.create_future()
+        target = work.target
         with self._cond:
             if not self._accepting:
                 raise ApiError("draining", "the server is shutting down and takes no new work; retry after restart")
@@ -150,23 +177,24 @@ class Engine:
                     "engine_busy",
                     f"the engine already has {self._outstanding} jobs queued (engine_queue_depth); retry shortly",
                 )
-            if job.lane.queued >= self.lane_depth:
+            if target.queued >= self.session_depth:
                 raise ApiError(
                     "engine_busy",
-                    f"this session already has {job.lane.queued} chunks queued (session_queue_depth); wait for "
+                    f"this session already has {target.queued} chunks queued (session_queue_depth); wait for "
                     "their responses before sending more",
                 )
             self._outstanding += 1
-            job.lane.queued += 1
-            self._inbox.append(job)
+            target.queued += 1
+            self._inbox.append(work)
             self._cond.notify()
-        return job.future
+        return work.future
 
-    async def run(self, job: ChunkJob) -> JobResult:
-        return await self.submit(job)
+    async def run(self, work: Work) -> WorkResult:
+        return await self.submit(work)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread (loading the model, a test's hook); not counted against the queue."""
+        """Run ``fn`` on the engine thread between two iterations (loading the model, saving sessions, a test's
+        hook); not counted against the queue, and run even while paused."""
         loop = asyncio.get_running_loop()
         job = _CallJob(fn, loop.create_future(), loop)
         with self._cond:
@@ -181,11 +209,18 @@ class Engine:
             self._accepting = False
 
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait until every submitted job has settled; False if ``timeout`` passed first."""
+        """Wait until every submitted work has settled; False if ``timeout`` passed first."""
         deadline = time.monotonic() + timeout
         while self._outstanding and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         return self._outstanding == 0
+
+    async def pause(self) -> int:
+        """Stop running forwards for good (the drain): takes no new work; between two iterations drops the blocks
+        in flight, rolls back atomic work in progress and fails every unfinished work with ``draining``. Returns
+        how many works it failed. Afterwards only ``call`` jobs run."""
+        self.stop_accepting()
+        return await self.call(self._pause_now)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -201,203 +236,201 @@ class Engine:
         with torch.no_grad():
             while True:
                 with self._cond:
-                    while not self._inbox and not self._ring and not self._stopping:
+                    while not self._inbox and (not self._ring or self._paused) and not self._stopping:
                         self._cond.wait()
                     if self._stopping:
-                        self._fail_everything()
+                        self._fail_everything(ApiError("draining", "the server stopped before this work ran; "
+                                                       "retry after restart"))
                         return
                     inbox = list(self._inbox)
                     self._inbox.clear()
-                for job in inbox:
-                    self._admit(job)
-                steps = self.schedule()
-                if steps:
-                    self.commit(self.execute(steps))
+                for item in inbox:
+                    self._admit(item)
+                if self._paused:
+                    continue
+                batch = self.schedule()
+                if batch is not None:
+                    self.commit(self.execute(batch))
 
-    def _admit(self, job) -> None:
-        if isinstance(job, _CallJob):
+    def _admit(self, item) -> None:
+        if isinstance(item, _CallJob):
             try:
-                value = job.fn()
+                value = item.fn()
             except BaseException as exc:  # handed to the awaiting coroutine, which decides
-                _resolve(job.loop, job.future, None, exc)
+                _resolve(item.loop, item.future, None, exc)
             else:
-                _resolve(job.loop, job.future, value, None)
+                _resolve(item.loop, item.future, value, None)
             return
-        lane = job.lane
-        lane.jobs.append(job)
-        if len(lane.jobs) == 1:
-            self._ring.append(lane)
+        if self._paused:
+            self._settle(item, error=ApiError("draining", "the server is shutting down and takes no new work; "
+                                                          "retry after restart"))
+            return
+        target = item.target
+        target.work.append(item)
+        if not target.in_ring:
+            target.in_ring = True
+            self._ring.append(target)
 
-    def schedule(self) -> list[ScheduledStep]:
-        """The next step in round-robin order over lanes with work; jobs that need no forward finish here."""
-        for _ in range(len(self._ring)):
-            lane = self._ring.popleft()
-            step = self._next_step(lane)
-            if lane.jobs:
-                self._ring.append(lane)
-            if step is not None:
-                return [step]
-        return []
+    def schedule(self) -> Batch | None:
+        """Which forwards run next: every session's next forward in ring order, the first one and the following
+        ones of its group up to ``max_batch_rows`` rows. Work that needs no forward (rejected, replayed, done)
+        settles here."""
+        ready: list[Scheduled] = []
+        for target in list(self._ring):
+            forward = self._next_forward(target)
+            if forward is not None:
+                ready.append(Scheduled(target, forward))
+            elif target.run is None and not target.work:
+                self._ring.remove(target)
+                target.in_ring = False
+        if not ready:
+            return None
+        head = ready[0]
+        members, rows = [head], head.forward.rows
+        if self.batching:
+            for candidate in ready[1:]:
+                if candidate.forward.group == head.forward.group and rows + candidate.forward.rows <= self.max_batch_rows:
+                    members.append(candidate)
+                    rows += candidate.forward.rows
+        for member in members:  # served: to the back, so the others go first next time
+            self._ring.remove(member.target)
+            self._ring.append(member.target)
+        return Batch(tuple(members))
 
-    def execute(self, steps: list[ScheduledStep]) -> list[StepOutput]:
-        outputs = []
-        for step in steps:
-            started = time.perf_counter()
-            try:
-                result, error = step.job.lane.session.execute(step.plan), None
-            except Exception as exc:  # reported to that job only; other lanes never notice
-                result, error = None, exc
-            outputs.append(StepOutput(step, result, error, time.perf_counter() - started))
-        return outputs
+    def execute(self, batch: Batch) -> BatchResult:
+        started = time.perf_counter()
+        outcomes = run_isolated(self.model, [member.forward for member in batch.members])
+        seconds = time.perf_counter() - started
+        self.metrics.batch_rows.observe(batch.rows)
+        self.metrics.model_call_seconds.observe(seconds)
+        return BatchResult(batch, tuple(outcomes), seconds)
 
-    def commit(self, outputs: list[StepOutput]) -> None:
-        for output in outputs:
-            job = output.step.job
-            lane = job.lane
-            if output.error is not None:
-                log.warning("step %s of %s failed: %r", output.step.plan, lane.name, output.error)
-                self._fail(job, output.error)
+    def commit(self, result: BatchResult) -> None:
+        for member, outcome in zip(result.batch.members, result.outcomes):
+            target = member.target
+            work = target.work[0]
+            if isinstance(outcome, Exception):
+                log.warning("a forward of %s failed: %r", target.name, outcome)
+                self._fail(work, outcome)
+                continue
+            target.session.advance(target.run, outcome)
+            if target.run.finished:
+                self._commit_run(target)
+
+    # --- work lifecycle (engine thread) ----------------------------------------------------------------------
+    def _next_forward(self, target: EngineSession) -> RowForward | None:
+        session = target.session
+        while True:
+            if target.run is not None:
+                forward = session.next_forward(target.run)
+                if forward is not None:
+                    return forward
+                self._commit_run(target)  # a run with no forwards (a sink too short to refine)
+                continue
+            if not target.work:
+                return None
+            work: Work = target.work[0]
+            if target.closed is not None:
+                self._fail(work, target.closed)
+                continue
+            if not work.started and not self._start(work):
                 continue
             try:
-                unit = lane.session.commit(output.result)
+                plan = session.plan()
+                if plan is None:
+                    self._finish(work)
+                    continue
+                target.run = session.start(plan)
             except Exception as exc:
-                self._fail(job, exc)
-                continue
-            job.units.append(unit)
-            if unit.kind == "block" and lane.record_metrics:
-                self.metrics.block_latency.observe(output.seconds)
-                if not lane.first_block_done:
-                    lane.first_block_done = True
-                    self.metrics.time_to_first_block.observe(time.perf_counter() - job.submitted_at)
-            if not job.atomic:
-                self._count_out([unit], lane)
-                if job.on_unit is not None:
-                    try:
-                        job.on_unit(unit)
-                    except Exception:  # a delivery bug must not take the engine down
-                        log.exception("delivering a unit of %s failed", lane.name)
+                self._fail(work, exc)
 
-    # --- job lifecycle (engine thread) ---------------------------------------------------------------------
-    def _next_step(self, lane: Lane) -> ScheduledStep | None:
-        while lane.jobs:
-            job: ChunkJob = lane.jobs[0]
-            if not job.started and not self._start(job):
-                continue
-            if lane.closed is not None:
-                self._fail(job, lane.closed)
-                continue
-            try:
-                plan = lane.session.plan()
-            except Exception as exc:
-                self._fail(job, exc)
-                continue
-            if plan is None:
-                self._finish(job)
-                continue
-            return ScheduledStep(job, plan)
-        return None
-
-    def _start(self, job: ChunkJob) -> bool:
-        """Check and append the job's chunk; False when the job already settled (rejected or replayed)."""
-        lane = job.lane
-        if lane.closed is not None:
-            self._settle(job, error=lane.closed)
-            return False
-        if job.seq is not None:
-            if job.seq == lane.last_seq and lane.last_response is not None:
-                self._settle(job, JobResult(lane.last_response, replayed=True))
-                return False
-            if job.seq != lane.next_seq:
-                again = f", or seq={lane.last_seq} to get the last response again" if lane.last_seq is not None else ""
-                self._settle(
-                    job,
-                    error=ApiError(
-                        "seq_conflict",
-                        f"seq={job.seq} is out of order: this session expects seq={lane.next_seq} next{again}",
-                    ),
-                )
-                return False
-        session = lane.session
-        job.before = session.state
+    def _start(self, work: Work) -> bool:
+        """Check and append the work's chunk; False when the work was refused (and settled)."""
+        target = work.target
+        session = target.session
+        if work.atomic:
+            target.checkpoint = session.checkpoint()
         try:
-            latents = job.latents
-            if latents is None and job.flush:
+            latents = work.latents
+            if latents is None and work.flush:
                 latents = session.empty_latents()
-            if job.one_shot:
+            if work.one_shot:
                 check_clip_length(latents, session.config)
-            chunk = session.check(latents, job.prompt_embeds, job.prompt_attention_mask)
-            session.append(chunk, flush=job.flush)
+            chunk = session.check(latents, work.prompt_embeds, work.prompt_attention_mask)
+            session.append(chunk, flush=work.flush)
         except Exception as exc:
-            session.restore(job.before)
-            self._settle(job, error=exc)
+            self._fail(work, exc)
             return False
-        job.started = True
-        job.frames_in = chunk.frames
-        # Release the request's tensors: the session holds its own (cast) copy now.
-        job.latents = job.prompt_embeds = job.prompt_attention_mask = None
-        if not job.atomic:
-            lane.next_seq += 1
-            if lane.record_metrics:
-                self.metrics.frames_in.inc(job.frames_in)
+        work.started = True
+        work.frames_in = chunk.frames
+        # Release the request's tensors: the session holds its own (device) copy now.
+        work.latents = work.prompt_embeds = work.prompt_attention_mask = None
         return True
 
-    def _finish(self, job: ChunkJob) -> None:
-        lane = job.lane
+    def _commit_run(self, target: EngineSession) -> None:
+        run, target.run = target.run, None
+        work: Work = target.work[0]
         try:
-            value = job.finalize(job.units, lane.session.state) if job.finalize else job.units
+            unit = target.session.commit(run)
         except Exception as exc:
-            self._fail(job, exc)
+            self._fail(work, exc)
             return
-        if job.atomic:
-            lane.next_seq += 1
-            lane.last_seq = job.seq
-            lane.last_response = value if job.seq is not None else None
-            if lane.record_metrics:
-                self.metrics.frames_in.inc(job.frames_in)
-                self._count_out(job.units, lane)
-        self._settle(job, JobResult(value))
+        work.units.append(unit)
+        if work.on_unit is not None:
+            try:
+                work.on_unit(unit)
+            except Exception:  # the unit is still in the work's result, where the service layer picks it up
+                log.exception("handing on a unit of %s failed", target.name)
 
-    def _fail(self, job: ChunkJob, error: BaseException) -> None:
-        if job.atomic and job.before is not None:
-            job.lane.session.restore(job.before)
-        self._settle(job, error=error)
+    def _finish(self, work: Work) -> None:
+        target = work.target
+        if work.atomic and target.checkpoint is not None:
+            target.session.release(target.checkpoint)
+            target.checkpoint = None
+        self._settle(work, WorkResult(tuple(work.units), work.frames_in, target.session.state))
 
-    def _count_out(self, units: list[Unit], lane: Lane) -> None:
-        if not lane.record_metrics:
-            return
-        for unit in units:
-            self.metrics.frames_out.inc(unit.frame_end - unit.frame_start)
-            if unit.kind == "block":
-                self.metrics.blocks_refined.inc()
+    def _fail(self, work: Work, error: BaseException) -> None:
+        target = work.target
+        target.run = None  # a block in flight never reaches the session
+        if work.atomic and target.checkpoint is not None:
+            target.session.rollback(target.checkpoint)
+            target.checkpoint = None
+        self._settle(work, error=error)
 
-    def _settle(self, job: ChunkJob, value: Any = None, error: BaseException | None = None) -> None:
-        lane = job.lane
-        if lane.jobs and lane.jobs[0] is job:
-            lane.jobs.popleft()
+    def _settle(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
+        target = work.target
+        if target.work and target.work[0] is work:
+            target.work.popleft()
         with self._cond:
             self._outstanding -= 1
-            lane.queued -= 1
-        _resolve(job.loop, job.future, value, error)
+            target.queued -= 1
+        _resolve(work.loop, work.future, value, error)
 
-    def _fail_everything(self) -> None:
-        stopped = ApiError("draining", "the server stopped before this work ran; retry after restart")
-        for job in list(self._inbox):
-            if isinstance(job, _CallJob):
-                _resolve(job.loop, job.future, None, stopped)
+    def _pause_now(self) -> int:
+        self._paused = True
+        stopped = ApiError(
+            "draining",
+            "the server is shutting down: this work was stopped before it finished (what it committed is kept); "
+            "retry after restart",
+        )
+        return self._fail_everything(stopped)
+
+    def _fail_everything(self, error: ApiError) -> int:
+        failed = 0
+        for item in list(self._inbox):
+            if isinstance(item, _CallJob):
+                _resolve(item.loop, item.future, None, error)
             else:
-                self._outstanding -= 1
-                job.lane.queued -= 1
-                _resolve(job.loop, job.future, None, stopped)
+                self._settle(item, error=error)
+                failed += 1
         self._inbox.clear()
-        for lane in self._ring:
-            while lane.jobs:
-                job = lane.jobs.popleft()
-                if job.atomic and job.before is not None:
-                    lane.session.restore(job.before)
-                self._outstanding -= 1
-                lane.queued -= 1
-                _resolve(job.loop, job.future, None, stopped)
+        for target in list(self._ring):
+            while target.work:
+                self._fail(target.work[0], error)
+                failed += 1
+            target.in_ring = False
         self._ring.clear()
+        return failed
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, error: BaseException | None):

@@ -24,7 +24,7 @@ class Metrics:
         self.blocks_refined = Counter("refiner_blocks_refined", "Refined blocks delivered to clients", registry=r)
         self.block_latency = Histogram(
             "refiner_block_latency_seconds",
-            "Engine time to refine one block (all its forwards)",
+            "Per block: from its first forward being scheduled to its latents being on the host",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -38,6 +38,18 @@ class Metrics:
         self.frames_out = Counter("refiner_frames_out", "Latent frames returned to clients", registry=r)
         self.active_sessions = Gauge("refiner_active_sessions", "Sessions currently held", registry=r)
         self.kv_cache_bytes = Gauge("refiner_kv_cache_bytes", "KV cache bytes held by all sessions", registry=r)
+        self.batch_rows = Histogram(
+            "refiner_batch_rows",
+            "Rows (sessions' batches summed) per model call of the engine",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
+            registry=r,
+        )
+        self.model_call_seconds = Histogram(
+            "refiner_model_call_seconds",
+            "Engine time per model call (one forward of every session in the batch)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.engine_queue_depth = Gauge(
             "refiner_engine_queue_depth", "Jobs submitted to the engine and not finished", registry=r
         )

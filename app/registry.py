@@ -10,6 +10,7 @@ does not extend the wait (a client polling GET is not back); a new stream, or a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import OrderedDict
@@ -19,8 +20,10 @@ from typing import Any, Callable
 
 from models import Prompt, Refiner, RefinerSession, SessionConfig
 
-from .engine import Lane
+from .delivery import Deliveries
+from .engine import EngineSession
 from .errors import ApiError
+from .protocol import ChunkLog
 from .resume import RetainedUnits, SentUnit
 
 
@@ -28,7 +31,7 @@ from .resume import RetainedUnits, SentUnit
 class SessionHandle:
     id: str
     config: SessionConfig
-    lane: Lane
+    engine_session: EngineSession
     created_at: float = field(default_factory=time.time)
     last_active: float = 0.0  # registry clock
     last_active_wall: float = field(default_factory=time.time)
@@ -45,20 +48,25 @@ class SessionHandle:
     # Engine futures of stream jobs not settled yet; a reattaching stream waits for them before it reports
     # where the stream stands, so its frame counts include every message the old connection handed over.
     stream_jobs: set = field(default_factory=set)
+    # Sequence numbers and the stored response of the last chunk (app.protocol).
+    chunks: ChunkLog = field(default_factory=ChunkLog)
+    # Stream units between commit and publication (app.delivery); set by the registry.
+    deliveries: Deliveries | None = None
+    first_block_done: bool = False
 
     @property
     def session(self) -> RefinerSession:
-        return self.lane.session
+        return self.engine_session.session
 
     def publish(self, unit: SentUnit) -> None:
-        """A stream unit was committed (called on the loop, in commit order): keep it, and send it if a client
-        is attached. A unit committed while detached is only kept, for the client's reconnect."""
+        """A stream unit is ready (called on the loop, in commit order): keep it, and send it if a client is
+        attached. A unit published while detached is only kept, for the client's reconnect."""
         self.retained.add(unit)
         if self.stream is not None:
-            self.stream.send_unit(unit.payload)
+            self.stream.send_unit(unit)
 
     def describe(self) -> dict[str, Any]:
-        state = self.lane.session.state
+        state = self.session.state
         return {
             "session_id": self.id,
             "config": self.config.to_dict(),
@@ -68,8 +76,8 @@ class SessionHandle:
             "history_frames": state.history_frames,
             "blocks_refined": state.blocks_refined,
             "flushed": state.flushed,
-            "next_seq": self.lane.next_seq,
-            "kv_cache_bytes": state.cache_bytes,
+            "next_seq": self.chunks.next_seq,
+            "kv_cache_bytes": self.session.cache_bytes,
             "pending_bytes": state.pending_bytes,
             "streaming": self.streaming,
             "detached": self.detached,
@@ -90,6 +98,7 @@ class Registry:
         reattach_grace_s: float = 60.0,
         resume_units: int = 32,
         clock: Callable[[], float] = time.monotonic,
+        deliveries: Callable[[SessionHandle], Deliveries] | None = None,
     ):
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -98,7 +107,9 @@ class Registry:
         self.remember_evicted = remember_evicted
         self.retry_after_s = retry_after_s
         self.clock = clock
+        self._deliveries = deliveries
         self._sessions: dict[str, SessionHandle] = {}
+        self.clips = 0  # one-shot clips being refined: they count against max_sessions while they run
         # Evicted ids answer 410 (the client should start over), unknown or deleted ones 404; the value says why.
         self._evicted: OrderedDict[str, str] = OrderedDict()
 
@@ -109,27 +120,42 @@ class Registry:
         return list(self._sessions.values())
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None = None) -> SessionHandle:
+        self._require_capacity()
+        session_id = uuid.uuid4().hex
+        return self.adopt(session_id, RefinerSession(refiner, config, prompt))
+
+    def _require_capacity(self) -> None:
         self.evict_idle()
-        if len(self._sessions) >= self.max_sessions:
+        if len(self._sessions) + self.clips >= self.max_sessions:
+            clips = f" ({self.clips} of them one-shot clips being refined)" if self.clips else ""
             raise ApiError(
                 "too_many_sessions",
-                f"the server holds its maximum of {self.max_sessions} sessions (max_sessions); delete one you no "
-                f"longer need or retry in {self.retry_after_s} s",
+                f"the server holds its maximum of {self.max_sessions} sessions (max_sessions){clips}; delete one "
+                f"you no longer need or retry in {self.retry_after_s} s",
             )
-        session_id = uuid.uuid4().hex
-        lane = Lane(session=RefinerSession(refiner, config, prompt), name=f"session {session_id}")
-        return self.adopt(session_id, lane)
 
-    def adopt(self, session_id: str, lane: Lane, detached: bool = False) -> SessionHandle:
+    @contextlib.contextmanager
+    def clip(self):
+        """A one-shot clip holds a session's place (and its memory) while it is refined."""
+        self._require_capacity()
+        self.clips += 1
+        try:
+            yield
+        finally:
+            self.clips -= 1
+
+    def adopt(self, session_id: str, session: RefinerSession, detached: bool = False) -> SessionHandle:
         """Register a session under ``session_id`` (a new one, or one restored from a snapshot; no capacity
         check there: those sessions were admitted before the restart)."""
         handle = SessionHandle(
             id=session_id,
-            config=lane.session.config,
-            lane=lane,
+            config=session.config,
+            engine_session=EngineSession(session=session, name=f"session {session_id}"),
             last_active=self.clock(),
             retained=RetainedUnits(self.resume_units),
         )
+        if self._deliveries is not None:
+            handle.deliveries = self._deliveries(handle)
         if detached:
             self.detach(handle)
         self._sessions[session_id] = handle
@@ -139,7 +165,7 @@ class Registry:
         """The session's stream ended before a flush: the grace period starts now."""
         handle.detached = True
         handle.detached_at = self.clock()
-        handle.detached_seq = handle.lane.next_seq
+        handle.detached_seq = handle.chunks.next_seq
 
     def attach(self, handle: SessionHandle) -> None:
         handle.detached = False
@@ -184,15 +210,15 @@ class Registry:
         return [h.id for h in idle]
 
     def total_cache_bytes(self) -> int:
-        return sum(h.lane.session.state.cache_bytes for h in self._sessions.values())
+        return sum(h.session.cache_bytes for h in self._sessions.values())
 
     # --- internals -----------------------------------------------------------------------------------------
     def _idle(self, handle: SessionHandle, now: float) -> bool:
         # A session with an open stream or work in the engine is in use however long since its last request.
-        busy = handle.streaming or handle.requests_in_flight or handle.lane.queued
+        busy = handle.streaming or handle.requests_in_flight or handle.engine_session.queued
         if busy:
             return False
-        if handle.detached and handle.lane.next_seq != handle.detached_seq:
+        if handle.detached and handle.chunks.next_seq != handle.detached_seq:
             handle.detached = False  # the client came back over HTTP: the ordinary idle timeout applies again
         if handle.detached:
             return now - handle.detached_at > self.reattach_grace_s
@@ -209,7 +235,7 @@ class Registry:
             self._evicted.popitem(last=False)
 
     def _close(self, handle: SessionHandle, error: ApiError) -> None:
-        handle.lane.closed = error
+        handle.engine_session.closed = error
         self._sessions.pop(handle.id, None)
 
 

@@ -2,10 +2,13 @@
 
 Lifecycle: ``start`` runs the engine thread and loads the refiner on it (a load failure fails start-up), then
 warms the model up in the background at the steady-state window shape while ``/health`` already answers and
-``/ready`` says why it is not ready. ``drain`` stops admitting, lets in-flight blocks finish, writes every live
-session to ``snapshot_dir`` (when set) and closes the streams with a code and a reason (1012 "service restart"
-for a saved session, 1001 otherwise), before the server closes connections. The next start restores the saved
-sessions under their ids, before it reports ready.
+``/ready`` says why it is not ready. ``drain`` stops admitting, lets in-flight work finish for up to
+``drain_timeout_s``, then pauses the engine (blocks still in flight are dropped, HTTP chunks still in progress are
+rolled back and answered 503), waits until every committed unit is encoded and retained, writes every live
+session to ``snapshot_dir`` (when set) exactly as its clients last saw it, and closes the streams with a code and a
+reason (1012 "service restart" for a saved session, 1001 otherwise), waiting for them at most
+``drain_timeout_s``, before the server closes connections. The next start restores the saved sessions under
+their ids, before it reports ready.
 """
 
 from __future__ import annotations
@@ -25,14 +28,18 @@ import torch
 from safetensors.torch import load_file
 
 from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, load_refiner
-from models.session import check_prompt
+from models.determinism import forward_batch_invariant
+from models.memory import keep_freed_memory
+from models.session import Unit, check_prompt
 
-from .engine import ChunkJob, Engine, Lane
+from .delivery import Deliveries, Encoder
+from .engine import Engine, EngineSession, Work
 from .errors import WS_GOING_AWAY, WS_SERVICE_RESTART, ApiError
 from .metrics import Metrics
 from .registry import Registry, SessionHandle
+from .resume import SentUnit
 from .settings import Settings
-from .snapshots import SessionRecord, restore_all, save_record, session_at
+from .snapshots import SessionRecord, restore_all, save_record
 
 log = logging.getLogger("app")
 
@@ -43,7 +50,14 @@ class Services:
     def __init__(self, settings: Settings, warmup_gate: Callable[[], None] | None = None):
         self.settings = settings
         self.metrics = Metrics()
-        self.engine = Engine(self.metrics, settings.engine_queue_depth, settings.session_queue_depth)
+        self.encoder = Encoder(self.metrics, settings.response_dtype)
+        self.engine = Engine(
+            self.metrics,
+            settings.engine_queue_depth,
+            settings.session_queue_depth,
+            max_batch_rows=settings.max_batch_rows,
+            batching=settings.batching,
+        )
         self.registry = Registry(
             max_sessions=settings.max_sessions,
             idle_timeout_s=settings.session_idle_timeout_s,
@@ -51,6 +65,7 @@ class Services:
             retry_after_s=settings.retry_after_s,
             reattach_grace_s=settings.ws_reattach_grace_s,
             resume_units=settings.ws_resume_units,
+            deliveries=self._deliveries_for,
         )
         self.metrics.track(
             sessions=lambda: len(self.registry),
@@ -59,6 +74,7 @@ class Services:
         )
         self.refiner: Refiner | None = None
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
+        self.batch_invariant: bool | None = None  # measured during the warm-up when batching is on
         self.not_ready_reason: str | None = "loading the model"
         self.draining = False
         self.streams: set[Any] = set()  # open WebSocket streams (app.routes.stream.StreamConnection)
@@ -84,6 +100,25 @@ class Services:
     def reject(self, error: ApiError) -> None:
         self.metrics.rejected_requests.labels(reason=error.kind).inc()
 
+    # --- units out -----------------------------------------------------------------------------------------
+    def count_out(self, units, handle: SessionHandle | None = None, received: float | None = None) -> None:
+        """Metrics for units delivered to a client (a published stream unit, a returned response)."""
+        for unit in units:
+            self.metrics.frames_out.inc(unit.frame_end - unit.frame_start)
+            if unit.kind != "block":
+                continue
+            self.metrics.blocks_refined.inc()
+            if handle is not None and not handle.first_block_done and received is not None:
+                handle.first_block_done = True
+                self.metrics.time_to_first_block.observe(time.perf_counter() - received)
+
+    def _deliveries_for(self, handle: SessionHandle) -> Deliveries:
+        def published(unit: Unit, sent: SentUnit, received: float) -> None:
+            self.count_out([unit], handle, received)
+            handle.publish(sent)
+
+        return Deliveries(self.encoder, published)
+
     # --- lifecycle -----------------------------------------------------------------------------------------
     async def start(self) -> None:
         self.engine.start()
@@ -92,6 +127,10 @@ class Services:
             # Process-wide; on a shared CPU, fewer threads avoid OpenMP workers spinning against each other.
             torch.set_num_threads(settings.torch_threads)
         self.refiner = await self.engine.call(lambda: _load(settings))
+        self.engine.model = self.refiner.model
+        if self.refiner.device.type == "cpu":
+            # Batched forwards' big activations would otherwise be page-faulted in on every forward.
+            keep_freed_memory()
         log.info("loaded %s", self.refiner.info.to_dict())
         if settings.default_prompt is not None:
             refiner = self.refiner
@@ -109,7 +148,20 @@ class Services:
             if self.settings.warmup:
                 self.not_ready_reason = "warming up"
                 started = time.perf_counter()
-                await self.engine.run(warmup_job(self.refiner, self.settings))
+                await self.engine.run(warmup_work(self.refiner, self.settings))
+                if self.settings.batching:
+                    settings, refiner = self.settings, self.refiner
+                    self.batch_invariant = await self.engine.call(
+                        lambda: forward_batch_invariant(refiner, settings.warmup_height, settings.warmup_width,
+                                                        settings.warmup_prompt_tokens)
+                    )
+                    if not self.batch_invariant:
+                        log.warning(
+                            "batched forwards are NOT bit-identical to solo forwards on %s here: a session's "
+                            "output may differ in its last bits with the sessions it shares forwards with (still "
+                            "within the parity tolerance). Set batching: false for bit-identical retries and "
+                            "restores.", self.refiner.device,
+                        )
                 log.info("warm-up done in %.2f s", time.perf_counter() - started)
             self.not_ready_reason = None
         except asyncio.CancelledError:
@@ -123,17 +175,14 @@ class Services:
         start detached: their clients have ``ws_reattach_grace_s`` to reconnect."""
         records = await self.engine.call(lambda: restore_all(folder, self.refiner))
         for record in records:
-            lane = Lane(
-                session=record.session,
-                name=f"session {record.session_id}",
-                next_seq=record.next_seq,
-                last_seq=record.last_seq,
-                last_response=record.last_response,
-                first_block_done=record.session.state.blocks_refined > 0,
-            )
             detached = record.streaming and not record.session.state.flushed
-            handle = self.registry.adopt(record.session_id, lane, detached=detached)
+            handle = self.registry.adopt(record.session_id, record.session, detached=detached)
+            chunks = handle.chunks
+            chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
+            handle.first_block_done = record.session.state.blocks_refined > 0
             handle.retained.restore(record.units)
+            if handle.deliveries is not None and record.units:
+                handle.deliveries.handed_until = record.units[-1].frame_end
         if records:
             log.info("restored %d session(s) from %s", len(records), folder)
 
@@ -163,14 +212,18 @@ class Services:
         self.engine.stop_accepting()
         timeout = self.settings.drain_timeout_s
         if not await self.engine.wait_idle(timeout):
-            log.warning("drain: %d job(s) still running after %.0f s", self.engine.outstanding, timeout)
-        # The engine hands results to the loop in order; one more call puts us behind the last of them, so no
-        # stream is closed (or saved) before the units it was owed are queued (and retained).
+            log.warning("drain: %d job(s) still running after %.0f s; stopping them", self.engine.outstanding, timeout)
+        # From here the sessions no longer move: what is left of unfinished work is dropped or rolled back, and
+        # the engine hands its last units to the loop before this returns.
+        stopped = 0
         with contextlib.suppress(Exception):
-            await self.engine.call(lambda: None)
+            stopped = await self.engine.pause()
+        handles = self.registry.handles()
+        await asyncio.gather(*(h.deliveries.flush() for h in handles if h.deliveries is not None),
+                             return_exceptions=True)
         saved: set[str] = set()
         if self.settings.snapshot_dir is not None:
-            saved = await self._save_sessions(Path(self.settings.snapshot_dir).expanduser())
+            saved = await self._save_sessions(Path(self.settings.snapshot_dir).expanduser(), handles)
         streams = list(self.streams)
         for stream in streams:
             if stream.session_id in saved:
@@ -180,35 +233,42 @@ class Services:
                 )
             else:
                 stream.close(WS_GOING_AWAY, "server shutting down; reconnect after it restarts")
-        await asyncio.gather(*(stream.closed() for stream in streams), return_exceptions=True)
+        # A client that neither reads nor closes must not hold the shutdown past drain_timeout_s.
+        closing = [asyncio.ensure_future(stream.closed()) for stream in streams]
+        if closing:
+            _, stuck = await asyncio.wait(closing, timeout=timeout)
+            for stream in streams:
+                if not stream.is_closed:
+                    stream.abort()
+            for task in stuck:
+                task.cancel()
         self.drain_report = {
             "draining": True,
             "sessions": len(self.registry),
             "sessions_saved": len(saved),
             "snapshot_dir": None if self.settings.snapshot_dir is None else str(self.settings.snapshot_dir),
             "streams_closed": len(streams),
+            "work_stopped": stopped,
             "seconds": round(time.perf_counter() - started, 3),
         }
         log.info("drain done: %s", self.drain_report)
         return self.drain_report
 
-    async def _save_sessions(self, folder: Path) -> set[str]:
-        """Write every live session to ``folder``, on the engine thread (idle by now, and stopped from taking
-        work, so no forward can run while a session is read). Returns the ids written."""
+    async def _save_sessions(self, folder: Path, handles: list[SessionHandle]) -> set[str]:
+        """Write every live session to ``folder``, on the engine thread (paused by now, so no forward can run
+        while a session is read). Returns the ids written."""
         # The service's fields that live on the loop are read here, on the loop.
-        handles = self.registry.handles()
-        retained = {handle.id: list(handle.retained) for handle in handles}
-        streaming = {handle.id: handle.streaming or handle.detached for handle in handles}
+        records = {handle.id: _record(handle, self.encoder) for handle in handles}
 
         def save_all() -> set[str]:
             written = set()
-            for handle in handles:
+            for session_id, record in records.items():
                 try:
-                    save_record(folder, _record(handle, retained[handle.id], streaming[handle.id]))
+                    save_record(folder, record())
                 except Exception:  # one session that cannot be saved must not cost the others
-                    log.exception("drain: could not save session %s", handle.id)
+                    log.exception("drain: could not save session %s", session_id)
                     continue
-                written.add(handle.id)
+                written.add(session_id)
             return written
 
         try:
@@ -225,20 +285,28 @@ class Services:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.engine.stop)
+        self.encoder.close()
 
 
-def _record(handle: SessionHandle, units, streaming: bool) -> SessionRecord:
-    """The session as its clients last saw it settle (engine thread). An HTTP chunk caught half-way (a drain
-    that timed out) is saved as before that chunk: its request fails, so its client sends it again."""
-    lane = handle.lane
-    session, next_seq = lane.session, lane.next_seq
-    head = lane.jobs[0] if lane.jobs else None
-    if head is not None and head.atomic and head.started and head.before is not None:
-        session = session_at(session, head.before)
-    return SessionRecord(handle.id, session, next_seq, lane.last_seq, lane.last_response, units, streaming)
+def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionRecord]:
+    """What saving ``handle`` writes, read now (on the loop); the returned function builds the record (on the
+    engine thread: it may encode the last response)."""
+    chunks = handle.chunks
+    units = list(handle.retained)
+    streaming = handle.streaming or handle.detached
+    next_seq, last_seq = chunks.next_seq, chunks.last_seq
+
+    def build() -> SessionRecord:
+        return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
+                             encode=encode)
+
+    def encode(unit: SentUnit) -> bytes:
+        return encoder.unit_bytes(unit, unit.latents, time.perf_counter())
+
+    return build
 
 
-def warmup_job(refiner: Refiner, settings: Settings) -> ChunkJob:
+def warmup_work(refiner: Refiner, settings: Settings) -> Work:
     """A throwaway stream long enough that its last block attends to a full window (sink + K - S history
     frames + the block), so start-up pays for every allocation and kernel choice of the steady state."""
     config = settings.session_defaults()
@@ -250,8 +318,8 @@ def warmup_job(refiner: Refiner, settings: Settings) -> ChunkJob:
         1, info.in_channels, frames, settings.warmup_height, settings.warmup_width, generator=generator
     )  # (1, C, T, H, W)
     prompt = torch.randn(1, settings.warmup_prompt_tokens, info.caption_channels, generator=generator)  # (1, L, D)
-    lane = Lane(session=RefinerSession(refiner, config), name="warm-up", record_metrics=False)
-    return ChunkJob(lane, latents, prompt, finalize=lambda units, state: None)
+    target = EngineSession(session=RefinerSession(refiner, config), name="warm-up")
+    return Work(target, latents, prompt)
 
 
 def model_dir(settings: Settings) -> Path:

@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     evicted_ids_remembered: PositiveInt = 10_000
     engine_queue_depth: PositiveInt = 64
     session_queue_depth: PositiveInt = 4
+    # --- the engine ------------------------------------------------------------------------------------------
+    batching: bool = Field(
+        default=True, description="run the ready forwards of several sessions as one model call"
+    )
+    max_batch_rows: PositiveInt = Field(
+        default=8, description="most rows (sessions' batches summed) in one model call"
+    )
     ws_outbound_queue: PositiveInt = 8
     retry_after_s: PositiveInt = 1
     drain_timeout_s: PositiveFloat = 30.0
@@ -146,6 +153,7 @@ class Settings(BaseSettings):
             "session_idle_timeout_s",
             "engine_queue_depth",
             "session_queue_depth",
+            "max_batch_rows",
             "ws_outbound_queue",
             "ws_reattach_grace_s",
             "ws_resume_units",

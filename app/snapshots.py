@@ -7,7 +7,7 @@ reattaching stream. Everything sits in one file so that one atomic rename commit
 pair a session with another moment's seq counters or units.
 
 Writing and reading run on the engine thread (the session's tensors are the engine's), reading only at start-up
-and writing only once the engine is idle, so a snapshot never overlaps a forward.
+and writing only once the engine is paused, so a snapshot never overlaps a forward.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from models import Refiner, RefinerSession, SessionState
+from models import Refiner, RefinerSession
 from models.snapshot import (
     SnapshotError,
     fsync_dir,
@@ -51,17 +52,11 @@ class SessionRecord:
     last_response: bytes | None
     units: list[SentUnit]
     streaming: bool = False  # a WebSocket was attached when it was saved: its client will want to reattach
+    encode: Callable[[SentUnit], bytes] | None = None  # for a retained unit whose encoding failed earlier
 
 
 def snapshot_path(folder: Path, session_id: str) -> Path:
     return folder / f"{session_id}{SUFFIX}"
-
-
-def session_at(session: RefinerSession, state: SessionState) -> RefinerSession:
-    """``session`` as it was at ``state`` (e.g. before a half-done request), without touching the live one."""
-    copy = RefinerSession(session.refiner, session.config)
-    copy.restore(state)
-    return copy
 
 
 def save_record(folder: Path, record: SessionRecord) -> Path:
@@ -78,7 +73,7 @@ def save_record(folder: Path, record: SessionRecord) -> Path:
     }
     tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)})
     for index, unit in enumerate(record.units):
-        tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.payload)
+        tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.data(record.encode))
     if record.last_response is not None:
         tensors[LAST_RESPONSE_TENSOR] = _bytes_tensor(record.last_response)
     return write_atomically(snapshot_path(folder, record.session_id), tensors, metadata)

@@ -245,20 +245,30 @@ class WindowAttnProcessor:
         kv_cache: LayerWindow | None = None,
         kv_cache_mode: str | None = None,
     ) -> torch.Tensor:
-        del encoder_hidden_states, attention_mask, key_rotary_emb, sink_rotary_emb, query_rotary_emb
+        del encoder_hidden_states, attention_mask, key_rotary_emb, sink_rotary_emb
         layer = kv_cache
-        if not isinstance(layer, LayerWindow):
+        if layer is None and kv_cache_mode is None:
+            # No cache at all: plain full self-attention over the tokens given (diffusers' forward without a
+            # cache, as the benchmark's no-cache baseline runs it).
+            layer = None
+        elif not isinstance(layer, LayerWindow):
             raise CaptureError(
                 f"attn1 got a kv_cache of type {type(layer).__name__}, not a models.attention.ForwardWindow "
-                f"layer (mode {kv_cache_mode!r}); this refiner only runs windowed forwards. Fix: {_FIX}."
+                f"layer (mode {kv_cache_mode!r}). Fix: {_FIX}."
             )
-        layer.check_mode(kv_cache_mode)
-        window = layer.window
+        else:
+            layer.check_mode(kv_cache_mode)
 
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         query = attn.norm_q(attn.to_q(hidden_states))  # (R, N, D)
         key = attn.norm_k(attn.to_k(hidden_states))  # (R, N, D)
         value = attn.to_v(hidden_states)  # (R, N, D)
+        if layer is None:
+            query = apply_rope(query, query_rotary_emb, attn.rope_type)
+            key = apply_rope(key, query_rotary_emb, attn.rope_type)
+            hidden = _attend(query, key, value, attn.heads, self._attention_backend, self._parallel_config)
+            return _project(attn, _gate(attn, hidden, gate_logits))
+        window = layer.window
 
         outputs = []
         for index, row in enumerate(window.rows):

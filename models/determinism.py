@@ -51,3 +51,31 @@ def gemm_batch_invariant(device, dtype, inner: int = 1536, outer: int = 384, tok
             if not torch.equal(F.linear(rows[count - 1 : count], weight, bias)[0], stacked[count - 1]):
                 return False
     return True
+
+
+def forward_batch_invariant(refiner, height: int, width: int, prompt_tokens: int) -> bool:
+    """Whether the loaded refiner, as it runs here (device, dtype, intra-op threads), gives a session the same
+    velocity alone and stacked with another session in one model call. Two small sessions with different
+    content, prompt lengths and window lengths are refined to their second block; the next forward of each is
+    then run alone and together."""
+    import torch
+
+    from .config import SessionConfig
+    from .session import RefinerSession
+    from .step import run_batch
+
+    info = refiner.info
+    forwards = []
+    for seed, blocks in ((1, 1), (2, 2)):
+        config = SessionConfig(seed=seed)
+        generator = torch.Generator().manual_seed(seed)
+        frames = config.sink_frames + (blocks + 1) * config.block_size
+        latents = torch.randn(1, info.in_channels, frames, height, width, generator=generator)
+        embeds = torch.randn(1, prompt_tokens + seed, info.caption_channels, generator=generator)
+        session = RefinerSession(refiner, config)
+        session.push(latents[:, :, : frames - config.block_size], embeds)
+        session.append(session.check(latents[:, :, frames - config.block_size :]))
+        forwards.append(session.next_forward(session.start(session.plan())))
+    alone = [run_batch(refiner.model, [forward])[0] for forward in forwards]
+    together = run_batch(refiner.model, forwards)
+    return all(torch.equal(a, b) for a, b in zip(alone, together))

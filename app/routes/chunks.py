@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -18,9 +20,8 @@ from ..deps import (
     read_body,
     reject_unknown_query,
     require_content_type,
-    units_payload,
 )
-from ..engine import ChunkJob
+from ..engine import Work
 from ..openapi import errors
 
 router = APIRouter(tags=["sessions"])
@@ -49,29 +50,40 @@ async def post_chunk(
     require_content_type(request, OCTET_STREAM)
     handle.requests_in_flight += 1
     try:
+        received = time.perf_counter()
         body = await read_body(request, settings.max_body_bytes)
         tensors = decode(body)
         latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk")
-        lane = handle.lane
-        shape = tuple(latents.shape)
+        # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
+        # retry of its seq gets the stored response instead of appending the frames twice.
+        chunk = asyncio.ensure_future(_chunk(services, handle, seq, flush, tensors, latents, received))
+        payload, replayed = await asyncio.shield(chunk)
+    finally:
+        handle.requests_in_flight -= 1
+        registry.touch(handle)
+    return Response(payload, media_type=OCTET_STREAM, headers={"X-Replayed": "true"} if replayed else {})
 
-        def finalize(units, state) -> bytes:
-            # Runs on the engine thread before the lane's counter moves on: next_seq is this chunk's index.
-            return units_payload(units, state, shape, settings.response_dtype, {"seq": lane.next_seq})
 
-        job = ChunkJob(
-            lane,
+async def _chunk(services, handle, seq, flush, tensors, latents, received) -> tuple[bytes, bool]:
+    chunks = handle.chunks
+    async with chunks.turn(services.settings.session_queue_depth):
+        if chunks.is_repeat(seq):
+            return await services.encoder.run(chunks.stored_response), True
+        work = Work(
+            handle.engine_session,
             latents,
             tensors.get(PROMPT_EMBEDS),
             tensors.get(PROMPT_MASK),
             flush=flush,
-            seq=seq,
             atomic=True,
-            finalize=finalize,
         )
-        result = await services.engine.run(job)
-    finally:
-        handle.requests_in_flight -= 1
-        registry.touch(handle)
-    headers = {"X-Replayed": "true"} if result.replayed else {}
-    return Response(result.value, media_type=OCTET_STREAM, headers=headers)
+        result = await services.engine.run(work)
+        # Counted before anything else runs on the loop: a drain must never find the session advanced and the
+        # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
+        build = services.encoder.response(result.units, result.state, tuple(latents.shape), {"seq": chunks.next_seq})
+        index = chunks.accept_request(seq, build)
+        services.metrics.frames_in.inc(result.frames_in)
+        services.count_out(result.units, handle, received)
+        payload = await services.encoder.run(build)
+        chunks.store(index, payload)
+        return payload, False

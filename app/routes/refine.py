@@ -1,7 +1,14 @@
-"""POST /v1/refine: a whole clip in, the whole refined clip out, through a throwaway session."""
+"""POST /v1/refine: a whole clip in, the whole refined clip out, through a throwaway session.
+
+A clip is admitted like a session: while it is refined it holds one of ``max_sessions`` places (503
+``too_many_sessions`` when none is free), and its memory is bounded by ``max_clip_frames`` and ``max_body_bytes``.
+In the engine it is one more session: its forwards take turns (and share model calls) with the streams', so a long
+clip cannot hold the engine. A client that goes away stops its clip at the next block.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
@@ -21,9 +28,8 @@ from ..deps import (
     read_body,
     reject_unknown_query,
     require_content_type,
-    units_payload,
 )
-from ..engine import ChunkJob, Lane
+from ..engine import EngineSession, Work
 from ..errors import ApiError
 from ..openapi import FPS_MAX, FRAMES_MAX, KV_MAX_FRAMES_MIN, SEED_MAX, errors
 
@@ -70,18 +76,15 @@ async def refine(
             "the payload has no 'prompt_embeds' tensor; a clip needs prompt_embeds (B, L, caption_channels) and "
             "optionally prompt_attention_mask (B, L) (this server has no default_prompt)",
         )
-    # A one-shot clip is a session of its own: it takes turns with the streams block by block.
-    session = RefinerSession(services.require_model(), config, services.default_prompt)
-    lane = Lane(session=session, name="one-shot clip")
-    shape = tuple(latents.shape)
-    job = ChunkJob(
-        lane,
-        latents,
-        tensors.get(PROMPT_EMBEDS),
-        tensors.get(PROMPT_MASK),
-        flush=True,
-        one_shot=True,
-        finalize=lambda units, state: units_payload(units, state, shape, settings.response_dtype),
-    )
-    result = await services.engine.run(job)
-    return Response(result.value, media_type=OCTET_STREAM)
+    with services.registry.clip():
+        session = RefinerSession(services.require_model(), config, services.default_prompt)
+        target = EngineSession(session=session, name="one-shot clip")
+        work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True, one_shot=True)
+        try:
+            result = await services.engine.run(work)
+        except asyncio.CancelledError:
+            target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
+            raise
+    services.count_out(result.units)
+    payload = await services.encoder.run(services.encoder.response(result.units, result.state, tuple(latents.shape)))
+    return Response(payload, media_type=OCTET_STREAM)

@@ -32,12 +32,19 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from models.errors import RefinerError
-from models.session import Unit
 
 from ..codec import LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode, encode
 from ..deps import check_payload
-from ..engine import ChunkJob
-from ..errors import WS_MESSAGE_TOO_BIG, WS_NORMAL, WS_POLICY_VIOLATION, WS_TRY_AGAIN_LATER, ApiError, from_exception
+from ..engine import Work
+from ..errors import (
+    WS_INTERNAL_ERROR,
+    WS_MESSAGE_TOO_BIG,
+    WS_NORMAL,
+    WS_POLICY_VIOLATION,
+    WS_TRY_AGAIN_LATER,
+    ApiError,
+    from_exception,
+)
 from ..registry import SessionHandle
 from ..resume import SentUnit
 from ..services import Services
@@ -185,6 +192,9 @@ class StreamConnection:
                 self._reader = asyncio.create_task(self._read_loop(), name=f"ws-reader {self.session_id}")
                 # wait() rather than await: the writer cancels the reader after a close it initiated.
                 await asyncio.wait({self._reader})
+                # Units of the messages already handed over are still being encoded: they go out before the end.
+                await asyncio.wait({asyncio.ensure_future(self.handle.deliveries.flush())},
+                                   timeout=self.settings.drain_timeout_s)
             self.outbox.put_nowait(_STOP)
             await asyncio.wait({self._writer}, timeout=self.settings.drain_timeout_s)
         finally:
@@ -219,6 +229,8 @@ class StreamConnection:
                 close_code=WS_TRY_AGAIN_LATER,
             )
             return False
+        # Units committed for those messages may still be on their way (encoding): retain them all first.
+        await handle.deliveries.flush()
         if handle.stream is not self:
             self.close(WS_POLICY_VIOLATION, "another connection resumed this session")
             return False
@@ -234,15 +246,15 @@ class StreamConnection:
             "frames_received": state.frames_received,
             "frames_returned": state.frames_returned,
             "pending_frames": state.pending_frames,
-            "next_seq": handle.lane.next_seq,
+            "next_seq": handle.chunks.next_seq,
             "flushed": state.flushed,
             "resume_from": self.resume_from,
             "resent_from": units[0].frame_start if units else state.frames_returned,
         }
         self.outbox.put_nowait(("text", json.dumps(event)))
-        # No await from here to ``attached``: a unit committed meanwhile is either in ``units`` or sent live.
+        # No await from here to ``attached``: a unit published meanwhile is either in ``units`` or sent live.
         for unit in units:
-            self.send_unit(unit.payload, force=True)
+            self.send_unit(unit, force=True)
         self.attached = True
         return True
 
@@ -313,16 +325,8 @@ class StreamConnection:
         try:
             tensors = decode(data)
             latents = check_payload(tensors, self.settings, self.settings.max_frames_per_chunk, "max_frames_per_chunk")
-            job = ChunkJob(
-                self.handle.lane,
-                latents,
-                tensors.get(PROMPT_EMBEDS),
-                tensors.get(PROMPT_MASK),
-                atomic=False,
-                on_unit=self._deliver_from(received),
-            )
             self.services.require_ready()
-            await self._run(job)
+            await self._run(latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), False, received)
         except (ApiError, RefinerError) as exc:
             self._report(exc)
         except Exception as exc:
@@ -346,56 +350,50 @@ class StreamConnection:
         if not state.flushed:  # a second flush (say, after a reconnect) just repeats "done"
             try:
                 self.services.require_ready()
-                job = ChunkJob(
-                    self.handle.lane, None, flush=True, atomic=False, on_unit=self._deliver_from(time.perf_counter())
-                )
-                await self._run(job)
+                await self._run(None, None, None, True, time.perf_counter())
             except Exception as exc:
                 self._report(exc)
                 return
+        await self.handle.deliveries.flush()  # every unit queued before "done"
         frames = self.handle.session.state.frames_returned
         self.outbox.put_nowait(("text", json.dumps({"type": "done", "frames": frames})))
         self.close(WS_NORMAL, "stream flushed")
 
-    async def _run(self, job: ChunkJob) -> None:
-        """Submit a job and wait for it. Once submitted the job belongs to the session, not this connection:
-        if the client drops, the job still runs to the end and its units are retained for a reattach."""
-        future = self.services.engine.submit(job)
+    async def _run(self, latents, embeds, mask, flush: bool, received: float) -> None:
+        """Hand one message to the session and wait for it. Once handed over it belongs to the session, not this
+        connection: if the client drops, it still runs to the end, is counted, and its units are retained for a
+        reattach."""
+        task = asyncio.ensure_future(_message(self.services, self.handle, latents, embeds, mask, flush, received))
         jobs = self.handle.stream_jobs
-        jobs.add(future)
+        jobs.add(task)
 
         def settled(done: asyncio.Future) -> None:
             jobs.discard(done)
             if not done.cancelled():
                 done.exception()  # retrieved: a job whose connection is gone must not log "never retrieved"
 
-        future.add_done_callback(settled)
-        await asyncio.shield(future)
+        task.add_done_callback(settled)
+        await asyncio.shield(task)
 
     # --- writing -------------------------------------------------------------------------------------------
-    def _deliver_from(self, received: float):
-        """An ``on_unit`` for the engine thread: encode there, hand the unit to the session on the loop (which
-        retains it and passes it to whichever connection is attached then), never block."""
-        response_dtype = self.settings.response_dtype
-        publish = self.handle.publish
-
-        def deliver(unit: Unit) -> None:
-            latents = unit.latents.float() if response_dtype == "float32" else unit.latents
-            latency_ms = (time.perf_counter() - received) * 1000.0
-            payload = encode(
-                {LATENTS: latents},
-                {"frame_start": unit.frame_start, "frame_end": unit.frame_end, "latency_ms": f"{latency_ms:.3f}"},
-            )
-            self.loop.call_soon_threadsafe(publish, SentUnit(unit.frame_start, unit.frame_end, payload))
-
-        return deliver
-
-    def send_unit(self, payload: bytes, force: bool = False) -> None:
+    def send_unit(self, unit: SentUnit, force: bool = False) -> None:
         """Queue a unit for this client (the session's ``publish`` calls it once attached)."""
         if not (self.attached or force) or self.closing:
             return
         self.units_waiting += 1
-        self.outbox.put_nowait(("bytes", payload))
+        self.outbox.put_nowait(("unit", unit))
+
+    @property
+    def is_closed(self) -> bool:
+        return self._done.is_set()
+
+    def abort(self) -> None:
+        """Stop now, without waiting for a client that neither reads nor closes (the drain's deadline passed)."""
+        self.closing = True
+        for task in (self._reader, self._writer):
+            if task is not None:
+                task.cancel()
+        self.room.set()
 
     def _report(self, exc: BaseException, close_code: int | None = None) -> None:
         error = from_exception(exc)
@@ -409,6 +407,9 @@ class StreamConnection:
         if code is not None:
             self.close(code, error.message)
 
+    def _encode_again(self, unit: SentUnit) -> bytes:
+        return self.services.encoder.unit_bytes(unit, unit.latents, time.perf_counter())
+
     async def _write_loop(self) -> None:
         websocket = self.websocket
         while True:
@@ -417,8 +418,18 @@ class StreamConnection:
                 return
             kind = item[0]
             try:
-                if kind == "bytes":
-                    await websocket.send_bytes(item[1])
+                if kind == "unit":
+                    try:
+                        data = item[1].data(self._encode_again)
+                    except Exception as exc:  # the unit stays retained: a reconnecting client gets it again
+                        log.exception("stream %s: a unit cannot be encoded", self.session_id)
+                        await websocket.send_text(json.dumps({"type": "error", **from_exception(exc).envelope()}))
+                        await websocket.close(WS_INTERNAL_ERROR, "a unit could not be encoded; reconnect to resume")
+                        self.closing = True
+                        if self._reader is not None:
+                            self._reader.cancel()
+                        return
+                    await websocket.send_bytes(data)
                     self.units_waiting -= 1
                     self.room.set()
                 elif kind == "text":
@@ -448,3 +459,20 @@ class StreamConnection:
                 if self._reader is not None:
                     self._reader.cancel()
                 return
+
+
+async def _message(services: Services, handle: SessionHandle, latents, embeds, mask, flush: bool,
+                   received: float) -> None:
+    """One stream message through the session's chunk turn and the engine, counted as accepted once appended;
+    every unit it committed is handed to the session's deliveries (again, if a hand-over failed)."""
+    async with handle.chunks.turn(services.settings.session_queue_depth):
+        work = Work(handle.engine_session, latents, embeds, mask, flush=flush,
+                    on_unit=handle.deliveries.hand_over(received))
+        try:
+            await services.engine.run(work)
+        finally:
+            if work.started:
+                handle.chunks.accept_message()
+                services.metrics.frames_in.inc(work.frames_in)
+            for unit in work.units:
+                handle.deliveries.push(unit, None, received)

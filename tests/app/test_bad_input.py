@@ -19,6 +19,8 @@ from websockets.sync.client import connect
 
 from app.settings import Settings
 
+from tests.faults import failing_forwards
+
 from .conftest import (
     DEADLINE_S,
     OCTET,
@@ -539,20 +541,11 @@ def test_a_failing_forward_fails_only_its_request(small_server, expected):
     before = {sid: live_state(http, sid) for sid in (target, bystander)}
     session = server.services.registry.handles()  # read-only look-up from the test thread; the engine is idle
     session = next(handle for handle in session if handle.id == target).session
-    calls = []
-
-    def out_of_memory(plan):
-        calls.append(plan)
-        raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB")
-
-    session.execute = out_of_memory  # this session's forwards only
-    try:
+    with failing_forwards(server.services.refiner.model, session) as calls:  # this session's forwards only
         response = http.post(
             f"/v1/sessions/{target}/chunks", params={"seq": 1, "flush": "true"}, content=payload(LATENTS[:, :, 5:8]),
             headers=OCTET,
         )
-    finally:
-        del session.execute
     body = assert_error(response, 500, "internal_error")
     assert calls, "the forward was never attempted"
     assert "out of memory" in body["error"]["message"]

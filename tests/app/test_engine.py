@@ -1,5 +1,6 @@
-"""The engine on its own: fair turns between lanes, order within a lane, bounded queues, failure isolation,
-and a warm-up that reaches the steady-state window."""
+"""The engine on its own: forwards of several sessions batched into one model call, fair turns, order within a
+session, bounded queues, failure isolation (also inside a batch), atomic rollback, pause, and a warm-up that
+reaches the steady-state window."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ import asyncio
 import pytest
 import torch
 
-from app.engine import ChunkJob, Engine, Lane
+from app.engine import Engine, EngineSession, Work
 from app.errors import ApiError
 from app.metrics import Metrics
-from app.services import warmup_job
+from app.services import warmup_work
 from app.settings import Settings
 from models import RefinerSession, SessionConfig
+
+from tests.faults import failing_forwards
 
 from .conftest import DEADLINE_S, EngineHold, expected_clip, make_clip
 
 
-def run_with_engine(coroutine_fn, queue_depth=16, lane_depth=4):
-    engine = Engine(Metrics(), queue_depth, lane_depth)
+def run_with_engine(refiner, coroutine_fn, queue_depth=16, session_depth=4, **options):
+    engine = Engine(Metrics(), queue_depth, session_depth, **options)
+    engine.model = refiner.model
     engine.start()
     try:
         return asyncio.run(asyncio.wait_for(coroutine_fn(engine), DEADLINE_S))
@@ -27,112 +31,245 @@ def run_with_engine(coroutine_fn, queue_depth=16, lane_depth=4):
         engine.stop()
 
 
-def lane(refiner, name, **config) -> Lane:
-    return Lane(session=RefinerSession(refiner, SessionConfig(**config)), name=name)
+def target(refiner, name, **config) -> EngineSession:
+    return EngineSession(session=RefinerSession(refiner, SessionConfig(**config)), name=name)
 
 
-def test_lanes_take_turns_one_step_each_and_keep_their_own_order(refiner):
-    order = []
+class Recorder:
+    """Model calls as they happen: which sessions' forwards each one carried."""
+
+    def __init__(self, model):
+        self.calls: list[list[str]] = []
+        self.names: dict[int, str] = {}
+        self._handle = model.transformer_blocks[0].register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        rows = kwargs["kv_cache"].window.rows
+        self.calls.append([self.names.get(id(row.owner), "?") for row in rows])
+
+    def name(self, engine_session: EngineSession) -> EngineSession:
+        self.names[id(engine_session.session)] = engine_session.name
+        return engine_session
+
+    def close(self):
+        self._handle.remove()
+
+
+async def held(engine):
+    """Occupy the engine thread until the returned hold is released, so work submitted meanwhile queues."""
+    hold = EngineHold()
+    task = asyncio.ensure_future(engine.call(hold))
+    await asyncio.to_thread(hold.wait_started)
+    return hold, task
+
+
+def test_forwards_of_ready_sessions_share_model_calls(refiner):
+    """Four sessions queued together: every model call carries all four (same token count); their bytes equal
+    each session refined alone."""
+    clips = [make_clip(frames=10, seed=seed) for seed in range(4)]
+    expected = [expected_clip(refiner, *clip) for clip in clips]
+    recorder = Recorder(refiner.model)
 
     async def scenario(engine):
-        hold = EngineHold()
-        held = asyncio.ensure_future(engine.call(hold))
-        await asyncio.to_thread(hold.wait_started)
-        lanes = [lane(refiner, "a"), lane(refiner, "b")]
-        futures = []
-        for name, one in zip("ab", lanes):
-            latents, embeds, _ = make_clip(frames=7, seed=ord(name))
-            for part in (latents[:, :, :4], latents[:, :, 4:]):
-                job = ChunkJob(
-                    one,
-                    part,
-                    embeds if part.shape[2] == 4 else None,
-                    atomic=False,
-                    on_unit=lambda unit, name=name: order.append((name, unit.frame_start)),
-                )
-                futures.append(engine.submit(job))
+        hold, task = await held(engine)
+        sessions = [recorder.name(target(refiner, name)) for name in "abcd"]
+        futures = [engine.submit(Work(s, *clip, flush=True)) for s, clip in zip(sessions, clips)]
         hold.release.set()
-        await held
+        await task
+        return [await future for future in futures]
+
+    try:
+        results = run_with_engine(refiner, scenario)
+    finally:
+        recorder.close()
+    for result, want in zip(results, expected):
+        assert torch.equal(torch.cat([u.latents for u in result.units], dim=2), want)
+    # 1 sink forward + 3 blocks x 4 forwards, each carrying every session
+    assert len(recorder.calls) == 13 and all(sorted(call) == list("abcd") for call in recorder.calls)
+
+
+def test_batching_off_runs_one_session_per_call_in_turns(refiner):
+    recorder = Recorder(refiner.model)
+
+    async def scenario(engine):
+        hold, task = await held(engine)
+        sessions = [recorder.name(target(refiner, name)) for name in "ab"]
+        futures = [engine.submit(Work(s, *make_clip(frames=4, seed=i), flush=True)) for i, s in enumerate(sessions)]
+        hold.release.set()
+        await task
         await asyncio.gather(*futures)
 
-    run_with_engine(scenario)
-    # Both lanes were queued before the engine was released: their steps alternate, each lane in frame order.
-    assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 4), ("b", 4)]
+    try:
+        run_with_engine(refiner, scenario, batching=False)
+    finally:
+        recorder.close()
+    assert all(len(call) == 1 for call in recorder.calls)
+    # Round robin forward by forward: the sessions alternate.
+    assert [call[0] for call in recorder.calls] == ["a", "b"] * (len(recorder.calls) // 2)
+
+
+def test_max_batch_rows_caps_a_call_and_every_session_keeps_its_turn(refiner):
+    """Five sessions, at most two rows per call: no call is bigger, the sessions left out go first next time,
+    and nobody starves (every session is served within three consecutive calls)."""
+    recorder = Recorder(refiner.model)
+
+    async def scenario(engine):
+        hold, task = await held(engine)
+        sessions = [recorder.name(target(refiner, name)) for name in "abcde"]
+        futures = [engine.submit(Work(s, *make_clip(frames=4, seed=i), flush=True)) for i, s in enumerate(sessions)]
+        hold.release.set()
+        await task
+        await asyncio.gather(*futures)
+
+    try:
+        run_with_engine(refiner, scenario, max_batch_rows=2)
+    finally:
+        recorder.close()
+    calls = recorder.calls
+    assert max(len(call) for call in calls) == 2
+    served_at = {name: [i for i, call in enumerate(calls) if name in call] for name in "abcde"}
+    for name, indices in served_at.items():
+        assert len(indices) == 5, f"{name}: 1 sink + 4 forwards of its block"
+        assert all(b - a <= 3 for a, b in zip(indices, indices[1:])), f"{name} waited too long: {indices}"
+
+
+def test_sessions_of_other_shapes_run_in_their_own_calls(refiner):
+    recorder = Recorder(refiner.model)
+
+    async def scenario(engine):
+        hold, task = await held(engine)
+        small = recorder.name(target(refiner, "small"))
+        large = recorder.name(target(refiner, "large"))
+        futures = [
+            engine.submit(Work(small, *make_clip(frames=4, height=4, width=4), flush=True)),
+            engine.submit(Work(large, *make_clip(frames=4, height=4, width=5), flush=True)),
+        ]
+        hold.release.set()
+        await task
+        await asyncio.gather(*futures)
+
+    try:
+        run_with_engine(refiner, scenario)
+    finally:
+        recorder.close()
+    assert all(len(call) == 1 for call in recorder.calls)
+    assert sorted(name for call in recorder.calls for name in call) == ["large"] * 5 + ["small"] * 5
 
 
 def test_queue_bounds_refuse_at_once(refiner):
     async def scenario(engine):
-        hold = EngineHold()
-        held = asyncio.ensure_future(engine.call(hold))
-        await asyncio.to_thread(hold.wait_started)
+        hold, task = await held(engine)
         latents, embeds, _ = make_clip(frames=1)
-        one, two = lane(refiner, "one"), lane(refiner, "two")
-        first = engine.submit(ChunkJob(one, latents, embeds))
-        with pytest.raises(ApiError) as lane_full:
-            engine.submit(ChunkJob(one, latents, embeds))
-        assert lane_full.value.kind == "engine_busy" and "session_queue_depth" in lane_full.value.message
-        second = engine.submit(ChunkJob(two, latents, embeds))
+        one, two = target(refiner, "one"), target(refiner, "two")
+        first = engine.submit(Work(one, latents, embeds))
+        with pytest.raises(ApiError) as session_full:
+            engine.submit(Work(one, latents, embeds))
+        assert session_full.value.kind == "engine_busy" and "session_queue_depth" in session_full.value.message
+        second = engine.submit(Work(two, latents, embeds))
         with pytest.raises(ApiError) as engine_full:
-            engine.submit(ChunkJob(lane(refiner, "three"), latents, embeds))
+            engine.submit(Work(target(refiner, "three"), latents, embeds))
         assert engine_full.value.kind == "engine_busy" and "engine_queue_depth" in engine_full.value.message
         assert engine.outstanding == 2
         hold.release.set()
-        await asyncio.gather(held, first, second)
+        await asyncio.gather(task, first, second)
         assert engine.outstanding == 0
         engine.stop_accepting()
         with pytest.raises(ApiError) as draining:
-            engine.submit(ChunkJob(one, latents, embeds))
+            engine.submit(Work(one, latents, embeds))
         assert draining.value.kind == "draining"
 
-    run_with_engine(scenario, queue_depth=2, lane_depth=1)
+    run_with_engine(refiner, scenario, queue_depth=2, session_depth=1)
 
 
-def test_a_failing_forward_restores_its_session_and_spares_the_others(refiner, monkeypatch):
+@pytest.mark.parametrize("batching", [True, False])
+def test_a_failing_forward_inside_a_batch_fails_only_its_session(refiner, batching):
+    """Three sessions share every call; one session's forwards fail on the device from its second block on. The
+    batched calls fail, the engine runs each forward alone: only that session's atomic work fails, and its
+    session is exactly as before the work (a retry gives the untroubled bytes); the other two never notice."""
+    clips = [make_clip(frames=8, seed=seed) for seed in range(3)]
+    expected = [expected_clip(refiner, *clip) for clip in clips]
+
+    async def scenario(engine):
+        hold, task = await held(engine)
+        sessions = [target(refiner, name) for name in "xyz"]
+        broken = sessions[1]
+        before = broken.session.state
+        with failing_forwards(refiner.model, broken.session, when=lambda n: n >= 6) as failures:
+            futures = [engine.submit(Work(s, *clip, flush=True, atomic=True)) for s, clip in zip(sessions, clips)]
+            hold.release.set()
+            await task
+            outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        assert failures, "the fault never fired"
+        assert isinstance(outcomes[1], RuntimeError) and "out of memory" in str(outcomes[1])
+        assert broken.session.state is before and broken.session.kv is None, "rolled back to before the work"
+        retried = await engine.submit(Work(broken, *clips[1], flush=True, atomic=True))
+        return [outcomes[0], retried, outcomes[2]]
+
+    results = run_with_engine(refiner, scenario, batching=batching)
+    for result, want in zip(results, expected):
+        assert torch.equal(torch.cat([u.latents for u in result.units], dim=2), want)
+
+
+def test_non_atomic_work_keeps_its_committed_blocks_and_the_next_work_retries(refiner):
     latents, embeds, mask = make_clip(frames=8, seed=5)
     expected = expected_clip(refiner, latents, embeds, mask)
 
     async def scenario(engine):
-        broken, healthy = lane(refiner, "broken"), lane(refiner, "healthy")
-        real_execute = broken.session.execute
-        calls = {"n": 0}
+        stream = target(refiner, "stream")
+        units = []
+        with failing_forwards(refiner.model, stream.session, when=lambda n: n == 7):  # inside block [4, 7)
+            with pytest.raises(RuntimeError):
+                await engine.submit(Work(stream, latents, embeds, mask, on_unit=units.append))
+        state = stream.session.state
+        assert [u.frame_end for u in units] == [1, 4] and state.frames_returned == 4 and state.pending_frames == 4
+        result = await engine.submit(Work(stream, None, flush=True, on_unit=units.append))
+        assert [u.frame_end for u in result.units] == [7, 8]
+        return units
 
-        def flaky(plan):
-            calls["n"] += 1
-            if calls["n"] == 3:  # the second block: the sink and one block already committed in this job
-                raise RuntimeError("CUDA out of memory (injected)")
-            return real_execute(plan)
-
-        monkeypatch.setattr(broken.session, "execute", flaky)
-        before = broken.session.state
-        failing = engine.submit(ChunkJob(broken, latents, embeds, mask, seq=0, flush=True, finalize=_cat))
-        other = engine.submit(ChunkJob(healthy, latents, embeds, mask, flush=True, finalize=_cat))
-        with pytest.raises(RuntimeError, match="out of memory"):
-            await failing
-        assert broken.session.state is before, "an atomic job that fails leaves the session as it found it"
-        assert broken.next_seq == 0, "a failed request does not use up its seq"
-        healthy_out = (await other).value
-        retried = (await engine.submit(ChunkJob(broken, latents, embeds, mask, seq=0, flush=True, finalize=_cat))).value
-        return healthy_out, retried
-
-    healthy_out, retried = run_with_engine(scenario)
-    assert torch.equal(healthy_out, expected)
-    assert torch.equal(retried, expected), "the retry gives the bytes an untroubled run gives"
+    units = run_with_engine(refiner, scenario)
+    assert torch.equal(torch.cat([u.latents for u in units], dim=2), expected)
 
 
-def _cat(units, state):
-    return torch.cat([unit.latents for unit in units], dim=2)
+def test_pause_rolls_back_atomic_work_keeps_committed_stream_blocks_and_stops_everything(refiner):
+    """The drain's pause between two iterations: the HTTP-like (atomic) work in progress is undone, the stream's
+    committed units stay committed (and were all handed on), everything unfinished fails with draining, and no
+    forward runs afterwards."""
+    clip = make_clip(frames=13, seed=9)
+
+    async def scenario(engine):
+        atomic, stream = target(refiner, "atomic"), target(refiner, "stream")
+        handed = []
+        before = atomic.session.state
+        futures = [
+            engine.submit(Work(atomic, *clip, flush=True, atomic=True)),
+            engine.submit(Work(stream, *clip, flush=True, on_unit=handed.append)),
+        ]
+        while len(handed) < 2:  # both sessions are mid-clip
+            await asyncio.sleep(0.001)
+        stopped = await engine.pause()
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        assert stopped == 2 and all(isinstance(o, ApiError) and o.kind == "draining" for o in outcomes)
+        assert atomic.session.state is before, "atomic work rolled back"
+        state = stream.session.state
+        assert state.frames_returned == handed[-1].frame_end, "every committed unit was handed on"
+        assert state.frames_returned < 13 and state.frames_received == 13
+        with pytest.raises(ApiError):
+            engine.submit(Work(stream, None, flush=True))
+        assert await engine.call(lambda: 42) == 42, "call jobs still run while paused"
+
+    run_with_engine(refiner, scenario)
 
 
 def test_warm_up_reaches_the_steady_state_window(refiner):
     settings = Settings(default_block_size=2, default_kv_max_frames=7, default_sink_frames=2, warmup_height=3)
-    job = warmup_job(refiner, settings)
+    work = warmup_work(refiner, settings)
 
     async def scenario(engine):
-        await engine.submit(job)
+        await engine.submit(work)
 
-    run_with_engine(scenario)
-    state = job.lane.session.state
-    config = job.lane.session.config
+    run_with_engine(refiner, scenario)
+    state = work.target.session.state
+    config = work.target.session.config
     assert state.geometry.height == 3 and state.geometry.width == 4
     assert state.history_frames == config.max_history_frames, "the last block attended to a full window"
     assert state.blocks_refined >= 2 and state.pending_frames == 0
