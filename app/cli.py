@@ -1,5 +1,6 @@
 """Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service),
-``bench`` (the benchmark). Errors go to stderr with a non-zero exit status."""
+``bench`` (the benchmarks in the checkout's ``bench/``, a thin alias of ``python -m bench``). Errors go to stderr
+with a non-zero exit status."""
 
 from __future__ import annotations
 
@@ -39,44 +40,61 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype")
     serve.add_argument("--api-key")
 
-    bench = commands.add_parser("bench", help="benchmark the cache against the naive window recompute")
-    bench.add_argument("--preset", choices=("tiny", "medium"), default="medium")
-    bench.add_argument("--blocks", type=int, default=12, help="steady-state blocks to time")
-    bench.add_argument("--height", type=int, default=8)
-    bench.add_argument("--width", type=int, default=8)
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--dtype", default="auto")
-    bench.add_argument("--service", action="store_true", help="also time the WebSocket path of a local server")
-    bench.add_argument("--output", help="also write the report (markdown) to this file")
+    # Listed for --help only: main() hands everything after "bench" to the benchmarks.
+    commands.add_parser(
+        "bench", help="run a benchmark (alias of `python -m bench`, from a checkout): cache [default], load, attention"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # every option belongs to the benchmark, --help included
+        return _report_errors(lambda: bench_alias(argv[1:]))
     args = build_parser().parse_args(argv)
+    return _report_errors(lambda: _dispatch(args))
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "refine":
+        return refine_command(args)
+    if args.command == "make-checkpoint":
+        from models.checkpoints import write_checkpoint
+
+        out = write_checkpoint(args.out, preset=args.preset, seed=args.seed)
+        print(f"wrote a random {args.preset} refiner to {out}")
+        return 0
+    if args.command == "serve":
+        from app.serve import serve_command
+
+        return serve_command(args)
+    return 1
+
+
+def _report_errors(run) -> int:
     try:
-        if args.command == "refine":
-            return refine_command(args)
-        if args.command == "make-checkpoint":
-            from models.checkpoints import write_checkpoint
-
-            out = write_checkpoint(args.out, preset=args.preset, seed=args.seed)
-            print(f"wrote a random {args.preset} refiner to {out}")
-            return 0
-        if args.command == "serve":
-            from app.serve import serve_command
-
-            return serve_command(args)
-        if args.command == "bench":
-            from app.bench import bench_command
-
-            return bench_command(args)
+        return run()
     except Exception as exc:  # the CLI's contract: one clear line on stderr, non-zero exit
         from models.errors import RefinerError
 
         kind = "error" if isinstance(exc, RefinerError) else f"error ({type(exc).__name__})"
         print(f"{kind}: {exc}", file=sys.stderr)
         return 2
-    return 1
+
+
+def bench_alias(arguments: list[str]) -> int:
+    """``python -m app bench [cache|load|attention] ...`` runs ``python -m bench``; a bare option list means
+    ``cache`` (what this command ran before the benchmarks moved out of the service package)."""
+    try:
+        from bench.__main__ import main as bench_main
+    except ImportError:
+        raise RuntimeError(
+            "the benchmarks live in the repository's bench/ folder, not in the installed package; run "
+            "`python -m bench` from a checkout"
+        ) from None
+    if not arguments or arguments[0] not in ("cache", "load", "attention", "-h", "--help"):
+        arguments = ["cache", *arguments]
+    return bench_main(arguments)
 
 
 def refine_command(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``python -m app bench``: what the per-session KV cache buys, and how close the refine step runs to the hardware.
+"""``python -m bench cache``: what the per-session KV cache buys, and how close the refine step runs to the hardware.
 
 Four figures, all measured in one process on one model (a random refiner from ``models.checkpoints``):
 
@@ -13,8 +13,7 @@ Four figures, all measured in one process on one model (a random refiner from ``
    rounds.
 4. The session's KV cache bytes against the closed-form size.
 
-The benchmark reports; it never asserts a timing. ``--service`` calls ``service_benchmark``, the hook for the
-WebSocket path (``app.bench_service``).
+The benchmark reports; it never asserts a timing. ``--service`` adds the WebSocket path (``bench.service``).
 """
 
 from __future__ import annotations
@@ -44,6 +43,19 @@ LATENT_SEED = 1234
 # entry points
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench cache", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=("tiny", "medium"), default="medium")
+    parser.add_argument("--blocks", type=int, default=12, help="steady-state blocks to time")
+    parser.add_argument("--height", type=int, default=8)
+    parser.add_argument("--width", type=int, default=8)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--service", action="store_true", help="also time the WebSocket path of a local server")
+    parser.add_argument("--output", help="also write the report (markdown) to this file")
+    return parser
+
+
 def bench_command(args: argparse.Namespace) -> int:
     """The ``bench`` subcommand: run, print the report, optionally write it as markdown."""
     report = run_bench(args)
@@ -61,8 +73,8 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def service_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    """Time the WebSocket path of a local server against the same block in-process (``app.bench_service``)."""
-    from .bench_service import service_benchmark as run_service
+    """Time the WebSocket path of a local server against the same block in-process (``bench.service``)."""
+    from bench.service import service_benchmark as run_service
 
     previous_threads = torch.get_num_threads()
     threads = _set_threads(getattr(args, "threads", None))
@@ -216,6 +228,11 @@ def _run(args, preset: str, blocks: int, height: int, width: int, device, dtype,
     inner = refiner.info.inner_dim
     cache_frames = config.sink_frames + config.max_history_frames
     formula_bytes = 2 * layers * cache_frames * tokens_per_frame * inner * element * batch
+    # What the session allocates: the window with its block slot, plus the pre-RoPE sink keys.
+    allocated_formula = (
+        layers * (2 * (cache_frames + config.block_size) + config.sink_frames) * tokens_per_frame * inner * element
+        * batch
+    )
 
     report: dict[str, Any] = {
         "command": _command_line(preset, blocks, height, width, args),
@@ -280,15 +297,21 @@ def _run(args, preset: str, blocks: int, height: int, width: int, device, dtype,
             "met": achieved_median / peak >= PEAK_FRACTION_TARGET,
         },
         "cache": {
-            "cache_bytes": session.cache_bytes,
-            "storage_bytes": _storage_bytes(session.state),
+            "live_bytes": session.kv.live_bytes,
             "formula_bytes": formula_bytes,
             "formula": (
                 f"2 x {layers} layers x ({config.sink_frames} + {config.max_history_frames}) frames x "
                 f"{tokens_per_frame} tokens x {inner} dim x {element} B x batch {batch}"
             ),
+            "cache_bytes": session.cache_bytes,
+            "allocated_formula_bytes": allocated_formula,
+            "allocated_formula": (
+                f"{layers} layers x (2 x ({cache_frames} + {config.block_size}) + {config.sink_frames}) frames x "
+                f"{tokens_per_frame} tokens x {inner} dim x {element} B x batch {batch}"
+            ),
+            "storage_bytes": _storage_bytes(session),
             "history_frames": session.state.history_frames,
-            "match": session.cache_bytes == formula_bytes,
+            "match": session.kv.live_bytes == formula_bytes and session.cache_bytes == allocated_formula,
         },
         "service": None,
     }
@@ -365,18 +388,22 @@ def _linear(module: torch.nn.Linear, rows: int) -> int:
     return 2 * rows * module.in_features * module.out_features
 
 
-def forward_flops(model, batch: int, queries: int, keys: int, prompt_tokens: int) -> dict[str, int]:
+def forward_flops(model, batch: int, queries: int, keys: int, prompt_tokens: int, cached: bool) -> dict[str, int]:
     """Multiply-add FLOPs (2 per MAC) of one video-path forward over ``queries`` tokens whose self-attention sees
     ``keys`` tokens. Dimensions are read from the modules themselves, so any preset or checkpoint is counted as
-    built. Elementwise work (norms, RoPE, softmax, GELU, modulation) is left out, as GEMM-FLOP counts do."""
+    built. Elementwise work (norms, RoPE, softmax, GELU, modulation) is left out, as GEMM-FLOP counts do.
+
+    ``cached``: the service's step (``models.step``), which embeds the timestep once per row and projects the
+    prompt once per prompt (not per forward); otherwise diffusers' forward, which does both per forward, the
+    timestep per token."""
     n, m, p = batch * queries, keys, prompt_tokens
     emb = model.time_embed.emb.timestep_embedder
     caption = model.caption_projection
+    time_rows = batch if cached else n
     parts = {
         "proj_in": _linear(model.proj_in, n),
-        # The timestep is given per token, so the whole time embedding runs once per token.
-        "time_embed": _linear(emb.linear_1, n) + _linear(emb.linear_2, n) + _linear(model.time_embed.linear, n),
-        "caption_projection": _linear(caption.linear_1, batch * p) + _linear(caption.linear_2, batch * p),
+        "time_embed": sum(_linear(lin, time_rows) for lin in (emb.linear_1, emb.linear_2, model.time_embed.linear)),
+        "caption_projection": 0 if cached else _linear(caption.linear_1, batch * p) + _linear(caption.linear_2, batch * p),
         "attn1_qkv_out": 0,
         "attn1_scores_av": 0,
         "attn2_q_out": 0,
@@ -411,13 +438,13 @@ def cached_block_flops(model, config, batch: int, tokens_per_frame: int, prompt_
     """A steady-state cached block: ``steps`` denoise + 1 commit forward over the block, keys = the full window."""
     queries = config.block_size * tokens_per_frame
     keys = (config.kv_max_frames + config.block_size) * tokens_per_frame
-    return _add({}, forward_flops(model, batch, queries, keys, prompt_tokens), config.steps + 1)
+    return _add({}, forward_flops(model, batch, queries, keys, prompt_tokens, cached=True), config.steps + 1)
 
 
 def naive_block_flops(model, config, batch: int, tokens_per_frame: int, prompt_tokens: int) -> dict[str, int]:
     """The same block with no cache: ``steps`` forwards over every window token, full self-attention."""
     tokens = (config.kv_max_frames + config.block_size) * tokens_per_frame
-    return _add({}, forward_flops(model, batch, tokens, tokens, prompt_tokens), config.steps)
+    return _add({}, forward_flops(model, batch, tokens, tokens, prompt_tokens, cached=False), config.steps)
 
 
 def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -596,12 +623,13 @@ def _set_threads(requested: int | None) -> int:
     return torch.get_num_threads()
 
 
-def _storage_bytes(state) -> int:
-    """Bytes of the distinct storages behind the cached K/V: catches a cache that keeps views of larger buffers
-    alive, which ``cache_bytes`` (tensor sizes) would not show."""
+def _storage_bytes(session) -> int:
+    """Bytes of the distinct storages behind the session's cache: catches buffers larger than the tensors that
+    view them, which ``cache_bytes`` (tensor sizes) would not show."""
+    kv = session.kv
     seen: dict[tuple[str, int], int] = {}
-    for kv in [*(state.sink or ()), *state.history]:
-        for tensor in (kv.key, kv.value):
+    for tensor in (kv.window, kv.sink_key, kv.history_key):
+        if tensor is not None:
             storage = tensor.untyped_storage()
             seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())
@@ -648,7 +676,7 @@ def _machine(device: torch.device, dtype: torch.dtype, threads: int) -> dict[str
 
 
 def _command_line(preset: str, blocks: int, height: int, width: int, args) -> str:
-    parts = ["python -m app bench", f"--preset {preset}", f"--blocks {blocks}"]
+    parts = ["python -m bench cache", f"--preset {preset}", f"--blocks {blocks}"]
     parts += [f"--height {height}", f"--width {width}"]
     for name in ("device", "dtype"):
         value = getattr(args, name, None)
@@ -762,15 +790,18 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         "## KV cache per session",
         "",
-        f"- session.cache_bytes: {cache['cache_bytes']:,} B ({cache['cache_bytes'] / 2**20:.2f} MiB), history "
-        f"{cache['history_frames']} frames",
-        f"- formula {cache['formula']} = {cache['formula_bytes']:,} B: "
-        f"**{'match' if cache['match'] else 'MISMATCH'}**",
-        f"- distinct storage behind the cached tensors: {cache['storage_bytes']:,} B",
+        f"- live cache (sink + history K/V, what a snapshot stores): {cache['live_bytes']:,} B "
+        f"({cache['live_bytes'] / 2**20:.2f} MiB), history {cache['history_frames']} frames; formula "
+        f"{cache['formula']} = {cache['formula_bytes']:,} B",
+        f"- allocated (session.cache_bytes: the window buffers with their block slot and the pre-RoPE sink keys, "
+        f"allocated once): {cache['cache_bytes']:,} B ({cache['cache_bytes'] / 2**20:.2f} MiB); formula "
+        f"{cache['allocated_formula']} = {cache['allocated_formula_bytes']:,} B",
+        f"- both formulas: **{'match' if cache['match'] else 'MISMATCH'}**; distinct storage behind the buffers: "
+        f"{cache['storage_bytes']:,} B",
     ]
     service = report.get("service")
     if service is not None and "steady_ratio" in service:
-        from .bench_service import format_service
+        from bench.service import format_service
 
         lines += ["", *format_service(service)]
     elif service is not None:

@@ -9,12 +9,9 @@ is a ``RefinerSession`` on a second copy of the same weights, timed while the se
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,61 +20,25 @@ import httpx
 import torch
 from websockets.sync.client import connect
 
+from app.codec import decode_response, encode
+from app.settings import Settings
+from bench.live import ThreadServer
 from models import RefinerSession, SessionConfig, load_refiner
 from models.checkpoints import write_checkpoint
-
-from .codec import decode_response, encode
-from .serve import build_server
-from .settings import Settings
 
 TARGET_STEADY_RATIO = 1.10  # WebSocket per-block latency / in-process block time
 TARGET_FIRST_BLOCK_RATIO = 1.20  # first refined block of a new session / steady-state block (both over the socket)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Server:
-    """uvicorn on a background thread, stopped on exit."""
-
-    def __init__(self, settings: Settings):
-        self.server = build_server(settings)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
-        self.base = f"http://127.0.0.1:{settings.port}"
-        self.ws = f"ws://127.0.0.1:{settings.port}"
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 600
-        with httpx.Client(base_url=self.base, timeout=10) as http:
-            while time.monotonic() < deadline:
-                try:
-                    if http.get("/ready").status_code == 200:
-                        return self
-                except httpx.TransportError:
-                    pass
-                if not self.thread.is_alive():
-                    break
-                time.sleep(0.1)
-        raise RuntimeError("the benchmark server did not become ready")
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-
-
 class _Stream:
     """One WebSocket session: send frames, wait for the unit that ends at a given frame."""
 
-    def __init__(self, server: _Server, config: dict[str, Any]):
-        with httpx.Client(base_url=server.base, timeout=60) as http:
+    def __init__(self, server: ThreadServer, config: dict[str, Any]):
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
             response = http.post("/v1/sessions", json=config)
             response.raise_for_status()
             self.session_id = response.json()["session_id"]
-        self.socket = connect(f"{server.ws}/v1/sessions/{self.session_id}/stream", max_size=None)
+        self.socket = connect(f"{server.ws_url}/v1/sessions/{self.session_id}/stream", max_size=None)
 
     def send(self, tensors: dict[str, torch.Tensor]) -> None:
         self.socket.send(encode(tensors))
@@ -112,8 +73,6 @@ def service_benchmark(args, preset: str, height: int, width: int, blocks: int, t
         embeds = torch.randn(1, 16, local.info.caption_channels, generator=generator)
         settings = Settings(
             model=str(folder),
-            host="127.0.0.1",
-            port=_free_port(),
             device=args.device,
             dtype=args.dtype,
             torch_threads=threads,
@@ -123,7 +82,7 @@ def service_benchmark(args, preset: str, height: int, width: int, blocks: int, t
             warmup_width=width,
             warmup_prompt_tokens=embeds.shape[1],
         )
-        with _Server(settings) as server:
+        with ThreadServer(settings) as server:
             return _measure(server, local, config, latents, embeds, fill, blocks)
 
 

@@ -1,4 +1,4 @@
-"""``python -m app.soak``: many WebSocket sessions against a real server process, with faults, checked bit for bit.
+"""``python -m bench.soak``: many WebSocket sessions against a real server process, with faults, checked bit for bit.
 
 The server runs as ``python -m app serve`` (the embedded tiny refiner, one torch thread, a snapshot folder).
 Each session streams a seeded random clip in random splits over one WebSocket at a time. Faults are drawn up
@@ -23,8 +23,6 @@ import os
 import random
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +34,8 @@ from typing import Any
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.live import ServerFailure, ServerProcess, free_port, metric_samples
+
 MiB = 1024 * 1024
 
 
@@ -64,92 +63,8 @@ class SoakConfig:
         return self.sink_frames + self.blocks * self.block_size
 
 
-class SoakFailure(AssertionError):
+class SoakFailure(ServerFailure):
     pass
-
-
-# --- the server process ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """``python -m app serve`` in a subprocess, configured through ``WM_REFINER_*``; log to a file."""
-
-    def __init__(self, port: int, cache_dir: Path, snapshot_dir: Path | None, log_path: Path, **settings: Any):
-        self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.ws_url = f"ws://127.0.0.1:{port}"
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
-        env.update(
-            WM_REFINER_PORT=str(port),
-            WM_REFINER_CACHE_DIR=str(cache_dir),
-            WM_REFINER_TORCH_THREADS="1",
-            OMP_NUM_THREADS="1",  # a small shared CPU: no OpenMP workers spinning against each other
-            PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        )
-        if snapshot_dir is not None:
-            env["WM_REFINER_SNAPSHOT_DIR"] = str(snapshot_dir)
-        for name, value in settings.items():
-            env[f"WM_REFINER_{name.upper()}"] = str(value)
-        self.env = env
-        self.process: subprocess.Popen | None = None
-
-    def start(self, ready_timeout: float = 120.0) -> ServerProcess:
-        with self.log_path.open("a") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve"], cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
-            )
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SoakFailure(f"the server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.base_url + "/ready", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.kill()
-        raise SoakFailure(f"the server was not ready within {ready_timeout:.0f} s:\n{self.log()}")
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def rss_bytes(self) -> int | None:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except (OSError, ValueError, AssertionError):
-            return None
-        return None
-
-    def terminate(self, timeout: float = 60.0) -> int:
-        """SIGTERM (the drain), then wait for the exit; the exit status."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise SoakFailure(f"the server did not exit within {timeout:.0f} s of SIGTERM:\n{self.log()}")
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text()[-6000:]
-        except OSError:
-            return ""
 
 
 class RssSampler:
@@ -245,7 +160,7 @@ async def stream_session(index: int, session_id: str, clip: torch.Tensor, prompt
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-    from .codec import decode_response
+    from app.codec import decode_response
 
     config = shared.config
     plan = FaultPlan.draw(config, index)
@@ -438,12 +353,17 @@ async def _soak(config: SoakConfig, workdir: Path) -> dict[str, Any]:
                     state = (await http.get(f"/v1/sessions/{created['session_id']}")).json()
                     if state["frames_returned"] != config.frames or not state["flushed"]:
                         raise SoakFailure(f"server state after the run: {state}")
+            await batching_figures(shared.server, figures.setdefault("batching", {}))
             exit_code = await asyncio.to_thread(shared.server.terminate)
         finally:
             for server in servers:
                 server.kill()
     memory = memory_figures(sampler.samples, config)
+    batching = figures.pop("batching")
     figures.update(
+        model_calls=int(batching["model_calls"]),
+        model_calls_with_several_sessions=int(batching["batched_calls"]),
+        mean_rows_per_model_call=round(batching["rows"] / max(batching["model_calls"], 1), 2),
         sessions=config.sessions,
         blocks_per_session=config.blocks,
         frames_per_session=config.frames,
@@ -465,10 +385,23 @@ async def _soak(config: SoakConfig, workdir: Path) -> dict[str, Any]:
     return figures
 
 
+async def batching_figures(server: ServerProcess, into: dict[str, float]) -> None:
+    """Add the server's model calls and the rows they carried (its ``refiner_batch_rows`` histogram) to ``into``."""
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+        text = (await http.get("/metrics")).text
+    samples = metric_samples(text, "refiner_batch_rows")
+    calls = samples.get("refiner_batch_rows_count", 0.0)
+    single = samples.get('refiner_batch_rows_bucket{le="1.0"}', 0.0)
+    into["model_calls"] = into.get("model_calls", 0) + calls
+    into["rows"] = into.get("rows", 0) + samples.get("refiner_batch_rows_sum", 0.0)
+    into["batched_calls"] = into.get("batched_calls", 0) + calls - single
+
+
 async def _restart_once(shared: Shared, servers, sampler: RssSampler, snapshot_dir: Path, new_server, figures):
     """SIGTERM the server once the set share of frames is back, then start a new one on the same folder."""
     await shared.restart_wanted.wait()
     old = shared.server
+    await batching_figures(old, figures.setdefault("batching", {}))
     began = time.monotonic()
     code = await asyncio.to_thread(old.terminate)
     if code not in (0, -signal.SIGTERM):
@@ -512,7 +445,7 @@ def memory_figures(samples: list[tuple[float, int, int]], config: SoakConfig) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     defaults = SoakConfig()
     parser.add_argument("--sessions", type=int, default=defaults.sessions)
     parser.add_argument("--blocks", type=int, default=defaults.blocks)

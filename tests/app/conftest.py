@@ -3,9 +3,7 @@ payload helpers, and diffusers' reference pipeline."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,8 +17,8 @@ from safetensors.torch import save
 
 from app.codec import decode_response
 from app.main import create_app
-from app.serve import build_server
 from app.settings import Settings
+from bench.live import ThreadServer
 from models import SessionConfig, load_refiner, refine_clip
 from models.checkpoints import write_checkpoint
 from tests.reference import reference_refine as reference_pipeline
@@ -94,52 +92,9 @@ def client(make_settings):
         yield client
 
 
-# --- a real server on loopback -----------------------------------------------------------------------------
-class LiveServer:
-    def __init__(self, settings: Settings):
-        self.server = build_server(settings.model_copy(update={"host": "127.0.0.1", "port": _free_port()}))
-        self.settings = settings
-        self.port = self.server.config.port
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.ws_url = f"ws://127.0.0.1:{self.port}"
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-
-    def _serve(self) -> None:
-        try:
-            self.loop.run_until_complete(self.server.serve())
-        finally:
-            self.loop.close()
-
-    def on_loop(self, coroutine):
-        """Start ``coroutine`` on the server's event loop; returns its concurrent future."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    @property
-    def services(self):
-        return self.server.services
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        wait_until(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start")
-        assert self.server.started, "uvicorn did not start"
-        with httpx.Client(base_url=self.base_url, timeout=DEADLINE_S) as http:
-            wait_ready(http)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(DEADLINE_S)
-        assert not self.thread.is_alive(), "uvicorn did not stop"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# --- a real server on loopback ---------------------------------------------------------------------------------
+# The benchmarks' and the soak's helper: uvicorn + the app on a thread of this process, ready when returned.
+LiveServer = ThreadServer
 
 
 @pytest.fixture

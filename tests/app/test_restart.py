@@ -11,7 +11,7 @@ import torch
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from app.soak import ServerProcess, free_port
+from bench.live import ServerProcess, free_port
 from models import load_refiner
 
 from .conftest import DEADLINE_S, OCTET, expected_clip, make_clip, payload, read_latents

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import httpx
 
-from .conftest import _free_port, wait_until
+from bench.live import free_port
+
+from .conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_python_m_app_serve_with_defaults_builds_the_tiny_refiner_and_answers(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
     env.update(
         WM_REFINER_PORT=str(port),

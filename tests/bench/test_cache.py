@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m app bench``: it runs end to end on the tiny refiner and its report is well formed.
+"""Smoke test of ``python -m bench cache``: it runs end to end on the tiny refiner and its report is well formed.
 
 Timings on a shared CI machine mean nothing, so nothing here looks at how fast anything was; the checks are
 structural, plus the figures that are exact (cache bytes, FLOP counts).
@@ -11,7 +11,7 @@ import argparse
 import pytest
 import torch
 
-from app import bench
+from bench import cache as bench
 
 
 def _args(tmp_path, **changes) -> argparse.Namespace:
@@ -50,11 +50,14 @@ def test_report_has_every_section(report):
 def test_cache_bytes_equal_the_formula(report):
     cache = report["cache"]
     layers, inner = report["model"]["layers"], report["model"]["inner_dim"]
-    # 2 (K and V) x layers x (sink 1 + history 10) frames x 16 tokens x inner dim x 4 bytes (fp32) x batch 1
-    expected = 2 * layers * (1 + 10) * 4 * 4 * inner * 4
+    # live: 2 (K and V) x layers x (sink 1 + history 10) frames x 16 tokens x inner dim x 4 bytes (fp32) x batch 1
+    live = 2 * layers * (1 + 10) * 4 * 4 * inner * 4
+    # allocated: the window of 1 + 10 + 3 frames for K and V, and the pre-RoPE sink keys (1 frame)
+    allocated = layers * (2 * (1 + 10 + 3) + 1) * 4 * 4 * inner * 4
     assert cache["history_frames"] == 10
-    assert cache["cache_bytes"] == cache["formula_bytes"] == expected
-    assert cache["storage_bytes"] == expected
+    assert cache["live_bytes"] == cache["formula_bytes"] == live
+    assert cache["cache_bytes"] == cache["allocated_formula_bytes"] == allocated
+    assert cache["storage_bytes"] == allocated
     assert cache["match"] is True
 
 
@@ -63,9 +66,10 @@ def test_ratios_and_flops_are_positive(report):
     for value in (speed["median_ratio"], speed["mean_ratio"], speed["paired_median_ratio"],
                   eff["achieved_median_flops"], eff["peak_flops"], eff["fraction_median_vs_peak"]):
         assert value > 0
-    # 3 forwards over 14 frames against 4 over 3: the linear layers alone give 42/12 = 3.5; the per-forward prompt
-    # work pulls the total a little below that.
-    assert 3.0 < speed["analytic_flop_ratio"] <= 3.5
+    # 3 forwards over 14 frames against 4 over 3: the per-token layers alone give 42/12 = 3.5; the cached step
+    # embeds the timestep once per row and projects the prompt once per prompt, which pushes the ratio above that
+    # (far above for this 32-wide model, whose time embedding weighs as much as a layer).
+    assert 3.5 < speed["analytic_flop_ratio"] < 5.0
     assert flops["cached_block"]["total"] == sum(v for k, v in flops["cached_block"].items() if k != "total")
     for name in ("cached", "naive"):
         counted = flops[f"counter_{name}_block"]

@@ -1,0 +1,37 @@
+"""``python -m bench``: the benchmarks (see docs/benchmarks.md).
+
+    python -m bench cache  [...]   the KV-cached step vs recomputing the window, FLOP/s, cache bytes (+ --service)
+    python -m bench load   [...]   many sessions at once over WebSockets: batching on vs off, p50/p99 latency
+    python -m bench attention      window attention for a batch: per session vs stacked vs padded + mask
+    python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "cache":
+        from bench.cache import bench_command, build_parser
+
+        return bench_command(build_parser().parse_args(rest))
+    if command == "load":
+        from bench.load import main as load_main
+
+        return load_main(rest)
+    if command == "attention":
+        from bench.attention import main as attention_main
+
+        return attention_main(rest)
+    print(f"unknown benchmark {command!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
