@@ -90,6 +90,7 @@ class Work:
     # Engine-side progress; ``started`` means the chunk was checked and appended (accepted).
     started: bool = False
     units: list[Unit] = field(default_factory=list)
+    hand_over_failed: bool = False
     frames_in: int = 0
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
@@ -146,6 +147,8 @@ class Engine:
         self.max_batch_rows = max_batch_rows
         self.batching = batching
         self.model: torch.nn.Module | None = None  # set once the refiner is loaded
+        # What runs a model call: models.step.run_batch, or a compiled step (models.compiled.CompiledStep).
+        self.runner: Callable[[torch.nn.Module, list[RowForward]], list[torch.Tensor]] | None = None
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._outstanding = 0
@@ -299,7 +302,7 @@ class Engine:
 
     def execute(self, batch: Batch) -> BatchResult:
         started = time.perf_counter()
-        outcomes = run_isolated(self.model, [member.forward for member in batch.members])
+        outcomes = run_isolated(self.model, [member.forward for member in batch.members], self.runner)
         seconds = time.perf_counter() - started
         self.metrics.batch_rows.observe(batch.rows)
         self.metrics.model_call_seconds.observe(seconds)
@@ -376,11 +379,15 @@ class Engine:
             self._fail(work, exc)
             return
         work.units.append(unit)
-        if work.on_unit is not None:
+        if work.on_unit is not None and not work.hand_over_failed:
             try:
                 work.on_unit(unit)
-            except Exception:  # the unit is still in the work's result, where the service layer picks it up
-                log.exception("handing on a unit of %s failed", target.name)
+            except Exception:
+                # This unit and the work's later ones stay in its result, where the service layer picks them up
+                # in order; handing the later ones on now would put them before this one.
+                work.hand_over_failed = True
+                log.exception("handing on a unit of %s failed; the rest of its units follow with the result",
+                              target.name)
 
     def _finish(self, work: Work) -> None:
         target = work.target

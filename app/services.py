@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, load_refiner
+from models.compiled import CompiledStep, warmup_forwards
 from models.determinism import forward_batch_invariant
 from models.memory import keep_freed_memory
 from models.session import Unit, check_prompt
@@ -131,6 +132,12 @@ class Services:
         if self.refiner.device.type == "cpu":
             # Batched forwards' big activations would otherwise be page-faulted in on every forward.
             keep_freed_memory()
+        if settings.compile_step:
+            refiner = self.refiner
+            self.engine.runner = await self.engine.call(
+                lambda: CompiledStep(refiner.model, settings.max_batch_rows if settings.batching else 1,
+                                     mode=settings.compile_mode, backend=settings.compile_backend)
+            )
         log.info("loaded %s", self.refiner.info.to_dict())
         if settings.default_prompt is not None:
             refiner = self.refiner
@@ -145,22 +152,30 @@ class Services:
             if self.warmup_gate is not None:
                 self.not_ready_reason = "warming up"
                 await self.engine.call(self.warmup_gate)
-            if self.settings.warmup:
+            settings, refiner, runner = self.settings, self.refiner, self.engine.runner
+            if runner is not None:
+                # Every bucket and kind of forward compiled now, so that no client pays for it.
+                self.not_ready_reason = "compiling the batched step"
+                started = time.perf_counter()
+                calls = await self.engine.call(lambda: runner.warm_up(warmup_forwards(
+                    refiner, settings.session_defaults(), settings.warmup_height, settings.warmup_width,
+                    settings.warmup_prompt_tokens)))
+                log.info("compiled the batched step (%d warm-up calls) in %.1f s", calls, time.perf_counter() - started)
+            if settings.warmup:
                 self.not_ready_reason = "warming up"
                 started = time.perf_counter()
-                await self.engine.run(warmup_work(self.refiner, self.settings))
-                if self.settings.batching:
-                    settings, refiner = self.settings, self.refiner
+                await self.engine.run(warmup_work(refiner, settings))
+                if settings.batching:
                     self.batch_invariant = await self.engine.call(
                         lambda: forward_batch_invariant(refiner, settings.warmup_height, settings.warmup_width,
-                                                        settings.warmup_prompt_tokens)
+                                                        settings.warmup_prompt_tokens, runner)
                     )
                     if not self.batch_invariant:
                         log.warning(
                             "batched forwards are NOT bit-identical to solo forwards on %s here: a session's "
                             "output may differ in its last bits with the sessions it shares forwards with (still "
                             "within the parity tolerance). Set batching: false for bit-identical retries and "
-                            "restores.", self.refiner.device,
+                            "restores.", refiner.device,
                         )
                 log.info("warm-up done in %.2f s", time.perf_counter() - started)
             self.not_ready_reason = None

@@ -79,6 +79,16 @@ class Settings(BaseSettings):
     max_batch_rows: PositiveInt = Field(
         default=8, description="most rows (sessions' batches summed) in one model call"
     )
+    compile_step: bool = Field(
+        default=False,
+        description="torch.compile the batched step at bucketed batch sizes (compiled during the warm-up); for GPUs",
+    )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        default="reduce-overhead", description="torch.compile mode of compile_step; reduce-overhead adds CUDA graphs"
+    )
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        default="inductor", description="torch.compile backend of compile_step (the others are for debugging)"
+    )
     ws_outbound_queue: PositiveInt = 8
     retry_after_s: PositiveInt = 1
     drain_timeout_s: PositiveFloat = 30.0

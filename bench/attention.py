@@ -25,26 +25,36 @@ import torch
 import torch.nn.functional as F
 
 
-def _time(fn, reps: int) -> float:
+def _time(fn, reps: int, device: torch.device) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for _ in range(2):
         fn()
     samples = []
     for _ in range(reps):
+        sync()
         began = time.perf_counter()
         fn()
+        sync()
         samples.append(time.perf_counter() - began)
     return statistics.median(samples)
 
 
 def measure(windows_frames: list[int], tokens_per_frame: int = 64, block_frames: int = 3, heads: int = 6,
-            head_dim: int = 64, reps: int = 20) -> dict[str, float]:
+            head_dim: int = 64, reps: int = 20, device: str = "cpu", dtype: torch.dtype = torch.float32
+            ) -> dict[str, float]:
+    device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     dim = heads * head_dim
     capacity = (max(windows_frames) + 1) * tokens_per_frame
-    queries = [torch.randn(1, heads, block_frames * tokens_per_frame, head_dim, generator=generator)
-               for _ in windows_frames]
-    buffers = [(torch.randn(1, capacity, dim, generator=generator), torch.randn(1, capacity, dim, generator=generator))
-               for _ in windows_frames]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    queries = [rand(1, heads, block_frames * tokens_per_frame, head_dim) for _ in windows_frames]
+    buffers = [(rand(1, capacity, dim), rand(1, capacity, dim)) for _ in windows_frames]
     lengths = [frames * tokens_per_frame for frames in windows_frames]
 
     def heads_first(x):  # (1, N, D) -> (1, A, N, D/A)
@@ -68,24 +78,27 @@ def measure(windows_frames: list[int], tokens_per_frame: int = 64, block_frames:
 
     def padded():
         rows = len(lengths)
-        k = torch.zeros(rows, longest, dim)
-        v = torch.zeros(rows, longest, dim)
-        mask = torch.zeros(rows, 1, 1, longest)
+        k = torch.zeros(rows, longest, dim, device=device, dtype=dtype)
+        v = torch.zeros(rows, longest, dim, device=device, dtype=dtype)
+        mask = torch.zeros(rows, 1, 1, longest, device=device, dtype=dtype)
         for row, ((bk, bv), n) in enumerate(zip(buffers, lengths)):
             k[row, :n] = bk[0, :n]
             v[row, :n] = bv[0, :n]
             mask[row, ..., n:] = float("-inf")
         F.scaled_dot_product_attention(torch.cat(queries), heads_first(k), heads_first(v), attn_mask=mask)
 
-    return {name: _time(fn, reps) for name, fn in (("per session", per_session), ("grouped", grouped),
-                                                    ("padded", padded))}
+    return {name: _time(fn, reps, device) for name, fn in (("per session", per_session), ("grouped", grouped),
+                                                            ("padded", padded))}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens-per-frame", type=int, default=64, help="64 = 8x8 latents; 880 = 720p")
     args = parser.parse_args(argv)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     if args.threads:
         torch.set_num_threads(args.threads)
     full = 14  # sink 1 + history 10 + block 3 frames
@@ -93,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         "equal windows (steady state)": [full] * args.sessions,
         "mixed windows (histories filling)": [[4, 7, 10, 13, 14][i % 5] for i in range(args.sessions)],
     }
-    print(f"## Window attention for {args.sessions} sessions, one layer (6 heads x 64, 8x8 latents, "
-          f"{torch.get_num_threads()} threads)\n")
+    print(f"## Window attention for {args.sessions} sessions, one layer (6 heads x 64, {args.tokens_per_frame} "
+          f"tokens per frame, {args.device} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)\n")
     print("| windows | per session | grouped | padded + mask |")
     print("|---|---|---|---|")
     for label, frames in cases.items():
-        times = measure(frames)
+        times = measure(frames, tokens_per_frame=args.tokens_per_frame, device=args.device, dtype=dtype)
         base = times["per session"]
         cells = [f"{times[name] * 1000:.2f} ms ({times[name] / base:.2f}x)" for name in ("per session", "grouped",
                                                                                           "padded")]

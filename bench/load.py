@@ -164,7 +164,8 @@ async def _batching_stats(server: ServerProcess) -> dict[str, float]:
 
 
 def run_load(preset: str = "medium", height: int = 8, width: int = 8, counts=(1, 4, 8), rounds: int = 3,
-             blocks: int = 3, threads: int | None = None, compare: bool = True) -> dict[str, Any]:
+             blocks: int = 3, threads: int | None = None, compare: bool = True, device: str = "auto",
+             dtype: str = "auto", compile_step: bool = False) -> dict[str, Any]:
     counts = sorted(set(counts))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="wm-load-") as tmp:
@@ -172,7 +173,7 @@ def run_load(preset: str = "medium", height: int = 8, width: int = 8, counts=(1,
         common = dict(
             model=str(folder), log_level="warning", max_sessions=max(16, max(counts)),
             warmup_height=height, warmup_width=width, warmup_prompt_tokens=PROMPT_TOKENS,
-            engine_queue_depth=max(64, 4 * max(counts)),
+            engine_queue_depth=max(64, 4 * max(counts)), device=device, dtype=dtype, compile_step=compile_step,
         )
         modes = {"batching": True, **({"no batching": False} if compare else {})}
         servers: dict[str, ServerProcess] = {}
@@ -192,7 +193,9 @@ def run_load(preset: str = "medium", height: int = 8, width: int = 8, counts=(1,
     return {
         "command": (f"python -m bench load --preset {preset} --height {height} --width {width} --sessions "
                     f"{','.join(map(str, counts))} --rounds {rounds} --blocks {blocks}"
-                    + (f" --threads {threads}" if threads else "") + ("" if compare else " --no-compare")),
+                    + (f" --threads {threads}" if threads else "") + ("" if compare else " --no-compare")
+                    + (f" --device {device}" if device != "auto" else "") + (f" --dtype {dtype}" if dtype != "auto" else "")
+                    + (" --compile" if compile_step else "")),
         "torch_threads": threads or "server default (all cores)",
         "sessions": counts,
         "rounds": rounds,
@@ -246,11 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=3, help="blocks per session per phase")
     parser.add_argument("--threads", type=int, default=None, help="the servers' torch threads (default: all cores)")
     parser.add_argument("--no-compare", action="store_true", help="skip the server without batching")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compile", action="store_true", help="serve with compile_step on")
     parser.add_argument("--output", help="also write the report (markdown) to this file")
     args = parser.parse_args(argv)
     counts = [int(part) for part in args.sessions.split(",") if part.strip()]
     report = run_load(args.preset, args.height, args.width, counts, args.rounds, args.blocks, args.threads,
-                      compare=not args.no_compare)
+                      compare=not args.no_compare, device=args.device, dtype=args.dtype, compile_step=args.compile)
     text = format_load(report)
     print(text)
     if args.output:

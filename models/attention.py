@@ -228,7 +228,11 @@ def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class WindowAttnProcessor:
-    """Self-attention of each session's block queries over that session's ``[sink | history | block]``."""
+    """Self-attention of each session's block queries over that session's ``[sink | history | block]``.
+
+    The per-token work (projections, norms, output) runs on the stacked rows; the per-session part is one
+    function, ``_window_attention``, kept out of ``torch.compile`` (``models.compiled``) so that a compiled step
+    sees only tensors of fixed shapes and never retraces for another mix of sessions."""
 
     _attention_backend = None
     _parallel_config = None
@@ -246,59 +250,61 @@ class WindowAttnProcessor:
         kv_cache_mode: str | None = None,
     ) -> torch.Tensor:
         del encoder_hidden_states, attention_mask, key_rotary_emb, sink_rotary_emb
-        layer = kv_cache
-        if layer is None and kv_cache_mode is None:
-            # No cache at all: plain full self-attention over the tokens given (diffusers' forward without a
-            # cache, as the benchmark's no-cache baseline runs it).
-            layer = None
-        elif not isinstance(layer, LayerWindow):
+        plain = kv_cache is None and kv_cache_mode is None
+        if not plain and not isinstance(kv_cache, LayerWindow):
             raise CaptureError(
-                f"attn1 got a kv_cache of type {type(layer).__name__}, not a models.attention.ForwardWindow "
+                f"attn1 got a kv_cache of type {type(kv_cache).__name__}, not a models.attention.ForwardWindow "
                 f"layer (mode {kv_cache_mode!r}). Fix: {_FIX}."
             )
-        else:
-            layer.check_mode(kv_cache_mode)
-
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         query = attn.norm_q(attn.to_q(hidden_states))  # (R, N, D)
         key = attn.norm_k(attn.to_k(hidden_states))  # (R, N, D)
         value = attn.to_v(hidden_states)  # (R, N, D)
-        if layer is None:
+        if plain:
+            # No cache at all: plain full self-attention over the tokens given (diffusers' forward without a
+            # cache, as the benchmark's no-cache baseline runs it).
             query = apply_rope(query, query_rotary_emb, attn.rope_type)
             key = apply_rope(key, query_rotary_emb, attn.rope_type)
             hidden = _attend(query, key, value, attn.heads, self._attention_backend, self._parallel_config)
             return _project(attn, _gate(attn, hidden, gate_logits))
-        window = layer.window
+        hidden = _window_attention(attn, kv_cache, kv_cache_mode, query, key, value, gate_logits,
+                                   self._attention_backend, self._parallel_config)
+        return _project(attn, hidden)
 
-        outputs = []
-        for index, row in enumerate(window.rows):
-            rows = slice(row.row_start, row.row_end)
-            hidden = self._row(attn, layer.index, row, query[rows], key[rows], value[rows])
-            outputs.append(_gate(attn, hidden, None if gate_logits is None else gate_logits[rows]))
-            window.writes.mark(layer.index, index)
-        return _project(attn, _stack(outputs))
 
-    def _row(self, attn, layer: int, row: RowWindow, query, key, value) -> torch.Tensor:
+@torch.compiler.disable
+def _window_attention(attn, layer: LayerWindow, kv_cache_mode, query, key, value, gate_logits, backend, parallel):
+    """Each session's rows of one layer: write the block's K/V into its window, attend, gate. (R, N, D); rows
+    past the last session (a compiled step's padding) are zeros."""
+    layer.check_mode(kv_cache_mode)
+    window = layer.window
+    outputs = []
+    for index, row in enumerate(window.rows):
+        rows = slice(row.row_start, row.row_end)
         kv = row.kv
         start, end = row.slot
+        row_key = key[rows]
         if row.mode == "sink":
-            kv.sink_key[layer].copy_(key)  # pre-RoPE: each block rotates it to where the sink sits then
+            kv.sink_key[layer.index].copy_(row_key)  # pre-RoPE: each block rotates it to where the sink sits then
         elif kv.history_key is not None:
             sink = kv.layout.sink_tokens
-            kv.history_key[layer, :, start - sink : end - sink] = key  # pre-RoPE: rebased history is re-rotated
-        query = apply_rope(query, row.tables, attn.rope_type)
-        key = apply_rope(key, row.tables, attn.rope_type)
-        keys, values = kv.key(layer), kv.value(layer)  # (B, N_window, D)
-        keys[:, start:end] = key
-        values[:, start:end] = value
-        return _attend(query, keys[:, :end], values[:, :end], attn.heads, self._attention_backend,
-                       self._parallel_config)
+            kv.history_key[layer.index, :, start - sink : end - sink] = row_key  # pre-RoPE: re-rotated per block
+        row_query = apply_rope(query[rows], row.tables, attn.rope_type)
+        row_key = apply_rope(row_key, row.tables, attn.rope_type)
+        keys, values = kv.key(layer.index), kv.value(layer.index)  # (B, N_window, D)
+        keys[:, start:end] = row_key
+        values[:, start:end] = value[rows]
+        hidden = _attend(row_query, keys[:, :end], values[:, :end], attn.heads, backend, parallel)
+        outputs.append(_gate(attn, hidden, None if gate_logits is None else gate_logits[rows]))
+        window.writes.mark(layer.index, index)
+    return _assemble(outputs, query)
 
 
 class PromptAttnProcessor:
     """Cross-attention of each session's tokens over that session's own prompt.
 
-    Given a ``PromptBatch`` it runs per session; given a tensor (diffusers' own forward) it is diffusers'
+    Given a ``PromptBatch`` it runs per session (``_prompt_attention``, kept out of ``torch.compile`` like the
+    window attention); given a tensor (diffusers' own forward) it is diffusers'
     ``SanaWMLTX2AudioVideoAttnProcessor``."""
 
     _attention_backend = None
@@ -322,28 +328,44 @@ class PromptAttnProcessor:
                                key_rotary_emb)
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         query = attn.norm_q(attn.to_q(hidden_states))  # (R, N, D)
-        # Every session's prompt tokens in one projection: rows are independent, so each keeps its own bits.
-        embeds = [row.prompt.embeds for row in prompts.rows]
-        flat = _stack([e.flatten(0, 1) for e in embeds]) if len(embeds) > 1 else embeds[0]  # (sum B*L, D)
-        keys = attn.norm_k(attn.to_k(flat))
-        values = attn.to_v(flat)
-        if len(embeds) > 1:
-            sizes = [e.shape[0] * e.shape[1] for e in embeds]
-            keys = [k.view(e.shape[0], e.shape[1], -1) for k, e in zip(keys.split(sizes), embeds)]  # (B, L, D)
-            values = [v.view(e.shape[0], e.shape[1], -1) for v, e in zip(values.split(sizes), embeds)]
-        else:
-            keys, values = [keys], [values]
-        outputs = []
-        for row, key, value in zip(prompts.rows, keys, values):
-            batch, length = key.shape[0], key.shape[1]
-            mask = None
-            if row.prompt.bias is not None:
-                mask = attn.prepare_attention_mask(row.prompt.bias, length, batch)
-                mask = mask.view(batch, attn.heads, -1, mask.shape[-1])  # (B, A, 1, L)
-            rows = slice(row.row_start, row.row_end)
-            hidden = _attend(query[rows], key, value, attn.heads, self._attention_backend, self._parallel_config, mask)
-            outputs.append(_gate(attn, hidden, None if gate_logits is None else gate_logits[rows]))
-        return _project(attn, _stack(outputs))
+        hidden = _prompt_attention(attn, prompts, query, gate_logits, self._attention_backend, self._parallel_config)
+        return _project(attn, hidden)
+
+
+@torch.compiler.disable
+def _prompt_attention(attn, prompts: PromptBatch, query, gate_logits, backend, parallel):
+    """Each session's rows over its own prompt; (R, N, D), padding rows zero."""
+    # Every session's prompt tokens in one projection: rows are independent, so each keeps its own bits.
+    embeds = [row.prompt.embeds for row in prompts.rows]
+    flat = _stack([e.flatten(0, 1) for e in embeds]) if len(embeds) > 1 else embeds[0]  # (sum B*L, D)
+    keys = attn.norm_k(attn.to_k(flat))
+    values = attn.to_v(flat)
+    if len(embeds) > 1:
+        sizes = [e.shape[0] * e.shape[1] for e in embeds]
+        keys = [k.view(e.shape[0], e.shape[1], -1) for k, e in zip(keys.split(sizes), embeds)]  # (B, L, D)
+        values = [v.view(e.shape[0], e.shape[1], -1) for v, e in zip(values.split(sizes), embeds)]
+    else:
+        keys, values = [keys], [values]
+    outputs = []
+    for row, key, value in zip(prompts.rows, keys, values):
+        batch, length = key.shape[0], key.shape[1]
+        mask = None
+        if row.prompt.bias is not None:
+            mask = attn.prepare_attention_mask(row.prompt.bias, length, batch)
+            mask = mask.view(batch, attn.heads, -1, mask.shape[-1])  # (B, A, 1, L)
+        rows = slice(row.row_start, row.row_end)
+        hidden = _attend(query[rows], key, value, attn.heads, backend, parallel, mask)
+        outputs.append(_gate(attn, hidden, None if gate_logits is None else gate_logits[rows]))
+    return _assemble(outputs, query)
+
+
+def _assemble(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The sessions' outputs stacked in row order, zero rows after them up to ``like``'s row count."""
+    stacked = _stack(parts)  # (R_sessions, N, D)
+    missing = like.shape[0] - stacked.shape[0]
+    if missing:
+        stacked = torch.cat([stacked, stacked.new_zeros(missing, *stacked.shape[1:])])  # (R, N, D)
+    return stacked
 
 
 def install_processors(model: torch.nn.Module) -> None:

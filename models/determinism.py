@@ -53,11 +53,11 @@ def gemm_batch_invariant(device, dtype, inner: int = 1536, outer: int = 384, tok
     return True
 
 
-def forward_batch_invariant(refiner, height: int, width: int, prompt_tokens: int) -> bool:
-    """Whether the loaded refiner, as it runs here (device, dtype, intra-op threads), gives a session the same
-    velocity alone and stacked with another session in one model call. Two small sessions with different
-    content, prompt lengths and window lengths are refined to their second block; the next forward of each is
-    then run alone and together."""
+def forward_batch_invariant(refiner, height: int, width: int, prompt_tokens: int, runner=None) -> bool:
+    """Whether the loaded refiner, as it runs here (device, dtype, intra-op threads, ``runner``: the compiled step
+    if one is used), gives a session the same velocity alone and stacked with another session in one model call.
+    Two small sessions with different content, prompt lengths and window lengths are refined to their second
+    block; the next forward of each is then run alone and together."""
     import torch
 
     from .config import SessionConfig
@@ -76,6 +76,7 @@ def forward_batch_invariant(refiner, height: int, width: int, prompt_tokens: int
         session.push(latents[:, :, : frames - config.block_size], embeds)
         session.append(session.check(latents[:, :, frames - config.block_size :]))
         forwards.append(session.next_forward(session.start(session.plan())))
-    alone = [run_batch(refiner.model, [forward])[0] for forward in forwards]
-    together = run_batch(refiner.model, forwards)
+    runner = runner or run_batch
+    alone = [runner(refiner.model, [forward])[0] for forward in forwards]
+    together = runner(refiner.model, forwards)
     return all(torch.equal(a, b) for a, b in zip(alone, together))

@@ -35,6 +35,7 @@ from .attention import (
 )
 from .kv import SessionKV
 from .rope import RopeTables
+from .transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,12 @@ def build_window(forwards: Sequence[RowForward], num_layers: int) -> ForwardWind
     return ForwardWindow(windows, num_layers)
 
 
-def run_batch(model: torch.nn.Module, forwards: Sequence[RowForward]) -> list[torch.Tensor]:
-    """The velocity (B, N, C) of each forward, from one model call over all of them."""
+def run_batch(model: torch.nn.Module, forwards: Sequence[RowForward], pad_to: int | None = None,
+              body=None) -> list[torch.Tensor]:
+    """The velocity (B, N, C) of each forward, from one model call over all of them.
+
+    ``pad_to``: run the call at this many rows, the ones past the forwards' zeros (a compiled step keeps a few
+    fixed batch sizes); ``body``: what runs the model (``forward_body``, or a compiled form of it)."""
     if not forwards:
         return []
     groups = {forward.group for forward in forwards}
@@ -94,60 +99,72 @@ def run_batch(model: torch.nn.Module, forwards: Sequence[RowForward]) -> list[to
         raise ValueError(f"forwards of one model call must share (tokens per row, dtype, device); got {groups}")
     check_processors(model, "+".join(sorted({f.mode for f in forwards})))
     window = build_window(forwards, len(model.transformer_blocks))
-    windows = window.rows
-    rows = windows[-1].row_end
+    rows = window.rows[-1].row_end
+    padding = 0 if pad_to is None else pad_to - rows
+    if padding < 0:
+        raise ValueError(f"{rows} rows do not fit a call of {pad_to}")
 
     tokens = forwards[0].tokens if len(forwards) == 1 else torch.cat([f.tokens for f in forwards])  # (R, N, C)
     multiplier = float(model.config.timestep_scale_multiplier)
-    timestep = torch.tensor(
-        [f.sigma * multiplier for f in forwards for _ in range(f.rows)], dtype=torch.float32, device=tokens.device
-    )  # (R,)
-
+    sigmas = [f.sigma * multiplier for f in forwards for _ in range(f.rows)] + [0.0] * padding
+    timestep = to_device(torch.tensor(sigmas, dtype=torch.float32), tokens.device, torch.float32)  # (R,)
+    if padding:
+        tokens = torch.cat([tokens, tokens.new_zeros(padding, *tokens.shape[1:])])  # (R + padding, N, C)
     with torch.no_grad():
-        # 1. Input projection.
-        hidden = model.proj_in(tokens)  # (R, N, D)
-        # 2. Timestep embedding and modulation, once per row.
-        temb, embedded = model.time_embed(timestep, batch_size=rows, hidden_dtype=hidden.dtype)
-        temb = temb.view(rows, -1, temb.size(-1))  # (R, 1, 6D)
-        embedded = embedded.view(rows, -1, embedded.size(-1))  # (R, 1, D)
-        # 3. Transformer blocks; attention per session.
-        prompts = PromptBatch(windows)
-        for index, block in enumerate(model.transformer_blocks):
-            hidden = block(
-                hidden_states=hidden,
-                encoder_hidden_states=prompts,
-                temb=temb,
-                video_rotary_emb=None,
-                encoder_attention_mask=None,
-                sink_rotary_emb=None,
-                kv_cache=window.get(index),
-                kv_cache_mode=window.kv_cache_mode,
-            )
-        # 4. Output norm and projection.
-        scale_shift = model.scale_shift_table[None, None] + embedded[:, :, None]  # (R, 1, 2, D)
-        shift, scale = scale_shift[:, :, 0], scale_shift[:, :, 1]
-        hidden = model.norm_out(hidden)
-        hidden = hidden * (1 + scale) + shift
-        velocity = model.proj_out(hidden)  # (R, N, C)
+        velocity = (body or forward_body)(model, tokens, timestep, window, PromptBatch(window.rows),
+                                          window.kv_cache_mode)
     window.writes.verify(processor_names(model))
-    if len(forwards) == 1:
+    if len(forwards) == 1 and not padding:
         return [velocity]
-    return list(velocity.split([f.rows for f in forwards]))
+    return list(velocity[:rows].split([f.rows for f in forwards]))
 
 
-def run_isolated(model: torch.nn.Module, forwards: Sequence[RowForward]) -> list[torch.Tensor | Exception]:
-    """``run_batch``, and if the batched call fails, each forward again on its own, so that only a forward that
-    fails by itself gets an error (in its place in the list); the others get their velocity. Batch invariance
-    makes those the bytes the batched call would have given."""
+def forward_body(model: torch.nn.Module, tokens: torch.Tensor, timestep: torch.Tensor, window: ForwardWindow,
+                 prompts: PromptBatch, kv_cache_mode: str) -> torch.Tensor:
+    """The model call proper: velocity (R, N, C) for ``tokens`` (R, N, C) at ``timestep`` (R,). Only tensors of
+    fixed shapes reach the per-token code; everything that differs from one mix of sessions to another stays in
+    ``window`` and ``prompts``, read by the attention functions (kept out of ``torch.compile``)."""
+    rows = tokens.shape[0]
+    # 1. Input projection.
+    hidden = model.proj_in(tokens)  # (R, N, D)
+    # 2. Timestep embedding and modulation, once per row.
+    temb, embedded = model.time_embed(timestep, batch_size=rows, hidden_dtype=hidden.dtype)
+    temb = temb.view(rows, -1, temb.size(-1))  # (R, 1, 6D)
+    embedded = embedded.view(rows, -1, embedded.size(-1))  # (R, 1, D)
+    # 3. Transformer blocks; attention per session.
+    for index, block in enumerate(model.transformer_blocks):
+        hidden = block(
+            hidden_states=hidden,
+            encoder_hidden_states=prompts,
+            temb=temb,
+            video_rotary_emb=None,
+            encoder_attention_mask=None,
+            sink_rotary_emb=None,
+            kv_cache=window.get(index),
+            kv_cache_mode=kv_cache_mode,
+        )
+    # 4. Output norm and projection.
+    scale_shift = model.scale_shift_table[None, None] + embedded[:, :, None]  # (R, 1, 2, D)
+    shift, scale = scale_shift[:, :, 0], scale_shift[:, :, 1]
+    hidden = model.norm_out(hidden)
+    hidden = hidden * (1 + scale) + shift
+    return model.proj_out(hidden)  # (R, N, C)
+
+
+def run_isolated(model: torch.nn.Module, forwards: Sequence[RowForward], runner=None) -> list[torch.Tensor | Exception]:
+    """``run_batch`` (or ``runner(model, forwards)``), and if the batched call fails, each forward again on its
+    own, so that only a forward that fails by itself gets an error (in its place in the list); the others get
+    their velocity. Batch invariance makes those the bytes the batched call would have given."""
+    runner = runner or run_batch
     try:
-        return list(run_batch(model, forwards))
+        return list(runner(model, forwards))
     except Exception as batch_error:
         if len(forwards) == 1:
             return [batch_error]
     results: list[torch.Tensor | Exception] = []
     for forward in forwards:
         try:
-            results.append(run_batch(model, [forward])[0])
+            results.append(runner(model, [forward])[0])
         except Exception as error:  # this forward's own failure, reported to its owner only
             results.append(error)
     return results

@@ -27,6 +27,13 @@ async def info(services: ServicesDep) -> dict[str, Any]:
         },
         "default_session_config": services.settings.session_defaults().to_dict(),
         "default_prompt": services.default_prompt is not None,
+        "engine": {
+            "batching": services.settings.batching,
+            "max_batch_rows": services.settings.max_batch_rows,
+            "compile_step": services.settings.compile_step,
+            # Measured during the warm-up: a session's bytes do not depend on the sessions sharing its forwards.
+            "batch_invariant": services.batch_invariant,
+        },
         "limits": services.settings.limits(),
         "ready": services.not_ready_reason is None,
     }

@@ -1,0 +1,72 @@
+"""The compiled step: bucketed batch sizes, a warm-up that compiles everything the service meets, and the same
+results as the eager step."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from models import RefinerSession, SessionConfig, from_model, run_batch
+from models.checkpoints import build_model
+from models.compiled import CompiledStep, buckets, warmup_forwards
+
+
+def test_buckets():
+    assert buckets(8) == [1, 2, 4, 8] and buckets(6) == [1, 2, 4, 6] and buckets(1) == [1]
+
+
+def ready_forwards(refiner, count: int, rng: random.Random):
+    """``count`` sessions at 4x4 each with a forward ready: sinks, denoising and commit forwards mixed."""
+    forwards = []
+    for index in range(count):
+        config = SessionConfig(seed=index, positions=rng.choice(["absolute", "rebased"]))
+        generator = torch.Generator().manual_seed(index)
+        latents = torch.randn(1, 128, 7, 4, 4, generator=generator)
+        embeds = torch.randn(1, rng.randint(3, 9), 32, generator=generator)
+        session = RefinerSession(refiner, config)
+        session.push(latents[:, :, : rng.choice([1, 4])], embeds)
+        session.append(session.check(latents[:, :, session.state.frames_received : 7]))
+        run = session.start(session.plan())
+        for _ in range(rng.randint(0, 3)):
+            session.advance(run, run_batch(refiner.model, [session.next_forward(run)])[0])
+        forwards.append(session.next_forward(run))
+    return forwards
+
+
+def test_after_the_warm_up_no_mix_of_sessions_compiles_again_and_results_match_the_eager_step():
+    """With dynamo's eager backend the compiled path runs exactly the eager ops, so this checks the plumbing
+    (buckets, padding rows, the attention kept out of the graphs, guards) bit for bit, in seconds."""
+    torch._dynamo.reset()
+    refiner = from_model(build_model("tiny"))
+    step = CompiledStep(refiner.model, max_rows=4, backend="eager")
+    config = SessionConfig()
+    assert step.warm_up(warmup_forwards(refiner, config, 4, 4, 6)) == 3 * len(step.buckets)
+    frames_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    rng = random.Random(0)
+    for trial in range(6):
+        forwards = ready_forwards(refiner, rng.randint(1, 4), rng)
+        by_group = {}
+        for forward in forwards:
+            by_group.setdefault(forward.group, []).append(forward)
+        for group in by_group.values():
+            eager = [run_batch(refiner.model, [forward])[0] for forward in group]
+            compiled = step(refiner.model, group)
+            assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), f"trial {trial}"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_compiled, "compiled again after warm-up"
+
+
+def test_inductor_compiled_step_stays_within_parity_tolerance():
+    """The real compiler (inductor's CPU code): fused kernels round differently, so this is the tolerance, not
+    the bits."""
+    torch._dynamo.reset()
+    refiner = from_model(build_model("tiny"))
+    step = CompiledStep(refiner.model, max_rows=2)
+    step.warm_up(warmup_forwards(refiner, SessionConfig(), 4, 4, 6))
+    forwards = ready_forwards(refiner, 2, random.Random(1))
+    eager = run_batch(refiner.model, forwards) if forwards[0].group == forwards[1].group else None
+    if eager is None:
+        forwards = forwards[:1]
+        eager = run_batch(refiner.model, forwards)
+    compiled = step(refiner.model, forwards)
+    assert max((a - b).abs().max().item() for a, b in zip(eager, compiled)) <= 1e-4
