@@ -1,7 +1,7 @@
 """Batch invariance: a session's bytes must not depend on which other sessions shared its forwards.
 
-What breaks it on a CPU, found by bisecting a forward module by module (``bench``'s ``--invariance`` probe
-repeats the search): MKL's sgemm splits the reduction (K) dimension across threads when the output is small
+What breaks it on a CPU, found by bisecting a forward module by module with forward hooks (docs/benchmarks.md,
+"Batch invariance"): MKL's sgemm splits the reduction (K) dimension across threads when the output is small
 relative to K, and how it splits depends on M, the number of rows in the call. The feed-forward's down
 projection (K = 4 x dim) of a 64-token block therefore gives a row different bits (~2e-6) alone than stacked
 with neighbours, as soon as more than one intra-op thread runs. With one thread, or with MKL's Conditional
@@ -12,10 +12,12 @@ see docs/benchmarks.md).
 MKL reads the variable when it runs its first routine, not when the library loads, so ``models`` sets it on
 import unless the user set it already; ``gemm_batch_invariant`` checks, at run time, that it took effect.
 
-The rest of the forward is invariant by construction: attention runs per session over each session's own
-window, every other op is per token or per row, and RoPE and the time embedding run on the same shapes as in a
-solo forward. On CUDA, cuBLAS chooses GEMM kernels by shape, so rows may differ with the batch size there; the
-probe reports it (``ModelInfo.batch_invariant``) and the service logs it.
+The rest of the forward is invariant by construction: attention, RoPE and the output gates run per session on
+the shapes of a solo forward, everything else is per token, and the time embedding is computed once per row. For widths that are
+a multiple of the vector length, as every real refiner's are, a row's elements then never fall in the scalar
+tail that CPU kernels use for the last elements of a tensor, where ``exp`` and ``tanh`` round differently. On CUDA, cuBLAS chooses GEMM kernels by shape, so rows may differ with
+the batch size there: ``forward_batch_invariant`` measures it for the loaded model, and the service reports it
+(``/v1/info``) and logs a warning when it does not hold.
 """
 
 from __future__ import annotations
