@@ -63,6 +63,7 @@ class EngineSession:
     # Engine thread only.
     work: deque = field(default_factory=deque)
     run: BlockRun | None = None
+    forward: RowForward | None = None  # the run's next forward, built once even if it waits several iterations
     checkpoint: SessionCheckpoint | None = None  # taken when atomic work starts
     in_ring: bool = False
     # Guarded by the engine's lock: work submitted and not yet settled.
@@ -317,6 +318,7 @@ class Engine:
                 self._fail(work, outcome)
                 continue
             target.session.advance(target.run, outcome)
+            target.forward = None
             if target.run.finished:
                 self._commit_run(target)
 
@@ -325,9 +327,10 @@ class Engine:
         session = target.session
         while True:
             if target.run is not None:
-                forward = session.next_forward(target.run)
-                if forward is not None:
-                    return forward
+                if target.forward is None:
+                    target.forward = session.next_forward(target.run)
+                if target.forward is not None:
+                    return target.forward
                 self._commit_run(target)  # a run with no forwards (a sink too short to refine)
                 continue
             if not target.work:
@@ -398,7 +401,7 @@ class Engine:
 
     def _fail(self, work: Work, error: BaseException) -> None:
         target = work.target
-        target.run = None  # a block in flight never reaches the session
+        target.run = target.forward = None  # a block in flight never reaches the session
         if work.atomic and target.checkpoint is not None:
             target.session.rollback(target.checkpoint)
             target.checkpoint = None

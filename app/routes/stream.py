@@ -33,7 +33,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from models.errors import RefinerError
 
-from ..codec import LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode, encode
+from ..codec import PROMPT_EMBEDS, PROMPT_MASK, decode
 from ..deps import check_payload
 from ..engine import Work
 from ..errors import (

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient

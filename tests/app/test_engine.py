@@ -63,69 +63,52 @@ async def held(engine):
     return hold, task
 
 
+def run_together(refiner, clips: dict, **engine_options):
+    """Queue every clip (name -> (latents, embeds, mask)) on its own session while the engine is held, release
+    it, and return (the results by name, the sessions each model call carried)."""
+    recorder = Recorder(refiner.model)
+
+    async def scenario(engine):
+        hold, task = await held(engine)
+        futures = {
+            name: engine.submit(Work(recorder.name(target(refiner, name)), *clip, flush=True))
+            for name, clip in clips.items()
+        }
+        hold.release.set()
+        await task
+        return {name: await future for name, future in futures.items()}
+
+    try:
+        results = run_with_engine(refiner, scenario, **engine_options)
+    finally:
+        recorder.close()
+    return results, recorder.calls
+
+
 def test_forwards_of_ready_sessions_share_model_calls(refiner):
     """Four sessions queued together: every model call carries all four (same token count); their bytes equal
     each session refined alone."""
-    clips = [make_clip(frames=10, seed=seed) for seed in range(4)]
-    expected = [expected_clip(refiner, *clip) for clip in clips]
-    recorder = Recorder(refiner.model)
-
-    async def scenario(engine):
-        hold, task = await held(engine)
-        sessions = [recorder.name(target(refiner, name)) for name in "abcd"]
-        futures = [engine.submit(Work(s, *clip, flush=True)) for s, clip in zip(sessions, clips)]
-        hold.release.set()
-        await task
-        return [await future for future in futures]
-
-    try:
-        results = run_with_engine(refiner, scenario)
-    finally:
-        recorder.close()
-    for result, want in zip(results, expected):
-        assert torch.equal(torch.cat([u.latents for u in result.units], dim=2), want)
+    clips = {name: make_clip(frames=10, seed=seed) for seed, name in enumerate("abcd")}
+    results, calls = run_together(refiner, clips)
+    for name, clip in clips.items():
+        assert torch.equal(torch.cat([u.latents for u in results[name].units], dim=2), expected_clip(refiner, *clip))
     # 1 sink forward + 3 blocks x 4 forwards, each carrying every session
-    assert len(recorder.calls) == 13 and all(sorted(call) == list("abcd") for call in recorder.calls)
+    assert len(calls) == 13 and all(sorted(call) == list("abcd") for call in calls)
 
 
 def test_batching_off_runs_one_session_per_call_in_turns(refiner):
-    recorder = Recorder(refiner.model)
-
-    async def scenario(engine):
-        hold, task = await held(engine)
-        sessions = [recorder.name(target(refiner, name)) for name in "ab"]
-        futures = [engine.submit(Work(s, *make_clip(frames=4, seed=i), flush=True)) for i, s in enumerate(sessions)]
-        hold.release.set()
-        await task
-        await asyncio.gather(*futures)
-
-    try:
-        run_with_engine(refiner, scenario, batching=False)
-    finally:
-        recorder.close()
-    assert all(len(call) == 1 for call in recorder.calls)
+    _, calls = run_together(refiner, {name: make_clip(frames=4, seed=i) for i, name in enumerate("ab")},
+                            batching=False)
+    assert all(len(call) == 1 for call in calls)
     # Round robin forward by forward: the sessions alternate.
-    assert [call[0] for call in recorder.calls] == ["a", "b"] * (len(recorder.calls) // 2)
+    assert [call[0] for call in calls] == ["a", "b"] * (len(calls) // 2)
 
 
 def test_max_batch_rows_caps_a_call_and_every_session_keeps_its_turn(refiner):
     """Five sessions, at most two rows per call: no call is bigger, the sessions left out go first next time,
     and nobody starves (every session is served within three consecutive calls)."""
-    recorder = Recorder(refiner.model)
-
-    async def scenario(engine):
-        hold, task = await held(engine)
-        sessions = [recorder.name(target(refiner, name)) for name in "abcde"]
-        futures = [engine.submit(Work(s, *make_clip(frames=4, seed=i), flush=True)) for i, s in enumerate(sessions)]
-        hold.release.set()
-        await task
-        await asyncio.gather(*futures)
-
-    try:
-        run_with_engine(refiner, scenario, max_batch_rows=2)
-    finally:
-        recorder.close()
-    calls = recorder.calls
+    _, calls = run_together(refiner, {name: make_clip(frames=4, seed=i) for i, name in enumerate("abcde")},
+                            max_batch_rows=2)
     assert max(len(call) for call in calls) == 2
     served_at = {name: [i for i, call in enumerate(calls) if name in call] for name in "abcde"}
     for name, indices in served_at.items():
@@ -134,26 +117,10 @@ def test_max_batch_rows_caps_a_call_and_every_session_keeps_its_turn(refiner):
 
 
 def test_sessions_of_other_shapes_run_in_their_own_calls(refiner):
-    recorder = Recorder(refiner.model)
-
-    async def scenario(engine):
-        hold, task = await held(engine)
-        small = recorder.name(target(refiner, "small"))
-        large = recorder.name(target(refiner, "large"))
-        futures = [
-            engine.submit(Work(small, *make_clip(frames=4, height=4, width=4), flush=True)),
-            engine.submit(Work(large, *make_clip(frames=4, height=4, width=5), flush=True)),
-        ]
-        hold.release.set()
-        await task
-        await asyncio.gather(*futures)
-
-    try:
-        run_with_engine(refiner, scenario)
-    finally:
-        recorder.close()
-    assert all(len(call) == 1 for call in recorder.calls)
-    assert sorted(name for call in recorder.calls for name in call) == ["large"] * 5 + ["small"] * 5
+    _, calls = run_together(refiner, {"small": make_clip(frames=4, height=4, width=4),
+                                      "large": make_clip(frames=4, height=4, width=5)})
+    assert all(len(call) == 1 for call in calls)
+    assert sorted(name for call in calls for name in call) == ["large"] * 5 + ["small"] * 5
 
 
 def test_queue_bounds_refuse_at_once(refiner):
