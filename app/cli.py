@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     refine.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, float64 or auto")
 
     make = commands.add_parser("make-checkpoint", help="write a random refiner folder for tests and benchmarks")
-    make.add_argument("--preset", choices=("tiny", "medium"), default="tiny")
+    make.add_argument("--preset", choices=("tiny", "medium", "tiny-vae", "released-depth-vae"), default="tiny",
+                      help="a refiner (tiny, medium) or an LTX-2 video VAE (tiny-vae, released-depth-vae)")
     make.add_argument("--out", required=True)
     make.add_argument("--seed", type=int, default=0)
 
@@ -59,8 +60,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "refine":
         return refine_command(args)
     if args.command == "make-checkpoint":
-        from models.checkpoints import write_checkpoint
+        from models.checkpoints import VAE_PRESETS, write_checkpoint, write_vae_checkpoint
 
+        if args.preset in VAE_PRESETS:
+            out = write_vae_checkpoint(args.out, preset=args.preset, seed=args.seed)
+            print(f"wrote a random {args.preset} (AutoencoderKLLTX2Video) to {out}")
+            return 0
         out = write_checkpoint(args.out, preset=args.preset, seed=args.seed)
         print(f"wrote a random {args.preset} refiner to {out}")
         return 0

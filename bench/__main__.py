@@ -3,6 +3,7 @@
     python -m bench cache  [...]   the KV-cached step vs recomputing the window, FLOP/s, cache bytes (+ --service)
     python -m bench load   [...]   many sessions at once over WebSockets: batching on vs off, p50/p99 latency
     python -m bench attention      window attention for a batch: per session vs stacked vs padded + mask
+    python -m bench vae-lookahead  bounded video look-ahead: error against the exact decode, N = 0..8
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.attention import main as attention_main
 
         return attention_main(rest)
+    if command == "vae-lookahead":
+        from bench.vae_lookahead import main as lookahead_main
+
+        return lookahead_main(rest)
     print(f"unknown benchmark {command!r}\n{__doc__}", file=sys.stderr)
     return 2
 

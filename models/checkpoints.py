@@ -50,6 +50,56 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Small random LTX-2 video VAEs (AutoencoderKLLTX2Video) with the refiner's 128 latent channels. ``tiny-vae`` keeps
+# the decoder one resnet per stage deep; ``released-depth-vae`` has the released decoder's depth (5 resnets per
+# stage: what decides how far a pixel frame looks ahead) at test widths.
+VAE_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-vae": dict(
+        latent_channels=128,
+        block_out_channels=(16, 32, 64, 64),
+        decoder_block_out_channels=(16, 32, 64),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1),
+        decoder_causal=False,
+    ),
+    "released-depth-vae": dict(
+        latent_channels=128,
+        block_out_channels=(16, 32, 64, 64),
+        decoder_block_out_channels=(16, 32, 64),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(5, 5, 5, 5),
+        decoder_causal=False,
+    ),
+}
+
+
+def build_vae(preset: str = "tiny-vae", seed: int = 0, **overrides: Any):
+    """A randomly initialised LTX-2 video VAE, identical for the same ``(preset, seed, overrides)``; its weights
+    are perturbed like ``build_model``'s so that its decoder mixes frames."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    if preset not in VAE_PRESETS:
+        raise ValueError(f"unknown VAE preset {preset!r}; choose one of {sorted(VAE_PRESETS)}")
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        vae = AutoencoderKLLTX2Video(**{**VAE_PRESETS[preset], **overrides})
+        with torch.no_grad():
+            for param in vae.parameters():
+                if param.ndim >= 1:
+                    param.add_(torch.randn_like(param) * 0.02)
+    finally:
+        torch.random.set_rng_state(state)
+    return vae.eval()
+
+
+def write_vae_checkpoint(out_dir: str | Path, preset: str = "tiny-vae", seed: int = 0, **overrides: Any) -> Path:
+    """Write a random VAE folder (``config.json`` + safetensors) that ``models.vae.load_vae`` reads."""
+    out = Path(out_dir)
+    build_vae(preset, seed, **overrides).save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def build_model(preset: str = "tiny", seed: int = 0, **overrides: Any) -> SanaWMLTX2RefinerTransformer3DModel:
     """A randomly initialised refiner, identical for the same ``(preset, seed, overrides)``."""
     if preset not in PRESETS:
