@@ -317,7 +317,11 @@ class Engine:
                 log.warning("a forward of %s failed: %r", target.name, outcome)
                 self._fail(work, outcome)
                 continue
-            target.session.advance(target.run, outcome)
+            try:
+                target.session.advance(target.run, outcome)
+            except Exception as exc:
+                self._fail(work, exc)
+                continue
             target.forward = None
             if target.run.finished:
                 self._commit_run(target)
@@ -328,7 +332,11 @@ class Engine:
         while True:
             if target.run is not None:
                 if target.forward is None:
-                    target.forward = session.next_forward(target.run)
+                    try:
+                        target.forward = session.next_forward(target.run)
+                    except Exception as exc:  # this session's problem: its work fails, the engine goes on
+                        self._fail(target.work[0], exc)
+                        continue
                 if target.forward is not None:
                     return target.forward
                 self._commit_run(target)  # a run with no forwards (a sink too short to refine)
