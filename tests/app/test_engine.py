@@ -242,3 +242,29 @@ def test_warm_up_reaches_the_steady_state_window(refiner):
     assert state.blocks_refined >= 2 and state.pending_frames == 0
     # The history was already full before the last block, so that block ran at the steady-state shape.
     assert (state.blocks_refined - 1) * config.block_size >= config.max_history_frames
+
+
+def test_a_session_whose_bookkeeping_raises_fails_alone_and_the_engine_goes_on(refiner, monkeypatch):
+    """Not a forward but the session's own step (here its Euler update) raises: that session's work fails with
+    the error, the engine thread survives, and the session it shared model calls with finishes untouched."""
+    clips = {name: make_clip(frames=7, seed=i) for i, name in enumerate("xy")}
+
+    async def scenario(engine):
+        hold, task = await held(engine)
+        broken, healthy = target(refiner, "x"), target(refiner, "y")
+
+        def advance(run, velocity):
+            raise ValueError("a bug in the step (injected)")
+
+        monkeypatch.setattr(broken.session, "advance", advance)
+        futures = [engine.submit(Work(broken, *clips["x"], flush=True, atomic=True)),
+                   engine.submit(Work(healthy, *clips["y"], flush=True))]
+        hold.release.set()
+        await task
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        assert isinstance(outcomes[0], ValueError) and broken.session.state.frames_received == 0
+        assert await engine.call(lambda: "alive") == "alive"
+        return outcomes[1]
+
+    result = run_with_engine(refiner, scenario)
+    assert torch.equal(torch.cat([u.latents for u in result.units], dim=2), expected_clip(refiner, *clips["y"]))
