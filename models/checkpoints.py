@@ -53,23 +53,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Small random LTX-2 video VAEs (AutoencoderKLLTX2Video) with the refiner's 128 latent channels. ``tiny-vae`` keeps
 # the decoder one resnet per stage deep; ``released-depth-vae`` has the released decoder's depth (5 resnets per
 # stage: what decides how far a pixel frame looks ahead) at test widths.
+_TINY_VAE: dict[str, Any] = dict(
+    latent_channels=128,
+    block_out_channels=(16, 32, 64, 64),
+    decoder_block_out_channels=(16, 32, 64),
+    layers_per_block=(1, 1, 1, 1, 1),
+    decoder_layers_per_block=(1, 1, 1, 1),
+    decoder_causal=False,
+)
 VAE_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-vae": dict(
-        latent_channels=128,
-        block_out_channels=(16, 32, 64, 64),
-        decoder_block_out_channels=(16, 32, 64),
-        layers_per_block=(1, 1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1),
-        decoder_causal=False,
-    ),
-    "released-depth-vae": dict(
-        latent_channels=128,
-        block_out_channels=(16, 32, 64, 64),
-        decoder_block_out_channels=(16, 32, 64),
-        layers_per_block=(1, 1, 1, 1, 1),
-        decoder_layers_per_block=(5, 5, 5, 5),
-        decoder_causal=False,
-    ),
+    "tiny-vae": _TINY_VAE,
+    "released-depth-vae": {**_TINY_VAE, "decoder_layers_per_block": (5, 5, 5, 5)},
 }
 
 
