@@ -13,11 +13,11 @@ decode does and yields the rest. A non-causal decoder looks ahead: a pixel frame
 receptive field reaches (``StreamingDecoder.lookahead``); a causal one does not.
 
 The modules stay stateless and shared by every session: the state is a tree of ``_Node`` objects (one per
-temporal operator) holding only tensors it replaces, never mutates, so ``DecodeState.copy()`` is a cheap
-rollback point and the state can be saved to tensors and restored (``to_tensors`` / ``from_tensors``).
+temporal operator) holding only tensors it replaces, never mutates, so any earlier ``DecodeState`` is a free
+rollback point and the state can be saved to tensors and restored (``video_to_tensors`` / ``video_from_tensors``).
 
 Bounded look-ahead (``lookahead=N``): a pixel frame is emitted once N latent frames past its own have been
-pushed, computed as if the clip ended at the last one pushed (a finish run on a copy of the state); lower latency,
+pushed, computed as if the clip ended at the last one pushed (a finish run from the current state, which stays as it is); lower latency,
 no longer equal to the whole-clip decode. ``bench/vae_lookahead.py`` measures the error for each N.
 """
 
@@ -315,9 +315,6 @@ class DecodeState:
     latents_in: int = 0  # latent frames pushed
     frames_out: int = 0  # pixel frames emitted (before any drop)
     finished: bool = False
-
-    def copy(self) -> DecodeState:
-        return self  # immutable: the object itself is the rollback point
 
     @property
     def nbytes(self) -> int:
