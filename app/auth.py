@@ -2,17 +2,29 @@
 
 A middleware rather than a per-route dependency: it covers every route the app will ever register (including
 the OpenAPI docs and paths that do not exist), and it refuses a WebSocket at the handshake, before it is
-accepted, with a real HTTP 401. The key is read from the ``Authorization: Bearer`` header only, never from
-the query string (URLs end up in logs), and compared in constant time.
+accepted, with a real HTTP 401. The key is read from the ``Authorization: Bearer`` header, never from the query
+string (URLs end up in logs), and compared in constant time.
+
+A browser cannot set headers on a WebSocket, only subprotocols (``new WebSocket(url, protocols)``; the view page,
+app/routes/view.py, does so): on a WebSocket handshake, a ``Sec-WebSocket-Protocol`` entry
+``wm-refiner.bearer.<key as base64url, no padding>`` is the same credential as the header. Base64url because a
+subprotocol is an HTTP token (no spaces, no ``=``). The routes a browser uses accept with the plain ``wm-refiner``
+subprotocol, so the key is never echoed back.
 """
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
+import re
 from typing import Callable, Iterable
 
 from .errors import ApiError, WS_POLICY_VIOLATION
+
+# The subprotocol that carries the key on a browser's WebSocket handshake, followed by the key in base64url.
+BEARER_SUBPROTOCOL = b"wm-refiner.bearer."
+_BASE64URL = re.compile(rb"[A-Za-z0-9_-]+")
 
 
 class ApiKeyMiddleware:
@@ -64,4 +76,19 @@ class ApiKeyMiddleware:
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
                     return True
+            elif name == b"sec-websocket-protocol" and scope["type"] == "websocket":
+                for protocol in value.split(b","):
+                    key = _subprotocol_key(protocol.strip())
+                    if key is not None and hmac.compare_digest(key, self.expected):
+                        return True
         return False
+
+
+def _subprotocol_key(protocol: bytes) -> bytes | None:
+    """The key a ``wm-refiner.bearer.<base64url>`` subprotocol carries; None for any other subprotocol."""
+    if not protocol.startswith(BEARER_SUBPROTOCOL):
+        return None
+    encoded = protocol[len(BEARER_SUBPROTOCOL) :]
+    if not _BASE64URL.fullmatch(encoded) or len(encoded) % 4 == 1:
+        return None
+    return base64.urlsafe_b64decode(encoded + b"=" * (-len(encoded) % 4))

@@ -25,14 +25,15 @@ from models.errors import RefinerError
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, envelope, from_exception
 from .openapi import document_api_key
-from .routes import admin, chunks, health, info, metrics, refine, sessions, stream
+from .routes import admin, chunks, health, info, metrics, refine, sessions, stream, view
 from .services import Services
 from .settings import Settings
 
 log = logging.getLogger("app")
 
-# Probes and scrapers must work without credentials (orchestrators and Prometheus rarely carry them).
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# Probes and scrapers must work without credentials (orchestrators and Prometheus rarely carry them). The view page
+# holds no data; it asks for the key and sends it with the requests it makes.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/view"})
 
 
 # --- the app ---------------------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         lifespan=lifespan,
     )
     app.state.services = services
-    for module in (health, metrics, info, sessions, chunks, refine, stream, admin):
+    for module in (health, metrics, info, sessions, chunks, refine, stream, admin, view):
         app.include_router(module.router)
 
     install_error_handlers(app, services)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 
 import pytest
@@ -128,3 +129,48 @@ def test_a_real_server_refuses_the_websocket_handshake_with_401(make_settings):
         with connect(url, additional_headers=GOOD, open_timeout=DEADLINE_S) as ws:
             ws.send('{"type": "flush"}')
             assert ws.recv(timeout=DEADLINE_S) == '{"type": "done", "frames": 0}'
+
+
+def bearer_subprotocol(key: str) -> str:
+    return "wm-refiner.bearer." + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+def test_a_websocket_may_carry_the_key_as_a_subprotocol(client):
+    """Browsers cannot set headers on a WebSocket (the view page): the key may come as a base64url subprotocol."""
+    session_id = client.post("/v1/sessions", headers=GOOD).json()["session_id"]
+    url = f"/v1/sessions/{session_id}/stream"
+    refused = (
+        ["wm-refiner"],
+        ["wm-refiner", bearer_subprotocol("not-the-key")],
+        ["wm-refiner", bearer_subprotocol(KEY + "x")],
+        ["wm-refiner", bearer_subprotocol(KEY) + "=="],  # padding is not a token character: refused, not stripped
+        ["wm-refiner", f"wm-refiner.bearer.{KEY}"],  # the key itself, not encoded
+        ["wm-refiner", "wm-refiner.bearer."],
+        ["wm-refiner", "bearer." + bearer_subprotocol(KEY).rpartition(".")[2]],
+    )
+    for protocols in refused:
+        with pytest.raises(WebSocketDenialResponse) as denied:
+            with client.websocket_connect(url, subprotocols=protocols):
+                pass
+        assert denied.value.status_code == 401, protocols
+    # On a plain HTTP request the header is no credential.
+    assert client.get("/v1/info", headers={"sec-websocket-protocol": bearer_subprotocol(KEY)}).status_code == 401
+    with client.websocket_connect(url, subprotocols=["wm-refiner", bearer_subprotocol(KEY)]) as ws:
+        ws.send_text('{"type": "flush"}')
+        assert ws.receive_text() == '{"type": "done", "frames": 0}'
+
+
+def test_the_subprotocol_key_is_base64url():
+    """A key whose base64 holds '+' and '/' travels as '-' and '_' (the only alphabet a subprotocol token allows)."""
+    from app.auth import ApiKeyMiddleware
+
+    key = "wm>>>???key"  # base64 'd20+Pj4/Pz9rZXk=': both substitutions and the padding
+    middleware = ApiKeyMiddleware(None, key, public_paths=())
+
+    def authorized(protocol: str, kind: str = "websocket") -> bool:
+        return middleware._authorized({"type": kind, "headers": [(b"sec-websocket-protocol", protocol.encode())]})
+
+    assert bearer_subprotocol(key) == "wm-refiner.bearer.d20-Pj4_Pz9rZXk"
+    assert authorized("wm-refiner, " + bearer_subprotocol(key))
+    assert not authorized("wm-refiner, wm-refiner.bearer.d20+Pj4/Pz9rZXk")
+    assert not authorized(bearer_subprotocol(key), kind="http")
