@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the HTTP/WebSocket service")
     serve.add_argument("--config", help="YAML settings file (see configs/)")
     serve.add_argument("--model", help="refiner folder; default: the embedded tiny refiner, built on first start")
+    serve.add_argument("--vae", help="LTX-2 video VAE folder (AutoencoderKLLTX2Video) for video outputs")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--device")

@@ -4,7 +4,8 @@ The engine hands each committed unit of a stream over the moment it commits it (
 engine thread: it only starts the device-to-host copy and schedules the rest on the event loop). There, a
 one-thread encoder pool turns the unit into safetensors bytes, and the session publishes the units in commit
 order: retained for reattaching clients, queued on the attached connection. HTTP responses are encoded by the
-same pool (``Encoder.payload``). The block latency metric is observed here, once the unit's bytes are on the
+same pool (``Encoder.response``). A unit's tensors (latents, and the pixel frames of its video) are encoded as its
+session's ``app.outputs.Outputs`` say. The block latency metric is observed here, once the unit's bytes are on the
 host, so on a GPU it measures finished work rather than queued kernels.
 
 Nothing committed is lost on the way: a unit whose hand-over failed is still in its work's result and is
@@ -22,16 +23,38 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from models.session import SessionState, Unit
 from models.transfer import HostCopy
 
-from .codec import LATENTS, encode
+from .codec import encode
 from .metrics import Metrics
+from .outputs import HostUnit, Outputs, payload
 from .resume import SentUnit
 
 log = logging.getLogger(__name__)
+
+
+class UnitCopies:
+    """A unit's tensors on their way to the host (started on the engine thread, awaited off it)."""
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+        self._latents = HostCopy(unit.latents)
+        frames = None if unit.video is None else unit.video.frames
+        self._video = None if frames is None else HostCopy(frames)
+
+    def wait(self) -> HostUnit:
+        unit, video = self.unit, self.unit.video
+        return HostUnit(
+            unit.kind, unit.frame_start, unit.frame_end, self._latents.wait(),
+            None if self._video is None else self._video.wait(),
+            0 if video is None else video.start, 0 if video is None else video.end,
+        )
+
+
+def unit_key(unit: Unit) -> tuple[int, int]:
+    """Where a unit ends in the stream: (latent frame, video frame); a video tail holds no latent frame."""
+    return unit.frame_end, 0 if unit.video is None else unit.video.end
 
 
 class Encoder:
@@ -40,22 +63,23 @@ class Encoder:
     def __init__(self, metrics: Metrics, response_dtype: str):
         self.metrics = metrics
         self.response_dtype = response_dtype
+        self.spatial_scale = 1  # pixels per latent along H and W: the VAE's, once one is loaded
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unit-encoder")
 
-    def unit_bytes(self, unit: Unit, latents: torch.Tensor, received: float) -> bytes:
-        """A stream unit: latents with metadata frame_start, frame_end, latency_ms (since its chunk arrived)."""
-        if self.response_dtype == "float32":
-            latents = latents.float()
-        latency_ms = (time.perf_counter() - received) * 1000.0
-        return encode(
-            {LATENTS: latents},
-            {"frame_start": unit.frame_start, "frame_end": unit.frame_end, "latency_ms": f"{latency_ms:.3f}"},
+    def unit_bytes(self, host: HostUnit, outputs: Outputs, received: float) -> bytes:
+        """A stream unit: its outputs with metadata frame_start, frame_end (video_frame_start, video_frame_end with
+        video) and latency_ms (since its chunk arrived)."""
+        tensors, metadata = payload(
+            [host], outputs, latent_shape=tuple(host.latents.shape), spatial_scale=self.spatial_scale,
+            frame_at=host.frame_start, video_at=host.video_start, response_dtype=self.response_dtype,
         )
+        metadata["latency_ms"] = f"{(time.perf_counter() - received) * 1000.0:.3f}"
+        return encode(tensors, metadata)
 
-    def _encode_unit(self, unit: Unit, host: HostCopy, received: float) -> tuple[torch.Tensor, bytes]:
-        latents = host.wait()
-        self.observe(unit)
-        return latents, self.unit_bytes(unit, latents, received)
+    def _encode_unit(self, copies: UnitCopies, outputs: Outputs, received: float) -> tuple[HostUnit, bytes]:
+        host = copies.wait()
+        self.observe(copies.unit)
+        return host, self.unit_bytes(host, outputs, received)
 
     def observe(self, unit: Unit) -> None:
         if unit.kind == "block":
@@ -66,39 +90,36 @@ class Encoder:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     def response(self, units, state: SessionState, request_shape: tuple[int, ...],
-                 metadata: dict[str, object] | None = None) -> Callable[[], bytes]:
-        """What encodes an HTTP response: the frames ``units`` finalized as one latents (B, C, n, H, W), n >= 0,
-        with metadata frame_start, frame_end and ``metadata``. Block latencies are observed the first time."""
+                 metadata: dict[str, object] | None = None, outputs: Outputs = Outputs(),
+                 video_frames: int = 0) -> Callable[[], bytes]:
+        """What encodes an HTTP response: the frames ``units`` finalized as one payload (latents (B, C, n, H, W),
+        n >= 0, and/or video), with metadata frame_start, frame_end (video_frame_start, video_frame_end) and
+        ``metadata``. ``video_frames``: where the video stands when no unit holds a video frame. Block latencies are
+        observed the first time."""
         units, observed = tuple(units), []
 
         def build() -> bytes:
-            payload = self._response(units, state, request_shape, metadata)
-            if not observed:  # once the bytes are on the host
-                observed.append(True)
-                for unit in units:
-                    self.observe(unit)
-            return payload
-
-        return build
-
-    def _response(self, units, state, request_shape, metadata) -> bytes:
-        if units:
-            latents = torch.cat([HostCopy(unit.latents).wait() for unit in units], dim=2)  # (B, C, n, H, W)
-            frame_start, frame_end = units[0].frame_start, units[-1].frame_end
-        else:
+            hosts = [UnitCopies(unit).wait() for unit in units]
             geometry = state.geometry
             if geometry is not None:
                 shape = (geometry.batch, geometry.channels, 0, geometry.height, geometry.width)
             else:
                 shape = (*request_shape[:2], 0, *request_shape[3:5])
-            latents = torch.zeros(shape)  # (B, C, 0, H, W)
-            frame_start = frame_end = state.frames_returned
-        if self.response_dtype == "float32":
-            latents = latents.to(torch.float32)
-        return encode({LATENTS: latents}, {"frame_start": frame_start, "frame_end": frame_end, **(metadata or {})})
+            tensors, meta = payload(hosts, outputs, latent_shape=shape, spatial_scale=self.spatial_scale,
+                                    frame_at=state.frames_returned, video_at=video_frames,
+                                    response_dtype=self.response_dtype)
+            data = encode(tensors, {**meta, **(metadata or {})})
+            if not observed:  # once the bytes are on the host
+                observed.append(True)
+                for unit in units:
+                    self.observe(unit)
+            return data
 
-    def submit(self, loop: asyncio.AbstractEventLoop, unit: Unit, host: HostCopy, received: float) -> asyncio.Future:
-        return loop.run_in_executor(self._pool, self._encode_unit, unit, host, received)
+        return build
+
+    def submit(self, loop: asyncio.AbstractEventLoop, copies: UnitCopies, outputs: Outputs,
+               received: float) -> asyncio.Future:
+        return loop.run_in_executor(self._pool, self._encode_unit, copies, outputs, received)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -107,40 +128,49 @@ class Encoder:
 @dataclass
 class _Outgoing:
     unit: Unit
-    host: HostCopy
+    copies: UnitCopies
     received: float
-    encoded: asyncio.Future  # (host latents, bytes)
+    encoded: asyncio.Future  # (host unit, bytes)
 
 
 class Deliveries:
     """One session's stream units between commit and publication, kept in commit order. Event loop only, except
     ``hand_over``'s callback, which runs on the engine thread."""
 
-    def __init__(self, encoder: Encoder, publish: Callable[[Unit, SentUnit, float], None]):
+    def __init__(self, encoder: Encoder, publish: Callable[[Unit, SentUnit, float, HostUnit], None],
+                 outputs: Outputs = Outputs()):
         self.encoder = encoder
-        self.publish = publish  # (unit, what goes on the wire, when its chunk arrived)
-        self.handed_until = 0  # frame_end of the newest unit handed over
+        self.publish = publish  # (unit, what goes on the wire, when its chunk arrived, its tensors on the host)
+        self.outputs = outputs
+        self.handed_until: tuple[int, int] = (0, 0)  # unit_key of the newest unit handed over
         self._queue: deque[_Outgoing] = deque()
         self._task: asyncio.Task | None = None
+
+    @property
+    def pending(self) -> int:
+        """Units handed over and not yet published."""
+        return len(self._queue)
 
     def hand_over(self, received: float) -> Callable[[Unit], None]:
         """An ``on_unit`` for the engine thread: start the unit's host copy, continue on the loop."""
         loop = asyncio.get_running_loop()
 
         def on_unit(unit: Unit) -> None:
-            host = HostCopy(unit.latents)
-            loop.call_soon_threadsafe(self.push, unit, host, received)
+            copies = UnitCopies(unit)
+            loop.call_soon_threadsafe(self.push, unit, copies, received)
 
         return on_unit
 
-    def push(self, unit: Unit, host: HostCopy | None, received: float) -> None:
+    def push(self, unit: Unit, copies: UnitCopies | None, received: float) -> None:
         """Encode and publish ``unit`` after every unit before it; a unit already handed over is ignored."""
-        if unit.frame_end <= self.handed_until:
+        key = unit_key(unit)
+        if key <= self.handed_until:
             return
-        self.handed_until = unit.frame_end
+        self.handed_until = key
         loop = asyncio.get_running_loop()
-        host = host or HostCopy(unit.latents)
-        self._queue.append(_Outgoing(unit, host, received, self.encoder.submit(loop, unit, host, received)))
+        copies = copies or UnitCopies(unit)
+        encoded = self.encoder.submit(loop, copies, self.outputs, received)
+        self._queue.append(_Outgoing(unit, copies, received, encoded))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._publish_in_order())
 
@@ -148,14 +178,15 @@ class Deliveries:
         while self._queue:
             item = self._queue[0]
             try:
-                latents, payload = await asyncio.shield(item.encoded)
-                sent = SentUnit(item.unit.frame_start, item.unit.frame_end, payload)
+                host, data = await asyncio.shield(item.encoded)
+                sent = SentUnit(item.unit.frame_start, item.unit.frame_end, data)
             except Exception:
-                log.exception("encoding units [%d, %d) failed; kept as a tensor, encoded again when next sent",
+                log.exception("encoding units [%d, %d) failed; kept as tensors, encoded again when next sent",
                               item.unit.frame_start, item.unit.frame_end)
-                sent = SentUnit(item.unit.frame_start, item.unit.frame_end, None, item.host.wait())
+                host = item.copies.wait()
+                sent = SentUnit(item.unit.frame_start, item.unit.frame_end, None, host, self.outputs)
             self._queue.popleft()
-            self.publish(item.unit, sent, item.received)
+            self.publish(item.unit, sent, item.received, host)
 
     async def flush(self) -> None:
         """Return once every unit handed over so far is published."""

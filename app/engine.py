@@ -25,6 +25,15 @@ Failure: a forward that fails drops its session's block in flight (nothing commi
 work (a WebSocket message) keeps the blocks it committed and its frames stay pending, so the next message
 retries the block.
 
+Video (a session whose outputs include it): a committed unit is not handed on at once but queued for its *decode
+step*, which the engine runs between model calls, one pending unit of each such session per iteration, in turn
+order. Meanwhile the session's next block already runs (its refine does not wait for the previous block's
+decode), and another session's forwards are never delayed by more than one decode per decoding session. The
+decoder's state (``models.vae.VideoStream``) is the session's like its KV cache: immutable, so the checkpoint of
+atomic work simply keeps the old one. A work is finished once its units are decoded; a flush that refined no block
+still decodes the video's tail (a ``"video"`` unit without latent frames). On a CUDA device the decode's kernels
+queue behind the model call's, without a host sync, like every other step.
+
 ``pause`` (the drain) stops the engine between two iterations: blocks in flight are dropped, atomic work in
 progress is rolled back, and every unfinished work fails with ``draining``; what stays in the sessions is exactly
 what was committed, and every committed unit has been handed on.
@@ -33,6 +42,7 @@ what was committed, and every committed unit has been handed on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -45,6 +55,7 @@ import torch
 from models.clip import check_clip_length
 from models.session import BlockRun, RefinerSession, SessionCheckpoint, SessionState, Unit
 from models.step import RowForward, run_isolated
+from models.vae import StreamingDecoder, VideoStream, push_video
 
 from .errors import ApiError
 from .metrics import Metrics
@@ -66,6 +77,12 @@ class EngineSession:
     forward: RowForward | None = None  # the run's next forward, built once even if it waits several iterations
     checkpoint: SessionCheckpoint | None = None  # taken when atomic work starts
     in_ring: bool = False
+    # The session's video (outputs include it): its decoder state, replaced by each decode step.
+    video: VideoStream | None = None
+    video_checkpoint: VideoStream | None = None  # with ``checkpoint``
+    # Committed units waiting for their decode step, in commit order: (unit or None for the tail, final).
+    decodes: deque = field(default_factory=deque)
+    decoding: bool = False  # in the engine's list of sessions with decodes pending
     # Guarded by the engine's lock: work submitted and not yet settled.
     queued: int = 0
 
@@ -102,6 +119,7 @@ class WorkResult:
     units: tuple[Unit, ...]
     frames_in: int
     state: SessionState
+    video_frames: int = 0  # video frames the session has finalized so far (where an empty response stands)
 
 
 @dataclass(frozen=True)
@@ -157,6 +175,8 @@ class Engine:
         self._paused = False
         self._stopping = False
         self._ring: deque[EngineSession] = deque()  # engine thread only: sessions with work, in turn order
+        self._decoding: deque[EngineSession] = deque()  # engine thread only: sessions with decodes pending
+        self.decoder: StreamingDecoder | None = None  # set once the VAE is loaded (setting ``vae``)
         self._thread: threading.Thread | None = None
 
     # --- event-loop side ---------------------------------------------------------------------------------
@@ -255,6 +275,8 @@ class Engine:
                 batch = self.schedule()
                 if batch is not None:
                     self.commit(self.execute(batch))
+                if self._decoding:
+                    self.decode_step()
 
     def _admit(self, item) -> None:
         if isinstance(item, _CallJob):
@@ -326,6 +348,61 @@ class Engine:
             if target.run.finished:
                 self._commit_run(target)
 
+    def decode_step(self) -> None:
+        """The oldest pending decode of every session that has one, in turn."""
+        started = time.perf_counter()
+        for target in list(self._decoding):
+            self._decode_one(target)
+        self.metrics.decode_seconds.observe(time.perf_counter() - started)
+
+    def _queue_decode(self, target: EngineSession, unit: Unit | None, final: bool) -> None:
+        target.decodes.append((unit, final))
+        if not target.decoding:
+            target.decoding = True
+            self._decoding.append(target)
+
+    def _decode_one(self, target: EngineSession) -> None:
+        unit, final = target.decodes.popleft()
+        if not target.decodes:
+            target.decoding = False
+            self._decoding.remove(target)
+        work: Work = target.work[0]
+        try:
+            if unit is None:  # the tail a flush completes after the last block
+                state = target.session.state
+                unit = Unit("video", target.session.empty_latents(), state.frames_returned, state.frames_returned,
+                            started_at=time.perf_counter())
+            target.video, chunk = push_video(self.decoder, target.video, unit.latents if unit.frame_end > unit.frame_start else None,
+                                             final=final)
+        except Exception as exc:
+            log.exception("decoding a unit of %s failed", target.name)
+            self._decode_failed(target, work, exc)
+            return
+        self._deliver(work, dataclasses.replace(unit, video=chunk))
+
+    def _decode_failed(self, target: EngineSession, work: Work, exc: BaseException) -> None:
+        self._drop_decodes(target)
+        if not work.atomic:
+            # Its refined frames are committed but the video lost its place in the stream: it cannot go on.
+            target.closed = ApiError(
+                "internal_error",
+                f"decoding this session's video failed ({exc!r}); its refined latents up to frame "
+                f"{target.session.state.frames_returned} are kept, but the session cannot produce video any more: "
+                "start a new session",
+            )
+        self._fail(work, exc)
+
+    def _drop_decodes(self, target: EngineSession) -> None:
+        target.decodes.clear()
+        if target.decoding:
+            target.decoding = False
+            self._decoding.remove(target)
+
+    def _decode_now(self, target: EngineSession) -> None:
+        """Every pending decode of ``target`` at once (before its work settles or the engine pauses)."""
+        while target.decodes:
+            self._decode_one(target)
+
     # --- work lifecycle (engine thread) ----------------------------------------------------------------------
     def _next_forward(self, target: EngineSession) -> RowForward | None:
         session = target.session
@@ -352,11 +429,19 @@ class Engine:
             try:
                 plan = session.plan()
                 if plan is None:
+                    if target.video is not None and self._video_unfinished(target, work):
+                        return None  # the decode steps finish it
                     self._finish(work)
                     continue
                 target.run = session.start(plan)
             except Exception as exc:
                 self._fail(work, exc)
+
+    def _video_unfinished(self, target: EngineSession, work: Work) -> bool:
+        """Whether ``work`` (which has nothing left to refine) still waits for decodes; a flush queues the tail."""
+        if work.flush and not target.video.state.finished and not any(final for _, final in target.decodes):
+            self._queue_decode(target, None, final=True)
+        return bool(target.decodes)
 
     def _start(self, work: Work) -> bool:
         """Check and append the work's chunk; False when the work was refused (and settled)."""
@@ -364,6 +449,7 @@ class Engine:
         session = target.session
         if work.atomic:
             target.checkpoint = session.checkpoint()
+            target.video_checkpoint = target.video
         try:
             latents = work.latents
             if latents is None and work.flush:
@@ -389,6 +475,13 @@ class Engine:
         except Exception as exc:
             self._fail(work, exc)
             return
+        if target.video is not None:
+            state = target.session.state
+            self._queue_decode(target, unit, final=state.flushed and state.pending_frames == 0)
+            return
+        self._deliver(work, unit)
+
+    def _deliver(self, work: Work, unit: Unit) -> None:
         work.units.append(unit)
         if work.on_unit is not None and not work.hand_over_failed:
             try:
@@ -398,21 +491,30 @@ class Engine:
                 # in order; handing the later ones on now would put them before this one.
                 work.hand_over_failed = True
                 log.exception("handing on a unit of %s failed; the rest of its units follow with the result",
-                              target.name)
+                              work.target.name)
 
     def _finish(self, work: Work) -> None:
         target = work.target
         if work.atomic and target.checkpoint is not None:
             target.session.release(target.checkpoint)
-            target.checkpoint = None
-        self._settle(work, WorkResult(tuple(work.units), work.frames_in, target.session.state))
+            target.checkpoint = target.video_checkpoint = None
+        video = target.video
+        video_frames = 0 if video is None else max(video.emitted - video.drop, 0)
+        self._settle(work, WorkResult(tuple(work.units), work.frames_in, target.session.state, video_frames))
 
     def _fail(self, work: Work, error: BaseException) -> None:
         target = work.target
         target.run = target.forward = None  # a block in flight never reaches the session
         if work.atomic and target.checkpoint is not None:
+            self._drop_decodes(target)
             target.session.rollback(target.checkpoint)
-            target.checkpoint = None
+            target.video = target.video_checkpoint
+            target.checkpoint = target.video_checkpoint = None
+        elif target.decodes:
+            # The blocks it committed are kept: their units go out with their video before the error.
+            self._decode_now(target)
+            if not (target.work and target.work[0] is work):
+                return  # a decode failed meanwhile and settled the work
         self._settle(work, error=error)
 
     def _settle(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
@@ -426,6 +528,9 @@ class Engine:
 
     def _pause_now(self) -> int:
         self._paused = True
+        for target in list(self._decoding):  # committed units are handed on with their video first
+            if target.work and not target.work[0].atomic:
+                self._decode_now(target)
         stopped = ApiError(
             "draining",
             "the server is shutting down: this work was stopped before it finished (what it committed is kept); "

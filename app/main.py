@@ -25,7 +25,7 @@ from models.errors import RefinerError
 from .auth import ApiKeyMiddleware
 from .errors import ApiError, envelope, from_exception
 from .openapi import document_api_key
-from .routes import admin, chunks, health, info, metrics, refine, sessions, stream, view
+from .routes import admin, chunks, health, info, metrics, refine, sessions, stream, view, watch
 from .services import Services
 from .settings import Settings
 
@@ -57,7 +57,7 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         lifespan=lifespan,
     )
     app.state.services = services
-    for module in (health, metrics, info, sessions, chunks, refine, stream, admin, view):
+    for module in (health, metrics, info, sessions, chunks, refine, stream, watch, admin, view):
         app.include_router(module.router)
 
     install_error_handlers(app, services)

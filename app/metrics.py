@@ -37,7 +37,7 @@ class Metrics:
         self.frames_in = Counter("refiner_frames_in", "Latent frames accepted from clients", registry=r)
         self.frames_out = Counter("refiner_frames_out", "Latent frames returned to clients", registry=r)
         self.active_sessions = Gauge("refiner_active_sessions", "Sessions currently held", registry=r)
-        self.kv_cache_bytes = Gauge("refiner_kv_cache_bytes", "KV cache bytes held by all sessions", registry=r)
+        self.kv_cache_bytes = Gauge("refiner_kv_cache_bytes", "KV cache (and video decoder state) bytes held by all sessions", registry=r)
         self.batch_rows = Histogram(
             "refiner_batch_rows",
             "Rows (sessions' batches summed) per model call of the engine",
@@ -49,6 +49,15 @@ class Metrics:
             "Engine time per model call (one forward of every session in the batch)",
             buckets=LATENCY_BUCKETS,
             registry=r,
+        )
+        self.decode_seconds = Histogram(
+            "refiner_decode_step_seconds",
+            "Engine time per decode step (one pending unit of every session with video)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.watch_units_dropped = Counter(
+            "refiner_watch_units_dropped", "Units watchers lost because they fell behind", registry=r
         )
         self.engine_queue_depth = Gauge(
             "refiner_engine_queue_depth", "Jobs submitted to the engine and not finished", registry=r

@@ -79,6 +79,26 @@ class SessionConfigOut(BaseModel):
     kv_max_frames: int
     sigmas: list[float]
     positions: Literal["absolute", "rebased"]
+    outputs: list[Literal["latents", "video"]]
+    video_format: Literal["uint8", "float32"]
+    video_lookahead: Literal["exact"] | int
+
+
+class SessionSummary(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    session_id: str
+    created_at: str
+    last_active_at: str
+    frames_received: int
+    frames_returned: int
+    flushed: bool
+    streaming: bool
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionSummary]
+    next: str | None = Field(description="pass as ?after= for the next page; null on the last one")
 
 
 class SessionCreated(BaseModel):

@@ -19,10 +19,12 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from models import Prompt, Refiner, RefinerSession, SessionConfig
+from models.vae import VideoStream
 
 from .delivery import Deliveries
 from .engine import EngineSession
 from .errors import ApiError
+from .outputs import Outputs
 from .protocol import ChunkLog
 from .resume import RetainedUnits, SentUnit
 
@@ -53,10 +55,29 @@ class SessionHandle:
     # Stream units between commit and publication (app.delivery); set by the registry.
     deliveries: Deliveries | None = None
     first_block_done: bool = False
+    # What its units carry (latents, video) and how (api.md 1.1).
+    outputs: Outputs = field(default_factory=Outputs)
+    # Read-only subscribers (app.routes.watch.Watcher): they get every unit published from when they joined.
+    watchers: set = field(default_factory=set)
 
     @property
     def session(self) -> RefinerSession:
         return self.engine_session.session
+
+    @property
+    def video_state_bytes(self) -> int:
+        video = self.engine_session.video  # immutable: read whole, whichever the engine holds now
+        return 0 if video is None else video.nbytes
+
+    @property
+    def video_frames_returned(self) -> int:
+        video = self.engine_session.video
+        return 0 if video is None else max(video.emitted - video.drop, 0)
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the session holds on the device between chunks: its KV cache and its decoder's state."""
+        return self.session.cache_bytes + self.video_state_bytes
 
     def publish(self, unit: SentUnit) -> None:
         """A stream unit is ready (called on the loop, in commit order): keep it, and send it if a client is
@@ -65,11 +86,26 @@ class SessionHandle:
         if self.stream is not None:
             self.stream.send_unit(unit)
 
+    def summary(self) -> dict[str, Any]:
+        """Its line in ``GET /v1/sessions``."""
+        state = self.session.state
+        return {
+            "session_id": self.id,
+            "created_at": _iso(self.created_at),
+            "last_active_at": _iso(self.last_active_wall),
+            "frames_received": state.frames_received,
+            "frames_returned": state.frames_returned,
+            "flushed": state.flushed,
+            "streaming": self.streaming,
+            "outputs": list(self.outputs.kinds),
+            "watchers": len(self.watchers),
+        }
+
     def describe(self) -> dict[str, Any]:
         state = self.session.state
         return {
             "session_id": self.id,
-            "config": self.config.to_dict(),
+            "config": {**self.config.to_dict(), **self.outputs.to_dict()},
             "frames_received": state.frames_received,
             "frames_returned": state.frames_returned,
             "pending_frames": state.pending_frames,
@@ -78,6 +114,11 @@ class SessionHandle:
             "flushed": state.flushed,
             "next_seq": self.chunks.next_seq,
             "kv_cache_bytes": self.session.cache_bytes,
+            # The decoder's temporal state (sessions with video), and both together: what the session holds.
+            "video_state_bytes": self.video_state_bytes,
+            "cache_bytes": self.cache_bytes,
+            "video_frames_returned": self.video_frames_returned,
+            "watchers": len(self.watchers),
             "pending_bytes": state.pending_bytes,
             "streaming": self.streaming,
             "detached": self.detached,
@@ -119,10 +160,11 @@ class Registry:
     def handles(self) -> list[SessionHandle]:
         return list(self._sessions.values())
 
-    def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None = None) -> SessionHandle:
+    def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None = None,
+               outputs: Outputs = Outputs(), video: VideoStream | None = None) -> SessionHandle:
         self._require_capacity()
         session_id = uuid.uuid4().hex
-        return self.adopt(session_id, RefinerSession(refiner, config, prompt))
+        return self.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs, video=video)
 
     def _require_capacity(self) -> None:
         self.evict_idle()
@@ -144,15 +186,18 @@ class Registry:
         finally:
             self.clips -= 1
 
-    def adopt(self, session_id: str, session: RefinerSession, detached: bool = False) -> SessionHandle:
+    def adopt(self, session_id: str, session: RefinerSession, detached: bool = False, outputs: Outputs = Outputs(),
+              video: VideoStream | None = None) -> SessionHandle:
         """Register a session under ``session_id`` (a new one, or one restored from a snapshot; no capacity
-        check there: those sessions were admitted before the restart)."""
+        check there: those sessions were admitted before the restart). ``video``: its decode stream when its
+        outputs include video."""
         handle = SessionHandle(
             id=session_id,
             config=session.config,
-            engine_session=EngineSession(session=session, name=f"session {session_id}"),
+            engine_session=EngineSession(session=session, name=f"session {session_id}", video=video),
             last_active=self.clock(),
             retained=RetainedUnits(self.resume_units),
+            outputs=outputs,
         )
         if self._deliveries is not None:
             handle.deliveries = self._deliveries(handle)
@@ -210,7 +255,23 @@ class Registry:
         return [h.id for h in idle]
 
     def total_cache_bytes(self) -> int:
-        return sum(h.session.cache_bytes for h in self._sessions.values())
+        return sum(h.cache_bytes for h in self._sessions.values())
+
+    def listing(self, limit: int, after: str | None) -> tuple[list[SessionHandle], str | None]:
+        """Sessions oldest first (creation order), ``limit`` of them after the id ``after``; and the id to pass
+        as ``after`` for the next page (None at the end)."""
+        self.evict_idle()
+        handles = sorted(self._sessions.values(), key=lambda h: (h.created_at, h.id))
+        if after is not None:
+            ids = [h.id for h in handles]
+            if after not in ids:
+                raise ApiError(
+                    "invalid_request",
+                    f"after={after!r} is not a live session of this server; pass the 'next' of the previous page",
+                )
+            handles = handles[ids.index(after) + 1 :]
+        page = handles[:limit]
+        return page, (page[-1].id if len(handles) > limit else None)
 
     # --- internals -----------------------------------------------------------------------------------------
     def _idle(self, handle: SessionHandle, now: float) -> bool:
@@ -237,6 +298,8 @@ class Registry:
     def _close(self, handle: SessionHandle, error: ApiError) -> None:
         handle.engine_session.closed = error
         self._sessions.pop(handle.id, None)
+        for watcher in list(handle.watchers):
+            watcher.end(error)
 
 
 def _iso(timestamp: float) -> str:

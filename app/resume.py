@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import Any, Callable
 
 from .errors import ApiError
 
@@ -19,12 +17,14 @@ from .errors import ApiError
 @dataclass(frozen=True)
 class SentUnit:
     """One finalized unit as it goes over the wire: frames ``[frame_start, frame_end)`` and its bytes, or, when
-    encoding it failed, its latents on the host, encoded again when it is next sent."""
+    encoding it failed, its tensors on the host (``app.outputs.HostUnit``) and the session's outputs, encoded
+    again when it is next sent."""
 
     frame_start: int
     frame_end: int
     payload: bytes | None
-    latents: torch.Tensor | None = None
+    host: Any = None
+    outputs: Any = None
 
     def data(self, encode: Callable[[SentUnit], bytes]) -> bytes:
         return self.payload if self.payload is not None else encode(self)
@@ -45,7 +45,7 @@ class RetainedUnits:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(unit.payload) if unit.payload is not None else unit.latents.nbytes for unit in self._units)
+        return sum(len(unit.payload) if unit.payload is not None else unit.host.nbytes for unit in self._units)
 
     def add(self, unit: SentUnit) -> None:
         if self._units and unit.frame_start != self._units[-1].frame_end:

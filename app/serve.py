@@ -52,7 +52,7 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    flags = {name: getattr(args, name, None) for name in ("model", "host", "port", "device", "dtype", "api_key")}
+    flags = {name: getattr(args, name, None) for name in ("model", "vae", "host", "port", "device", "dtype", "api_key")}
     return load_settings(getattr(args, "config", None), **flags)
 
 
@@ -64,6 +64,11 @@ def serve_command(args: argparse.Namespace) -> int:
         raise ModelLoadError(
             f"model folder {settings.model!r} does not exist; pass a local refiner folder in diffusers layout, "
             "or no --model to serve the embedded tiny refiner"
+        )
+    if settings.vae and not Path(settings.vae).expanduser().is_dir():
+        raise ModelLoadError(
+            f"VAE folder {settings.vae!r} does not exist; pass a local AutoencoderKLLTX2Video folder in diffusers "
+            "layout (`python -m app make-checkpoint --preset tiny-vae --out DIR` writes a test one), or no --vae"
         )
     if not settings.model:
         folder = ensure_embedded_model(settings.embedded_model_dir)

@@ -32,11 +32,13 @@ from models.compiled import CompiledStep, warmup_forwards
 from models.determinism import forward_batch_invariant
 from models.memory import keep_freed_memory
 from models.session import Unit, check_prompt
+from models.vae import StreamingDecoder, VideoStream, load_vae, new_video
 
-from .delivery import Deliveries, Encoder
+from .delivery import Deliveries, Encoder, UnitCopies
 from .engine import Engine, EngineSession, Work
 from .errors import WS_GOING_AWAY, WS_SERVICE_RESTART, ApiError
 from .metrics import Metrics
+from .outputs import HostUnit, Outputs
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
@@ -74,6 +76,7 @@ class Services:
             queue=lambda: self.engine.outstanding,
         )
         self.refiner: Refiner | None = None
+        self.decoder: StreamingDecoder | None = None  # the VAE's decoder as a stream (setting ``vae``)
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
         self.batch_invariant: bool | None = None  # measured during the warm-up when batching is on
         self.not_ready_reason: str | None = "loading the model"
@@ -114,11 +117,37 @@ class Services:
                 self.metrics.time_to_first_block.observe(time.perf_counter() - received)
 
     def _deliveries_for(self, handle: SessionHandle) -> Deliveries:
-        def published(unit: Unit, sent: SentUnit, received: float) -> None:
+        def published(unit: Unit, sent: SentUnit, received: float, host: HostUnit) -> None:
             self.count_out([unit], handle, received)
             handle.publish(sent)
+            for watcher in list(handle.watchers):
+                watcher.offer(host, received, sent if watcher.outputs == handle.outputs else None)
 
-        return Deliveries(self.encoder, published)
+        return Deliveries(self.encoder, published, handle.outputs)
+
+    def watch(self, handle: SessionHandle, units, received: float, done: bool = False) -> None:
+        """Offer units that went out another way (an HTTP response) to the session's watchers; ``done``: the
+        session was flushed with them."""
+        for watcher in list(handle.watchers):
+            for unit in units:
+                watcher.offer(UnitCopies(unit), received)
+        if done:
+            self.finish_watchers(handle)
+
+    def finish_watchers(self, handle: SessionHandle) -> None:
+        for watcher in list(handle.watchers):
+            watcher.finish()
+
+    # --- outputs ---------------------------------------------------------------------------------------------
+    def outputs(self, fields: dict[str, Any]) -> Outputs:
+        """A session's outputs from its config fields; 422 for video without a VAE."""
+        return Outputs.from_fields(fields, self.decoder is not None)
+
+    def new_video(self, outputs: Outputs, sink_frames: int) -> VideoStream | None:
+        """The decode stream of a new session with video (the reference drops ``sink_frames`` pixel frames)."""
+        if not outputs.video:
+            return None
+        return new_video(self.decoder, drop=sink_frames, lookahead=outputs.video_lookahead)
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,6 +168,14 @@ class Services:
                                      mode=settings.compile_mode, backend=settings.compile_backend)
             )
         log.info("loaded %s", self.refiner.info.to_dict())
+        if settings.vae:
+            refiner = self.refiner
+            self.decoder = await self.engine.call(lambda: StreamingDecoder(load_vae(
+                Path(settings.vae).expanduser(), refiner.device, refiner.dtype,
+                latent_channels=refiner.info.in_channels)))
+            self.engine.decoder = self.decoder
+            self.encoder.spatial_scale = self.decoder.spatial_compression
+            log.info("loaded the VAE %s", self.decoder.info.to_dict())
         if settings.default_prompt is not None:
             refiner = self.refiner
             self.default_prompt = await self.engine.call(lambda: load_default_prompt(settings.default_prompt, refiner))
@@ -164,7 +201,7 @@ class Services:
             if settings.warmup:
                 self.not_ready_reason = "warming up"
                 started = time.perf_counter()
-                await self.engine.run(warmup_work(refiner, settings))
+                await self.engine.run(warmup_work(refiner, settings, self.decoder))
                 if settings.batching:
                     self.batch_invariant = await self.engine.call(
                         lambda: forward_batch_invariant(refiner, settings.warmup_height, settings.warmup_width,
@@ -188,16 +225,17 @@ class Services:
     async def _restore(self, folder: Path) -> None:
         """Bring back the sessions the previous process saved, under their ids. Those that had a stream open
         start detached: their clients have ``ws_reattach_grace_s`` to reconnect."""
-        records = await self.engine.call(lambda: restore_all(folder, self.refiner))
+        records = await self.engine.call(lambda: restore_all(folder, self.refiner, self.decoder))
         for record in records:
             detached = record.streaming and not record.session.state.flushed
-            handle = self.registry.adopt(record.session_id, record.session, detached=detached)
+            handle = self.registry.adopt(record.session_id, record.session, detached=detached,
+                                         outputs=record.outputs, video=record.video)
             chunks = handle.chunks
             chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
             handle.first_block_done = record.session.state.blocks_refined > 0
             handle.retained.restore(record.units)
             if handle.deliveries is not None and record.units:
-                handle.deliveries.handed_until = record.units[-1].frame_end
+                handle.deliveries.handed_until = (record.units[-1].frame_end, handle.video_frames_returned)
         if records:
             log.info("restored %d session(s) from %s", len(records), folder)
 
@@ -313,17 +351,18 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
 
     def build() -> SessionRecord:
         return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
-                             encode=encode)
+                             encode=encode, outputs=handle.outputs, video=handle.engine_session.video)
 
     def encode(unit: SentUnit) -> bytes:
-        return encoder.unit_bytes(unit, unit.latents, time.perf_counter())
+        return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
 
     return build
 
 
-def warmup_work(refiner: Refiner, settings: Settings) -> Work:
+def warmup_work(refiner: Refiner, settings: Settings, decoder: StreamingDecoder | None = None) -> Work:
     """A throwaway stream long enough that its last block attends to a full window (sink + K - S history
-    frames + the block), so start-up pays for every allocation and kernel choice of the steady state."""
+    frames + the block), so start-up pays for every allocation and kernel choice of the steady state; with a VAE
+    its video is decoded too, and the flush decodes the tail."""
     config = settings.session_defaults()
     blocks = math.ceil(config.max_history_frames / config.block_size) + 1
     frames = config.sink_frames + blocks * config.block_size
@@ -334,7 +373,9 @@ def warmup_work(refiner: Refiner, settings: Settings) -> Work:
     )  # (1, C, T, H, W)
     prompt = torch.randn(1, settings.warmup_prompt_tokens, info.caption_channels, generator=generator)  # (1, L, D)
     target = EngineSession(session=RefinerSession(refiner, config), name="warm-up")
-    return Work(target, latents, prompt)
+    if decoder is not None:
+        target.video = new_video(decoder, drop=config.sink_frames)
+    return Work(target, latents, prompt, flush=decoder is not None)
 
 
 def model_dir(settings: Settings) -> Path:

@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     )
     device: str = Field(default="auto", description="cpu, cuda, cuda:N or auto")
     dtype: str = Field(default="auto", description="float32, bfloat16, float16, float64 or auto")
+    vae: str | None = Field(
+        default=None,
+        description="LTX-2 video VAE folder (diffusers layout, AutoencoderKLLTX2Video) for sessions with video "
+        "outputs; unset: latents only",
+    )
     torch_threads: PositiveInt | None = Field(
         default=None, description="CPU threads for torch's kernels; unset: torch's default (one per core)"
     )
@@ -90,6 +95,10 @@ class Settings(BaseSettings):
         default="inductor", description="torch.compile backend of compile_step (the others are for debugging)"
     )
     ws_outbound_queue: PositiveInt = 8
+    watch_queue_units: PositiveInt = Field(
+        default=8, description="units a watcher may fall behind before it loses some (it is told how many)"
+    )
+    max_watchers: PositiveInt = Field(default=8, description="most watchers of one session")
     retry_after_s: PositiveInt = 1
     drain_timeout_s: PositiveFloat = 30.0
     # A dropped WebSocket keeps its session this long for the client to reattach (then 410).
@@ -167,6 +176,8 @@ class Settings(BaseSettings):
             "ws_outbound_queue",
             "ws_reattach_grace_s",
             "ws_resume_units",
+            "watch_queue_units",
+            "max_watchers",
         )
         return {name: getattr(self, name) for name in names}
 

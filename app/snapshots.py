@@ -2,8 +2,8 @@
 
 A file holds what ``models.snapshot`` saves of the session (config, prompt, KV cache, generator state, pending
 frames, counters: ``session_to_tensors``) plus the service's own fields: the session id, ``next_seq``, the last
-``seq`` and its stored response (a retry after the restart gets the same bytes), and the units retained for a
-reattaching stream. Everything sits in one file so that one atomic rename commits all of it; a restart can never
+``seq`` and its stored response (a retry after the restart gets the same bytes), the units retained for a
+reattaching stream, its outputs and, for a session with video, its decoder's state (``models.vae.video_to_tensors``). Everything sits in one file so that one atomic rename commits all of it; a restart can never
 pair a session with another moment's seq counters or units.
 
 Writing and reading run on the engine thread (the session's tensors are the engine's), reading only at start-up
@@ -31,6 +31,10 @@ from models.snapshot import (
     write_atomically,
 )
 
+from models.vae import StreamingDecoder, VideoStream, video_from_tensors, video_to_tensors
+
+from .outputs import Outputs
+from .errors import ApiError
 from .resume import SentUnit
 
 log = logging.getLogger("app")
@@ -39,6 +43,7 @@ APP_FORMAT = "wm-refiner-app/1"
 SUFFIX = ".session.safetensors"
 UNIT_TENSOR = "app.unit.{}"
 LAST_RESPONSE_TENSOR = "app.last_response"
+VIDEO_PREFIX = "app.video"
 
 
 @dataclass
@@ -53,6 +58,8 @@ class SessionRecord:
     units: list[SentUnit]
     streaming: bool = False  # a WebSocket was attached when it was saved: its client will want to reattach
     encode: Callable[[SentUnit], bytes] | None = None  # for a retained unit whose encoding failed earlier
+    outputs: Outputs = Outputs()
+    video: VideoStream | None = None
 
 
 def snapshot_path(folder: Path, session_id: str) -> Path:
@@ -70,8 +77,14 @@ def save_record(folder: Path, record: SessionRecord) -> Path:
         "has_last_response": record.last_response is not None,
         "units": [[unit.frame_start, unit.frame_end] for unit in record.units],
         "streaming": record.streaming,
+        "outputs": record.outputs.to_dict(),
+        "video": None,
     }
+    video_tensors: dict[str, torch.Tensor] = {}
+    if record.video is not None:
+        video_tensors, app_fields["video"] = video_to_tensors(record.video, VIDEO_PREFIX)
     tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)})
+    tensors.update(video_tensors)
     for index, unit in enumerate(record.units):
         tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.data(record.encode))
     if record.last_response is not None:
@@ -79,8 +92,9 @@ def save_record(folder: Path, record: SessionRecord) -> Path:
     return write_atomically(snapshot_path(folder, record.session_id), tensors, metadata)
 
 
-def load_record(path: Path, refiner: Refiner) -> SessionRecord:
-    """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model."""
+def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None = None) -> SessionRecord:
+    """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model (or with a
+    video, without the VAE it needs)."""
     tensors, metadata = read_tensors(path)
     try:
         fields = json.loads(metadata["app"])
@@ -96,8 +110,20 @@ def load_record(path: Path, refiner: Refiner) -> SessionRecord:
         last_response = _tensor_bytes(tensors[LAST_RESPONSE_TENSOR]) if fields["has_last_response"] else None
         next_seq = int(fields["next_seq"])
         last_seq = None if fields["last_seq"] is None else int(fields["last_seq"])
+        outputs = Outputs.from_fields(fields.get("outputs") or {}, vae_configured=True)
+        video_fields = fields.get("video")
     except (KeyError, TypeError, ValueError) as exc:
         raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
+    except ApiError as exc:
+        raise SnapshotError(f"{path.name}: outputs are unreadable ({exc.message})") from None
+    video = None
+    if video_fields is not None:
+        if decoder is None:
+            raise SnapshotError(f"{path.name}: the session outputs video but this server has no VAE (setting vae)")
+        try:
+            video = video_from_tensors(decoder, tensors, video_fields, VIDEO_PREFIX)
+        except Exception as exc:
+            raise SnapshotError(f"{path.name}: its decoder state does not fit this server's VAE ({exc!r})") from None
     session, _ = session_from_tensors(refiner, tensors, metadata)
     for earlier, later in zip(units, units[1:]):
         if later.frame_start != earlier.frame_end:
@@ -107,10 +133,11 @@ def load_record(path: Path, refiner: Refiner) -> SessionRecord:
             f"{path.name}: retained units end at frame {units[-1].frame_end}, after the session's "
             f"{session.state.frames_returned} returned frames"
         )
-    return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")))
+    return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
+                         outputs=outputs, video=video)
 
 
-def restore_all(folder: Path, refiner: Refiner) -> list[SessionRecord]:
+def restore_all(folder: Path, refiner: Refiner, decoder: StreamingDecoder | None = None) -> list[SessionRecord]:
     """Every readable snapshot in ``folder``, each file removed once read (a later crash must not bring back a
     session that has moved on since). A bad file is renamed ``*.corrupt`` and logged; it never stops start-up."""
     if not folder.is_dir():
@@ -121,7 +148,7 @@ def restore_all(folder: Path, refiner: Refiner) -> list[SessionRecord]:
     records = []
     for path in sorted(folder.glob(f"*{SUFFIX}")):
         try:
-            records.append(load_record(path, refiner))
+            records.append(load_record(path, refiner, decoder))
         except Exception as exc:  # a bad file costs one session, never the server
             aside = path.with_name(path.name + ".corrupt")
             log.warning("snapshot %s cannot be restored (%s); moved aside to %s", path, exc, aside.name)

@@ -80,10 +80,12 @@ async def _chunk(services, handle, seq, flush, tensors, latents, received) -> tu
         result = await services.engine.run(work)
         # Counted before anything else runs on the loop: a drain must never find the session advanced and the
         # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
-        build = services.encoder.response(result.units, result.state, tuple(latents.shape), {"seq": chunks.next_seq})
+        build = services.encoder.response(result.units, result.state, tuple(latents.shape), {"seq": chunks.next_seq},
+                                          outputs=handle.outputs, video_frames=result.video_frames)
         index = chunks.accept_request(seq, build)
         services.metrics.frames_in.inc(result.frames_in)
         services.count_out(result.units, handle, received)
+        services.watch(handle, result.units, received, done=result.state.flushed)
         payload = await services.encoder.run(build)
         chunks.store(index, payload)
         return payload, False

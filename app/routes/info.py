@@ -8,6 +8,7 @@ from fastapi import APIRouter
 
 from ..deps import ServicesDep
 from ..openapi import errors
+from ..outputs import Outputs
 
 router = APIRouter(tags=["info"])
 
@@ -25,7 +26,11 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             "device": model.device,
             "details": model.to_dict(),
         },
-        "default_session_config": services.settings.session_defaults().to_dict(),
+        "vae": None if services.decoder is None else {
+            "class": services.decoder.info.class_name,
+            **{k: v for k, v in services.decoder.info.to_dict().items() if k != "class_name"},
+        },
+        "default_session_config": {**services.settings.session_defaults().to_dict(), **Outputs().to_dict()},
         "default_prompt": services.default_prompt is not None,
         "engine": {
             "batching": services.settings.batching,

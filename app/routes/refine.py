@@ -34,7 +34,8 @@ from ..errors import ApiError
 from ..openapi import FPS_MAX, FRAMES_MAX, KV_MAX_FRAMES_MIN, SEED_MAX, errors
 
 router = APIRouter(tags=["refine"])
-REFINE_QUERY = frozenset({"seed", "fps", "sink_frames", "block_size", "kv_max_frames", "positions"})
+REFINE_QUERY = frozenset({"seed", "fps", "sink_frames", "block_size", "kv_max_frames", "positions", "outputs",
+                          "video_format", "video_lookahead"})
 
 
 @router.post(
@@ -55,6 +56,13 @@ async def refine(
         PlainInteger,
     ] = None,
     positions: Annotated[Literal["absolute", "rebased"] | None, Query()] = None,
+    outputs: Annotated[
+        str | None, Query(max_length=32, description="latents (default), video, or latents,video; video needs a vae")
+    ] = None,
+    video_format: Annotated[Literal["uint8", "float32"] | None, Query()] = None,
+    video_lookahead: Annotated[
+        str | None, Query(max_length=16, description="exact (default) or N latent frames")
+    ] = None,
 ) -> Response:
     reject_unknown_query(request, REFINE_QUERY)
     services.require_ready()
@@ -63,6 +71,8 @@ async def refine(
         seed=seed, fps=fps, sink_frames=sink_frames, block_size=block_size, kv_max_frames=kv_max_frames,
         positions=positions,
     )
+    wanted = services.outputs({"outputs": outputs, "video_format": video_format,
+                               "video_lookahead": video_lookahead or "exact"})
     defaults = settings.session_defaults().to_dict()
     config = SessionConfig.from_dict({**defaults, **{k: v for k, v in asked.items() if v is not None}})
     check_config_limits(config, settings)
@@ -78,7 +88,7 @@ async def refine(
         )
     with services.registry.clip():
         session = RefinerSession(services.require_model(), config, services.default_prompt)
-        target = EngineSession(session=session, name="one-shot clip")
+        target = EngineSession(session=session, name="one-shot clip", video=services.new_video(wanted, config.sink_frames))
         work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True, one_shot=True)
         try:
             result = await services.engine.run(work)
@@ -86,5 +96,6 @@ async def refine(
             target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
             raise
     services.count_out(result.units)
-    payload = await services.encoder.run(services.encoder.response(result.units, result.state, tuple(latents.shape)))
+    payload = await services.encoder.run(services.encoder.response(
+        result.units, result.state, tuple(latents.shape), outputs=wanted, video_frames=result.video_frames))
     return Response(payload, media_type=OCTET_STREAM)

@@ -1,11 +1,11 @@
-"""Sessions: create (POST /v1/sessions), inspect (GET), end (DELETE)."""
+"""Sessions: create (POST /v1/sessions), list (GET /v1/sessions), inspect (GET), end (DELETE)."""
 
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,8 +22,10 @@ from ..openapi import (
     SIGMAS_MIN_ITEMS,
     SessionCreated,
     SessionDescription,
+    SessionList,
     errors,
 )
+from ..outputs import OUTPUT_FIELDS
 
 router = APIRouter(tags=["sessions"])
 
@@ -49,6 +51,15 @@ class SessionCreate(BaseModel):
         Field(min_length=SIGMAS_MIN_ITEMS, description="strictly decreasing, ending in 0.0"),
     ] = None
     positions: Literal["absolute", "rebased"] | None = None
+    outputs: Annotated[
+        list[Literal["latents", "video"]] | None,
+        Field(min_length=1, max_length=2, description="what units carry; 'video' needs the server's vae setting"),
+    ] = None
+    video_format: Literal["uint8", "float32"] | None = None
+    video_lookahead: Annotated[
+        Literal["exact"] | Annotated[int, Field(ge=0, le=FRAMES_MAX)] | None,
+        Field(description="'exact' (equal to the whole-clip decode) or N latent frames of look-ahead"),
+    ] = None
 
 
 CREATE_BODY = {
@@ -72,10 +83,12 @@ async def create_session(request: Request, services: ServicesDep) -> JSONRespons
     services.require_ready()
     body = await read_body(request, min(MAX_CONFIG_BYTES, services.settings.max_body_bytes))
     fields = parse_config_body(request, body)
+    outputs = services.outputs({name: fields.pop(name) for name in OUTPUT_FIELDS if name in fields})
     defaults = services.settings.session_defaults().to_dict()
     config = check_config_limits(SessionConfig.from_dict({**defaults, **fields}), services.settings)
-    handle = services.registry.create(services.require_model(), config, services.default_prompt)
-    return JSONResponse({"session_id": handle.id, "config": config.to_dict()}, status_code=201)
+    handle = services.registry.create(services.require_model(), config, services.default_prompt, outputs=outputs,
+                                      video=services.new_video(outputs, config.sink_frames))
+    return JSONResponse({"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict()}}, status_code=201)
 
 
 def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
@@ -101,6 +114,22 @@ def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
         fields = ", ".join(SessionCreate.model_fields)
         raise ApiError("invalid_config", f"invalid session config: {problems}; the fields are {fields}") from None
     return parsed.model_dump(exclude_none=True)
+
+
+@router.get(
+    "/v1/sessions",
+    response_model=None,
+    responses={200: {"model": SessionList, "description": "the live sessions, oldest first"}, **errors(401, 422)},
+)
+async def list_sessions(
+    request: Request,
+    services: ServicesDep,
+    limit: Annotated[int, Query(ge=1, le=1000, description="sessions per page")] = 100,
+    after: Annotated[str | None, Query(max_length=128, description="the 'next' of the previous page")] = None,
+) -> dict[str, Any]:
+    reject_unknown_query(request, frozenset({"limit", "after"}))
+    page, following = services.registry.listing(limit, after)
+    return {"sessions": [handle.summary() for handle in page], "next": following}
 
 
 @router.get(

@@ -316,7 +316,8 @@ class StreamConnection:
                 await self._command(text or "")
 
     async def _wait_for_room(self) -> None:
-        while self.units_waiting >= self.settings.ws_outbound_queue and not self.closing:
+        # Units still being encoded count too: they are this connection's as soon as they are published.
+        while self.units_waiting + self.handle.deliveries.pending >= self.settings.ws_outbound_queue and not self.closing:
             self.room.clear()
             await self.room.wait()
 
@@ -355,6 +356,7 @@ class StreamConnection:
                 self._report(exc)
                 return
         await self.handle.deliveries.flush()  # every unit queued before "done"
+        self.services.finish_watchers(self.handle)
         frames = self.handle.session.state.frames_returned
         self.outbox.put_nowait(("text", json.dumps({"type": "done", "frames": frames})))
         self.close(WS_NORMAL, "stream flushed")
@@ -408,7 +410,7 @@ class StreamConnection:
             self.close(code, error.message)
 
     def _encode_again(self, unit: SentUnit) -> bytes:
-        return self.services.encoder.unit_bytes(unit, unit.latents, time.perf_counter())
+        return self.services.encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
 
     async def _write_loop(self) -> None:
         websocket = self.websocket

@@ -46,7 +46,7 @@ def ws_routes(app):
 def test_the_walk_sees_every_kind_of_route(client):
     paths = {path for _, path in http_routes(client.app)}
     assert {"/v1/sessions", "/v1/sessions/{session_id}/chunks", "/v1/refine", "/v1/info", "/openapi.json"} <= paths
-    assert ws_routes(client.app) == ["/v1/sessions/{session_id}/stream"]
+    assert ws_routes(client.app) == ["/v1/sessions/{session_id}/stream", "/v1/sessions/{session_id}/watch"]
 
 
 def test_every_http_route_but_the_probes_needs_the_key(client):

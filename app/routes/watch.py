@@ -1,0 +1,216 @@
+"""WS /v1/sessions/{id}/watch: a read-only subscriber to a session's units (api.md 1.1, "Watching a session").
+
+A watcher gets every unit the session finalizes from the moment it joins, over HTTP chunks or a stream alike, in
+the session's formats restricted to ``?outputs=`` (default: all of the session's), each followed (for a refined
+block) by ``{"type": "block", "frame_start", "frame_end", "latency_ms"}``; after the session's flush, ``{"type":
+"done", "frames": N}`` and close 1000.
+
+It never slows anything down: units are offered to its queue without waiting, and when ``watch_queue_units`` are
+already waiting the unit is dropped and counted; the next message it gets is ``{"type": "dropped", "units": N}``.
+A unit in the session's own outputs reuses the producer's bytes; another selection is encoded on a thread of the
+watchers' own, never the producer's encoder. A watcher does not keep its session alive (an evicted or deleted
+session ends it with an error event) and cannot send chunks: a message from it is answered with an error event
+and otherwise ignored.
+
+Browsers cannot set headers on a WebSocket: with an API key, the page offers the subprotocol
+``wm-refiner.bearer.<base64url key>`` (app.auth); the route accepts with ``wm-refiner`` when offered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ..delivery import UnitCopies
+from ..errors import WS_NORMAL, WS_POLICY_VIOLATION, ApiError
+from ..outputs import HostUnit, Outputs
+from ..registry import SessionHandle
+from ..resume import SentUnit
+from ..services import Services
+from .stream import deny
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["sessions"])
+
+SUBPROTOCOL = "wm-refiner"
+_MAX_REASON = 120
+# Encodes units in the selections watchers ask for, apart from the producers' encoder.
+_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="watch-encoder")
+
+
+@router.websocket("/v1/sessions/{session_id}/watch")
+async def watch(websocket: WebSocket, session_id: str) -> None:
+    services: Services = websocket.app.state.services
+    try:
+        services.require_ready()
+        handle = services.registry.get(session_id)
+        unknown = sorted(set(websocket.query_params) - {"outputs"})
+        if unknown:
+            raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; a watch takes only 'outputs'")
+        outputs = handle.outputs.restrict(websocket.query_params.get("outputs"))
+        if len(handle.watchers) >= services.settings.max_watchers:
+            raise ApiError(
+                "engine_busy",
+                f"session {session_id} already has {len(handle.watchers)} watchers (max_watchers); retry later",
+            )
+    except ApiError as error:
+        await deny(websocket, error, services)
+        return
+    watcher = Watcher(websocket, handle, services, outputs)
+    handle.watchers.add(watcher)  # before the first await: no unit published meanwhile is missed
+    services.streams.add(watcher)
+    try:
+        offered = websocket.scope.get("subprotocols") or []
+        await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+        await watcher.run()
+    finally:
+        handle.watchers.discard(watcher)
+        services.streams.discard(watcher)
+        watcher.done_event.set()
+
+
+class Watcher:
+    """One watcher: a bounded queue of units and one task writing it out."""
+
+    def __init__(self, websocket: WebSocket, handle: SessionHandle, services: Services, outputs: Outputs):
+        self.websocket = websocket
+        self.handle = handle
+        self.services = services
+        self.outputs = outputs
+        self.limit = services.settings.watch_queue_units
+        self.queue: deque[tuple] = deque()  # units (bounded by ``limit``) and, at the end, done / close
+        self.dropped = 0  # units lost since the last "dropped" event
+        self.wakeup = asyncio.Event()
+        self.closing = False
+        self.done_event = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def session_id(self) -> str:
+        return self.handle.id
+
+    @property
+    def is_closed(self) -> bool:
+        return self.done_event.is_set()
+
+    async def closed(self) -> None:
+        await self.done_event.wait()
+
+    # --- fed from the loop (never waits) -------------------------------------------------------------------
+    def offer(self, unit: HostUnit | UnitCopies, received: float, sent: SentUnit | None = None) -> None:
+        """A unit the session finalized; ``sent``: its bytes in the session's outputs, when they are ours too."""
+        if self.closing:
+            return
+        if sum(1 for item in self.queue if item[0] == "unit") >= self.limit:
+            self.dropped += 1
+            self.services.metrics.watch_units_dropped.inc()
+            return
+        latency_ms = (time.perf_counter() - received) * 1000.0
+        self.queue.append(("unit", unit, received, sent, latency_ms))
+        self.wakeup.set()
+
+    def finish(self) -> None:
+        """The session was flushed and every unit offered: done, then close 1000."""
+        if self.closing:
+            return
+        frames = self.handle.session.state.frames_returned
+        self.queue.append(("text", {"type": "done", "frames": frames}))
+        self.close(WS_NORMAL, "stream flushed")
+
+    def end(self, error: ApiError) -> None:
+        """The session is gone (deleted, evicted): say why and close."""
+        if self.closing:
+            return
+        self.queue.append(("text", {"type": "error", **error.envelope()}))
+        self.close(error.spec.ws_close or WS_NORMAL, error.message)
+
+    def close(self, code: int, reason: str) -> None:
+        if not self.closing:
+            self.closing = True
+            self.queue.append(("close", code, reason[:_MAX_REASON]))
+            self.wakeup.set()
+
+    def abort(self) -> None:
+        self.closing = True
+        for task in self._tasks:
+            task.cancel()
+
+    # --- the connection ------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._write_loop(), name=f"watch-writer {self.session_id}")
+        reader = asyncio.create_task(self._read_loop(), name=f"watch-reader {self.session_id}")
+        self._tasks = [writer, reader]
+        try:
+            await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.closing = True
+            for task in self._tasks:
+                task.cancel()
+            # wait, not gather: a cancellation of this task must reach it as sent (anyio's cancel scopes check it).
+            await asyncio.wait(self._tasks)
+
+    async def _read_loop(self) -> None:
+        """Only to notice the client leaving; a watcher has nothing to send."""
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            error = ApiError("invalid_request", "a watcher is read-only; send chunks on the session's stream "
+                                                "(WS /v1/sessions/{id}/stream) or POST /v1/sessions/{id}/chunks")
+            self.queue.appendleft(("text", {"type": "error", **error.envelope()}))
+            self.wakeup.set()
+
+    async def _write_loop(self) -> None:
+        websocket = self.websocket
+        try:
+            while True:
+                if not self.queue:
+                    self.wakeup.clear()
+                    await self.wakeup.wait()
+                    continue
+                item = self.queue.popleft()
+                kind = item[0]
+                if self.dropped and kind != "close":
+                    dropped, self.dropped = self.dropped, 0
+                    await websocket.send_text(json.dumps({"type": "dropped", "units": dropped}))
+                if kind == "unit":
+                    await self._send_unit(*item[1:])
+                elif kind == "text":
+                    await websocket.send_text(json.dumps(item[1]))
+                else:
+                    _, code, reason = item
+                    with contextlib.suppress(Exception):
+                        await websocket.close(code, reason)
+                    return
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            log.info("watcher of %s went away (%r)", self.session_id, exc)
+
+    async def _send_unit(self, unit: HostUnit | UnitCopies, received: float, sent: SentUnit | None,
+                         latency_ms: float) -> None:
+        if sent is not None and sent.payload is not None:
+            data = sent.payload
+        else:
+            encoder = self.services.encoder
+
+            def build() -> bytes:
+                host = unit.wait() if isinstance(unit, UnitCopies) else unit
+                return encoder.unit_bytes(host, self.outputs, received)
+
+            data = await asyncio.get_running_loop().run_in_executor(_POOL, build)
+        await self.websocket.send_bytes(data)
+        kind = unit.unit.kind if isinstance(unit, UnitCopies) else unit.kind
+        if kind == "block":
+            start = unit.unit.frame_start if isinstance(unit, UnitCopies) else unit.frame_start
+            end = unit.unit.frame_end if isinstance(unit, UnitCopies) else unit.frame_end
+            event: dict[str, Any] = {"type": "block", "frame_start": start, "frame_end": end,
+                                     "latency_ms": round(latency_ms, 3)}
+            await self.websocket.send_text(json.dumps(event))
