@@ -4,6 +4,7 @@
     python -m bench load   [...]   many sessions at once over WebSockets: batching on vs off, p50/p99 latency
     python -m bench attention      window attention for a batch: per session vs stacked vs padded + mask
     python -m bench vae-lookahead  bounded video look-ahead: error against the exact decode, N = 0..8
+    python -m bench decode [...]   video output: refine + decode vs refine alone, shared, with a stalled watcher
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.vae_lookahead import main as lookahead_main
 
         return lookahead_main(rest)
+    if command == "decode":
+        from bench.decode import main as decode_main
+
+        return decode_main(rest)
     print(f"unknown benchmark {command!r}\n{__doc__}", file=sys.stderr)
     return 2
 

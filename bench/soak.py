@@ -100,6 +100,11 @@ class RssSampler:
                 self.samples.append((time.monotonic() - self._started, generation, rss))
 
 
+def refiner_config(config: dict) -> SessionConfig:
+    """The refiner's part of a session's config (the service adds its outputs fields beside it)."""
+    return SessionConfig.from_dict({k: v for k, v in config.items() if k in SessionConfig.__dataclass_fields__})
+
+
 # --- one client ----------------------------------------------------------------------------------------------
 @dataclass
 class FaultPlan:
@@ -317,7 +322,7 @@ async def _soak(config: SoakConfig, workdir: Path) -> dict[str, Any]:
             refiner = load_refiner(cache_dir / "tiny", device="cpu", dtype="float32")
             clips = [make_clip(config, index) for index in range(config.sessions)]
             expected = [
-                refine_clip(refiner, latents, prompt, None, SessionConfig.from_dict(created["config"]))
+                refine_clip(refiner, latents, prompt, None, refiner_config(created["config"]))
                 for (latents, prompt), created in zip(clips, sessions)
             ]
             stats = [ClientStats() for _ in sessions]
