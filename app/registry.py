@@ -42,7 +42,6 @@ class SessionHandle:
     # The stream dropped before a flush; the session waits ws_reattach_grace_s for a reconnect.
     detached: bool = False
     detached_at: float = 0.0  # registry clock
-    detached_seq: int = 0  # next_seq when detached: a chunk accepted since (over HTTP) means the client is back
     # Units the streams of this session sent, for a client that reattaches (app.resume).
     retained: RetainedUnits = field(default_factory=lambda: RetainedUnits(32))
     # The connection units go to now (app.routes.stream.StreamConnection), or None while detached.
@@ -210,7 +209,6 @@ class Registry:
         """The session's stream ended before a flush: the grace period starts now."""
         handle.detached = True
         handle.detached_at = self.clock()
-        handle.detached_seq = handle.chunks.next_seq
 
     def attach(self, handle: SessionHandle) -> None:
         handle.detached = False
@@ -279,8 +277,6 @@ class Registry:
         busy = handle.streaming or handle.requests_in_flight or handle.engine_session.queued
         if busy:
             return False
-        if handle.detached and handle.chunks.next_seq != handle.detached_seq:
-            handle.detached = False  # the client came back over HTTP: the ordinary idle timeout applies again
         if handle.detached:
             return now - handle.detached_at > self.reattach_grace_s
         return now - handle.last_active > self.idle_timeout_s

@@ -83,6 +83,9 @@ async def _chunk(services, handle, seq, flush, tensors, latents, received) -> tu
         build = services.encoder.response(result.units, result.state, tuple(latents.shape), {"seq": chunks.next_seq},
                                           outputs=handle.outputs, video_frames=result.video_frames)
         index = chunks.accept_request(seq, build)
+        # A chunk accepted over HTTP means the client is back: a detached session's grace period ends (a stream
+        # message of the dropped connection, still finishing, does not count).
+        services.registry.attach(handle)
         services.metrics.frames_in.inc(result.frames_in)
         services.count_out(result.units, handle, received)
         services.watch(handle, result.units, received, done=result.state.flushed)

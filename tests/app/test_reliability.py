@@ -255,3 +255,27 @@ def test_a_corrupt_or_foreign_snapshot_is_set_aside_and_start_up_goes_on(make_se
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["0123abcd.session.safetensors.corrupt", "feedbeef.session.safetensors.corrupt"]
     assert sum("cannot be restored" in record.message for record in caplog.records) == 2
+
+
+def test_a_stream_dropped_mid_message_stays_detached_until_the_client_is_back_over_http(make_settings):
+    """The drop is noticed while the message is still being refined (the writer fails first); that message
+    finishing afterwards is not the client coming back: the session stays detached until a chunk arrives over
+    HTTP."""
+    latents, embeds, mask = make_clip(frames=10)
+    with LiveServer(make_settings()) as server:
+        session_id = new_session(server)
+        for attempt in range(4):  # the race is timing-dependent: try it a few times
+            ws = connect(f"{server.ws_url}/v1/sessions/{session_id}/stream?resume_from="
+                         f"{state_of(server, session_id).json()['frames_returned']}", open_timeout=DEADLINE_S)
+            json.loads(ws.recv(timeout=DEADLINE_S))  # the session event
+            if attempt == 0:
+                ws.send(payload(latents[:, :, :7], embeds, mask))
+                receive_units(ws, 1)
+            drop(ws)
+            wait_until(lambda: state_of(server, session_id).json()["detached"], "the server to notice the drop")
+            wait_until(lambda: server.services.engine.outstanding == 0, "the message to finish")
+            assert state_of(server, session_id).json()["detached"], "a finishing message is not the client"
+        reply = httpx.post(f"{server.base_url}/v1/sessions/{session_id}/chunks", content=payload(latents[:, :, 7:]),
+                           headers=OCTET, timeout=DEADLINE_S)
+        assert reply.status_code == 200
+        assert not state_of(server, session_id).json()["detached"]
