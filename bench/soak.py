@@ -100,8 +100,10 @@ class RssSampler:
                 self.samples.append((time.monotonic() - self._started, generation, rss))
 
 
-def refiner_config(config: dict) -> SessionConfig:
+def refiner_config(config: dict):
     """The refiner's part of a session's config (the service adds its outputs fields beside it)."""
+    from models import SessionConfig
+
     return SessionConfig.from_dict({k: v for k, v in config.items() if k in SessionConfig.__dataclass_fields__})
 
 
