@@ -44,6 +44,8 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
         log_level=settings.log_level,
         # uvicorn refuses an oversized message itself (close 1009) before buffering all of it.
         ws_max_size=settings.max_ws_message_bytes,
+        # Tensors barely compress, and deflating megabytes of video per unit costs more CPU than it saves.
+        ws_per_message_deflate=False,
         timeout_graceful_shutdown=settings.drain_timeout_s + 5,
         lifespan="on",
         **uvicorn_options,

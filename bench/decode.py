@@ -49,7 +49,8 @@ class OutputClient(Client):
             response = await http.post("/v1/sessions", json={"seed": self.index, "outputs": self.outputs})
             response.raise_for_status()
             self.session_id = response.json()["session_id"]
-        self.socket = await connect(f"{self.server.ws_url}/v1/sessions/{self.session_id}/stream", max_size=None)
+        self.socket = await connect(f"{self.server.ws_url}/v1/sessions/{self.session_id}/stream", max_size=None,
+                                    compression=None)
 
 
 def stalled_watcher(server: ServerProcess, session_id: str) -> socket.socket:
@@ -80,31 +81,30 @@ def _stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
 async def _measure(server: ServerProcess, sessions: int, rounds: int, blocks: int, height: int, width: int,
                    caption_channels: int) -> dict[str, Any]:
     pools = {
-        kind: [OutputClient(server, i + (100 if kind == "video" else 0), height, width, caption_channels,
-                            outputs=["latents", "video"] if kind == "video" else ["latents"])
-               for i in range(sessions)]
-        for kind in ("latents", "video")
+        kind: [OutputClient(server, i + 100 * index, height, width, caption_channels,
+                            outputs=["latents", "video"] if kind != "latents" else ["latents"])
+               for i in range(sessions if kind != "watched" else 1)]
+        for index, kind in enumerate(("latents", "video", "watched"))
     }
+    watcher = None
     results: dict[str, list[dict[str, Any]]] = {}
     try:
         for clients in pools.values():
             for client in clients:
                 await client.open()
             await asyncio.gather(*(client.fill() for client in clients))
-        plan = [("latents", 1), ("video", 1), ("latents", sessions), ("video", sessions), ("video", -1)]
+        # A session of its own has a watcher that never reads, attached for the whole run.
+        watcher = stalled_watcher(server, pools["watched"][0].session_id)
+        plan = [("latents", 1), ("video", 1), ("latents", sessions), ("video", sessions), ("watched", 1)]
+        names = {("watched", 1): "video x1 + stalled watcher"}
         for round_index in range(rounds):
             shift = round_index % len(plan)
             for kind, count in plan[shift:] + plan[:shift]:
-                if count == -1:  # one video session with a watcher that never reads
-                    watcher = stalled_watcher(server, pools["video"][0].session_id)
-                    try:
-                        run = await phase(pools["video"][:1], blocks)
-                    finally:
-                        watcher.close()
-                    results.setdefault("video x1 + stalled watcher", []).append(run)
-                else:
-                    results.setdefault(f"{kind} x{count}", []).append(await phase(pools[kind][:count], blocks))
+                name = names.get((kind, count), f"{kind} x{count}")
+                results.setdefault(name, []).append(await phase(pools[kind][:count], blocks))
     finally:
+        if watcher is not None:
+            watcher.close()
         for clients in pools.values():
             await asyncio.gather(*(client.close() for client in clients), return_exceptions=True)
     return {name: _stats(runs) for name, runs in results.items()}
@@ -132,9 +132,9 @@ def run_decode(preset: str = "medium", vae_preset: str = "tiny-vae", height: int
         vae = write_vae_checkpoint(Path(tmp) / vae_preset, vae_preset)
         server = ServerProcess(
             free_port(), Path(tmp) / "cache", None, Path(tmp) / "server.log", threads=threads, model=str(model),
-            vae=str(vae), log_level="warning", max_sessions=2 * sessions + 4, warmup_height=height,
+            vae=str(vae), log_level="warning", max_sessions=2 * sessions + 5, warmup_height=height,
             warmup_width=width, warmup_prompt_tokens=PROMPT_TOKENS, device=device,
-            max_batch_rows=max(8, sessions),
+            max_batch_rows=max(8, sessions), watch_queue_units=2,
         )
         try:
             server.start(ready_timeout=600)
