@@ -48,6 +48,8 @@ ERRORS: dict[str, ErrorKind] = {
     "seq_conflict": ErrorKind(409),
     "stream_closed": ErrorKind(409),
     "stream_in_use": ErrorKind(409),
+    # PUT /v1/sessions/{id}: a session of that id exists with another config.
+    "session_exists": ErrorKind(409),
     # A reattaching stream asked for frames the session no longer keeps; it may reconnect from the first kept.
     "resume_unavailable": ErrorKind(409, ws_close=WS_POLICY_VIOLATION),
     # 410

@@ -69,7 +69,31 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         ApiKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS, on_reject=services.reject
     )
     app.add_middleware(HttpMetricsMiddleware, services=services)
+    app.add_middleware(ReplicaHeader, replica_id=settings.replica_id)
     return app
+
+
+class ReplicaHeader:
+    """``X-Replica: <replica_id>`` on every HTTP response and WebSocket handshake answer, so that behind a router a
+    client (and an operator) sees which replica served it."""
+
+    def __init__(self, app, replica_id: str):
+        self.app = app
+        self.header = (b"x-replica", replica_id.encode("latin-1", "replace"))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+
+        async def tagged(message) -> None:
+            if message["type"] in ("http.response.start", "websocket.http.response.start"):
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            elif message["type"] == "websocket.accept":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 def error_response(error: ApiError, services: Services) -> JSONResponse:

@@ -137,12 +137,14 @@ class Registry:
         retry_after_s: int,
         reattach_grace_s: float = 60.0,
         resume_units: int = 32,
+        flushed_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         deliveries: Callable[[SessionHandle], Deliveries] | None = None,
     ):
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.reattach_grace_s = reattach_grace_s
+        self.flushed_ttl_s = flushed_ttl_s
         self.resume_units = resume_units
         self.remember_evicted = remember_evicted
         self.retry_after_s = retry_after_s
@@ -160,10 +162,24 @@ class Registry:
         return list(self._sessions.values())
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None = None,
-               outputs: Outputs = Outputs(), video: VideoStream | None = None) -> SessionHandle:
+               outputs: Outputs = Outputs(), video: VideoStream | None = None,
+               session_id: str | None = None) -> SessionHandle:
+        """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id."""
         self._require_capacity()
-        session_id = uuid.uuid4().hex
+        session_id = session_id or uuid.uuid4().hex
         return self.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs, video=video)
+
+    def existing(self, session_id: str) -> SessionHandle | None:
+        """The live session of that id, or None (unknown); ApiError 410 while it is remembered as evicted."""
+        try:
+            return self.get(session_id)
+        except ApiError as error:
+            if error.kind == "session_evicted":
+                raise
+            return None
+
+    def require_capacity(self) -> None:
+        self._require_capacity()
 
     def _require_capacity(self) -> None:
         self.evict_idle()
@@ -279,10 +295,16 @@ class Registry:
             return False
         if handle.detached:
             return now - handle.detached_at > self.reattach_grace_s
+        if handle.session.state.flushed:
+            # Finished: kept long enough to repeat the last seq or reconnect for the tail, then released so that
+            # finished sessions never exhaust max_sessions.
+            return now - handle.last_active > min(self.flushed_ttl_s, self.idle_timeout_s)
         return now - handle.last_active > self.idle_timeout_s
 
     def _evict(self, handle: SessionHandle) -> None:
-        if handle.detached:
+        if handle.session.state.flushed and not handle.detached:
+            reason = f"it was flushed and finished {self.flushed_ttl_s:g} s ago (flushed_session_ttl_s)"
+        elif handle.detached:
             reason = f"its stream dropped and none reattached within {self.reattach_grace_s:g} s (ws_reattach_grace_s)"
         else:
             reason = f"{self.idle_timeout_s:g} s without activity (session_idle_timeout_s)"

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from .outputs import HostUnit, Outputs
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
-from .snapshots import SessionRecord, restore_all, save_record
+from .snapshots import SUFFIX, SessionRecord, claim, has_snapshot, load_record, release_claim, save_record
 
 log = logging.getLogger("app")
 
@@ -68,6 +69,7 @@ class Services:
             retry_after_s=settings.retry_after_s,
             reattach_grace_s=settings.ws_reattach_grace_s,
             resume_units=settings.ws_resume_units,
+            flushed_ttl_s=settings.flushed_session_ttl_s,
             deliveries=self._deliveries_for,
         )
         self.metrics.track(
@@ -85,6 +87,7 @@ class Services:
         self.warmup_gate = warmup_gate
         self._tasks: list[asyncio.Task] = []
         self._drain_task: asyncio.Task | None = None
+        self._adopting: dict[str, asyncio.Lock] = {}
         self.drain_report: dict[str, Any] | None = None
 
     # --- admission -----------------------------------------------------------------------------------------
@@ -180,7 +183,7 @@ class Services:
             refiner = self.refiner
             self.default_prompt = await self.engine.call(lambda: load_default_prompt(settings.default_prompt, refiner))
         if settings.snapshot_dir is not None:
-            await self._restore(Path(settings.snapshot_dir).expanduser())
+            self._clean_snapshot_dir(Path(settings.snapshot_dir).expanduser())
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
         self._tasks.append(asyncio.create_task(self._evict_forever(), name="evict-idle"))
 
@@ -222,22 +225,79 @@ class Services:
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {exc}"
 
-    async def _restore(self, folder: Path) -> None:
-        """Bring back the sessions the previous process saved, under their ids. Those that had a stream open
-        start detached: their clients have ``ws_reattach_grace_s`` to reconnect."""
-        records = await self.engine.call(lambda: restore_all(folder, self.refiner, self.decoder))
-        for record in records:
-            detached = record.streaming and not record.session.state.flushed
-            handle = self.registry.adopt(record.session_id, record.session, detached=detached,
-                                         outputs=record.outputs, video=record.video)
-            chunks = handle.chunks
-            chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
-            handle.first_block_done = record.session.state.blocks_refined > 0
-            handle.retained.restore(record.units)
-            if handle.deliveries is not None and record.units:
-                handle.deliveries.handed_until = (record.units[-1].frame_end, handle.video_frames_returned)
-        if records:
-            log.info("restored %d session(s) from %s", len(records), folder)
+    # --- sessions that move (snapshot_dir, shared by replicas) ---------------------------------------------------
+    async def lookup(self, session_id: str) -> SessionHandle:
+        """The session ``session_id``: a live one of this replica, else one adopted from ``snapshot_dir`` (saved by
+        a drain or a checkpoint, here or on another replica); ApiError 404 / 410 otherwise."""
+        handle = self.registry.existing(session_id)
+        if handle is not None:
+            return handle
+        folder = self.snapshot_folder
+        if folder is not None and _plain_id(session_id) and has_snapshot(folder, session_id):
+            lock = self._adopting.setdefault(session_id, asyncio.Lock())
+            async with lock:  # one adoption per id in this process; other replicas are kept off by the claim
+                handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
+            self._adopting.pop(session_id, None)
+            if handle is not None:
+                return handle
+        return self.registry.get(session_id)
+
+    @property
+    def snapshot_folder(self) -> Path | None:
+        folder = self.settings.snapshot_dir
+        return None if folder is None else Path(folder).expanduser()
+
+    async def _adopt(self, folder: Path, session_id: str) -> SessionHandle | None:
+        """Claim the session's file (None when another replica was first), load it and hold the session. An adopted
+        session counts against max_sessions: when full, the file goes back and the request gets 503."""
+        claimed = claim(folder, session_id, self.settings.replica_id)
+        if claimed is None:
+            return None
+        try:
+            self.registry.require_capacity()
+        except ApiError:
+            release_claim(claimed, session_id)
+            raise
+        try:
+            record = await self.engine.call(lambda: load_record(claimed, self.refiner, self.decoder, session_id))
+        except Exception as exc:
+            aside = folder / f"{session_id}{SUFFIX}.corrupt"
+            log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
+            with contextlib.suppress(OSError):
+                os.replace(claimed, aside)
+            return None
+        handle = self._hold(record)
+        claimed.unlink(missing_ok=True)
+        log.info("adopted session %s from %s", session_id, folder)
+        return handle
+
+    def _hold(self, record: SessionRecord) -> SessionHandle:
+        # A session whose stream was open when it was saved waits ws_reattach_grace_s for its client.
+        detached = record.streaming and not record.session.state.flushed
+        handle = self.registry.adopt(record.session_id, record.session, detached=detached,
+                                     outputs=record.outputs, video=record.video)
+        if record.created_at is not None:
+            handle.created_at = record.created_at
+        chunks = handle.chunks
+        chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
+        handle.first_block_done = record.session.state.blocks_refined > 0
+        handle.retained.restore(record.units)
+        if handle.deliveries is not None and record.units:
+            handle.deliveries.handed_until = (record.units[-1].frame_end, handle.video_frames_returned)
+        return handle
+
+    def _clean_snapshot_dir(self, folder: Path) -> None:
+        """Writes that never reached their rename are garbage; claims of this replica id from an earlier life of
+        it (a crash between claim and load) go back to the folder. Nothing else is touched: sessions are adopted on
+        their first request, by whichever replica the router sends it to."""
+        if not folder.is_dir():
+            return
+        for leftover in folder.glob(f".*{SUFFIX}.*.tmp"):
+            leftover.unlink(missing_ok=True)
+        for stale in folder.glob(f".*{SUFFIX}.claimed-{self.settings.replica_id}"):
+            session_id = stale.name[1 : -len(f"{SUFFIX}.claimed-{self.settings.replica_id}")]
+            with contextlib.suppress(OSError):
+                release_claim(stale, session_id)
 
     async def _evict_forever(self) -> None:
         settings = self.settings
@@ -351,12 +411,21 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
 
     def build() -> SessionRecord:
         return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
-                             encode=encode, outputs=handle.outputs, video=handle.engine_session.video)
+                             encode=encode, outputs=handle.outputs, video=handle.engine_session.video,
+                             created_at=handle.created_at)
 
     def encode(unit: SentUnit) -> bytes:
         return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
 
     return build
+
+
+def _plain_id(session_id: str) -> bool:
+    """Only ids that can name a file are looked for on disk (a path in an id must never reach the folder)."""
+    return bool(_ID.fullmatch(session_id))
+
+
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 def warmup_work(refiner: Refiner, settings: Settings, decoder: StreamingDecoder | None = None) -> Work:

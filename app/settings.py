@@ -7,6 +7,7 @@ Every limit the service enforces is a field here, so an operator can see and cha
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -105,10 +106,19 @@ class Settings(BaseSettings):
     ws_reattach_grace_s: PositiveFloat = 60.0
     # Units a session keeps after sending them, so a reattaching client can ask for what it missed.
     ws_resume_units: PositiveInt = 32
+    flushed_session_ttl_s: PositiveFloat = Field(
+        default=60.0, description="a flushed session is released this long after its last request (then 410)"
+    )
 
     # --- restarts ------------------------------------------------------------------------------------------
     snapshot_dir: Path | None = Field(
-        default=None, description="where drain writes live sessions and start-up restores them; unset: none"
+        default=None,
+        description="where drain (and checkpoints) write sessions and any replica adopts them on their next "
+        "request; share it between replicas; unset: none",
+    )
+    replica_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="this process's name in a deployment: the X-Replica header, snapshot claims",
     )
 
     # --- prompt ------------------------------------------------------------------------------------------------

@@ -1,13 +1,18 @@
-"""Live sessions on disk across a restart: one safetensors file per session in ``snapshot_dir``.
+"""Live sessions on disk: one safetensors file per session in ``snapshot_dir``, a folder every replica may share.
 
 A file holds what ``models.snapshot`` saves of the session (config, prompt, KV cache, generator state, pending
 frames, counters: ``session_to_tensors``) plus the service's own fields: the session id, ``next_seq``, the last
 ``seq`` and its stored response (a retry after the restart gets the same bytes), the units retained for a
-reattaching stream, its outputs and, for a session with video, its decoder's state (``models.vae.video_to_tensors``). Everything sits in one file so that one atomic rename commits all of it; a restart can never
-pair a session with another moment's seq counters or units.
+reattaching stream, its creation time, its outputs and, for a session with video, its decoder's state
+(``models.vae.video_to_tensors``). Everything sits in one file so that one atomic rename commits all of it; a
+restart can never pair a session with another moment's seq counters or units.
 
-Writing and reading run on the engine thread (the session's tensors are the engine's), reading only at start-up
-and writing only once the engine is paused, so a snapshot never overlaps a forward.
+Sessions move through the folder: a draining replica writes its sessions (and a checkpoint is written the same
+way); the replica that next gets a request for one *claims* its file by renaming it to a name of its own
+(``claim``: of several racing replicas exactly one succeeds), loads it and deletes it, so two replicas never own
+one session and a later crash cannot bring back a stale copy.
+
+Reading and building records run on the engine thread (the session's tensors are the engine's).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class SessionRecord:
     encode: Callable[[SentUnit], bytes] | None = None  # for a retained unit whose encoding failed earlier
     outputs: Outputs = Outputs()
     video: VideoStream | None = None
+    created_at: float | None = None  # wall clock (time.time()) of the session's creation
 
 
 def snapshot_path(folder: Path, session_id: str) -> Path:
@@ -77,6 +83,7 @@ def save_record(folder: Path, record: SessionRecord) -> Path:
         "has_last_response": record.last_response is not None,
         "units": [[unit.frame_start, unit.frame_end] for unit in record.units],
         "streaming": record.streaming,
+        "created_at": record.created_at,
         "outputs": record.outputs.to_dict(),
         "video": None,
     }
@@ -92,16 +99,17 @@ def save_record(folder: Path, record: SessionRecord) -> Path:
     return write_atomically(snapshot_path(folder, record.session_id), tensors, metadata)
 
 
-def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None = None) -> SessionRecord:
+def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None = None,
+                expected_id: str | None = None) -> SessionRecord:
     """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model (or with a
-    video, without the VAE it needs)."""
+    video, without the VAE it needs). ``expected_id``: the session the file must hold (default: its name's)."""
     tensors, metadata = read_tensors(path)
     try:
         fields = json.loads(metadata["app"])
         if fields.get("format") != APP_FORMAT:
             raise SnapshotError(f"{path.name}: not a service snapshot (format {fields.get('format')!r})")
         session_id = str(fields["session_id"])
-        if path.name != f"{session_id}{SUFFIX}":
+        if (expected_id is None and path.name != f"{session_id}{SUFFIX}") or expected_id not in (None, session_id):
             raise SnapshotError(f"{path.name}: holds session {session_id}, not the one its name says")
         units = [
             SentUnit(int(start), int(end), _tensor_bytes(tensors[UNIT_TENSOR.format(index)]))
@@ -134,7 +142,29 @@ def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None =
             f"{session.state.frames_returned} returned frames"
         )
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
-                         outputs=outputs, video=video)
+                         outputs=outputs, video=video, created_at=fields.get("created_at"))
+
+
+def claim(folder: Path, session_id: str, claimant: str) -> Path | None:
+    """Take the snapshot of ``session_id`` for this replica: an atomic rename to a name only ``claimant`` uses,
+    so of several replicas racing for it exactly one gets it. The claimed path, or None when there is no file
+    (none was saved, or another replica claimed it first)."""
+    source = snapshot_path(folder, session_id)
+    claimed = folder / f".{session_id}{SUFFIX}.claimed-{claimant}"
+    try:
+        os.rename(source, claimed)
+    except FileNotFoundError:
+        return None
+    return claimed
+
+
+def release_claim(claimed: Path, session_id: str) -> None:
+    """Give a claimed snapshot back (this replica could not take the session after all)."""
+    os.replace(claimed, snapshot_path(claimed.parent, session_id))
+
+
+def has_snapshot(folder: Path, session_id: str) -> bool:
+    return snapshot_path(folder, session_id).is_file()
 
 
 def restore_all(folder: Path, refiner: Refiner, decoder: StreamingDecoder | None = None) -> list[SessionRecord]:

@@ -46,14 +46,15 @@ async def post_chunk(
     services.require_ready()
     settings = services.settings
     registry = services.registry
-    handle = registry.get(session_id)
+    handle = await services.lookup(session_id)
     require_content_type(request, OCTET_STREAM)
     handle.requests_in_flight += 1
     try:
         received = time.perf_counter()
         body = await read_body(request, settings.max_body_bytes)
         tensors = decode(body)
-        latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk")
+        latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
+                                services.require_model().info.in_channels)
         # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
         # retry of its seq gets the stored response instead of appending the frames twice.
         chunk = asyncio.ensure_future(_chunk(services, handle, seq, flush, tensors, latents, received))

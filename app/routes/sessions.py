@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
@@ -81,14 +82,75 @@ CREATE_BODY = {
 async def create_session(request: Request, services: ServicesDep) -> JSONResponse:
     reject_unknown_query(request)  # the config goes in the body; ?seed=7 must not be ignored quietly
     services.require_ready()
+    config, outputs = await _read_config(request, services)
+    handle = services.registry.create(services.require_model(), config, services.default_prompt, outputs=outputs,
+                                      video=services.new_video(outputs, config.sink_frames))
+    return JSONResponse({"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict()}}, status_code=201)
+
+
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
+
+
+@router.put(
+    "/v1/sessions/{session_id}",
+    status_code=201,
+    openapi_extra=CREATE_BODY,
+    response_model=None,
+    responses={
+        201: {"model": SessionCreated, "description": "created under the client's id"},
+        200: {"model": SessionCreated, "description": "it already exists with this config (a safe retry)"},
+        **errors(400, 401, 409, 410, 413, 415, 422, 503),
+    },
+)
+async def put_session(session_id: str, request: Request, services: ServicesDep) -> JSONResponse:
+    """A session under a client-chosen id (``[A-Za-z0-9_-]{8,64}``), so that a router can hash the id in every
+    path. Idempotent: the same id and config again answers 200 with the same body."""
+    reject_unknown_query(request)
+    services.require_ready()
+    if not SESSION_ID.fullmatch(session_id):
+        raise ApiError(
+            "invalid_request",
+            f"session id {session_id[:80]!r} is not 8 to 64 of A-Z, a-z, 0-9, '_' and '-'; choose one such id "
+            "(a UUID's hex digits, for one)",
+        )
+    config, outputs = await _read_config(request, services)
+    body = {"session_id": session_id, "config": {**config.to_dict(), **outputs.to_dict()}}
+    existing = await _existing(services, session_id)
+    if existing is not None:
+        if existing.config == config and existing.outputs == outputs:
+            return JSONResponse(body, status_code=200)
+        raise ApiError(
+            "session_exists",
+            f"session {session_id} already exists with another config ({_differences(existing, config, outputs)}); "
+            "PUT it with the same config to get it again, or choose another id",
+        )
+    handle = services.registry.create(services.require_model(), config, services.default_prompt, outputs=outputs,
+                                      video=services.new_video(outputs, config.sink_frames), session_id=session_id)
+    return JSONResponse({**body, "session_id": handle.id}, status_code=201)
+
+
+async def _existing(services, session_id: str):
+    try:
+        return await services.lookup(session_id)
+    except ApiError as error:
+        if error.kind == "session_not_found":
+            return None
+        raise  # 410 while remembered as evicted
+
+
+def _differences(existing, config: SessionConfig, outputs) -> str:
+    have = {**existing.config.to_dict(), **existing.outputs.to_dict()}
+    want = {**config.to_dict(), **outputs.to_dict()}
+    return ", ".join(f"{name}: {have[name]!r} there, {want[name]!r} asked" for name in want if have[name] != want[name])
+
+
+async def _read_config(request: Request, services) -> tuple[SessionConfig, Any]:
     body = await read_body(request, min(MAX_CONFIG_BYTES, services.settings.max_body_bytes))
     fields = parse_config_body(request, body)
     outputs = services.outputs({name: fields.pop(name) for name in OUTPUT_FIELDS if name in fields})
     defaults = services.settings.session_defaults().to_dict()
     config = check_config_limits(SessionConfig.from_dict({**defaults, **fields}), services.settings)
-    handle = services.registry.create(services.require_model(), config, services.default_prompt, outputs=outputs,
-                                      video=services.new_video(outputs, config.sink_frames))
-    return JSONResponse({"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict()}}, status_code=201)
+    return config, outputs
 
 
 def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
@@ -138,7 +200,7 @@ async def list_sessions(
     responses={200: {"model": SessionDescription, "description": "the session's state"}, **errors(401, 404, 410, 422)},
 )
 async def get_session(session_id: str, services: ServicesDep) -> dict[str, Any]:
-    return services.registry.get(session_id).describe()
+    return (await services.lookup(session_id)).describe()
 
 
 @router.delete(
@@ -148,6 +210,7 @@ async def get_session(session_id: str, services: ServicesDep) -> dict[str, Any]:
     responses={204: {"description": "ended; the cache is freed"}, **errors(401, 404, 410, 422)},
 )
 async def delete_session(session_id: str, services: ServicesDep) -> Response:
+    await services.lookup(session_id)  # a session saved by another replica is taken and ended here
     services.registry.delete(session_id)
     for stream in list(services.streams):
         if stream.session_id == session_id:

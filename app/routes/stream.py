@@ -62,7 +62,7 @@ async def stream(websocket: WebSocket, session_id: str) -> None:
     services: Services = websocket.app.state.services
     try:
         services.require_ready()
-        handle = services.registry.get(session_id)
+        handle = await services.lookup(session_id)
     except ApiError as error:
         await deny(websocket, error, services)
         return

@@ -52,7 +52,7 @@ async def watch(websocket: WebSocket, session_id: str) -> None:
     services: Services = websocket.app.state.services
     try:
         services.require_ready()
-        handle = services.registry.get(session_id)
+        handle = await services.lookup(session_id)
         unknown = sorted(set(websocket.query_params) - {"outputs"})
         if unknown:
             raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; a watch takes only 'outputs'")

@@ -63,6 +63,7 @@ OPERATIONS = [
     ("GET", "/metrics", False),
     ("GET", "/v1/info", False),
     ("POST", "/v1/sessions", True),
+    ("PUT", "/v1/sessions/{session_id}", True),
     ("GET", "/v1/sessions", True),
     ("GET", "/v1/sessions/{session_id}", False),
     ("DELETE", "/v1/sessions/{session_id}", False),

@@ -224,8 +224,10 @@ def test_admin_drain_saves_sessions_and_a_new_app_restores_them_bit_identically(
     assert [p.name for p in (tmp_path / "snapshots").iterdir()] == [f"{session_id}.session.safetensors"]
 
     with running_app(settings) as client:
-        assert list((tmp_path / "snapshots").iterdir()) == [], "a restored snapshot is removed once loaded"
+        assert len(list((tmp_path / "snapshots").iterdir())) == 1, "adopted on its first request, not at start-up"
         after = client.get(f"/v1/sessions/{session_id}", headers=key).json()
+        assert list((tmp_path / "snapshots").iterdir()) == [], "an adopted snapshot is removed once loaded"
+        assert after["created_at"] == before["created_at"], "the creation time survives the restore"
         for field in ("frames_received", "frames_returned", "pending_frames", "next_seq", "kv_cache_bytes", "config"):
             assert after[field] == before[field], field
         assert not after["detached"], "an HTTP session had no stream to reattach: the idle timeout applies"
@@ -240,7 +242,8 @@ def test_admin_drain_saves_sessions_and_a_new_app_restores_them_bit_identically(
     assert torch.equal(refined, expected)
 
 
-def test_a_corrupt_or_foreign_snapshot_is_set_aside_and_start_up_goes_on(make_settings, tmp_path, caplog):
+def test_a_corrupt_or_foreign_snapshot_is_set_aside_when_asked_for_and_start_up_goes_on(make_settings, tmp_path,
+                                                                                         caplog):
     folder = tmp_path / "snapshots"
     folder.mkdir()
     (folder / "0123abcd.session.safetensors").write_bytes(b"not a safetensors file")
@@ -251,10 +254,13 @@ def test_a_corrupt_or_foreign_snapshot_is_set_aside_and_start_up_goes_on(make_se
     with caplog.at_level("WARNING", logger="app"):
         with running_app(make_settings(snapshot_dir=folder)) as client:
             assert client.get("/ready").status_code == 200
+            assert sorted(p.name for p in folder.iterdir()) == [
+                "0123abcd.session.safetensors", "feedbeef.session.safetensors"], "only the half-written file goes"
             assert client.get("/v1/sessions/0123abcd").status_code == 404
+            assert client.get("/v1/sessions/feedbeef").status_code == 404
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["0123abcd.session.safetensors.corrupt", "feedbeef.session.safetensors.corrupt"]
-    assert sum("cannot be restored" in record.message for record in caplog.records) == 2
+    assert sum("cannot be adopted" in record.message for record in caplog.records) == 2
 
 
 def test_a_stream_dropped_mid_message_stays_detached_until_the_client_is_back_over_http(make_settings):

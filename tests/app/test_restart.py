@@ -52,9 +52,9 @@ def test_sigterm_saves_sessions_and_the_next_server_continues_them_bit_identical
 
     second = server()
     try:
-        names = sorted(p.name for p in snapshots.iterdir())
-        assert names == ["badc0ffee.session.safetensors.corrupt"], "restored files are removed, the bad one set aside"
-        assert "badc0ffee.session.safetensors" in second.log() and "cannot be restored" in second.log()
+        # Nothing is claimed at start-up (a replica sharing the folder must not take every session): each session
+        # is adopted on its first request, and its file removed then.
+        assert sorted(p.name for p in snapshots.iterdir()) == saved
         with connect(f"{second.ws_url}/v1/sessions/{streamed}/stream?resume_from=7", open_timeout=DEADLINE_S) as ws:
             event = json.loads(ws.recv(timeout=DEADLINE_S))
             assert event["type"] == "session"
@@ -71,6 +71,11 @@ def test_sigterm_saves_sessions_and_the_next_server_continues_them_bit_identical
             rest = http.post(f"/v1/sessions/{chunked}/chunks?seq=1&flush=true", content=payload(latents[:, :, 5:]),
                              headers=OCTET)
             assert rest.status_code == 200
+            # The corrupt file costs its own session only: 404, and the file is set aside.
+            assert http.get("/v1/sessions/badc0ffee").status_code == 404
+        names = sorted(p.name for p in snapshots.iterdir())
+        assert names == ["badc0ffee.session.safetensors.corrupt"], "adopted files are removed, the bad one set aside"
+        assert "badc0ffee" in second.log() and "cannot be adopted" in second.log()
     finally:
         second.terminate()
 
