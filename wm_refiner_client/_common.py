@@ -1,0 +1,201 @@
+"""What the sync and async clients share: configuration, request shapes, response parsing, the stream's events.
+No I/O here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+
+from .errors import ERROR_CLASSES, APIError, ProtocolError, error_from
+from .retry import parse_retry_after
+
+API_KEY_ENV = "WM_REFINER_API_KEY"
+URL_ENV = "WM_REFINER_URL"
+DEFAULT_URL = "http://127.0.0.1:8000"
+# PUT /v1/sessions/{id}: the ids a client may choose (api.md 1.1).
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
+CONFIG_FIELDS = ("seed", "fps", "sink_frames", "block_size", "kv_max_frames", "sigmas", "positions", "outputs",
+                 "video_format", "video_lookahead")
+# A 720p unit is several MB; websockets refuses messages over 1 MiB by default (close 1009), so the client lifts
+# the limit: it only ever receives what it asked for, units of its own session.
+WS_MAX_SIZE = None
+
+
+def resolve_url(base_url: str | None) -> str:
+    return (base_url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    return api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def ws_url(base_url: str, path: str, query: Mapping[str, Any] | None = None) -> str:
+    parts = urlsplit(base_url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    prefix = parts.path.rstrip("/")
+    return urlunsplit((scheme, parts.netloc, prefix + path, urlencode(query or {}), ""))
+
+
+def session_path(session_id: str, suffix: str = "") -> str:
+    return f"/v1/sessions/{quote(session_id, safe='')}{suffix}"
+
+
+def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(config) - set(CONFIG_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown session config field(s) {unknown}; the fields are {list(CONFIG_FIELDS)}")
+    return {name: value for name, value in config.items() if value is not None}
+
+
+def refine_query(config: Mapping[str, Any]) -> dict[str, str]:
+    """``/v1/refine`` takes the config as query parameters (lists as comma-separated text; no sigmas)."""
+    fields = check_config(config)
+    if "sigmas" in fields:
+        raise TypeError("/v1/refine takes no sigmas; create a session for a custom schedule")
+    query = {}
+    for name, value in fields.items():
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        query[name] = str(value)
+    return query
+
+
+def check_session_id(session_id: str) -> str:
+    if not SESSION_ID.fullmatch(session_id):
+        raise ValueError(f"session id {session_id!r} must match [A-Za-z0-9_-]{{8,64}}")
+    return session_id
+
+
+def response_error(status: int, content: bytes, headers: Mapping[str, str]) -> APIError:
+    try:
+        body: Any = json.loads(content) if content else None
+    except ValueError:
+        body = content.decode("utf-8", "replace")
+    return error_from(status, body, parse_retry_after(headers.get("retry-after")))
+
+
+def event_error(event: Mapping[str, Any]) -> APIError:
+    """The typed error of a WebSocket ``{"type": "error", "error": {...}}`` event."""
+    error = event.get("error") or {}
+    code = error.get("code", "")
+    cls = ERROR_CLASSES.get(code)
+    status = cls.status if cls is not None else 0
+    return error_from(status, {"error": error})
+
+
+def parse_event(text: str) -> dict[str, Any]:
+    try:
+        event = json.loads(text)
+    except ValueError:
+        raise ProtocolError(f"the server sent a text message that is not JSON: {text[:200]!r}") from None
+    if not isinstance(event, dict) or "type" not in event:
+        raise ProtocolError(f"the server sent an event without a type: {text[:200]!r}")
+    return event
+
+
+FLUSH_MESSAGE = json.dumps({"type": "flush"})
+
+
+# --- what the server describes ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SessionState:
+    """``GET /v1/sessions/{id}``: where the session stands. ``raw`` holds every field the server sent."""
+
+    session_id: str
+    config: dict[str, Any]
+    frames_received: int
+    frames_returned: int
+    pending_frames: int
+    next_seq: int
+    flushed: bool
+    streaming: bool
+    video_frames_returned: int = 0
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SessionState:
+        return cls(
+            session_id=data["session_id"],
+            config=data.get("config", {}),
+            frames_received=data["frames_received"],
+            frames_returned=data["frames_returned"],
+            pending_frames=data.get("pending_frames", 0),
+            next_seq=data["next_seq"],
+            flushed=data.get("flushed", False),
+            streaming=data.get("streaming", False),
+            video_frames_returned=data.get("video_frames_returned", 0),
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """One line of ``GET /v1/sessions``."""
+
+    session_id: str
+    created_at: str
+    last_active_at: str
+    frames_received: int
+    frames_returned: int
+    flushed: bool
+    streaming: bool
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SessionSummary:
+        return cls(
+            session_id=data["session_id"],
+            created_at=data.get("created_at", ""),
+            last_active_at=data.get("last_active_at", ""),
+            frames_received=data.get("frames_received", 0),
+            frames_returned=data.get("frames_returned", 0),
+            flushed=data.get("flushed", False),
+            streaming=data.get("streaming", False),
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A watcher's note after each refined block's unit."""
+
+    frame_start: int
+    frame_end: int
+    latency_ms: float | None
+
+
+@dataclass(frozen=True)
+class DroppedEvent:
+    """A watcher fell behind and lost ``units`` units (watchers never slow the session down)."""
+
+    units: int
+
+
+@dataclass
+class StreamStats:
+    """Progress of one ``session.stream(...)``: frames handed to the server, frames received refined, blocks,
+    reconnects, and the server's latency of the last block."""
+
+    frames_sent: int = 0
+    frames_refined: int = 0
+    video_frames: int = 0
+    units: int = 0
+    reconnects: int = 0
+    last_latency_ms: float | None = None
+
+
+# Close codes after which reconnecting is pointless: 1008 without a preceding error event means another connection
+# took the session over; 1009: a message over the server's size limit (its error event names the limit).
+FATAL_CLOSE_CODES = frozenset({1008, 1009})
+# Error events after which the server closes the stream itself and the session can go on: reconnect and resume.
+RESUMABLE_EVENT_CODES = frozenset({"draining", "engine_busy", "internal_error", "not_ready"})

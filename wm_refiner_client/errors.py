@@ -1,0 +1,245 @@
+"""Typed errors: one class per error code of the service's error table (README "Errors", ``app.errors.ERRORS``).
+
+Every error the server answers with is ``{"error": {"code": ..., "message": ...}}``; the client raises the class
+registered for its code, a subclass of the class for its HTTP status, a subclass of ``APIError``. Catch as narrowly
+as you need::
+
+    try:
+        session.send(latents, prompt=prompt)
+    except wm.SeqConflictError as exc:     # one code
+        ...
+    except wm.ConflictError:               # any 409
+        ...
+    except wm.APIError as exc:             # anything the server refused: exc.status, exc.code, exc.message
+        ...
+
+Failures that are not the server's answer are ``TransportError`` (the server could not be reached, or kept
+dropping the connection, after the retries) and ``ProtocolError`` (the server said something this client cannot
+reconcile with what it sent).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WmRefinerError(Exception):
+    """Base of every error this package raises."""
+
+
+class TransportError(WmRefinerError):
+    """The server could not be reached, or the connection kept failing, after every retry."""
+
+
+class ProtocolError(WmRefinerError):
+    """The server's messages contradict what this client sent or received (a gap in the frames, an unexpected
+    event): a bug on one side, never retried."""
+
+
+class APIError(WmRefinerError):
+    """The server refused a request. ``status``: HTTP status; ``code``: the stable error code; ``message``: what
+    was wrong and what to send instead; ``retry_after``: seconds, for 503s."""
+
+    status: int = 0
+    code: str = ""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
+                 retry_after: float | None = None, body: Any = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+        self.body = body
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code}: {self.message}"
+
+
+# --- by HTTP status -------------------------------------------------------------------------------------------
+class BadRequestError(APIError):
+    status = 400
+
+
+class AuthenticationError(APIError):
+    status = 401
+
+
+class NotFoundError(APIError):
+    status = 404
+
+
+class MethodNotAllowedError(APIError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class ConflictError(APIError):
+    status = 409
+
+
+class GoneError(APIError):
+    status = 410
+
+
+class PayloadTooLargeError(APIError):
+    status = 413
+
+
+class UnsupportedMediaTypeError(APIError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class UnprocessableError(APIError):
+    status = 422
+
+
+class InternalServerError(APIError):
+    status = 500
+
+
+class ServiceUnavailableError(APIError):
+    """503: retried by the client on its own (after ``Retry-After``); raised once the retries are spent."""
+
+    status = 503
+
+
+# --- by code (the error table) --------------------------------------------------------------------------------
+class InvalidPayloadError(BadRequestError):
+    code = "invalid_payload"
+
+
+class MissingInputError(BadRequestError):
+    code = "missing_input"
+
+
+class UnauthorizedError(AuthenticationError):
+    code = "unauthorized"
+
+
+class SessionNotFoundError(NotFoundError):
+    code = "session_not_found"
+
+
+class RouteNotFoundError(NotFoundError):
+    code = "not_found"
+
+
+class SeqConflictError(ConflictError):
+    code = "seq_conflict"
+
+
+class StreamClosedError(ConflictError):
+    """The session was flushed: it takes no more frames."""
+
+    code = "stream_closed"
+
+
+class StreamInUseError(ConflictError):
+    """Another connection streams this session (or took it over)."""
+
+    code = "stream_in_use"
+
+
+class SessionExistsError(ConflictError):
+    """``PUT /v1/sessions/{id}``: a session of that id exists with another config."""
+
+    code = "session_exists"
+
+
+class ResumeUnavailableError(ConflictError):
+    """A reconnect asked for frames the session no longer keeps (the message names the first kept frame)."""
+
+    code = "resume_unavailable"
+
+
+class SessionEvictedError(GoneError):
+    code = "session_evicted"
+
+
+class PayloadTooLargeCodeError(PayloadTooLargeError):
+    code = "payload_too_large"
+
+
+class TooManyFramesError(PayloadTooLargeError):
+    code = "too_many_frames"
+
+
+class PromptTooLongError(PayloadTooLargeError):
+    code = "prompt_too_long"
+
+
+class InvalidInputError(UnprocessableError):
+    code = "invalid_input"
+
+
+class InvalidConfigError(UnprocessableError):
+    code = "invalid_config"
+
+
+class InvalidRequestError(UnprocessableError):
+    code = "invalid_request"
+
+
+class InternalError(InternalServerError):
+    code = "internal_error"
+
+
+class NotReadyError(ServiceUnavailableError):
+    code = "not_ready"
+
+
+class DrainingError(ServiceUnavailableError):
+    code = "draining"
+
+
+class TooManySessionsError(ServiceUnavailableError):
+    code = "too_many_sessions"
+
+
+class EngineBusyError(ServiceUnavailableError):
+    code = "engine_busy"
+
+
+ERROR_CLASSES: dict[str, type[APIError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidPayloadError, MissingInputError, UnauthorizedError, SessionNotFoundError, RouteNotFoundError,
+        MethodNotAllowedError, SeqConflictError, StreamClosedError, StreamInUseError, SessionExistsError,
+        ResumeUnavailableError, SessionEvictedError, PayloadTooLargeCodeError, TooManyFramesError,
+        PromptTooLongError, UnsupportedMediaTypeError, InvalidInputError, InvalidConfigError, InvalidRequestError,
+        InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError,
+    )
+}
+_BY_STATUS: dict[int, type[APIError]] = {
+    cls.status: cls
+    for cls in (
+        BadRequestError, AuthenticationError, NotFoundError, MethodNotAllowedError, ConflictError, GoneError,
+        PayloadTooLargeError, UnsupportedMediaTypeError, UnprocessableError, InternalServerError,
+        ServiceUnavailableError,
+    )
+}
+
+# Codes after which the server will take the same request again (the request changed nothing).
+RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy"})
+
+
+def error_from(status: int, body: Any, retry_after: float | None = None) -> APIError:
+    """The typed error for a response: by its code when the body is the service's envelope, else by status."""
+    code, message = None, None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        code = body["error"].get("code")
+        message = body["error"].get("message")
+    cls = ERROR_CLASSES.get(code or "") or _BY_STATUS.get(status) or APIError
+    if message is None:
+        message = body if isinstance(body, str) and body else f"HTTP {status}"
+    return cls(str(message), status=status, code=code or cls.code or f"http_{status}", retry_after=retry_after,
+               body=body)
+
+__all__ = [
+    name for name, value in list(globals().items())
+    if isinstance(value, type) and issubclass(value, WmRefinerError)
+] + ["ERROR_CLASSES", "RETRYABLE_CODES", "error_from"]

@@ -1,0 +1,52 @@
+"""When and how long to wait before trying again.
+
+The client retries only what is safe to repeat: a request the server refused with 503 (it changed nothing), an
+HTTP chunk with its ``seq`` (the server answers a repeated last seq with the stored response), a ``PUT`` of a
+session, reads and deletes, and a WebSocket stream (it reconnects with ``resume_from`` and resends what the
+server did not get). ``POST /v1/sessions`` is retried only when the request never left (connection refused).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``attempts``: tries of one operation, the first included, before the error is raised (a stream that makes
+    progress starts counting again). The n-th wait is ``backoff_s * 2**n`` capped at ``max_backoff_s``, scaled
+    by a random factor in [0.5, 1] so clients reconnecting to a restarted server do not arrive in step; a 503's
+    ``Retry-After`` is waited at least, up to ``max_retry_after_s``."""
+
+    attempts: int = 10
+    backoff_s: float = 0.25
+    max_backoff_s: float = 8.0
+    max_retry_after_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+        if self.backoff_s < 0 or self.max_backoff_s < 0 or self.max_retry_after_s < 0:
+            raise ValueError("waits must be >= 0")
+
+    def delay(self, failures: int, retry_after: float | None = None, jitter: float | None = None) -> float:
+        """Seconds to wait after the ``failures``-th consecutive failure (1 = the first)."""
+        base = min(self.max_backoff_s, self.backoff_s * 2 ** max(failures - 1, 0))
+        wait = base * (random.uniform(0.5, 1.0) if jitter is None else jitter)
+        if retry_after is not None:
+            wait = max(wait, min(float(retry_after), self.max_retry_after_s))
+        return wait
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """A ``Retry-After`` header in seconds (the service always sends an integer)."""
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
