@@ -1,6 +1,7 @@
 """Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service),
-``bench`` (the benchmarks in the checkout's ``bench/``, a thin alias of ``python -m bench``). Errors go to stderr
-with a non-zero exit status."""
+``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli_remote``), ``bench`` (the
+benchmarks in the checkout's ``bench/``, a thin alias of ``python -m bench``). Errors go to stderr with a non-zero
+exit status; progress bars go to stderr only when it is a terminal."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype")
     serve.add_argument("--api-key")
 
+    from app.cli_remote import add_sessions_parser, add_stream_parser
+
+    add_stream_parser(commands)
+    add_sessions_parser(commands)
+
     # Listed for --help only: main() hands everything after "bench" to the benchmarks.
     commands.add_parser(
         "bench", help="run a benchmark (alias of `python -m bench`, from a checkout): cache [default], load, attention"
@@ -74,6 +80,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from app.serve import serve_command
 
         return serve_command(args)
+    if args.command in ("stream", "sessions"):
+        from app import cli_remote
+
+        return cli_remote.stream_command(args) if args.command == "stream" else cli_remote.sessions_command(args)
     return 1
 
 
@@ -81,9 +91,13 @@ def _report_errors(run) -> int:
     try:
         return run()
     except Exception as exc:  # the CLI's contract: one clear line on stderr, non-zero exit
-        from models.errors import RefinerError
+        from wm_refiner_client import WmRefinerError
 
-        kind = "error" if isinstance(exc, RefinerError) else f"error ({type(exc).__name__})"
+        refiner_errors = sys.modules.get("models.errors")  # not loaded: the error cannot be one of them
+        known = isinstance(exc, WmRefinerError) or (
+            refiner_errors is not None and isinstance(exc, refiner_errors.RefinerError)
+        )
+        kind = "error" if known else f"error ({type(exc).__name__})"
         print(f"{kind}: {exc}", file=sys.stderr)
         return 2
 
@@ -108,7 +122,7 @@ def refine_command(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
-    from models import SessionConfig, load_refiner, refine_clip
+    from models import SessionConfig, load_refiner
     from models.errors import MissingInputError
 
     input_path = Path(args.input)
@@ -130,7 +144,7 @@ def refine_command(args: argparse.Namespace) -> int:
         positions=args.positions,
     )
     refiner = load_refiner(args.model, device=args.device, dtype=args.dtype)
-    refined = refine_clip(
+    refined = refine_with_progress(
         refiner, tensors["latents"], tensors["prompt_embeds"], tensors.get("prompt_attention_mask"), config
     )
     output_path = Path(args.output)
@@ -138,3 +152,22 @@ def refine_command(args: argparse.Namespace) -> int:
     save_file({"latents": refined.to(device="cpu", dtype=torch.float32).contiguous()}, str(output_path))
     print(f"refined {refined.shape[2]} frames -> {output_path}")
     return 0
+
+
+def refine_with_progress(refiner, latents, prompt_embeds, prompt_attention_mask, config):
+    """``refine_clip``, block by block under a progress bar on stderr (a terminal only): the same bytes, as a
+    session's output does not depend on how its frames are split into calls."""
+    import torch
+    from tqdm import tqdm
+
+    from models import RefinerSession
+    from models.clip import check_clip_length
+
+    check_clip_length(latents, config)
+    session = RefinerSession(refiner, config)
+    parts = []
+    with tqdm(total=int(latents.shape[2]), unit="frame", desc="refined", file=sys.stderr, disable=None) as bar:
+        for unit in session.stream(latents, prompt_embeds, prompt_attention_mask, flush=True):
+            parts.append(unit.latents)
+            bar.update(unit.frame_end - unit.frame_start)
+    return torch.cat(parts, dim=2)  # (B, C, T, H, W)
