@@ -104,15 +104,31 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def check_payload(
-    tensors: dict[str, torch.Tensor], settings: Settings, max_frames: int, frames_setting: str
+    tensors: dict[str, torch.Tensor], settings: Settings, max_frames: int, frames_setting: str,
+    channels: int | None = None,
 ) -> torch.Tensor:
-    """The request's latents, after the checks that need no session: presence and size limits. Shapes, dtypes
-    and values are the session's to check (``RefinerSession.check``)."""
+    """The request's latents, after the checks that need no session: presence, the channel axis (``channels``:
+    the model's latent channels) and size limits. Shapes, dtypes and values are the session's to check
+    (``RefinerSession.check``)."""
     latents = tensors.get(LATENTS)
     if latents is None:
         raise ApiError(
             "missing_input",
             f"the payload has no 'latents' tensor (found {sorted(tensors)}); send latents shaped (B, C, t, H, W)",
+        )
+    # Before the frame count: latents sent as (B, t, C, H, W) have the channels where the frames belong, and
+    # "too many frames" would send the client looking in the wrong place.
+    if channels is not None and latents.ndim == 5 and latents.shape[1] != channels:
+        shape = tuple(latents.shape)
+        swapped = (
+            f"; axis 2 holds {channels}, so the time and channel axes look swapped: move the channels to axis 1 "
+            "(numpy: latents.transpose(0, 2, 1, 3, 4), torch: latents.permute(0, 2, 1, 3, 4))"
+            if latents.shape[2] == channels else ""
+        )
+        raise ApiError(
+            "invalid_input",
+            f"latents shaped {shape} have {shape[1]} channels on axis 1 but the model takes {channels}; send "
+            f"(B, {channels}, t, H, W){swapped}",
         )
     if latents.ndim == 5 and latents.shape[2] > max_frames:
         raise ApiError(

@@ -94,9 +94,16 @@ class Services:
     def require_ready(self) -> None:
         if self.not_ready_reason is None:
             return
-        kind = "draining" if self.draining else "not_ready"
+        if self.draining:
+            # Not "retry in N s": this process takes no more work; the same request succeeds once the server (or,
+            # behind a router, another replica) is back with the saved sessions.
+            raise ApiError(
+                "draining",
+                "the server is shutting down and takes no new work; retry once it is back (sessions saved to "
+                "snapshot_dir continue there: repeat the last seq, or reconnect a stream with ?resume_from=N)",
+            )
         raise ApiError(
-            kind, f"the server is not ready ({self.not_ready_reason}); retry in {self.settings.retry_after_s} s"
+            "not_ready", f"the server is not ready ({self.not_ready_reason}); retry in {self.settings.retry_after_s} s"
         )
 
     def require_model(self) -> Refiner:

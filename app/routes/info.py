@@ -12,6 +12,9 @@ from ..outputs import Outputs
 
 router = APIRouter(tags=["info"])
 
+# What one session may ask for (422 beyond): reported beside the per-request limits of Settings.limits().
+SESSION_CAPS = ("max_window_frames", "max_denoise_steps", "max_frame_tokens", "max_batch")
+
 
 @router.get("/v1/info", responses=errors(401, 503))
 async def info(services: ServicesDep) -> dict[str, Any]:
@@ -39,6 +42,9 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             # Measured during the warm-up: a session's bytes do not depend on the sessions sharing its forwards.
             "batch_invariant": services.batch_invariant,
         },
-        "limits": services.settings.limits(),
+        "limits": {
+            **services.settings.limits(),
+            **{name: getattr(services.settings, name) for name in SESSION_CAPS},
+        },
         "ready": services.not_ready_reason is None,
     }

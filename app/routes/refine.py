@@ -79,7 +79,8 @@ async def refine(
     require_content_type(request, OCTET_STREAM)
     body = await read_body(request, settings.max_body_bytes)
     tensors = decode(body)
-    latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames")
+    latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames",
+                            services.require_model().info.in_channels)
     if PROMPT_EMBEDS not in tensors and services.default_prompt is None:
         raise ApiError(
             "missing_input",

@@ -85,6 +85,15 @@ async def stream(websocket: WebSocket, session_id: str) -> None:
         )
         await deny(websocket, error, services)
         return
+    if handle.session.state.flushed and resume_from is None:
+        # A new stream could only be refused chunk by chunk; a client that lost the tail reconnects with resume_from.
+        error = ApiError(
+            "stream_closed",
+            f"session {session_id} was flushed and takes no more frames; reconnect with ?resume_from=N (the frames "
+            "you received) to get the units you missed, or create a new session",
+        )
+        await deny(websocket, error, services)
+        return
     connection = StreamConnection(websocket, handle, services, resume_from)
     # Claimed before the first await, so two connections racing for one session cannot both pass the check.
     connection.claim()
@@ -325,10 +334,16 @@ class StreamConnection:
         received = time.perf_counter()
         try:
             tensors = decode(data)
-            latents = check_payload(tensors, self.settings, self.settings.max_frames_per_chunk, "max_frames_per_chunk")
+            latents = check_payload(tensors, self.settings, self.settings.max_frames_per_chunk, "max_frames_per_chunk",
+                                    self.services.require_model().info.in_channels)
             self.services.require_ready()
             await self._run(latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), False, received)
-        except (ApiError, RefinerError) as exc:
+        except ApiError as exc:
+            # A message refused for capacity was not taken, but the client's next ones are already on their way:
+            # taken, they would land after a hole. Close instead; the client reconnects with ?resume_from=N and
+            # resends from frames_received.
+            self._report(exc, close_code=WS_TRY_AGAIN_LATER if exc.kind == "engine_busy" else None)
+        except RefinerError as exc:
             self._report(exc)
         except Exception as exc:
             log.exception("stream %s: chunk failed", self.session_id)
