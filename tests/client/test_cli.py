@@ -1,0 +1,171 @@
+"""The command line on top of the client: ``python -m app stream`` end to end (its progress bar in a pseudo-terminal,
+none when piped, its own resume across a server restart, the decoded video), ``sessions``, and ``refine``'s
+progress."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pexpect
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from bench.live import ROOT, ServerProcess, ThreadServer, free_port
+from wm_refiner_client import Client
+
+from .conftest import clip
+
+LATENTS, PROMPT, MASK = clip(24)
+TIMEOUT_S = 120
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def write_clip(path: Path, latents=LATENTS, prompt=PROMPT, mask=MASK) -> Path:
+    save_file({"latents": latents, "prompt_embeds": prompt, "prompt_attention_mask": mask}, str(path))
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The CLI with stdout and stderr piped (not a terminal)."""
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+
+
+def test_stream_piped_writes_the_clip_and_no_progress(server, tmp_path):
+    source = write_clip(tmp_path / "in.safetensors")
+    result = run_cli("stream", "--server", server.base_url, "--input", str(source), "--output",
+                     str(tmp_path / "out.safetensors"), "--chunk-frames", "5")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no progress bar when stderr is not a terminal
+    assert re.search(r"refined 24 frames in \d+ units -> .*out\.safetensors \(session \w+, 0 reconnects\)", result.stdout)
+    with Client(server.base_url) as client:
+        expected = client.refine(LATENTS, PROMPT, MASK).latents
+    assert np.array_equal(load_file(str(tmp_path / "out.safetensors"))["latents"], expected)
+
+
+def test_stream_in_a_terminal_shows_progress_and_resumes_after_a_restart(checkpoint_dir, tmp_path):
+    port = free_port()
+    settings = dict(model=str(checkpoint_dir), device="cpu", dtype="float32")
+
+    def server() -> ServerProcess:
+        return ServerProcess(port, tmp_path / "cache", tmp_path / "snapshots", tmp_path / "server.log", **settings)
+
+    first = server().start()
+    servers = [first]
+    try:
+        with Client(first.base_url) as client:
+            expected = client.refine(LATENTS, PROMPT, MASK).latents
+        source = write_clip(tmp_path / "in.safetensors")
+        output = tmp_path / "out.safetensors"
+        child = pexpect.spawn(
+            sys.executable,
+            ["-m", "app", "stream", "--server", first.base_url, "--input", str(source), "--output", str(output),
+             "--chunk-frames", "2", "--rate", "8"],  # 3 s of sending: the restart lands mid-stream
+            cwd=str(ROOT), env=cli_env(), encoding="utf-8", timeout=TIMEOUT_S, dimensions=(24, 200),
+        )
+        try:
+            # The bar: frames refined of the clip, then frames sent, blocks per second, latency, reconnects.
+            while True:
+                child.expect(r"refined:\s+\d+%.*?\| *(\d+)/24 .*?sent=(\d+) blocks/s=[\d.]+ latency=\d+ms reconnects=0")
+                if int(child.match.group(1)) >= 4:
+                    break
+            assert int(child.match.group(2)) < 24, "the clip was sent before the restart could land mid-stream"
+            first.terminate()  # drain: the session is saved, the stream closed with 1012
+            servers.append(server().start())
+            child.expect(r"reconnects=1")  # the bar says it resumed
+            child.expect(r"refined 24 frames in \d+ units .*\(session \w+, (\d+) reconnects\)")
+            reconnects = int(child.match.group(1))
+            child.expect(pexpect.EOF)
+        finally:
+            child.close()
+        assert child.exitstatus == 0, child.before
+        assert reconnects >= 1
+        assert np.array_equal(load_file(str(output))["latents"], expected)
+    finally:
+        for process in servers:
+            process.kill()
+
+
+def test_stream_writes_the_decoded_video(make_settings, tmp_path):
+    import av
+
+    from models.checkpoints import write_vae_checkpoint
+
+    vae = write_vae_checkpoint(tmp_path / "vae", preset="tiny-vae")
+    latents, prompt, mask = clip(6)
+    with ThreadServer(make_settings(vae=str(vae), warmup=False)) as live:
+        source = write_clip(tmp_path / "in.safetensors", latents, prompt, mask)
+        result = run_cli("stream", "--server", live.base_url, "--input", str(source), "--output",
+                         str(tmp_path / "out.safetensors"), "--video", str(tmp_path / "out.mp4"))
+        assert result.returncode == 0, result.stderr
+        with Client(live.base_url) as client:
+            expected = client.refine(latents, prompt, mask, outputs=["video"]).video  # (B, F, H_px, W_px, 3)
+    frames = 8 * (6 - 1) + 1 - 1  # F = 8 (T - 1) + 1 - S
+    assert expected.shape[1] == frames
+    assert f"{frames} video frames -> " in result.stdout
+    with av.open(str(tmp_path / "out.mp4")) as container:
+        decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert len(decoded) == frames
+    assert decoded[0].shape == expected.shape[2:]
+    # H.264 is lossy (and a random VAE's frames are noise to it), but each frame is still closest to the server's
+    # frame of the same index: the right frames, in order.
+    errors = np.array([[np.abs(d.astype(np.int16) - e.astype(np.int16)).mean() for e in expected[0]] for d in decoded])
+    assert list(errors.argmin(axis=1)) == list(range(frames))
+
+
+def test_sessions_lists_and_deletes(server):
+    with Client(server.base_url) as client:
+        session = client.create_session()
+        session.send(LATENTS[:, :, :5], PROMPT, MASK)
+    listed = run_cli("sessions", "--server", server.base_url)
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == ["session", "created", "frames", "in", "frames", "out", "flushed", "streaming"]
+    row = next(line for line in rows if line.startswith(session.id))
+    assert row.split()[2:] == ["5", "4", "no", "no"]
+    as_json = run_cli("sessions", "--server", server.base_url, "--json")
+    assert session.id in as_json.stdout
+    deleted = run_cli("sessions", "--server", server.base_url, "--delete", session.id)
+    assert deleted.returncode == 0 and f"deleted {session.id}" in deleted.stdout
+    gone = run_cli("sessions", "--server", server.base_url, "--delete", session.id)
+    assert gone.returncode == 2 and "error: 404 session_not_found" in gone.stderr
+
+
+def test_refine_shows_progress_only_in_a_terminal(checkpoint_dir, tmp_path):
+    import torch
+
+    from models import SessionConfig, load_refiner, refine_clip
+
+    source = write_clip(tmp_path / "in.safetensors")
+    expected = refine_clip(load_refiner(checkpoint_dir, device="cpu", dtype="float32"), torch.from_numpy(LATENTS),
+                           torch.from_numpy(PROMPT), torch.from_numpy(MASK), SessionConfig()).numpy()
+    args = ["refine", "--model", str(checkpoint_dir), "--input", str(source)]
+    piped = run_cli(*args, "--output", str(tmp_path / "piped.safetensors"))
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+    child = pexpect.spawn(sys.executable, ["-m", "app", *args, "--output", str(tmp_path / "tty.safetensors")],
+                          cwd=str(ROOT), env=cli_env(), encoding="utf-8", timeout=TIMEOUT_S, dimensions=(24, 160))
+    child.expect(r"refined: 100%\|.*\| 24/24")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    for name in ("piped", "tty"):
+        assert np.array_equal(load_file(str(tmp_path / f"{name}.safetensors"))["latents"], expected)
+
+
+@pytest.mark.parametrize("flag", ["--chunk-frames=0"])
+def test_stream_refuses_bad_arguments_with_one_line(server, tmp_path, flag):
+    result = run_cli("stream", "--server", server.base_url, "--input", str(write_clip(tmp_path / "in.safetensors")),
+                     "--output", str(tmp_path / "out.safetensors"), flag)
+    assert result.returncode == 2 and result.stderr.startswith("error") and len(result.stderr.splitlines()) == 1
+
+
