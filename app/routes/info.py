@@ -1,10 +1,14 @@
-"""What is being served: the model, the default session config, the limits."""
+"""What is being served: the model, the default session config, the limits; and the WebSocket protocol's AsyncAPI
+document (``GET /asyncapi.yaml``, beside FastAPI's ``/openapi.json`` for the HTTP routes)."""
 
 from __future__ import annotations
 
+import functools
+from importlib.resources import files
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.responses import Response
 
 from ..deps import ServicesDep
 from ..openapi import errors
@@ -48,3 +52,14 @@ async def info(services: ServicesDep) -> dict[str, Any]:
         },
         "ready": services.not_ready_reason is None,
     }
+
+
+@functools.cache
+def asyncapi_document() -> str:
+    return files("app").joinpath("static", "asyncapi.yaml").read_text(encoding="utf-8")
+
+
+@router.get("/asyncapi.yaml", include_in_schema=False)
+async def asyncapi() -> Response:
+    """The AsyncAPI 3 document of WS /v1/sessions/{id}/stream and /watch (app/static/asyncapi.yaml)."""
+    return Response(asyncapi_document(), media_type="application/yaml")
