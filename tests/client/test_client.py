@@ -272,3 +272,32 @@ def _wait(predicate, what: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what}")
         time.sleep(0.01)
+
+
+def test_async_stream_absorbs_a_dropped_connection(server, reference):
+    async def run():
+        cut_done = asyncio.Event()
+
+        async def chunks():
+            parts = chunks_of(LATENTS, [4, 3, 3, 2])
+            for part in parts[:2]:
+                yield part
+            await asyncio.wait_for(cut_done.wait(), 30)
+            for part in parts[2:]:
+                yield part
+
+        with Proxy(server.port) as proxy:
+            async with AsyncClient(proxy.base_url, retry=FAST_RETRY) as client:
+                session = await client.create_session()
+                stream = session.stream(chunks(), prompt=PROMPT, prompt_mask=MASK)
+                units = []
+                async for unit in stream:
+                    units.append(unit)
+                    if len(units) == 2 and not cut_done.is_set():
+                        assert proxy.cut() >= 1
+                        cut_done.set()
+                return units, stream.stats, await session.state()
+
+    units, stats, state = asyncio.run(run())
+    assert stats.reconnects >= 1 and state.frames_received == 14
+    assert np.array_equal(concat(units), reference)
