@@ -59,6 +59,11 @@ class Metrics:
         self.watch_units_dropped = Counter(
             "refiner_watch_units_dropped", "Units watchers lost because they fell behind", registry=r
         )
+        self.checkpoint_seconds = Histogram(
+            "refiner_checkpoint_write_seconds", "Per crash checkpoint: serializing and writing it (off the engine)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.checkpoint_bytes = Counter("refiner_checkpoint_bytes", "Bytes written by crash checkpoints", registry=r)
         self.engine_queue_depth = Gauge(
             "refiner_engine_queue_depth", "Jobs submitted to the engine and not finished", registry=r
         )

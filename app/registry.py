@@ -58,6 +58,11 @@ class SessionHandle:
     outputs: Outputs = field(default_factory=Outputs)
     # Read-only subscribers (app.routes.watch.Watcher): they get every unit published from when they joined.
     watchers: set = field(default_factory=set)
+    # Crash checkpoints (app.services.Services.checkpoint): blocks and time of the last, and its write in flight.
+    checkpoint_blocks: int = 0
+    checkpoint_at: float = field(default_factory=time.monotonic)
+    checkpoint_write: Any = None
+    from_checkpoint: bool = False  # adopted from a file that may be behind its clients (a crash checkpoint)
 
     @property
     def session(self) -> RefinerSession:
@@ -140,6 +145,7 @@ class Registry:
         flushed_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         deliveries: Callable[[SessionHandle], Deliveries] | None = None,
+        on_close: Callable[[SessionHandle], None] | None = None,
     ):
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -150,6 +156,7 @@ class Registry:
         self.retry_after_s = retry_after_s
         self.clock = clock
         self._deliveries = deliveries
+        self._on_close = on_close  # a session ended (deleted, evicted): forget its checkpoint
         self._sessions: dict[str, SessionHandle] = {}
         self.clips = 0  # one-shot clips being refined: they count against max_sessions while they run
         # Evicted ids answer 410 (the client should start over), unknown or deleted ones 404; the value says why.
@@ -316,6 +323,8 @@ class Registry:
     def _close(self, handle: SessionHandle, error: ApiError) -> None:
         handle.engine_session.closed = error
         self._sessions.pop(handle.id, None)
+        if self._on_close is not None:
+            self._on_close(handle)
         for watcher in list(handle.watchers):
             watcher.end(error)
 

@@ -43,7 +43,18 @@ from .outputs import HostUnit, Outputs
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
-from .snapshots import SUFFIX, SessionRecord, claim, has_snapshot, load_record, release_claim, save_record
+from .snapshots import (
+    SUFFIX,
+    SessionRecord,
+    claim,
+    has_snapshot,
+    load_record,
+    record_tensors,
+    release_claim,
+    remove_record,
+    save_record,
+    write_record,
+)
 
 log = logging.getLogger("app")
 
@@ -71,6 +82,7 @@ class Services:
             resume_units=settings.ws_resume_units,
             flushed_ttl_s=settings.flushed_session_ttl_s,
             deliveries=self._deliveries_for,
+            on_close=self._forget_checkpoint,
         )
         self.metrics.track(
             sessions=lambda: len(self.registry),
@@ -249,6 +261,55 @@ class Services:
                 return handle
         return self.registry.get(session_id)
 
+    # --- crash checkpoints ---------------------------------------------------------------------------------------
+    async def checkpoint(self, handle: SessionHandle) -> None:
+        """Write the session's checkpoint when one is due (``checkpoint_every_blocks`` / ``checkpoint_interval_s``).
+        Called by a chunk or stream message that just finished, within the session's turn, so the session is
+        between two pieces of work: the engine copies its tensors (one ``call``, between two model calls), and the
+        file is serialized and written on a worker thread while the session goes on. A write still in flight makes
+        this one wait for the next chance; the drain waits for them before it saves."""
+        settings, folder = self.settings, self.snapshot_folder
+        every, interval = settings.checkpoint_every_blocks, settings.checkpoint_interval_s
+        if folder is None or self.draining or not (every or interval):
+            return
+        blocks = handle.session.state.blocks_refined
+        due = (every and blocks - handle.checkpoint_blocks >= every) or (
+            interval and blocks != handle.checkpoint_blocks and time.monotonic() - handle.checkpoint_at >= interval)
+        if not due or (handle.checkpoint_write is not None and not handle.checkpoint_write.done()):
+            return
+        if handle.deliveries is not None:
+            await handle.deliveries.flush()  # the units it streamed are retained, for a resume after the crash
+        record = _record(handle, self.encoder)
+        try:
+            tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
+        except ApiError:  # the engine stopped (drain): the drain saves the session itself
+            return
+        handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
+        metrics = self.metrics
+
+        def write() -> None:
+            started = time.perf_counter()
+            path = write_record(folder, handle.id, tensors, metadata)
+            metrics.checkpoint_seconds.observe(time.perf_counter() - started)
+            metrics.checkpoint_bytes.inc(path.stat().st_size)
+
+        handle.checkpoint_write = asyncio.ensure_future(asyncio.to_thread(write))
+        handle.checkpoint_write.add_done_callback(_log_failed_checkpoint)
+
+    def _forget_checkpoint(self, handle: SessionHandle) -> None:
+        """A session that ended must never be adopted back from its last checkpoint."""
+        folder = self.snapshot_folder
+        if folder is None or not (self.settings.checkpoint_every_blocks or self.settings.checkpoint_interval_s):
+            return
+        pending = handle.checkpoint_write
+
+        async def remove() -> None:
+            if pending is not None:
+                await asyncio.wait({pending})
+            await asyncio.to_thread(remove_record, folder, handle.id)
+
+        asyncio.ensure_future(remove())
+
     @property
     def snapshot_folder(self) -> Path | None:
         folder = self.settings.snapshot_dir
@@ -285,6 +346,7 @@ class Services:
                                      outputs=record.outputs, video=record.video)
         if record.created_at is not None:
             handle.created_at = record.created_at
+        handle.from_checkpoint = record.checkpoint
         chunks = handle.chunks
         chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
         handle.first_block_done = record.session.state.blocks_refined > 0
@@ -341,6 +403,10 @@ class Services:
         handles = self.registry.handles()
         await asyncio.gather(*(h.deliveries.flush() for h in handles if h.deliveries is not None),
                              return_exceptions=True)
+        # A checkpoint still being written must not land after (and over) the snapshot below.
+        writes = [h.checkpoint_write for h in handles if h.checkpoint_write is not None]
+        if writes:
+            await asyncio.wait(writes)
         saved: set[str] = set()
         if self.settings.snapshot_dir is not None:
             saved = await self._save_sessions(Path(self.settings.snapshot_dir).expanduser(), handles)
@@ -425,6 +491,11 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
         return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
 
     return build
+
+
+def _log_failed_checkpoint(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("writing a checkpoint failed: %r", task.exception())
 
 
 def _plain_id(session_id: str) -> bool:

@@ -116,6 +116,14 @@ class Settings(BaseSettings):
         description="where drain (and checkpoints) write sessions and any replica adopts them on their next "
         "request; share it between replicas; unset: none",
     )
+    checkpoint_every_blocks: int = Field(
+        default=0, ge=0,
+        description="write a session's crash checkpoint to snapshot_dir every this many refined blocks; 0: off",
+    )
+    checkpoint_interval_s: float = Field(
+        default=0.0, ge=0.0,
+        description="and/or when this long passed since its last one (and it refined a block since); 0: off",
+    )
     replica_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="this process's name in a deployment: the X-Replica header, snapshot claims",

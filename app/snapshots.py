@@ -66,6 +66,7 @@ class SessionRecord:
     outputs: Outputs = Outputs()
     video: VideoStream | None = None
     created_at: float | None = None  # wall clock (time.time()) of the session's creation
+    checkpoint: bool = False  # read from a crash checkpoint rather than a drain's snapshot
 
 
 def snapshot_path(folder: Path, session_id: str) -> Path:
@@ -74,7 +75,13 @@ def snapshot_path(folder: Path, session_id: str) -> Path:
 
 def save_record(folder: Path, record: SessionRecord) -> Path:
     """Write ``record`` atomically (temporary file, fsync, rename): a crash leaves the old file or none."""
-    folder.mkdir(parents=True, exist_ok=True)
+    tensors, metadata = record_tensors(record)
+    return write_record(folder, record.session_id, tensors, metadata)
+
+
+def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What a file of ``record`` holds. ``copy``: tensors that do not share memory with the live session (a
+    checkpoint is written while the session goes on); on the engine thread."""
     app_fields = {
         "format": APP_FORMAT,
         "session_id": record.session_id,
@@ -86,17 +93,30 @@ def save_record(folder: Path, record: SessionRecord) -> Path:
         "created_at": record.created_at,
         "outputs": record.outputs.to_dict(),
         "video": None,
+        "checkpoint": copy,  # a crash checkpoint: its clients may be ahead of it
     }
     video_tensors: dict[str, torch.Tensor] = {}
     if record.video is not None:
         video_tensors, app_fields["video"] = video_to_tensors(record.video, VIDEO_PREFIX)
     tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)})
-    tensors.update(video_tensors)
+    if copy:
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    tensors.update(video_tensors)  # immutable state: never written in place
     for index, unit in enumerate(record.units):
         tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.data(record.encode))
     if record.last_response is not None:
         tensors[LAST_RESPONSE_TENSOR] = _bytes_tensor(record.last_response)
-    return write_atomically(snapshot_path(folder, record.session_id), tensors, metadata)
+    return tensors, metadata
+
+
+def write_record(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_atomically(snapshot_path(folder, session_id), tensors, metadata)
+
+
+def remove_record(folder: Path, session_id: str) -> None:
+    """A session that ended (deleted, evicted, finished) must not come back from its last checkpoint."""
+    snapshot_path(folder, session_id).unlink(missing_ok=True)
 
 
 def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None = None,
@@ -142,7 +162,8 @@ def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None =
             f"{session.state.frames_returned} returned frames"
         )
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
-                         outputs=outputs, video=video, created_at=fields.get("created_at"))
+                         outputs=outputs, video=video, created_at=fields.get("created_at"),
+                         checkpoint=bool(fields.get("checkpoint")))
 
 
 def claim(folder: Path, session_id: str, claimant: str) -> Path | None:

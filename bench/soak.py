@@ -359,6 +359,7 @@ async def _soak(config: SoakConfig, workdir: Path) -> dict[str, Any]:
                     state = (await http.get(f"/v1/sessions/{created['session_id']}")).json()
                     if state["frames_returned"] != config.frames or not state["flushed"]:
                         raise SoakFailure(f"server state after the run: {state}")
+            figures["snapshots_left_at_end"] = len(list(snapshot_dir.glob("*.session.safetensors")))
             await batching_figures(shared.server, figures.setdefault("batching", {}))
             exit_code = await asyncio.to_thread(shared.server.terminate)
         finally:
@@ -421,7 +422,8 @@ async def _restart_once(shared: Shared, servers, sampler: RssSampler, snapshot_d
         restarts=1,
         restart_at_frames=shared.frames_returned,
         snapshots_written=len(saved),
-        snapshots_left_after_restore=len(left),
+        # Nothing is claimed at start-up: each session is adopted (and its file removed) on its first request.
+        snapshots_waiting_after_restart=len(left),
         restart_downtime_s=round(time.monotonic() - began, 1),
     )
     shared.restart_done.set()

@@ -79,6 +79,7 @@ done
 template="$(cat "$root/deploy/haproxy.cfg.template")"
 config="${template//@ROUTER_BIND@/127.0.0.1:$port}"
 config="${config//@SERVERS@/$servers}"
+config="${config//@STATS_SOCKET@/$state_dir/haproxy.sock}"
 printf '%s\n' "$config" >"$state_dir/haproxy.cfg"
 haproxy -c -q -f "$state_dir/haproxy.cfg"
 haproxy -db -f "$state_dir/haproxy.cfg" >"$state_dir/haproxy.log" 2>&1 &
@@ -100,7 +101,25 @@ for ((i = 0; i < replicas; i++)); do
         sleep 0.2
     done
 done
-until ready "$port"; do
+# Ready once the router answers and has every replica UP (its checks need a few passes): a session created
+# before that would be placed on the ring of the replicas up at the time.
+all_up() { "$python" - "$state_dir/haproxy.sock" "$replicas" <<'PY'
+import csv, socket, sys
+try:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(sys.argv[1])
+        sock.sendall(b"show stat\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+except OSError:
+    sys.exit(1)
+rows = csv.DictReader(data.decode().lstrip("# ").splitlines())
+up = [r for r in rows if r["pxname"] == "replicas" and r["svname"] not in ("BACKEND", "FRONTEND") and r["status"] == "UP"]
+sys.exit(0 if len(up) == int(sys.argv[2]) else 1)
+PY
+}
+until ready "$port" && all_up; do
     kill -0 "$router_pid" 2>/dev/null || { echo "haproxy died: see $state_dir/haproxy.log" >&2; stop 1; }
     (( SECONDS < deadline )) || { echo "the router did not answer in time" >&2; stop 1; }
     sleep 0.2

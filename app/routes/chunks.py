@@ -92,4 +92,5 @@ async def _chunk(services, handle, seq, flush, tensors, latents, received) -> tu
         services.watch(handle, result.units, received, done=result.state.flushed)
         payload = await services.encoder.run(build)
         chunks.store(index, payload)
+        await services.checkpoint(handle)  # still within the turn: no other chunk of this session runs
         return payload, False

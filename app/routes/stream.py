@@ -73,7 +73,11 @@ async def stream(websocket: WebSocket, session_id: str) -> None:
             # were. Frames still being refined for the old connection may make a larger resume_from valid, so
             # that bound is only checked here when nothing is in flight (and again once it is).
             frames_returned = handle.session.state.frames_returned
-            handle.retained.check(resume_from, frames_returned if not handle.stream_jobs else resume_from)
+            if handle.from_checkpoint:
+                # Adopted from a crash checkpoint: the client may hold frames the session has to refine again.
+                resume_from = max(resume_from, 0)
+            else:
+                handle.retained.check(resume_from, frames_returned if not handle.stream_jobs else resume_from)
     except ApiError as error:
         await refuse(websocket, error, services)
         return
@@ -148,6 +152,7 @@ class StreamConnection:
         self.services = services
         self.settings = services.settings
         self.resume_from = resume_from
+        self.skip_until = 0  # units ending at or before this frame are not sent (the client has them)
         self.loop = asyncio.get_running_loop()
         self.outbox: asyncio.Queue = asyncio.Queue()  # bounded by the reader, see _wait_for_room
         self.units_waiting = 0
@@ -245,7 +250,10 @@ class StreamConnection:
             return False
         state = handle.session.state
         try:
-            units = handle.retained.resume(self.resume_from, state.frames_returned)
+            # After a crash, the checkpoint may be behind the client: its refined frames come again, bit-identical,
+            # and the ones the client has are not sent twice.
+            self.skip_until = self.resume_from
+            units = handle.retained.resume(min(self.resume_from, state.frames_returned), state.frames_returned)
         except ApiError as error:
             self._report(error, close_code=WS_POLICY_VIOLATION)
             return False
@@ -395,7 +403,7 @@ class StreamConnection:
     # --- writing -------------------------------------------------------------------------------------------
     def send_unit(self, unit: SentUnit, force: bool = False) -> None:
         """Queue a unit for this client (the session's ``publish`` calls it once attached)."""
-        if not (self.attached or force) or self.closing:
+        if not (self.attached or force) or self.closing or unit.frame_end <= self.skip_until:
             return
         self.units_waiting += 1
         self.outbox.put_nowait(("unit", unit))
@@ -493,3 +501,5 @@ async def _message(services: Services, handle: SessionHandle, latents, embeds, m
                 services.metrics.frames_in.inc(work.frames_in)
             for unit in work.units:
                 handle.deliveries.push(unit, None, received)
+        if work.started:
+            await services.checkpoint(handle)  # still within the turn: no other chunk of this session runs

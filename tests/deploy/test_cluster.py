@@ -31,12 +31,12 @@ pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs h
 
 
 class Cluster:
-    def __init__(self, state_dir: Path, replicas: int):
+    def __init__(self, state_dir: Path, replicas: int, *options: str):
         self.state_dir = state_dir
         port = _free_port()
         self.process = subprocess.Popen(
             ["bash", str(ROOT / "deploy" / "local-cluster.sh"), "--replicas", str(replicas), "--port", str(port),
-             "--state-dir", str(state_dir)],
+             "--state-dir", str(state_dir), *options],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         deadline = time.monotonic() + 600
@@ -213,3 +213,51 @@ def test_a_replica_drained_mid_stream_hands_its_sessions_over_bit_identically(tm
         got = units[session_id]
         assert got.received == 25
         assert torch.equal(got.clip(), expected_clip(refiner, *clip, seed=index)), session_id
+
+
+def test_a_replica_killed_mid_stream_loses_nothing_its_checkpoints_cover(tmp_path):
+    """kill -9 of a replica: no drain, no goodbye. Its sessions come back on the replica their ids now hash to,
+    from their last checkpoint (one per block here); each client reconnects with the frames it has, resends from
+    the frame the session event names, and ends with the frames of an uninterrupted run, none twice."""
+    cluster = Cluster(tmp_path / "cluster", 3, "--checkpoint-every-blocks", "1")
+    try:
+        clips, owners, units, progress, threads = {}, {}, {}, {}, []
+        with httpx.Client(base_url=cluster.url, timeout=30) as http:
+            for index in range(6):
+                created = http.post("/v1/sessions", json={"seed": index})
+                assert created.status_code == 201, created.text
+                session_id = created.json()["session_id"]
+                owners[session_id] = created.headers["x-replica"]
+                clips[session_id] = make_clip(frames=25, seed=200 + index)
+                units[session_id], progress[session_id] = Units(), threading.Event()
+                threads.append(threading.Thread(target=ws_client, args=(cluster, session_id, *clips[session_id],
+                                                                        units[session_id], progress[session_id]),
+                                                daemon=True))
+        for thread in threads:
+            thread.start()
+        for event in progress.values():
+            assert event.wait(DEADLINE_S), "a session never got going"
+        victim, held = Counter(owners.values()).most_common(1)[0]
+        assert held >= 1
+        # Killed once each of its sessions has a checkpoint (one per block; a session killed before its first
+        # would be lost, as documented).
+        folder = cluster.state_dir / "snapshots"
+        for session_id in (s for s, owner in owners.items() if owner == victim):
+            deadline = time.monotonic() + DEADLINE_S
+            while not (folder / f"{session_id}.session.safetensors").exists():
+                assert time.monotonic() < deadline, "no checkpoint was written"
+                time.sleep(0.02)
+        os.kill(cluster.replica(victim)["pid"], signal.SIGKILL)
+        for thread in threads:
+            thread.join(DEADLINE_S)
+            assert not thread.is_alive(), "a client did not finish"
+        with httpx.Client(base_url=cluster.url, timeout=30) as http:
+            for session_id in clips:
+                state = http.get(f"/v1/sessions/{session_id}")
+                assert state.status_code == 200 and state.headers["x-replica"] != victim
+    finally:
+        cluster.stop()
+    refiner = load_refiner(tmp_path / "cluster" / "cache" / "tiny", device="cpu", dtype="float32")
+    for index, (session_id, clip) in enumerate(clips.items()):
+        assert units[session_id].received == 25
+        assert torch.equal(units[session_id].clip(), expected_clip(refiner, *clip, seed=index)), session_id
