@@ -1,0 +1,68 @@
+"""The Kubernetes manifests (deploy/k8s/) against the Kubernetes API schemas (kubernetes-validate, offline: no
+cluster runs here), the rules the service relies on, and the router configuration HAProxy itself accepts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def documents():
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document:
+                yield path.name, document
+
+
+def test_every_manifest_is_valid_for_kubernetes_strictly():
+    kinds = []
+    for name, document in documents():
+        kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)
+        kinds.append(document["kind"])
+    assert sorted(kinds) == sorted(["PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget",
+                                    "ConfigMap", "Deployment", "Service"])
+
+
+def test_the_replicas_drain_before_they_stop_and_share_their_snapshots():
+    resources = {(d["kind"], d["metadata"]["name"]): d for _, d in documents()}
+    pod = resources["Deployment", "refiner"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    drain_timeout = float(env["WM_REFINER_DRAIN_TIMEOUT_S"]["value"])
+    assert pod["terminationGracePeriodSeconds"] > drain_timeout + 30, "SIGKILL must never cut a drain short"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert "/v1/admin/drain" in " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == env["WM_REFINER_SNAPSHOT_DIR"]["value"])
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    claim = resources["PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every replica adopts from the same folder"
+    assert env["WM_REFINER_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    labels = resources["Deployment", "refiner"]["spec"]["template"]["metadata"]["labels"]
+    for key in (("PodDisruptionBudget", "refiner"),):
+        assert resources[key]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert resources["Service", "refiner-replicas"]["spec"]["selector"].items() <= labels.items()
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs haproxy (apt-get install haproxy)")
+def test_the_routers_configurations_are_accepted_by_haproxy_and_agree(tmp_path):
+    config_map = next(d for _, d in documents() if d["kind"] == "ConfigMap")
+    k8s = config_map["data"]["haproxy.cfg"]
+    local = (DEPLOY / "haproxy.cfg.template").read_text()
+    local = local.replace("@ROUTER_BIND@", "127.0.0.1:18999").replace("@STATS_SOCKET@", str(tmp_path / "s.sock"))
+    local = local.replace("@SERVERS@", "    server r0 127.0.0.1:1 check\n")
+    for name, text in (("k8s.cfg", k8s), ("local.cfg", local)):
+        path = tmp_path / name
+        path.write_text(text)
+        checked = subprocess.run(["haproxy", "-c", "-f", str(path)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    # The rules that keep a session on one replica are the same in both.
+    for rule in ("balance hash path,field(4,/)", "hash-type consistent", "stick on path,field(4,/)",
+                 "option httpchk GET /ready", "set-path /v1/sessions/%[var(txn.new_id)]"):
+        assert rule in k8s and rule in local, rule
