@@ -83,12 +83,13 @@ _REFINER_CODES = {
 
 
 class ApiError(Exception):
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, retry_after_s: int | None = None):
         if kind not in ERRORS:
             raise KeyError(f"unknown error kind {kind!r}")
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.retry_after_s = retry_after_s  # when known for this error: the Retry-After instead of the setting's
 
     @property
     def spec(self) -> ErrorKind:
@@ -102,7 +103,9 @@ class ApiError(Exception):
         return envelope(self.kind, self.message)
 
     def headers(self, retry_after_s: int) -> dict[str, str]:
-        return {"Retry-After": str(retry_after_s)} if self.spec.retry_after else {}
+        if not self.spec.retry_after:
+            return {}
+        return {"Retry-After": str(self.retry_after_s if self.retry_after_s is not None else retry_after_s)}
 
 
 def envelope(code: str, message: str) -> dict[str, Any]:

@@ -46,6 +46,10 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
     async def lifespan(app: FastAPI):
         try:
             await services.start()
+        except BaseException:
+            await services.abort_start()  # nothing was served: no drain, no "drain done"
+            raise
+        try:
             yield
         finally:
             await services.stop()

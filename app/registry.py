@@ -11,6 +11,7 @@ does not extend the wait (a client polling GET is not back); a new stream, or a 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -192,11 +193,34 @@ class Registry:
         self.evict_idle()
         if len(self._sessions) + self.clips >= self.max_sessions:
             clips = f" ({self.clips} of them one-shot clips being refined)" if self.clips else ""
+            soonest = self._soonest_release()
+            if soonest is None:
+                when, retry = ("every session is in use, so none will be released on its own: retry once a client "
+                               "deletes or finishes one"), None
+            else:
+                retry = max(1, math.ceil(soonest))
+                when = f"the next idle session is released in {soonest:.0f} s: retry then"
             raise ApiError(
                 "too_many_sessions",
                 f"the server holds its maximum of {self.max_sessions} sessions (max_sessions){clips}; delete one "
-                f"you no longer need or retry in {self.retry_after_s} s",
+                f"you no longer need, or {when}",
+                retry_after_s=retry,
             )
+
+    def _soonest_release(self) -> float | None:
+        """Seconds until the first session that is not in use would be evicted or released (None: all in use)."""
+        now = self.clock()
+        waits = []
+        for handle in self._sessions.values():
+            if handle.streaming or handle.requests_in_flight or handle.engine_session.queued:
+                continue
+            if handle.detached:
+                waits.append(handle.detached_at + self.reattach_grace_s - now)
+            elif handle.session.state.flushed:
+                waits.append(handle.last_active + min(self.flushed_ttl_s, self.idle_timeout_s) - now)
+            else:
+                waits.append(handle.last_active + self.idle_timeout_s - now)
+        return max(min(waits), 0.0) if waits else None
 
     @contextlib.contextmanager
     def clip(self):

@@ -11,6 +11,7 @@ from pathlib import Path
 import uvicorn
 
 from models.errors import ModelLoadError
+from models.loading import resolve_device
 
 from .main import create_app
 from .services import Services, ensure_embedded_model
@@ -58,20 +59,28 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(getattr(args, "config", None), **flags)
 
 
+def preflight(settings: Settings) -> None:
+    """What can be checked before uvicorn starts, so that a wrong flag is one clear line (app.cli prints it) and a
+    non-zero exit, not a start-up traceback: the device, and that the model and VAE folders hold a config.json."""
+    resolve_device(settings.device)
+    for name, value, what in (("model", settings.model, "a local refiner folder in diffusers layout, or no --model "
+                               "to serve the embedded tiny refiner"),
+                              ("vae", settings.vae, "a local AutoencoderKLLTX2Video folder in diffusers layout "
+                               "(`python -m app make-checkpoint --preset tiny-vae --out DIR` writes a test one), "
+                               "or no --vae")):
+        if not value:
+            continue
+        folder = Path(value).expanduser()
+        if not folder.is_dir():
+            raise ModelLoadError(f"{name} folder {value!r} does not exist; pass {what}")
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"{name} folder {value!r} has no config.json; pass {what}")
+
+
 def serve_command(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.model and not Path(settings.model).expanduser().is_dir():
-        # Fail before uvicorn starts: one clear line (app.cli prints it) instead of a start-up traceback.
-        raise ModelLoadError(
-            f"model folder {settings.model!r} does not exist; pass a local refiner folder in diffusers layout, "
-            "or no --model to serve the embedded tiny refiner"
-        )
-    if settings.vae and not Path(settings.vae).expanduser().is_dir():
-        raise ModelLoadError(
-            f"VAE folder {settings.vae!r} does not exist; pass a local AutoencoderKLLTX2Video folder in diffusers "
-            "layout (`python -m app make-checkpoint --preset tiny-vae --out DIR` writes a test one), or no --vae"
-        )
+    preflight(settings)
     if not settings.model:
         folder = ensure_embedded_model(settings.embedded_model_dir)
         log.info("no --model given: serving the embedded tiny refiner from %s", folder)

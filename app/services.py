@@ -465,6 +465,13 @@ class Services:
         log.info("drain: saved %d of %d session(s) to %s", len(written), len(handles), folder)
         return written
 
+    async def abort_start(self) -> None:
+        """Start-up failed: stop what started, quietly (there is nothing to drain or save)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.to_thread(self.engine.stop)
+        self.encoder.close()
+
     async def stop(self) -> None:
         await self.drain()
         for task in self._tasks:

@@ -315,13 +315,32 @@ def test_evicted_session_is_410(make_settings):
         assert denied.value.status_code == 410
 
 
-def test_too_many_sessions_is_503_with_retry_after(make_settings):
-    with running_app(make_settings(max_sessions=2, retry_after_s=3)) as client:
+def test_too_many_sessions_is_503_with_a_retry_after_that_tells_the_truth(make_settings):
+    """Retry-After is when the first idle session will be released (idle timeout, finished-session TTL), not a
+    fixed guess; with every session in use there is no such time, and the message says so."""
+    with running_app(make_settings(max_sessions=2, retry_after_s=3, session_idle_timeout_s=120,
+                                   flushed_session_ttl_s=30)) as client:
         first = new_session(client)
         new_session(client)
         response = client.post("/v1/sessions")
         assert_error(response, 503, "too_many_sessions")
-        assert response.headers["retry-after"] == "3"
+        assert 118 <= int(response.headers["retry-after"]) <= 120
+        assert "released in" in response.json()["error"]["message"]
+        latents, embeds, mask = make_clip(frames=4)
+        flushed = client.post(f"/v1/sessions/{first}/chunks?flush=true", content=payload(latents, embeds, mask),
+                              headers=OCTET)
+        assert flushed.status_code == 200
+        response = client.post("/v1/sessions")
+        assert 28 <= int(response.headers["retry-after"]) <= 30, "a finished session goes after its TTL"
+        registry = client.app.state.services.registry
+        for handle in registry.handles():
+            handle.requests_in_flight += 1  # every session in use
+        try:
+            response = client.post("/v1/sessions")
+            assert response.headers["retry-after"] == "3" and "in use" in response.json()["error"]["message"]
+        finally:
+            for handle in registry.handles():
+                handle.requests_in_flight -= 1
         assert client.delete(f"/v1/sessions/{first}").status_code == 204
         new_session(client)
 

@@ -57,3 +57,24 @@ def test_python_m_app_serve_with_defaults_builds_the_tiny_refiner_and_answers(tm
     # uvicorn shuts down gracefully, then re-raises the signal it caught, so the process ends "by SIGTERM".
     assert code in (0, -signal.SIGTERM), log.read_text()
     assert "Application shutdown complete" in log.read_text()
+
+
+def test_start_up_failures_are_one_clear_line_and_a_non_zero_exit(tmp_path):
+    """A wrong device or an empty model folder: one line naming the problem and what to pass instead, exit status
+    2, no traceback, and no drain (nothing was served)."""
+    import torch
+
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    cases = [(["--model", str(empty)], "has no config.json"), (["--vae", str(tmp_path / "nope")], "does not exist")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "CUDA is not available"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
+    env.update(WM_REFINER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    for flags, reason in cases:
+        done = subprocess.run([sys.executable, "-m", "app", "serve", "--port", str(free_port()), *flags], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+        output = done.stdout + done.stderr
+        assert done.returncode == 2, (flags, output)
+        assert output.strip().count("\n") == 0 and output.startswith("error: ") and reason in output, (flags, output)
+        assert "Traceback" not in output and "drain" not in output
