@@ -66,3 +66,30 @@ def test_the_routers_configurations_are_accepted_by_haproxy_and_agree(tmp_path):
     for rule in ("balance hash path,field(4,/)", "hash-type consistent", "stick on path,field(4,/)",
                  "option httpchk GET /ready", "set-path /v1/sessions/%[var(txn.new_id)]"):
         assert rule in k8s and rule in local, rule
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs haproxy (apt-get install haproxy)")
+def test_docker_compose_runs_the_same_topology():
+    """docker-compose.yml: replicas with distinct ids on one shared snapshot volume, the router's config (which
+    HAProxy accepts) naming each of them with the template's session rules, Prometheus scraping each."""
+    root = DEPLOY.parent
+    compose = yaml.safe_load((root / "docker-compose.yml").read_text())
+    replicas = {name: service for name, service in compose["services"].items() if name.startswith("refiner-")}
+    assert len(replicas) >= 2
+    ids = {service["environment"]["WM_REFINER_REPLICA_ID"] for service in replicas.values()}
+    assert len(ids) == len(replicas)
+    for service in replicas.values():
+        assert service["environment"]["WM_REFINER_SNAPSHOT_DIR"] == "/snapshots"
+        assert "refiner-snapshots:/snapshots" in service["volumes"]
+    config = (DEPLOY / "haproxy-compose.cfg").read_text()
+    checked = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "haproxy-compose.cfg")], capture_output=True,
+                             text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    template = (DEPLOY / "haproxy.cfg.template").read_text()
+    backend = template[template.index("backend replicas"):template.index("@SERVERS@")]
+    assert backend in config, "the compose router's backend rules are the template's"
+    for name in replicas:
+        assert f"server {name} {name}:8000 check" in config
+    prometheus = yaml.safe_load((root / "configs" / "prometheus.yml").read_text())
+    targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert sorted(targets) == sorted(f"{name}:8000" for name in replicas)
