@@ -5,170 +5,23 @@ every client ends with exactly the frames of an uninterrupted single-server run:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
-from websockets.sync.client import connect
 
-from app.codec import decode_response
+from bench.cluster import Cluster, Units, http_client, ws_client
 from models import load_refiner
-from tests.app.conftest import OCTET, expected_clip, make_clip, payload
+from tests.app.conftest import expected_clip, make_clip
 
-ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs haproxy (apt-get install haproxy)")
-
-
-class Cluster:
-    def __init__(self, state_dir: Path, replicas: int, *options: str):
-        self.state_dir = state_dir
-        port = _free_port()
-        self.process = subprocess.Popen(
-            ["bash", str(ROOT / "deploy" / "local-cluster.sh"), "--replicas", str(replicas), "--port", str(port),
-             "--state-dir", str(state_dir), *options],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        deadline = time.monotonic() + 600
-        info = state_dir / "cluster.json"
-        while not info.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the cluster did not start:\n{self.process.stdout.read()}")
-            time.sleep(0.1)
-        self.info = json.loads(info.read_text())
-        self.url = f"http://127.0.0.1:{self.info['router_port']}"
-        self.ws_url = f"ws://127.0.0.1:{self.info['router_port']}"
-
-    def replica(self, replica_id: str) -> dict:
-        return next(r for r in self.info["replicas"] if r["replica_id"] == replica_id)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-
-
-def _free_port() -> int:
-    from bench.live import free_port
-
-    return free_port()
-
-
-class Units:
-    """A client's refined frames in order: a unit it already has (sent again after a move) is skipped, a gap fails."""
-
-    def __init__(self):
-        self.parts: list[torch.Tensor] = []
-        self.received = 0
-        self.duplicates = 0
-
-    def add(self, latents: torch.Tensor, start: int, end: int) -> None:
-        if end <= self.received:
-            self.duplicates += 1
-            return
-        assert start == self.received, f"a gap: got [{start}, {end}) after {self.received} frames"
-        self.parts.append(latents)
-        self.received = end
-
-    def clip(self) -> torch.Tensor:
-        return torch.cat(self.parts, dim=2)
-
-
-def ws_client(cluster: Cluster, session_id: str, latents, embeds, mask, units: Units, progress: threading.Event):
-    """Closed loop over the stream: a chunk, then its block; after a close or a failed connect, reconnect through
-    the router with ?resume_from=<frames received> and resend from the frames the session says it has."""
-    frames = latents.shape[2]
-    deadline = time.monotonic() + DEADLINE_S
-
-    def read_until(ws, frame: int) -> None:
-        while units.received < frame:
-            message = ws.recv(timeout=30)
-            if isinstance(message, str):
-                event = json.loads(message)
-                # A message refused because the replica is draining was not taken: the close (1012) follows, and
-                # the session event after the reconnect says what to send again.
-                assert event["type"] != "error" or event["error"]["code"] == "draining", message
-                continue
-            tensors, meta = decode_response(message)
-            units.add(tensors["latents"], int(meta["frame_start"]), int(meta["frame_end"]))
-            if units.received >= 4:
-                progress.set()
-
-    while True:
-        assert time.monotonic() < deadline, f"{session_id}: gave up"
-        try:
-            url = f"{cluster.ws_url}/v1/sessions/{session_id}/stream?resume_from={units.received}"
-            with connect(url, open_timeout=10, max_size=None) as ws:
-                event = json.loads(ws.recv(timeout=30))
-                assert event["type"] == "session", event
-                cursor = event["frames_received"]
-                while cursor < frames:
-                    end = 4 if cursor == 0 else min(cursor + 3, frames)
-                    ws.send(payload(latents[:, :, cursor:end], *((embeds, mask) if cursor == 0 else ())))
-                    cursor = end
-                    read_until(ws, cursor)  # the chunks follow the block grid: each one completes its block
-                    time.sleep(0.05)
-                read_until(ws, frames)
-                ws.send(json.dumps({"type": "flush"}))
-                while not (isinstance(message := ws.recv(timeout=30), str) and json.loads(message)["type"] == "done"):
-                    pass
-                return
-        except (ConnectionClosed, InvalidHandshake, OSError, TimeoutError):
-            time.sleep(0.2)  # draining (503), moving (404 until adopted), or gone: try again through the router
-
-
-def _holds(port: int, session_id: str):
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/v1/sessions/{session_id}", timeout=5).status_code
-    except httpx.HTTPError as exc:
-        return repr(exc)
-
-
-def http_client(cluster: Cluster, session_id: str, latents, embeds, mask, units: Units, progress: threading.Event):
-    frames = latents.shape[2]
-    bounds = [0, 4, *range(7, frames, 3), frames]
-    deadline = time.monotonic() + DEADLINE_S
-    last = None
-    with httpx.Client(base_url=cluster.url, timeout=30) as http:
-        for seq, (start, end) in enumerate(zip(bounds, bounds[1:])):
-            body = payload(latents[:, :, start:end], *((embeds, mask) if seq == 0 else ()))
-            while True:
-                if time.monotonic() > deadline:
-                    where = {r["replica_id"]: _holds(r["port"], session_id) for r in cluster.info["replicas"]}
-                    raise AssertionError(f"{session_id}: gave up at seq {seq}; last answer "
-                                         f"{last and (last.status_code, last.headers.get('x-replica'), last.text[:200])}; "
-                                         f"held by {where}; files {sorted(p.name for p in (cluster.state_dir / 'snapshots').iterdir())}")
-                try:
-                    reply = http.post(f"/v1/sessions/{session_id}/chunks", params={"seq": seq, "flush": end == frames},
-                                      content=body, headers=OCTET)
-                except httpx.HTTPError:
-                    time.sleep(0.2)
-                    continue
-                last = reply
-                if reply.status_code in (503, 404):  # draining, or the session is on its way to another replica
-                    time.sleep(0.2)
-                    continue
-                assert reply.status_code == 200, reply.text
-                break
-            tensors, meta = decode_response(reply.content)
-            if tensors["latents"].shape[2]:
-                units.add(tensors["latents"], int(meta["frame_start"]), int(meta["frame_end"]))
-            if units.received >= 4:
-                progress.set()
-            time.sleep(0.05)
 
 
 def test_a_replica_drained_mid_stream_hands_its_sessions_over_bit_identically(tmp_path):
