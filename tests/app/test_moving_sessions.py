@@ -104,3 +104,23 @@ def test_replicas_sharing_a_folder_adopt_each_session_exactly_once_and_continue_
             assert rest.status_code == 200 and rest.headers["x-replica"] == owner
             refined = torch.cat([read_latents(first_halves[session_id].content)[0], read_latents(rest.content)[0]], dim=2)
             assert torch.equal(refined, expected_clip(refiner, latents, embeds, mask, seed=index))
+
+
+def test_an_adopted_session_counts_against_max_sessions(make_settings, tmp_path):
+    """A full replica does not take a session from the shared folder: 503 too_many_sessions, the file stays for
+    a replica with room (or for this one once a place is free)."""
+    folder = tmp_path / "shared"
+    latents, embeds, mask = make_clip(frames=4)
+    with running_app(make_settings(snapshot_dir=folder)) as a:
+        assert a.put("/v1/sessions/waiting-session-1", json={}).status_code == 201
+        assert a.post("/v1/sessions/waiting-session-1/chunks", content=payload(latents, embeds, mask),
+                      headers=OCTET).status_code == 200
+    with running_app(make_settings(snapshot_dir=folder, max_sessions=1)) as b:
+        local = b.post("/v1/sessions").json()["session_id"]
+        refused = b.get("/v1/sessions/waiting-session-1")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_sessions"
+        assert [p.name for p in folder.iterdir()] == ["waiting-session-1.session.safetensors"]
+        assert b.delete(f"/v1/sessions/{local}").status_code == 204
+        adopted = b.get("/v1/sessions/waiting-session-1")
+        assert adopted.status_code == 200 and adopted.json()["frames_returned"] == 4
+        assert list(folder.iterdir()) == []
