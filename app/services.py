@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -310,6 +311,23 @@ class Services:
 
         asyncio.ensure_future(remove())
 
+    def peer_urls(self) -> list[str]:
+        """Base URLs of the other replicas (setting ``peers``); this replica's own address is left out."""
+        spec = self.settings.peers or ""
+        if spec.startswith("dns:"):
+            _, name, port = spec.split(":", 2)
+            try:
+                addresses = sorted({info[4][0] for info in socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)})
+            except OSError:
+                return []
+            urls = [f"http://{'[' + a + ']' if ':' in a else a}:{port}" for a in addresses]
+        else:
+            urls = [part.strip().rstrip("/") for part in spec.split(",") if part.strip()]
+        own = {f"http://{self.settings.host}:{self.settings.port}", f"http://127.0.0.1:{self.settings.port}",
+               f"http://localhost:{self.settings.port}"}
+        own |= {f"http://{a}:{self.settings.port}" for a in _own_addresses()}
+        return [url for url in urls if url not in own]
+
     @property
     def snapshot_folder(self) -> Path | None:
         folder = self.settings.snapshot_dir
@@ -503,6 +521,13 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
 def _log_failed_checkpoint(task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("writing a checkpoint failed: %r", task.exception())
+
+
+def _own_addresses() -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return set()
 
 
 def _plain_id(session_id: str) -> bool:

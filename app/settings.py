@@ -124,6 +124,11 @@ class Settings(BaseSettings):
         default=0.0, ge=0.0,
         description="and/or when this long passed since its last one (and it refined a block since); 0: off",
     )
+    peers: str | None = Field(
+        default=None,
+        description="the deployment's replicas, for GET /v1/sessions to list all of them: comma-separated base URLs "
+        "(this replica's own may be among them), or dns:NAME:PORT (every address of a headless service)",
+    )
     replica_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="this process's name in a deployment: the X-Replica header, snapshot claims",

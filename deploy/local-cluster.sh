@@ -50,19 +50,24 @@ stop() {
 trap 'stop 0' TERM INT
 trap 'echo "local-cluster.sh: failed (line $LINENO)" >&2; stop 1' ERR
 
+# Every replica knows the others, for GET /v1/sessions to list the whole deployment.
+for ((i = 0; i < replicas; i++)); do ports+=("$(free_port)"); done
+peers=""
+for p in "${ports[@]}"; do peers+="${peers:+,}http://127.0.0.1:$p"; done
 for ((i = 0; i < replicas; i++)); do
-    replica_port="$(free_port)" replica_id="replica-$i"
+    replica_port="${ports[$i]}" replica_id="replica-$i"
     (
         cd "$root"
         export WM_REFINER_PORT="$replica_port" WM_REFINER_HOST=127.0.0.1 WM_REFINER_REPLICA_ID="$replica_id"
         export WM_REFINER_SNAPSHOT_DIR="$state_dir/snapshots" WM_REFINER_CACHE_DIR="$state_dir/cache"
+        export WM_REFINER_PEERS="$peers"
         [[ -n "$model" ]] && export WM_REFINER_MODEL="$model"
         [[ -n "$api_key" ]] && export WM_REFINER_API_KEY="$api_key"
         [[ -n "$vae" ]] && export WM_REFINER_VAE="$vae"
         [[ -n "$checkpoint_every" ]] && export WM_REFINER_CHECKPOINT_EVERY_BLOCKS="$checkpoint_every"
         exec "$python" -m app serve
     ) >"$state_dir/$replica_id.log" 2>&1 &
-    pids+=("$!") ports+=("$replica_port") ids+=("$replica_id")
+    pids+=("$!") ids+=("$replica_id")
     # The first replica builds the embedded tiny refiner; the others wait for it rather than race.
     if [[ $i -eq 0 && -z "$model" ]]; then
         until [[ -f "$state_dir/cache/tiny/config.json" ]]; do

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -188,10 +189,62 @@ async def list_sessions(
     services: ServicesDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="sessions per page")] = 100,
     after: Annotated[str | None, Query(max_length=128, description="the 'next' of the previous page")] = None,
+    scope: Annotated[
+        Literal["deployment", "local"],
+        Query(description="deployment (default): every replica's sessions when `peers` is set; local: this one's"),
+    ] = "deployment",
 ) -> dict[str, Any]:
-    reject_unknown_query(request, frozenset({"limit", "after"}))
-    page, following = services.registry.listing(limit, after)
-    return {"sessions": [handle.summary() for handle in page], "next": following}
+    reject_unknown_query(request, frozenset({"limit", "after", "scope"}))
+    replica = services.settings.replica_id
+    if scope == "local" or not services.settings.peers:
+        page, following = services.registry.listing(limit, after)
+        return {"sessions": [{**handle.summary(), "replica": replica} for handle in page], "next": following}
+    return await deployment_listing(services, request, limit, after)
+
+
+async def deployment_listing(services, request: Request, limit: int, after: str | None) -> dict[str, Any]:
+    """Behind a router, GET /v1/sessions lists the deployment (api.md 1.1): this replica asks every peer for its own
+    sessions (``scope=local``, the caller's API key passed on), merges them oldest first and pages the result. A
+    peer that does not answer within 2 s is left out and named in ``"unreachable"``."""
+    import httpx
+
+    mine = [{**h.summary(), "replica": services.settings.replica_id} for h in services.registry.handles()]
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    unreachable: list[str] = []
+
+    async def ask(base: str, http) -> list[dict[str, Any]]:
+        try:
+            found, following = [], None
+            while True:
+                params = {"scope": "local", "limit": 1000, **({"after": following} if following else {})}
+                reply = await http.get(f"{base}/v1/sessions", params=params, headers=headers)
+                reply.raise_for_status()
+                body = reply.json()
+                found += body["sessions"]
+                following = body["next"]
+                if following is None:
+                    return found
+        except (httpx.HTTPError, ValueError, KeyError):
+            unreachable.append(base)
+            return []
+
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        answers = await asyncio.gather(*(ask(base, http) for base in services.peer_urls()))
+    merged: dict[str, dict[str, Any]] = {}
+    for entry in [*mine, *(entry for found in answers for entry in found)]:
+        merged.setdefault(entry["session_id"], entry)  # a session seen twice (mid-move): the first answer
+    ordered = sorted(merged.values(), key=lambda e: (e["created_at"], e["session_id"]))
+    if after is not None:
+        ids = [entry["session_id"] for entry in ordered]
+        if after not in ids:
+            raise ApiError("invalid_request", f"after={after!r} is not a live session of this deployment; pass "
+                                              "the 'next' of the previous page")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    body: dict[str, Any] = {"sessions": page, "next": page[-1]["session_id"] if len(ordered) > limit else None}
+    if unreachable:
+        body["unreachable"] = unreachable
+    return body
 
 
 @router.get(

@@ -53,12 +53,18 @@ def test_a_replica_drained_mid_stream_hands_its_sessions_over_bit_identically(tm
         for thread in threads:
             thread.join(DEADLINE_S)
             assert not thread.is_alive(), "a client did not finish"
-        # Every session ended on a replica that is still up.
+        # Every session ended on a replica that is still up, and the deployment's list (whichever replica the
+        # router asks) shows each once, where it is.
         with httpx.Client(base_url=cluster.url, timeout=30) as http:
+            where = {}
             for session_id in clips:
                 state = http.get(f"/v1/sessions/{session_id}")
                 assert state.status_code == 200 and state.headers["x-replica"] != victim
                 assert state.json()["flushed"]
+                where[session_id] = state.headers["x-replica"]
+            listed = http.get("/v1/sessions").json()
+            assert {e["session_id"]: e["replica"] for e in listed["sessions"]} == where
+            assert listed["unreachable"] == [f"http://127.0.0.1:{cluster.replica(victim)['port']}"]
     finally:
         cluster.stop()
     refiner = load_refiner(tmp_path / "cluster" / "cache" / "tiny", device="cpu", dtype="float32")
