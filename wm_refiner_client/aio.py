@@ -39,7 +39,7 @@ from ._common import (
     session_path,
     ws_url,
 )
-from .client import OCTET, _geometry, _join, _raise_if_fatal
+from .client import OCTET, _geometry, _join, _raise_if_fatal, _take
 from .errors import ProtocolError, ServiceUnavailableError, StreamClosedError, TransportError
 from .resume import ChunkSource, UnitTracker, frames_before_flush
 from .retry import RetryPolicy
@@ -339,30 +339,15 @@ class AsyncStream(AsyncIterator[Unit]):
                         _raise_if_fatal(exc, session.id)
                         failures, last_error = failures + 1, exc
                         break
-                    if isinstance(message, bytes):
-                        fresh = tracker.accept(Unit.from_payload(message, client.return_tensors))
-                        if fresh is None:
-                            continue
+                    taken = _take(message, tracker, source, session, stats, base, client.return_tensors)
+                    if isinstance(taken, Unit):
                         failures = 0
-                        source.confirm(tracker.frames - base)
-                        session._note(fresh)
-                        stats.frames_refined, stats.video_frames = tracker.frames - base, tracker.video_frames
-                        stats.units += 1
-                        stats.last_latency_ms = fresh.latency_ms if fresh.latency_ms is not None else stats.last_latency_ms
                         woken.set()
-                        yield fresh
-                        continue
-                    event = parse_event(message)
-                    if event["type"] == "done":
-                        if event.get("frames") != tracker.frames:
-                            raise ProtocolError(f"the server returned {event.get('frames')} frames in all but this "
-                                                f"stream received {tracker.frames}")
+                        yield taken
+                    elif taken is True:
                         return
-                    if event["type"] == "error":
-                        error = event_error(event)
-                        if error.code not in RESUMABLE_EVENT_CODES:
-                            raise error
-                        last_error = error
+                    elif taken is not None:
+                        last_error = taken  # the server closes the stream after it; the close starts the reconnect
             finally:
                 if sender is not None and not sender.done():
                     sender.cancel()

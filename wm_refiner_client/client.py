@@ -46,6 +46,7 @@ from ._common import (
     ws_url,
 )
 from .errors import (
+    APIError,
     PayloadTooLargeCodeError,
     ProtocolError,
     ServiceUnavailableError,
@@ -394,31 +395,15 @@ class Stream(Iterator[Unit]):
                         _raise_if_fatal(exc, session.id)
                         failures, last_error = failures + 1, exc
                         break
-                    if isinstance(message, bytes):
-                        fresh = tracker.accept(Unit.from_payload(message, client.return_tensors))
-                        if fresh is None:
-                            continue
+                    taken = _take(message, tracker, source, session, stats, base, client.return_tensors)
+                    if isinstance(taken, Unit):
                         failures = 0
-                        source.confirm(tracker.frames - base)
-                        session._note(fresh)
-                        stats.frames_refined, stats.video_frames = tracker.frames - base, tracker.video_frames
-                        stats.units += 1
-                        stats.last_latency_ms = fresh.latency_ms if fresh.latency_ms is not None else stats.last_latency_ms
                         sender.wake()
-                        yield fresh
-                        continue
-                    message_event = parse_event(message)
-                    if message_event["type"] == "done":
-                        if message_event.get("frames") != tracker.frames:
-                            raise ProtocolError(f"the server returned {message_event.get('frames')} frames in all "
-                                                f"but this stream received {tracker.frames}")
+                        yield taken
+                    elif taken is True:
                         return
-                    if message_event["type"] == "error":
-                        error = event_error(message_event)
-                        if error.code not in RESUMABLE_EVENT_CODES:
-                            raise error
-                        # The server closes the stream after these; the close starts the reconnect.
-                        last_error = error
+                    elif taken is not None:
+                        last_error = taken  # the server closes the stream after it; the close starts the reconnect
             finally:
                 if sender is not None:
                     sender.stop()
@@ -485,6 +470,35 @@ def _recv_text(ws: ClientConnection) -> str:
     if isinstance(message, bytes):
         raise ProtocolError("expected the session event, got a binary message")
     return message
+
+
+def _take(message: str | bytes, tracker: UnitTracker, source: ChunkSource, session, stats: StreamStats, base: int,
+          return_tensors: ReturnTensors) -> Unit | bool | APIError | None:
+    """One message of a stream (sync and asyncio alike): a fresh unit to hand out (the books updated), True when
+    the stream is done, a resumable error event, or None (nothing new). Other errors are raised."""
+    if isinstance(message, bytes):
+        fresh = tracker.accept(Unit.from_payload(message, return_tensors))
+        if fresh is None:
+            return None
+        source.confirm(tracker.frames - base)
+        session._note(fresh)
+        stats.frames_refined, stats.video_frames = tracker.frames - base, tracker.video_frames
+        stats.units += 1
+        if fresh.latency_ms is not None:
+            stats.last_latency_ms = fresh.latency_ms
+        return fresh
+    event = parse_event(message)
+    if event["type"] == "done":
+        if event.get("frames") != tracker.frames:
+            raise ProtocolError(f"the server returned {event.get('frames')} frames in all but this stream received "
+                                f"{tracker.frames}")
+        return True
+    if event["type"] == "error":
+        error = event_error(event)
+        if error.code not in RESUMABLE_EVENT_CODES:
+            raise error
+        return error
+    return None
 
 
 def _raise_if_fatal(exc: ConnectionClosed, session_id: str) -> None:
