@@ -210,16 +210,7 @@ class Registry:
     def _soonest_release(self) -> float | None:
         """Seconds until the first session that is not in use would be evicted or released (None: all in use)."""
         now = self.clock()
-        waits = []
-        for handle in self._sessions.values():
-            if handle.streaming or handle.requests_in_flight or handle.engine_session.queued:
-                continue
-            if handle.detached:
-                waits.append(handle.detached_at + self.reattach_grace_s - now)
-            elif handle.session.state.flushed:
-                waits.append(handle.last_active + min(self.flushed_ttl_s, self.idle_timeout_s) - now)
-            else:
-                waits.append(handle.last_active + self.idle_timeout_s - now)
+        waits = [at - now for at in map(self._release_at, self._sessions.values()) if at is not None]
         return max(min(waits), 0.0) if waits else None
 
     @contextlib.contextmanager
@@ -320,17 +311,21 @@ class Registry:
 
     # --- internals -----------------------------------------------------------------------------------------
     def _idle(self, handle: SessionHandle, now: float) -> bool:
+        release_at = self._release_at(handle)
+        return release_at is not None and now > release_at
+
+    def _release_at(self, handle: SessionHandle) -> float | None:
+        """When (registry clock) the session is released if nothing happens; None while it is in use."""
         # A session with an open stream or work in the engine is in use however long since its last request.
-        busy = handle.streaming or handle.requests_in_flight or handle.engine_session.queued
-        if busy:
-            return False
+        if handle.streaming or handle.requests_in_flight or handle.engine_session.queued:
+            return None
         if handle.detached:
-            return now - handle.detached_at > self.reattach_grace_s
+            return handle.detached_at + self.reattach_grace_s
         if handle.session.state.flushed:
             # Finished: kept long enough to repeat the last seq or reconnect for the tail, then released so that
             # finished sessions never exhaust max_sessions.
-            return now - handle.last_active > min(self.flushed_ttl_s, self.idle_timeout_s)
-        return now - handle.last_active > self.idle_timeout_s
+            return handle.last_active + min(self.flushed_ttl_s, self.idle_timeout_s)
+        return handle.last_active + self.idle_timeout_s
 
     def _evict(self, handle: SessionHandle) -> None:
         if handle.session.state.flushed and not handle.detached:
