@@ -207,10 +207,8 @@ class Watcher:
 
             data = await asyncio.get_running_loop().run_in_executor(_POOL, build)
         await self.websocket.send_bytes(data)
-        kind = unit.unit.kind if isinstance(unit, UnitCopies) else unit.kind
-        if kind == "block":
-            start = unit.unit.frame_start if isinstance(unit, UnitCopies) else unit.frame_start
-            end = unit.unit.frame_end if isinstance(unit, UnitCopies) else unit.frame_end
-            event: dict[str, Any] = {"type": "block", "frame_start": start, "frame_end": end,
-                                     "latency_ms": round(latency_ms, 3)}
+        described = unit.unit if isinstance(unit, UnitCopies) else unit  # both say kind and frames
+        if described.kind == "block":
+            event: dict[str, Any] = {"type": "block", "frame_start": described.frame_start,
+                                     "frame_end": described.frame_end, "latency_ms": round(latency_ms, 3)}
             await self.websocket.send_text(json.dumps(event))
