@@ -151,9 +151,12 @@ class Services:
     def watch(self, handle: SessionHandle, units, received: float, done: bool = False) -> None:
         """Offer units that went out another way (an HTTP response) to the session's watchers; ``done``: the
         session was flushed with them."""
-        for watcher in list(handle.watchers):
-            for unit in units:
-                watcher.offer(UnitCopies(unit), received)
+        watchers = list(handle.watchers)
+        if watchers:
+            copies = [UnitCopies(unit) for unit in units]  # one host copy per unit, whatever the number of watchers
+            for watcher in watchers:
+                for unit in copies:
+                    watcher.offer(unit, received)
         if done:
             self.finish_watchers(handle)
 
