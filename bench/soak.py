@@ -284,7 +284,7 @@ def run_soak(config: SoakConfig = SoakConfig(), workdir: Path | None = None) -> 
 
 
 async def _soak(config: SoakConfig, workdir: Path) -> dict[str, Any]:
-    from models import SessionConfig, load_refiner, refine_clip
+    from models import load_refiner, refine_clip
 
     started = time.monotonic()
     shared = Shared(config, deadline=started + config.deadline_s)

@@ -31,7 +31,7 @@ from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..delivery import UnitCopies
-from ..errors import WS_NORMAL, WS_POLICY_VIOLATION, ApiError
+from ..errors import WS_NORMAL, ApiError
 from ..outputs import HostUnit, Outputs
 from ..registry import SessionHandle
 from ..resume import SentUnit
