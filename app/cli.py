@@ -1,7 +1,7 @@
 """Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service),
-``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli_remote``), ``bench`` (the
-benchmarks in the checkout's ``bench/``, a thin alias of ``python -m bench``). Errors go to stderr with a non-zero
-exit status; progress bars go to stderr only when it is a terminal."""
+``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli_remote``). Errors go to
+stderr with a non-zero exit status; progress bars go to stderr only when it is a terminal. The benchmarks are not a
+service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks)."""
 
 from __future__ import annotations
 
@@ -47,18 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stream_parser(commands)
     add_sessions_parser(commands)
-
-    # Listed for --help only: main() hands everything after "bench" to the benchmarks.
-    commands.add_parser(
-        "bench", help="run a benchmark (alias of `python -m bench`, from a checkout): cache [default], load, attention"
-    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # every option belongs to the benchmark, --help included
-        return _report_errors(lambda: bench_alias(argv[1:]))
+    if argv[:1] == ["bench"]:  # the alias this command had once: say where the benchmarks went
+        print("error: `python -m app bench` is gone; run the benchmarks with `python -m bench` from a checkout "
+              "(see docs/benchmarks.md)", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     return _report_errors(lambda: _dispatch(args))
 
@@ -100,21 +97,6 @@ def _report_errors(run) -> int:
         kind = "error" if known else f"error ({type(exc).__name__})"
         print(f"{kind}: {exc}", file=sys.stderr)
         return 2
-
-
-def bench_alias(arguments: list[str]) -> int:
-    """``python -m app bench [cache|load|attention] ...`` runs ``python -m bench``; a bare option list means
-    ``cache`` (what this command ran before the benchmarks moved out of the service package)."""
-    try:
-        from bench.__main__ import main as bench_main
-    except ImportError:
-        raise RuntimeError(
-            "the benchmarks live in the repository's bench/ folder, not in the installed package; run "
-            "`python -m bench` from a checkout"
-        ) from None
-    if not arguments or arguments[0] not in ("cache", "load", "attention", "-h", "--help"):
-        arguments = ["cache", *arguments]
-    return bench_main(arguments)
 
 
 def refine_command(args: argparse.Namespace) -> int:

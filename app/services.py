@@ -7,8 +7,9 @@ warms the model up in the background at the steady-state window shape while ``/h
 rolled back and answered 503), waits until every committed unit is encoded and retained, writes every live
 session to ``snapshot_dir`` (when set) exactly as its clients last saw it, and closes the streams with a code and a
 reason (1012 "service restart" for a saved session, 1001 otherwise), waiting for them at most
-``drain_timeout_s``, before the server closes connections. The next start restores the saved sessions under
-their ids, before it reports ready.
+``drain_timeout_s``, before the server closes connections. Nothing is loaded at start-up: a server on the same
+``snapshot_dir`` (this one restarted, or another replica) adopts a saved session on the first request for it,
+under its id (``_adopt``); start-up only removes interrupted writes and gives back this replica's stale claims.
 """
 
 from __future__ import annotations

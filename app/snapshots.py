@@ -18,7 +18,6 @@ Reading and building records run on the engine thread (the session's tensors are
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,6 @@ import torch
 from models import Refiner, RefinerSession
 from models.snapshot import (
     SnapshotError,
-    fsync_dir,
     read_tensors,
     session_from_tensors,
     session_to_tensors,
@@ -41,8 +39,6 @@ from models.vae import StreamingDecoder, VideoStream, video_from_tensors, video_
 from .outputs import Outputs
 from .errors import ApiError
 from .resume import SentUnit
-
-log = logging.getLogger("app")
 
 APP_FORMAT = "wm-refiner-app/1"
 SUFFIX = ".session.safetensors"
@@ -186,32 +182,6 @@ def release_claim(claimed: Path, session_id: str) -> None:
 
 def has_snapshot(folder: Path, session_id: str) -> bool:
     return snapshot_path(folder, session_id).is_file()
-
-
-def restore_all(folder: Path, refiner: Refiner, decoder: StreamingDecoder | None = None) -> list[SessionRecord]:
-    """Every readable snapshot in ``folder``, each file removed once read (a later crash must not bring back a
-    session that has moved on since). A bad file is renamed ``*.corrupt`` and logged; it never stops start-up."""
-    if not folder.is_dir():
-        return []
-    for leftover in folder.glob(f".*{SUFFIX}.*.tmp"):
-        # A write that never reached its rename: the previous file (if any) is the valid one.
-        leftover.unlink(missing_ok=True)
-    records = []
-    for path in sorted(folder.glob(f"*{SUFFIX}")):
-        try:
-            records.append(load_record(path, refiner, decoder))
-        except Exception as exc:  # a bad file costs one session, never the server
-            aside = path.with_name(path.name + ".corrupt")
-            log.warning("snapshot %s cannot be restored (%s); moved aside to %s", path, exc, aside.name)
-            try:
-                os.replace(path, aside)
-            except OSError:
-                log.exception("could not move %s aside", path)
-            continue
-        path.unlink()
-    if records:
-        fsync_dir(folder)
-    return records
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:

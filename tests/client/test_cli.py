@@ -4,6 +4,7 @@ progress."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -169,3 +170,20 @@ def test_stream_refuses_bad_arguments_with_one_line(server, tmp_path, flag):
     assert result.returncode == 2 and result.stderr.startswith("error") and len(result.stderr.splitlines()) == 1
 
 
+
+
+def test_the_benchmarks_are_not_a_service_command():
+    """``python -m app bench`` was an alias that made the service import its own benchmarks; it now only says where
+    they went, and nothing the service installs imports ``bench``."""
+    result = run_cli("bench", "load")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert "`python -m bench`" in result.stderr and not result.stdout
+    importers = []
+    for package in ("app", "models", "wm_refiner_client"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(name == "bench" or name.startswith("bench.") for name in names):
+                    importers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not importers, f"the service imports its benchmarks: {importers}"
