@@ -1,7 +1,7 @@
 """Service settings: defaults < YAML file (``--config``) < ``WM_REFINER_*`` environment < command-line flags.
 
 Every limit the service enforces is a field here, so an operator can see and change all of them in one place
-(the README lists each with its environment variable).
+(docs/operations.md lists each with its environment variable).
 """
 
 from __future__ import annotations
