@@ -8,6 +8,12 @@
   ``frames_received``; over HTTP, retry the same ``seq``, and after a crash (409: the checkpoint is behind) resend
   from the chunk the session's state names. ``Units`` keeps the refined frames in order, skipping frames it has.
 
+These two clients speak the raw wire on purpose: they are the README's recipe for clients in other languages, run
+against the real router, and they recover where ``wm_refiner_client`` cannot yet: after a ``kill -9`` whose
+adopting replica's crash checkpoint is behind frames the client already got back, a raw client still holds its
+input and resends it, while the library has dropped the chunks whose frames came back refined (issue 16 item 9:
+it needs the server to say which frames a checkpoint covers).
+
 ``python -m bench.cluster`` is the cluster soak: sessions over WebSockets and HTTP, one replica drained and
 another killed (``kill -9``) mid-run, every frame checked against the session refined alone; bounded in time.
 """

@@ -38,23 +38,13 @@ class OutputClient(Client):
     """A ``bench load`` client whose session asks for ``outputs``."""
 
     def __init__(self, *args, outputs: list[str], **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, config={"outputs": outputs}, **kwargs)
         self.outputs = outputs
-        self.session_id: str | None = None
-
-    async def open(self) -> None:
-        from websockets.asyncio.client import connect
-
-        async with httpx.AsyncClient(base_url=self.server.base_url, timeout=60) as http:
-            response = await http.post("/v1/sessions", json={"seed": self.index, "outputs": self.outputs})
-            response.raise_for_status()
-            self.session_id = response.json()["session_id"]
-        self.socket = await connect(f"{self.server.ws_url}/v1/sessions/{self.session_id}/stream", max_size=None,
-                                    compression=None)
 
 
 def stalled_watcher(server: ServerProcess, session_id: str) -> socket.socket:
-    """A WebSocket watcher that completes the handshake and never reads again (a small receive window)."""
+    """A WebSocket watcher that completes the handshake and never reads again (a small receive window). Raw on
+    purpose: what is measured is a peer that stops reading at the TCP level, which no client library lets one be."""
     raw = socket.create_connection(("127.0.0.1", server.port))
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     raw.sendall(

@@ -2,7 +2,8 @@
 
 Two servers run side by side as real processes (``python -m app serve``), one with batching on and one with it
 off, on the same random checkpoint (medium by default), both warmed up at the benchmark's latent size. The
-clients are real WebSocket clients in this process (asyncio), one connection per session.
+clients are ``wm_refiner_client.AsyncClient`` streams in this process, one connection per session, driven
+closed-loop (``bench.closed_loop``).
 
 Every session first fills its window (sink + enough blocks that the history is full; untimed), so every timed
 block attends to the full steady-state window. A *phase* then lets the first k sessions stream closed-loop, as a
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import torch
 
-from app.codec import decode_response, encode
+from bench.closed_loop import AsyncClosedLoop
 from bench.live import ServerProcess, free_port, metric_samples
 from models import SessionConfig
 from models.checkpoints import PRESETS, write_checkpoint
@@ -40,50 +40,38 @@ PROMPT_TOKENS = 16
 
 
 class Client:
-    """One session streaming blocks over one WebSocket, closed-loop."""
+    """One session streaming blocks over one WebSocket, closed-loop. ``config``: the session's fields (its seed is
+    the client's index unless given)."""
 
-    def __init__(self, server: ServerProcess, index: int, height: int, width: int, caption_channels: int):
+    def __init__(self, server: ServerProcess, index: int, height: int, width: int, caption_channels: int,
+                 config: dict[str, Any] | None = None):
         self.server = server
         self.index = index
         self.height, self.width = height, width
         self.generator = torch.Generator().manual_seed(1000 + index)
         self.embeds = torch.randn(1, PROMPT_TOKENS, caption_channels, generator=self.generator)
         self.config = SessionConfig()
+        self.stream = AsyncClosedLoop(server.base_url, {"seed": index, **(config or {})})
         self.sent = 0
-        self.socket = None
+
+    @property
+    def session_id(self) -> str | None:
+        return self.stream.session_id
 
     async def open(self) -> None:
-        from websockets.asyncio.client import connect
-
-        async with httpx.AsyncClient(base_url=self.server.base_url, timeout=60) as http:
-            response = await http.post("/v1/sessions", json={"seed": self.index})
-            response.raise_for_status()
-            session_id = response.json()["session_id"]
-        self.socket = await connect(f"{self.server.ws_url}/v1/sessions/{session_id}/stream", max_size=None)
+        await self.stream.open()
 
     def _frames(self, count: int) -> torch.Tensor:
         return torch.randn(1, 128, count, self.height, self.width, generator=self.generator)  # (B, C, t, H, W)
 
     async def send(self, frames: int) -> int:
         """Send ``frames`` new frames (the first message carries the prompt); the frame the unit will end at."""
-        tensors = {"latents": self._frames(frames)}
-        if self.sent == 0:
-            tensors["prompt_embeds"] = self.embeds
-        await self.socket.send(encode(tensors))
+        self.stream.send({"latents": self._frames(frames), "prompt": self.embeds if self.sent == 0 else None})
         self.sent += frames
         return self.sent
 
-    async def until(self, frame_end: int) -> dict[str, str]:
-        while True:
-            message = await asyncio.wait_for(self.socket.recv(), timeout=600)
-            if isinstance(message, str):
-                event = json.loads(message)
-                if event.get("type") == "error":
-                    raise RuntimeError(f"session {self.index}: server error {event}")
-                continue
-            _, meta = decode_response(message)
-            if int(meta["frame_end"]) >= frame_end:
-                return meta
+    async def until(self, frame_end: int):
+        return await self.stream.until(frame_end)
 
     async def fill(self) -> None:
         """The sink and blocks until the history is full: the window every timed block sees."""
@@ -97,8 +85,7 @@ class Client:
         return time.perf_counter() - began
 
     async def close(self) -> None:
-        if self.socket is not None:
-            await self.socket.close()
+        await self.stream.close()
 
 
 async def phase(clients: list[Client], blocks: int) -> dict[str, Any]:

@@ -2,26 +2,24 @@
 same block refined in-process, and the first refined block of a new session versus a steady-state block.
 
 Everything runs in one process (the guide's rule for noisy machines: ratios against a baseline run in the same
-process): uvicorn serves on a thread at 127.0.0.1, the WebSocket client runs here, and the in-process baseline
+process): uvicorn serves on a thread at 127.0.0.1, the WebSocket client (``wm_refiner_client``'s stream, driven
+closed-loop by ``bench.closed_loop``) runs here, and the in-process baseline
 is a ``RefinerSession`` on a second copy of the same weights, timed while the server is idle. Rounds alternate
 (service block, in-process block) so load changes hit both sides alike.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
-from websockets.sync.client import connect
 
-from app.codec import decode_response, encode
 from app.settings import Settings
+from bench.closed_loop import ClosedLoop
 from bench.live import ThreadServer
 from models import RefinerSession, SessionConfig, load_refiner
 from models.checkpoints import write_checkpoint
@@ -30,33 +28,15 @@ TARGET_STEADY_RATIO = 1.10  # WebSocket per-block latency / in-process block tim
 TARGET_FIRST_BLOCK_RATIO = 1.20  # first refined block of a new session / steady-state block (both over the socket)
 
 
-class _Stream:
-    """One WebSocket session: send frames, wait for the unit that ends at a given frame."""
+class _Stream(ClosedLoop):
+    """One session over the WebSocket: send frames, wait for the unit that ends at a given frame."""
 
     def __init__(self, server: ThreadServer, config: dict[str, Any]):
-        with httpx.Client(base_url=server.base_url, timeout=60) as http:
-            response = http.post("/v1/sessions", json=config)
-            response.raise_for_status()
-            self.session_id = response.json()["session_id"]
-        self.socket = connect(f"{server.ws_url}/v1/sessions/{self.session_id}/stream", max_size=None)
+        super().__init__(server.base_url, config)
+        self.open()
 
     def send(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.socket.send(encode(tensors))
-
-    def until(self, frame_end: int) -> dict[str, str]:
-        while True:
-            message = self.socket.recv(timeout=600)
-            if isinstance(message, str):
-                event = json.loads(message)
-                if event.get("type") == "error":
-                    raise RuntimeError(f"server error event: {event}")
-                continue
-            _, meta = decode_response(message)
-            if int(meta["frame_end"]) >= frame_end:
-                return meta
-
-    def close(self) -> None:
-        self.socket.close()
+        super().send({"latents": tensors["latents"], "prompt": tensors.get("prompt_embeds")})
 
 
 def service_benchmark(args, preset: str, height: int, width: int, blocks: int, threads: int) -> dict[str, Any]:
@@ -117,9 +97,9 @@ def _measure(server, local, config, latents, embeds, fill, blocks) -> dict[str, 
         chunk = latents[:, :, start : start + block]
         began = time.perf_counter()
         stream.send({"latents": chunk})
-        meta = stream.until(start + block)
+        unit = stream.until(start + block)
         socket_times.append(time.perf_counter() - began)
-        server_times.append(float(meta.get("latency_ms", "nan")) / 1000)
+        server_times.append((unit.latency_ms if unit.latency_ms is not None else float("nan")) / 1000)
         began = time.perf_counter()
         inproc.push(chunk)
         inproc_times.append(time.perf_counter() - began)

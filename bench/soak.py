@@ -12,6 +12,11 @@ ends with ``done`` and its frames equal ``models.refine_clip`` of the same clip 
 this process, bit for bit; and the server's resident memory (VmRSS from /proc, sampled all along) stays flat:
 the second half's peak does not exceed the first half's by more than a margin. Every wait has a deadline, so a
 broken server fails the run instead of hanging it. The figures are printed (and returned by ``run_soak``).
+
+Why the clients here speak the raw wire instead of ``wm_refiner_client``: the soak checks the server's side of the
+resume protocol, so it must see what the server sends as it is (the library trims a replayed unit and would hide a
+server that resends frames it should not), and it injects faults at points the library does not expose (a TCP
+abort right after a given message was written). The library's own reconnects are tested in ``tests/client``.
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from ._common import (
-    FLUSH_MESSAGE,
-    RESUMABLE_EVENT_CODES,
     WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
@@ -39,9 +37,9 @@ from ._common import (
     session_path,
     ws_url,
 )
-from .client import OCTET, _geometry, _join, _raise_if_fatal, _take
-from .errors import ProtocolError, ServiceUnavailableError, StreamClosedError, TransportError
-from .resume import ChunkSource, UnitTracker, frames_before_flush
+from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error
+from .errors import APIError, SessionNotFoundError, TransportError
+from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol
 from .retry import RetryPolicy
 from .units import Array, ReturnTensors, Unit, encode
 
@@ -61,6 +59,7 @@ class AsyncClient:
         self.retry = retry or RetryPolicy()
         self.return_tensors: ReturnTensors = return_tensors
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
+        self._replicas = Replicas()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -102,11 +101,13 @@ class AsyncClient:
         """``POST /v1/sessions`` (see ``Client.create_session``)."""
         response = await self._request("POST", "/v1/sessions", json=check_config(config), idempotent=False)
         data = response.json()
+        self._replicas.served(data["session_id"], response.headers.get("x-replica"))
         return AsyncSession(self, data["session_id"], data["config"], next_seq=0)
 
     async def session(self, id: str, **config: Any) -> AsyncSession:
         """``PUT /v1/sessions/{id}`` (see ``Client.session``)."""
-        response = await self._request("PUT", session_path(check_session_id(id)), json=check_config(config))
+        response = await self._request("PUT", session_path(check_session_id(id)), json=check_config(config),
+                                       session_id=id)
         data = response.json()
         if response.status_code == 201:
             return AsyncSession(self, data["session_id"], data["config"], next_seq=0)
@@ -114,13 +115,14 @@ class AsyncClient:
 
     async def get_session(self, id: str) -> AsyncSession:
         """A handle on an existing session, continuing from where it stands."""
-        state = SessionState.from_json((await self._request("GET", session_path(id))).json())
+        state = SessionState.from_json((await self._request("GET", session_path(id), session_id=id)).json())
         return AsyncSession(self, state.session_id, state.config, next_seq=state.next_seq,
                             frames_returned=state.frames_returned, video_frames_returned=state.video_frames_returned)
 
     async def delete_session(self, id: str) -> None:
         """``DELETE /v1/sessions/{id}``."""
-        await self._request("DELETE", session_path(id))
+        await self._request("DELETE", session_path(id), session_id=id)
+        self._replicas.forget(id)
 
     async def refine(self, clip: Array, prompt: Array | None = None, prompt_mask: Array | None = None,
                      **config: Any) -> Unit:
@@ -131,25 +133,35 @@ class AsyncClient:
         return Unit.from_payload(response.content, self.return_tensors)
 
     # --- plumbing ----------------------------------------------------------------------------------------------
-    async def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
-        failures = 0
+    async def _request(self, method: str, path: str, *, idempotent: bool = True, session_id: str | None = None,
+                       **kwargs: Any) -> httpx.Response:
+        """See ``Client._request``: the same decisions (``protocol.RequestAttempts``), awaited."""
+        attempts = RequestAttempts(self.retry, f"{method} {path}", idempotent=idempotent,
+                                   known_replica=self._replicas.get(session_id))
         while True:
             try:
                 response = await self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
-                never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
-                failures += 1
-                if not (idempotent or never_sent) or failures >= self.retry.attempts:
-                    raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-                await asyncio.sleep(self.retry.delay(failures))
+                wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
+                                                                                        httpx.ConnectTimeout)))
+                log.info("%s %s: %s; retrying in %.2f s", method, path, type(exc).__name__, wait)
+                await asyncio.sleep(wait)
                 continue
+            replica = response.headers.get("x-replica")
             if response.status_code < 400:
+                if session_id is not None:
+                    self._replicas.served(session_id, replica)
                 return response
             error = response_error(response.status_code, response.content, response.headers)
-            failures += 1
-            if not isinstance(error, ServiceUnavailableError) or failures >= self.retry.attempts:
-                raise error
-            await asyncio.sleep(self.retry.delay(failures, error.retry_after))
+            error.replica = replica
+            try:
+                wait = attempts.after_error(error, replica)
+            except SessionNotFoundError:
+                if session_id is not None:
+                    self._replicas.forget(session_id)
+                raise
+            log.info("%s %s: %s; retrying in %.2f s", method, path, error.code, wait)
+            await asyncio.sleep(wait)
 
     async def _connect(self, path: str, query: Mapping[str, Any] | None = None) -> ClientConnection:
         url = ws_url(self.base_url, path, query)
@@ -157,8 +169,7 @@ class AsyncClient:
             return await connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
                                  compression=None, open_timeout=self.timeout)
         except InvalidStatus as exc:
-            response = exc.response
-            raise response_error(response.status_code, response.body or b"", response.headers) from None
+            raise handshake_error(exc) from None
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             raise TransportError(f"WebSocket {path}: {type(exc).__name__}: {exc}") from exc
 
@@ -171,7 +182,7 @@ class AsyncSession:
         self.client = client
         self.id = id
         self.config = config
-        self._next_seq = next_seq
+        self._seq = ChunkSeq(next_seq)
         self._frames_returned = frames_returned
         self._video_frames_returned = video_frames_returned
         self._geometry: tuple[int, int, int, int] | None = None
@@ -183,20 +194,25 @@ class AsyncSession:
     def frames_returned(self) -> int:
         return self._frames_returned
 
+    @property
+    def replica(self) -> str | None:
+        """The replica that last served this session to this client (see ``Session.replica``)."""
+        return self.client._replicas.get(self.id)
+
     async def send(self, latents: Array, prompt: Array | None = None, prompt_mask: Array | None = None, *,
                    flush: bool = False) -> Unit:
         """``POST /v1/sessions/{id}/chunks`` with automatic ``seq`` and idempotent retries (see ``Session.send``)."""
-        if self._next_seq is None:
-            self._next_seq = (await self.state()).next_seq
-        seq = self._next_seq
+        if not self._seq.known:
+            self._seq.learn((await self.state()).next_seq)
+        seq = self._seq.take()
         body = encode({"latents": latents, "prompt_embeds": prompt, "prompt_attention_mask": prompt_mask})
         response = await self.client._request(
             "POST", session_path(self.id, "/chunks"), params={"seq": seq, "flush": str(flush).lower()},
-            content=body, headers=OCTET,
+            content=body, headers=OCTET, session_id=self.id,
         )
         unit = Unit.from_payload(response.content, self.client.return_tensors,
                                  replayed=response.headers.get("x-replayed") == "true")
-        self._next_seq = seq + 1
+        self._seq.accepted(seq)
         self._geometry = _geometry(latents)
         self._note(unit)
         return unit
@@ -245,7 +261,8 @@ class AsyncSession:
 
     async def state(self) -> SessionState:
         """``GET /v1/sessions/{id}``."""
-        return SessionState.from_json((await self.client._request("GET", session_path(self.id))).json())
+        return SessionState.from_json((await self.client._request("GET", session_path(self.id),
+                                                                  session_id=self.id)).json())
 
     async def delete(self) -> None:
         await self.client.delete_session(self.id)
@@ -258,8 +275,19 @@ class AsyncStream(AsyncIterator[Unit]):
                  prompt_mask: Array | None):
         self.session = session
         self.stats = StreamStats()
+        self._protocol = StreamProtocol(
+            session.id, session.config, session.client.retry, prompt=prompt, prompt_mask=prompt_mask,
+            frames_returned=session._frames_returned, video_frames_returned=session._video_frames_returned,
+            known_replica=session.replica, return_tensors=session.client.return_tensors, on_unit=session._note,
+            stats=self.stats,
+        )
         chunk_iterator = chunks.__aiter__() if hasattr(chunks, "__aiter__") else _aiter(chunks)
-        self._units = self._run(chunk_iterator, ChunkSource(prompt, prompt_mask))
+        self._units = self._run(_AsyncFeed(chunk_iterator))
+
+    @property
+    def replica(self) -> str | None:
+        """The replica serving this stream (``X-Replica`` of the last connection's handshake)."""
+        return self._protocol.replica
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -276,110 +304,114 @@ class AsyncStream(AsyncIterator[Unit]):
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
 
-    async def _run(self, chunks: AsyncIterator[Any], source: ChunkSource) -> AsyncIterator[Unit]:
-        session, client, stats = self.session, self.session.client, self.stats
-        tracker = UnitTracker(session._frames_returned, session._video_frames_returned)
-        # Stream messages count as chunks (next_seq): the handle asks the server again before its next send.
-        session._next_seq = None
-        base: int | None = None
-        failures, retry_after, last_error = 0, None, None
-        while True:
-            if failures:
-                if failures >= client.retry.attempts:
-                    raise TransportError(f"stream of session {session.id}: gave up after {failures} failed "
-                                         f"attempts (last: {last_error})") from last_error
-                await asyncio.sleep(client.retry.delay(failures, retry_after))
-            retry_after = None
-            try:
-                ws = await client._connect(session_path(session.id, "/stream"), {"resume_from": tracker.frames})
-            except (ServiceUnavailableError, TransportError) as exc:
-                failures, last_error = failures + 1, exc
-                retry_after = getattr(exc, "retry_after", None)
-                continue
-            sender: asyncio.Task | None = None
-            try:
+    async def _run(self, feed: _AsyncFeed) -> AsyncIterator[Unit]:
+        """The I/O of ``StreamProtocol`` (see ``Stream._run``): a connection at a time, a sender task beside this
+        receiving generator."""
+        session, client, protocol = self.session, self.session.client, self._protocol
+        session._seq.forget()
+        try:
+            while True:
+                await asyncio.sleep(protocol.wait_before_connect())
                 try:
-                    first = await ws.recv()
-                except ConnectionClosed as exc:
-                    failures, last_error = failures + 1, exc
+                    ws = await client._connect(session_path(session.id, "/stream"), protocol.query())
+                except (APIError, TransportError) as exc:
+                    protocol.refused(exc, getattr(exc, "replica", None))
                     continue
-                if isinstance(first, bytes):
-                    raise ProtocolError("expected the session event, got a binary message")
-                event = parse_event(first)
-                if event["type"] == "error":
-                    error = event_error(event)
-                    if error.code not in RESUMABLE_EVENT_CODES:
-                        raise error
-                    failures, last_error = failures + 1, error
-                    continue
-                if event["type"] != "session":
-                    raise ProtocolError(f"expected the session event first, got {event}")
-                if base is None:
-                    base = event["frames_received"]
-                else:
-                    stats.reconnects += 1
-                    log.info("stream of session %s resumed at frame %d", session.id, tracker.frames)
-                source.rewind(event["frames_received"] - base)
-                if event["flushed"] and not source.exhausted:
-                    raise StreamClosedError(f"session {session.id} is flushed: it takes no more frames", status=409)
-                failed: list[BaseException] = []
-                woken = asyncio.Event()
-                offset, flushed = base, event["flushed"]
-
-                def may_flush() -> bool:
-                    return flushed or tracker.frames >= frames_before_flush(offset + source.frames_added, session.config)
-
-                sender = asyncio.create_task(_send_all(ws, source, chunks, stats, failed, may_flush, woken))
-                while True:
+                sender: asyncio.Task | None = None
+                try:
                     try:
-                        message = await ws.recv()
+                        first = await ws.recv()
                     except ConnectionClosed as exc:
-                        if failed:
-                            raise failed[0] from None
-                        _raise_if_fatal(exc, session.id)
-                        failures, last_error = failures + 1, exc
-                        break
-                    taken = _take(message, tracker, source, session, stats, base, client.return_tensors)
-                    if isinstance(taken, Unit):
-                        failures = 0
-                        woken.set()
-                        yield taken
-                    elif taken is True:
-                        return
-                    elif taken is not None:
-                        last_error = taken  # the server closes the stream after it; the close starts the reconnect
-            finally:
-                if sender is not None and not sender.done():
-                    sender.cancel()
-                    await asyncio.gather(sender, return_exceptions=True)
-                await ws.close()
+                        protocol.failed(TransportError(f"the stream closed before the session event ({exc})"))
+                        continue
+                    if not protocol.opened(first, ws.response.headers.get("x-replica") if ws.response else None):
+                        continue
+                    client._replicas.served(session.id, protocol.replica)
+                    failed: list[BaseException] = []
+                    woken = asyncio.Event()
+                    sender = asyncio.create_task(_send_all(ws, protocol, feed, failed, woken))
+                    while True:
+                        try:
+                            message = await ws.recv()
+                        except ConnectionClosed as exc:
+                            if failed:
+                                raise failed[0] from None
+                            protocol.lost(*_close_code(exc), exc)
+                            break
+                        taken = protocol.received(message)
+                        if taken is True:
+                            return
+                        if taken is not None:
+                            woken.set()
+                            yield taken
+                finally:
+                    if sender is not None and not sender.done():
+                        sender.cancel()  # it never runs the caller's code (see _AsyncFeed): nothing of theirs is hit
+                        await asyncio.gather(sender, return_exceptions=True)
+                    await ws.close()
+        finally:
+            await feed.aclose()
 
 
-async def _send_all(ws: ClientConnection, source: ChunkSource, chunks: AsyncIterator[Any], stats: StreamStats,
-                    failed: list[BaseException], may_flush, woken: asyncio.Event) -> None:
-    """Resends first, then the caller's chunks, then the flush; a failing chunk iterator closes the stream after
-    noting its error in ``failed``, which the receiving loop raises."""
+class _AsyncFeed:
+    """The caller's chunks, one ``__anext__`` at a time in a task of its own that outlives a connection: a sender
+    awaits it shielded, so a reconnect that cancels the sender never throws ``CancelledError`` into the caller's
+    async generator (which would end it, and the stream would take the clip as complete); the next connection's
+    sender awaits the same pending chunk."""
+
+    def __init__(self, chunks: AsyncIterator[Any]):
+        self._chunks = chunks
+        self._next: asyncio.Future | None = None
+
+    async def take(self) -> tuple[str, Any]:
+        """("item", chunk) or ("end", None); the caller's own exception is raised."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._chunks.__anext__())
+        try:
+            item = await asyncio.shield(self._next)
+        except StopAsyncIteration:
+            self._next = None
+            return ("end", None)
+        except asyncio.CancelledError:
+            if self._next.done() and self._next.cancelled():
+                self._next = None  # the chunk's own task was cancelled (the caller's code), not this sender
+            raise
+        except BaseException:
+            self._next = None
+            raise
+        self._next = None
+        return ("item", item)
+
+    async def aclose(self) -> None:
+        """The stream is over: a chunk still being read is not wanted any more."""
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
+            await asyncio.gather(self._next, return_exceptions=True)
+        self._next = None
+
+
+async def _send_all(ws: ClientConnection, protocol: StreamProtocol, feed: _AsyncFeed, failed: list[BaseException],
+                    woken: asyncio.Event) -> None:
+    """Sends what ``StreamProtocol.next_message`` says; a failing chunk iterator closes the stream after noting its
+    error in ``failed``, which the receiving loop raises."""
     try:
         while True:
-            payload = source.next_resend()
-            if payload is None:
-                if source.exhausted:
-                    break
-                try:
-                    item = await chunks.__anext__()
-                except StopAsyncIteration:
-                    source.finish()
-                    break
-                payload = source.add(item)
-                if payload is None:
+            message = protocol.next_message()
+            if message == NEED_CHUNK:
+                kind, item = await feed.take()
+                if kind == "end":
+                    protocol.finish()
                     continue
-            await ws.send(payload)
-            stats.frames_sent = source.frames_sent
-        # The flush waits for the full blocks to come back (see frames_before_flush): a refused chunk is then known.
-        while not may_flush():
-            await woken.wait()
-            woken.clear()
-        await ws.send(FLUSH_MESSAGE)
+                message = protocol.add(item)
+                if message is None:
+                    continue
+            elif message == WAIT:
+                await woken.wait()
+                woken.clear()
+                continue
+            elif message == DONE_SENDING:
+                return
+            await ws.send(message)
     except ConnectionClosed:
         return
     except Exception as exc:

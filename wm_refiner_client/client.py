@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import httpx
 import numpy as np
@@ -24,9 +24,6 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from ._common import (
-    FATAL_CLOSE_CODES,
-    FLUSH_MESSAGE,
-    RESUMABLE_EVENT_CODES,
     WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
@@ -36,7 +33,6 @@ from ._common import (
     auth_headers,
     check_config,
     check_session_id,
-    event_error,
     parse_event,
     refine_query,
     resolve_api_key,
@@ -45,21 +41,40 @@ from ._common import (
     session_path,
     ws_url,
 )
-from .errors import (
-    APIError,
-    PayloadTooLargeCodeError,
-    ProtocolError,
-    ServiceUnavailableError,
-    StreamClosedError,
-    StreamInUseError,
-    TransportError,
-)
-from .resume import ChunkSource, UnitTracker, frames_before_flush
+from .errors import APIError, SessionNotFoundError, TransportError
+from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol
 from .retry import RetryPolicy
 from .units import Array, ReturnTensors, Unit, concat, encode
 
 log = logging.getLogger("wm_refiner_client")
 OCTET = {"Content-Type": "application/octet-stream"}
+# Sessions whose replica a client remembers (for telling a move from a missing session): enough for any one
+# program's live sessions; the oldest are forgotten first.
+REMEMBERED_REPLICAS = 4096
+
+
+class Replicas:
+    """Which replica (``X-Replica``) last served each session to this client."""
+
+    def __init__(self) -> None:
+        self._by_session: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str | None) -> str | None:
+        return self._by_session.get(session_id) if session_id is not None else None
+
+    def served(self, session_id: str, replica: str | None) -> None:
+        if not replica:
+            return
+        with self._lock:
+            self._by_session.pop(session_id, None)
+            self._by_session[session_id] = replica
+            while len(self._by_session) > REMEMBERED_REPLICAS:
+                self._by_session.pop(next(iter(self._by_session)))
+
+    def forget(self, session_id: str) -> None:
+        with self._lock:
+            self._by_session.pop(session_id, None)
 
 
 class Client:
@@ -81,6 +96,7 @@ class Client:
         self.retry = retry or RetryPolicy()
         self.return_tensors: ReturnTensors = return_tensors
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
+        self._replicas = Replicas()
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -127,13 +143,14 @@ class Client:
         # Not idempotent: retried only when the request provably never arrived (or was refused with a 503).
         response = self._request("POST", "/v1/sessions", json=body, idempotent=False)
         data = response.json()
+        self._replicas.served(data["session_id"], response.headers.get("x-replica"))
         return Session(self, data["session_id"], data["config"], next_seq=0)
 
     def session(self, id: str, **config: Any) -> Session:
         """``PUT /v1/sessions/{id}``: the session named ``id`` (``[A-Za-z0-9_-]{8,64}``), created with ``config``
         unless it already exists with the same config (a safe retry; another config is ``SessionExistsError``)."""
         body = check_config(config)
-        response = self._request("PUT", session_path(check_session_id(id)), json=body)
+        response = self._request("PUT", session_path(check_session_id(id)), json=body, session_id=id)
         data = response.json()
         if response.status_code == 201:
             return Session(self, data["session_id"], data["config"], next_seq=0)
@@ -142,13 +159,14 @@ class Client:
     def get_session(self, id: str) -> Session:
         """A handle on an existing session, continuing from where it stands (``SessionNotFoundError`` /
         ``SessionEvictedError`` otherwise)."""
-        state = SessionState.from_json(self._request("GET", session_path(id)).json())
+        state = SessionState.from_json(self._request("GET", session_path(id), session_id=id).json())
         return Session(self, state.session_id, state.config, next_seq=state.next_seq,
                        frames_returned=state.frames_returned, video_frames_returned=state.video_frames_returned)
 
     def delete_session(self, id: str) -> None:
         """``DELETE /v1/sessions/{id}``: end it and free its cache."""
-        self._request("DELETE", session_path(id))
+        self._request("DELETE", session_path(id), session_id=id)
+        self._replicas.forget(id)  # a later 404 of this id is final
 
     # --- one shot ----------------------------------------------------------------------------------------------
     def refine(self, clip: Array, prompt: Array | None = None, prompt_mask: Array | None = None,
@@ -160,29 +178,35 @@ class Client:
         return Unit.from_payload(response.content, self.return_tensors)
 
     # --- plumbing ----------------------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> httpx.Response:
-        """The response, after retrying 503s (honouring Retry-After) and, when ``idempotent``, lost connections
-        and timeouts; a typed ``APIError`` for any other error status."""
-        failures = 0
+    def _request(self, method: str, path: str, *, idempotent: bool = True, session_id: str | None = None,
+                 **kwargs: Any) -> httpx.Response:
+        """The response, after the retries ``protocol.RequestAttempts`` decides (503s after Retry-After; when
+        ``idempotent``, lost connections, timeouts and a router's 502/504; a 404 of ``session_id`` while it moves
+        between replicas, for at most ``retry.move_timeout_s``); a typed ``APIError`` for any other error status."""
+        attempts = RequestAttempts(self.retry, f"{method} {path}", idempotent=idempotent,
+                                   known_replica=self._replicas.get(session_id))
         while True:
             try:
                 response = self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
-                never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
-                failures += 1
-                if not (idempotent or never_sent) or failures >= self.retry.attempts:
-                    raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-                wait = self.retry.delay(failures)
+                wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
+                                                                                        httpx.ConnectTimeout)))
                 log.info("%s %s: %s; retrying in %.2f s", method, path, type(exc).__name__, wait)
                 time.sleep(wait)
                 continue
+            replica = response.headers.get("x-replica")
             if response.status_code < 400:
+                if session_id is not None:
+                    self._replicas.served(session_id, replica)
                 return response
             error = response_error(response.status_code, response.content, response.headers)
-            failures += 1
-            if not isinstance(error, ServiceUnavailableError) or failures >= self.retry.attempts:
-                raise error
-            wait = self.retry.delay(failures, error.retry_after)
+            error.replica = replica
+            try:
+                wait = attempts.after_error(error, replica)
+            except SessionNotFoundError:
+                if session_id is not None:
+                    self._replicas.forget(session_id)
+                raise
             log.info("%s %s: %s; retrying in %.2f s", method, path, error.code, wait)
             time.sleep(wait)
 
@@ -193,10 +217,17 @@ class Client:
             return connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
                            compression=None, open_timeout=self.timeout)
         except InvalidStatus as exc:
-            response = exc.response
-            raise response_error(response.status_code, response.body or b"", response.headers) from None
+            raise handshake_error(exc) from None
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             raise TransportError(f"WebSocket {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def handshake_error(exc: InvalidStatus) -> APIError:
+    """The typed error of a refused WebSocket handshake, naming the replica that refused it."""
+    response = exc.response
+    error = response_error(response.status_code, response.body or b"", response.headers)
+    error.replica = response.headers.get("x-replica")
+    return error
 
 
 class Session:
@@ -208,7 +239,7 @@ class Session:
         self.client = client
         self.id = id
         self.config = config
-        self._next_seq = next_seq
+        self._seq = ChunkSeq(next_seq)
         self._frames_returned = frames_returned
         self._video_frames_returned = video_frames_returned
         self._geometry: tuple[int, int, int, int] | None = None  # (B, C, H, W) of the latents sent
@@ -221,6 +252,12 @@ class Session:
         """Latent frames this handle has received (over HTTP and streams)."""
         return self._frames_returned
 
+    @property
+    def replica(self) -> str | None:
+        """The replica that last served this session to this client (its ``X-Replica`` header; behind a router,
+        which replica holds the session), None before any answer named one."""
+        return self.client._replicas.get(self.id)
+
     # --- HTTP chunks -------------------------------------------------------------------------------------------
     def send(self, latents: Array, prompt: Array | None = None, prompt_mask: Array | None = None, *,
              flush: bool = False) -> Unit:
@@ -231,17 +268,17 @@ class Session:
 
         Each chunk gets the next ``seq``; after a timeout, a lost connection or a 503 the same seq is sent again,
         so a chunk is never appended twice (a repeat returns the server's stored response, ``unit.replayed``)."""
-        if self._next_seq is None:
-            self._next_seq = self.state().next_seq
-        seq = self._next_seq
+        if not self._seq.known:
+            self._seq.learn(self.state().next_seq)
+        seq = self._seq.take()
         body = encode({"latents": latents, "prompt_embeds": prompt, "prompt_attention_mask": prompt_mask})
         response = self.client._request(
             "POST", session_path(self.id, "/chunks"), params={"seq": seq, "flush": str(flush).lower()},
-            content=body, headers=OCTET,
+            content=body, headers=OCTET, session_id=self.id,
         )
         unit = Unit.from_payload(response.content, self.client.return_tensors,
                                  replayed=response.headers.get("x-replayed") == "true")
-        self._next_seq = seq + 1
+        self._seq.accepted(seq)
         self._geometry = _geometry(latents)
         self._note(unit)
         return unit
@@ -302,7 +339,7 @@ class Session:
     # --- state -------------------------------------------------------------------------------------------------
     def state(self) -> SessionState:
         """``GET /v1/sessions/{id}``."""
-        return SessionState.from_json(self.client._request("GET", session_path(self.id)).json())
+        return SessionState.from_json(self.client._request("GET", session_path(self.id), session_id=self.id).json())
 
     def delete(self) -> None:
         """``DELETE /v1/sessions/{id}``."""
@@ -311,13 +348,25 @@ class Session:
 
 class Stream(Iterator[Unit]):
     """The units of one ``Session.stream(...)``, as they arrive; ``stats`` tells the progress (frames sent and
-    refined, reconnects, the last block's latency). Closing it (or leaving a ``with`` block) stops the stream
-    without flushing: the server keeps the session ``ws_reattach_grace_s`` for a later stream."""
+    refined, reconnects, the last block's latency), ``replica`` which replica serves it. Closing it (or leaving a
+    ``with`` block) stops the stream without flushing: the server keeps the session ``ws_reattach_grace_s`` for a
+    later stream."""
 
     def __init__(self, session: Session, chunks: Iterable[Any], prompt: Array | None, prompt_mask: Array | None):
         self.session = session
         self.stats = StreamStats()
-        self._units = self._run(iter(chunks), ChunkSource(prompt, prompt_mask))
+        self._protocol = StreamProtocol(
+            session.id, session.config, session.client.retry, prompt=prompt, prompt_mask=prompt_mask,
+            frames_returned=session._frames_returned, video_frames_returned=session._video_frames_returned,
+            known_replica=session.replica, return_tensors=session.client.return_tensors, on_unit=session._note,
+            stats=self.stats,
+        )
+        self._units = self._run(_Feed(iter(chunks)))
+
+    @property
+    def replica(self) -> str | None:
+        """The replica serving this stream (``X-Replica`` of the last connection's handshake)."""
+        return self._protocol.replica
 
     def __iter__(self) -> Stream:
         return self
@@ -334,57 +383,29 @@ class Stream(Iterator[Unit]):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _run(self, chunks: Iterator[Any], source: ChunkSource) -> Iterator[Unit]:
-        session, client, stats = self.session, self.session.client, self.stats
-        tracker = UnitTracker(session._frames_returned, session._video_frames_returned)
-        # Stream messages count as chunks (next_seq): the handle asks the server again before its next send.
-        session._next_seq = None
-        base: int | None = None  # the session's frame count when this stream's first frame was added
-        failures, retry_after, last_error = 0, None, None
+    def _run(self, feed: _Feed) -> Iterator[Unit]:
+        """The I/O of ``StreamProtocol`` (which decides everything): a connection at a time, a sender thread
+        beside this receiving generator."""
+        session, client, protocol = self.session, self.session.client, self._protocol
+        session._seq.forget()  # stream messages count as chunks: the handle asks the server before its next send
         while True:
-            if failures:
-                if failures >= client.retry.attempts:
-                    raise TransportError(f"stream of session {session.id}: gave up after {failures} failed "
-                                         f"attempts (last: {last_error})") from last_error
-                time.sleep(client.retry.delay(failures, retry_after))
-            retry_after = None
+            time.sleep(protocol.wait_before_connect())
             try:
-                ws = client._connect(session_path(session.id, "/stream"), {"resume_from": tracker.frames})
-            except (ServiceUnavailableError, TransportError) as exc:
-                failures, last_error = failures + 1, exc
-                retry_after = getattr(exc, "retry_after", None)
+                ws = client._connect(session_path(session.id, "/stream"), protocol.query())
+            except (APIError, TransportError) as exc:
+                protocol.refused(exc, getattr(exc, "replica", None))
                 continue
             sender: _Sender | None = None
             try:
                 try:
-                    event = parse_event(_recv_text(ws))
-                except TransportError as exc:  # closed before a word (a server going down): try again
-                    failures, last_error = failures + 1, exc
+                    first = ws.recv()
+                except ConnectionClosed as exc:  # closed before a word (a server going down): try again
+                    protocol.failed(TransportError(f"the stream closed before the session event ({exc})"))
                     continue
-                if event["type"] == "error":
-                    error = event_error(event)
-                    if error.code not in RESUMABLE_EVENT_CODES:
-                        raise error
-                    failures, last_error = failures + 1, error
+                if not protocol.opened(first, ws.response.headers.get("x-replica") if ws.response else None):
                     continue
-                if event["type"] != "session":
-                    raise ProtocolError(f"expected the session event first, got {event}")
-                if base is None:
-                    base = event["frames_received"]
-                else:
-                    stats.reconnects += 1
-                    log.info("stream of session %s resumed at frame %d (server has %d)", session.id,
-                             tracker.frames, event["frames_received"])
-                source.rewind(event["frames_received"] - base)
-                if event["flushed"] and not source.exhausted:
-                    raise StreamClosedError(f"session {session.id} is flushed: it takes no more frames", status=409)
-                offset = base
-
-                def may_flush() -> bool:
-                    target = frames_before_flush(offset + source.frames_added, session.config)
-                    return event["flushed"] or tracker.frames >= target
-
-                sender = _Sender(ws, source, chunks, stats, may_flush)
+                client._replicas.served(session.id, protocol.replica)
+                sender = _Sender(ws, protocol, feed)
                 sender.start()
                 while True:
                     try:
@@ -392,18 +413,14 @@ class Stream(Iterator[Unit]):
                     except ConnectionClosed as exc:
                         if sender.error is not None:
                             raise sender.error from None
-                        _raise_if_fatal(exc, session.id)
-                        failures, last_error = failures + 1, exc
+                        protocol.lost(*_close_code(exc), exc)
                         break
-                    taken = _take(message, tracker, source, session, stats, base, client.return_tensors)
-                    if isinstance(taken, Unit):
-                        failures = 0
+                    taken = protocol.received(message)
+                    if taken is True:
+                        return
+                    if taken is not None:
                         sender.wake()
                         yield taken
-                    elif taken is True:
-                        return
-                    elif taken is not None:
-                        last_error = taken  # the server closes the stream after it; the close starts the reconnect
             finally:
                 if sender is not None:
                     sender.stop()
@@ -412,15 +429,55 @@ class Stream(Iterator[Unit]):
                     sender.join()
 
 
+class _Feed:
+    """The caller's chunks, read on a thread of their own, one when a sender asks for it. A sender waits here, never
+    inside the caller's code, so a reconnect stops it at once even while the caller's source blocks (a live
+    generator waiting for its next frames); the chunk being read goes to the next connection's sender. A thread
+    blocked in the caller's source when the stream ends is left to finish on its own (daemon)."""
+
+    def __init__(self, chunks: Iterator[Any]):
+        self._chunks = chunks
+        self._cond = threading.Condition()
+        self._reading = False
+        self._result: tuple[str, Any] | None = None  # ("item", chunk), ("end", None) or ("error", exception)
+
+    def take(self, stopped: threading.Event) -> tuple[str, Any] | None:
+        """The next of the caller's chunks, or None once ``stopped`` is set (see ``interrupt``)."""
+        with self._cond:
+            if self._result is None and not self._reading:
+                self._reading = True
+                threading.Thread(target=self._read, name="wm-refiner-stream-feed", daemon=True).start()
+            while self._result is None:
+                if stopped.is_set():
+                    return None
+                self._cond.wait()
+            result, self._result = self._result, None
+            return result
+
+    def interrupt(self) -> None:
+        """Wake a ``take`` whose ``stopped`` was just set."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _read(self) -> None:
+        try:
+            result: tuple[str, Any] = ("item", next(self._chunks))
+        except StopIteration:
+            result = ("end", None)
+        except BaseException as exc:  # the caller's source failed: the stream ends with its error
+            result = ("error", exc)
+        with self._cond:
+            self._result, self._reading = result, False
+            self._cond.notify_all()
+
+
 class _Sender(threading.Thread):
-    """Sends a stream's messages (resends first, then the caller's chunks, then the flush) while the caller's
+    """Sends what ``StreamProtocol.next_message`` says (resends, the caller's chunks, the flush) while the caller's
     thread receives: reading and writing at once is what keeps a stream of large units from deadlocking."""
 
-    def __init__(self, ws: ClientConnection, source: ChunkSource, chunks: Iterator[Any], stats: StreamStats,
-                 may_flush: Callable[[], bool]):
+    def __init__(self, ws: ClientConnection, protocol: StreamProtocol, feed: _Feed):
         super().__init__(name="wm-refiner-stream-sender", daemon=True)
-        self.ws, self.source, self.chunks, self.stats = ws, source, chunks, stats
-        self.may_flush = may_flush
+        self.ws, self.protocol, self.feed = ws, protocol, feed
         self.error: BaseException | None = None
         self._stopped = threading.Event()
         self._woken = threading.Event()
@@ -428,6 +485,7 @@ class _Sender(threading.Thread):
     def stop(self) -> None:
         self._stopped.set()
         self._woken.set()
+        self.feed.interrupt()
 
     def wake(self) -> None:
         """A unit arrived: the flush may be due."""
@@ -436,25 +494,27 @@ class _Sender(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopped.is_set():
-                payload = self.source.next_resend()
-                if payload is None:
-                    if self.source.exhausted:
-                        break
-                    try:
-                        item = next(self.chunks)
-                    except StopIteration:
-                        self.source.finish()
-                        break
-                    payload = self.source.add(item)
-                    if payload is None:
+                message = self.protocol.next_message()
+                if message == NEED_CHUNK:
+                    taken = self.feed.take(self._stopped)
+                    if taken is None:
+                        return  # stopped (a reconnect): the feed hands the chunk to the next connection
+                    kind, item = taken
+                    if kind == "error":
+                        raise item
+                    if kind == "end":
+                        self.protocol.finish()
                         continue
-                self.ws.send(payload)
-                self.stats.frames_sent = self.source.frames_sent
-            while not self._stopped.is_set() and not self.may_flush():
-                self._woken.wait()
-                self._woken.clear()
-            if not self._stopped.is_set():
-                self.ws.send(FLUSH_MESSAGE)
+                    message = self.protocol.add(item)
+                    if message is None:
+                        continue
+                elif message == WAIT:
+                    self._woken.wait()
+                    self._woken.clear()
+                    continue
+                elif message == DONE_SENDING:
+                    return
+                self.ws.send(message)
         except ConnectionClosed:
             pass  # the receiving side sees the close and reconnects
         except BaseException as exc:  # the caller's chunks raised, or a chunk is not an array: end the stream
@@ -462,54 +522,9 @@ class _Sender(threading.Thread):
             self.ws.close()
 
 
-def _recv_text(ws: ClientConnection) -> str:
-    try:
-        message = ws.recv()
-    except ConnectionClosed as exc:
-        raise TransportError(f"the stream closed before the session event ({exc})") from exc
-    if isinstance(message, bytes):
-        raise ProtocolError("expected the session event, got a binary message")
-    return message
-
-
-def _take(message: str | bytes, tracker: UnitTracker, source: ChunkSource, session, stats: StreamStats, base: int,
-          return_tensors: ReturnTensors) -> Unit | bool | APIError | None:
-    """One message of a stream (sync and asyncio alike): a fresh unit to hand out (the books updated), True when
-    the stream is done, a resumable error event, or None (nothing new). Other errors are raised."""
-    if isinstance(message, bytes):
-        fresh = tracker.accept(Unit.from_payload(message, return_tensors))
-        if fresh is None:
-            return None
-        source.confirm(tracker.frames - base)
-        session._note(fresh)
-        stats.frames_refined, stats.video_frames = tracker.frames - base, tracker.video_frames
-        stats.units += 1
-        if fresh.latency_ms is not None:
-            stats.last_latency_ms = fresh.latency_ms
-        return fresh
-    event = parse_event(message)
-    if event["type"] == "done":
-        if event.get("frames") != tracker.frames:
-            raise ProtocolError(f"the server returned {event.get('frames')} frames in all but this stream received "
-                                f"{tracker.frames}")
-        return True
-    if event["type"] == "error":
-        error = event_error(event)
-        if error.code not in RESUMABLE_EVENT_CODES:
-            raise error
-        return error
-    return None
-
-
-def _raise_if_fatal(exc: ConnectionClosed, session_id: str) -> None:
-    code = exc.rcvd.code if exc.rcvd is not None else None
-    if code not in FATAL_CLOSE_CODES:
-        return
-    reason = exc.rcvd.reason if exc.rcvd is not None else ""
-    if code == 1009:
-        raise PayloadTooLargeCodeError(f"session {session_id}: {reason or 'a message was over the size limit'}",
-                                       status=413)
-    raise StreamInUseError(f"session {session_id}: the stream was closed: {reason or 'policy violation'}", status=409)
+def _close_code(exc: ConnectionClosed) -> tuple[int | None, str]:
+    """The close code and reason the server sent (None: the connection dropped without a close frame)."""
+    return (exc.rcvd.code, exc.rcvd.reason) if exc.rcvd is not None else (None, "")
 
 
 def _geometry(latents: Array) -> tuple[int, int, int, int]:

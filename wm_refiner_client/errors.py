@@ -38,10 +38,12 @@ class ProtocolError(WmRefinerError):
 
 class APIError(WmRefinerError):
     """The server refused a request. ``status``: HTTP status; ``code``: the stable error code; ``message``: what
-    was wrong and what to send instead; ``retry_after``: seconds, for 503s."""
+    was wrong and what to send instead; ``retry_after``: seconds, for 503s; ``replica``: the replica that
+    answered (its ``X-Replica`` header), when the client knows it."""
 
     status: int = 0
     code: str = ""
+    replica: str | None = None
 
     def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
                  retry_after: float | None = None, body: Any = None):
@@ -99,6 +101,18 @@ class UnprocessableError(APIError):
 
 class InternalServerError(APIError):
     status = 500
+
+
+class BadGatewayError(APIError):
+    """502 from a router in front of the replicas: the replica died or dropped the connection mid-request."""
+
+    status = 502
+
+
+class GatewayTimeoutError(APIError):
+    """504 from a router in front of the replicas: the replica did not answer in time."""
+
+    status = 504
 
 
 class ServiceUnavailableError(APIError):
@@ -219,7 +233,7 @@ _BY_STATUS: dict[int, type[APIError]] = {
     for cls in (
         BadRequestError, AuthenticationError, NotFoundError, MethodNotAllowedError, ConflictError, GoneError,
         PayloadTooLargeError, UnsupportedMediaTypeError, UnprocessableError, InternalServerError,
-        ServiceUnavailableError,
+        BadGatewayError, ServiceUnavailableError, GatewayTimeoutError,
     )
 }
 

@@ -4,6 +4,8 @@ The client retries only what is safe to repeat: a request the server refused wit
 HTTP chunk with its ``seq`` (the server answers a repeated last seq with the stored response), a ``PUT`` of a
 session, reads and deletes, and a WebSocket stream (it reconnects with ``resume_from`` and resends what the
 server did not get). ``POST /v1/sessions`` is retried only when the request never left (connection refused).
+Behind a router, a 502/504 (a replica died mid-request) is retried like a lost connection, and a 404 for a session
+that another replica served is retried for at most ``move_timeout_s`` (the session is moving: ``protocol``).
 """
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ class RetryPolicy:
     """``attempts``: tries of one operation, the first included, before the error is raised (a stream that makes
     progress starts counting again). The n-th wait is ``backoff_s * 2**n`` capped at ``max_backoff_s``, scaled
     by a random factor in [0.5, 1] so clients reconnecting to a restarted server do not arrive in step; a 503's
-    ``Retry-After`` is waited at least, up to ``max_retry_after_s``."""
+    ``Retry-After`` is waited at least, up to ``max_retry_after_s``. ``move_timeout_s``: how long a 404 for a
+    session is retried when it comes from a replica other than the one that last served the session (behind a
+    router the session is moving: the next replica adopts it from the shared snapshots on a request); the 404 is
+    raised (``SessionNotFoundError``) after that, or at once when the session's own replica answers it."""
 
     attempts: int = 10
     backoff_s: float = 0.25
     max_backoff_s: float = 8.0
     max_retry_after_s: float = 30.0
+    move_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {self.attempts}")
-        if self.backoff_s < 0 or self.max_backoff_s < 0 or self.max_retry_after_s < 0:
+        if min(self.backoff_s, self.max_backoff_s, self.max_retry_after_s, self.move_timeout_s) < 0:
             raise ValueError("waits must be >= 0")
 
     def delay(self, failures: int, retry_after: float | None = None, jitter: float | None = None) -> float:

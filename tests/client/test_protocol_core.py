@@ -1,0 +1,204 @@
+"""The client's protocol core (``wm_refiner_client.protocol``) without a socket: a stream's messages across a
+reconnect, the dedup of a replay, the flush's timing, which failures end a stream, and the retry decisions of HTTP
+requests (503, a router's 502/504, a session moving between replicas) against a fake clock."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load, save
+
+import wm_refiner_client as wm
+from wm_refiner_client.errors import error_from
+from wm_refiner_client.protocol import (
+    DONE_SENDING,
+    NEED_CHUNK,
+    WAIT,
+    ChunkSeq,
+    RequestAttempts,
+    StreamProtocol,
+    is_gateway_error,
+)
+
+from .conftest import clip
+
+LATENTS, PROMPT, MASK = clip(7)
+CONFIG = {"sink_frames": 1, "block_size": 3}
+POLICY = wm.RetryPolicy(attempts=4, backoff_s=0.1, max_backoff_s=1.0, move_timeout_s=5.0)
+HAPROXY_502 = b"<html><body><h1>502 Bad Gateway</h1>\nThe server returned an invalid or incomplete response.</body></html>"
+
+
+def session_event(frames_received: int, flushed: bool = False) -> str:
+    return json.dumps({"type": "session", "frames_received": frames_received, "frames_returned": 0,
+                       "flushed": flushed, "next_seq": 0})
+
+
+def unit_message(start: int, end: int) -> bytes:
+    latents = LATENTS[:, :, start:end]  # (B, C, n, H, W): the "refined" frames are the inputs, for checking
+    return save({"latents": np.ascontiguousarray(latents)},
+                metadata={"frame_start": str(start), "frame_end": str(end), "latency_ms": "5.0"})
+
+
+def frames_of(payload: bytes) -> tuple[int, bool]:
+    tensors = load(payload)
+    return int(tensors["latents"].shape[2]), "prompt_embeds" in tensors
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def new_stream(**kwargs) -> StreamProtocol:
+    return StreamProtocol("s-000001", CONFIG, POLICY, prompt=PROMPT, prompt_mask=MASK, **kwargs)
+
+
+def test_a_stream_across_a_reconnect_resends_what_the_server_lacks_and_yields_each_frame_once():
+    noted = []
+    stream = new_stream(on_unit=noted.append)
+    assert stream.wait_before_connect() == 0 and stream.query() == {"resume_from": 0}
+    assert stream.opened(session_event(0), replica="replica-a") is True
+    assert stream.next_message() == NEED_CHUNK
+    assert frames_of(stream.add(LATENTS[:, :, :4])) == (4, True)  # the first chunk carries the prompt
+    assert stream.next_message() == NEED_CHUNK
+    assert frames_of(stream.add(LATENTS[:, :, 4:7])) == (3, False)
+    assert stream.next_message() == NEED_CHUNK
+    stream.finish()
+    assert stream.next_message() == WAIT  # the flush waits for the full blocks (7 frames) to come back
+    units = [stream.received(unit_message(0, 1)), stream.received(unit_message(1, 4))]
+    assert [(u.frame_start, u.frame_end) for u in units] == [(0, 1), (1, 4)]
+    assert noted == units and stream.stats.frames_refined == 4 and stream.stats.units == 2
+
+    stream.lost(None, "", ConnectionResetError("cut"))  # no close frame: a network drop
+    assert 0 < stream.wait_before_connect() <= POLICY.backoff_s
+    assert stream.query() == {"resume_from": 4}  # the replay starts at the first frame the caller lacks
+    assert stream.opened(session_event(4), replica="replica-a") is True  # the server got the first chunk only
+    assert stream.stats.reconnects == 1
+    resent = stream.next_message()
+    assert frames_of(resent) == (3, False) and np.array_equal(load(resent)["latents"], LATENTS[:, :, 4:7])
+    assert stream.next_message() == WAIT
+    assert stream.received(unit_message(1, 4)) is None  # replayed whole: already had every frame of it
+    assert stream.received(unit_message(4, 7)).frame_start == 4
+    assert stream.failures == 0  # a unit is progress: the attempts count again from zero
+    assert stream.next_message() == '{"type": "flush"}'
+    assert stream.next_message() == DONE_SENDING  # one flush per connection
+    assert stream.received(json.dumps({"type": "done", "frames": 7})) is True
+    assert stream.stats.frames_sent == 7 and stream.stats.frames_refined == 7
+
+
+def test_a_replayed_unit_that_straddles_what_the_caller_has_is_trimmed():
+    stream = new_stream(frames_returned=2)  # a handle that already got frames 0 and 1 over HTTP
+    assert stream.query() == {"resume_from": 2}
+    stream.opened(session_event(4))
+    fresh = stream.received(unit_message(1, 4))
+    assert (fresh.frame_start, fresh.frame_end) == (2, 4)
+    assert np.array_equal(fresh.latents, LATENTS[:, :, 2:4])
+
+
+def test_failures_that_end_a_stream_and_those_that_reconnect():
+    stream = new_stream()
+    with pytest.raises(wm.StreamInUseError):
+        stream.lost(1008, "another connection took the session")
+    with pytest.raises(wm.PayloadTooLargeCodeError):
+        stream.lost(1009, "message too big")
+    draining = json.dumps({"type": "error", "error": {"code": "draining", "message": "m"}})
+    assert stream.opened(draining) is False and stream.failures == 1  # resumable: the server closes, reconnect
+    with pytest.raises(wm.InvalidInputError):
+        stream.opened(json.dumps({"type": "error", "error": {"code": "invalid_input", "message": "m"}}))
+    with pytest.raises(wm.ProtocolError):
+        stream.opened(unit_message(0, 1))  # a unit before the session event
+    stream.opened(session_event(0))
+    stream.add(LATENTS[:, :, :4])
+    assert stream.received(draining) is None and isinstance(stream.last_error, wm.DrainingError)
+    with pytest.raises(wm.InvalidInputError):
+        stream.received(json.dumps({"type": "error", "error": {"code": "invalid_input", "message": "bad"}}))
+    with pytest.raises(wm.ProtocolError):
+        stream.received(json.dumps({"type": "done", "frames": 3}))  # the server counts frames this stream never got
+    flushed = new_stream()
+    with pytest.raises(wm.StreamClosedError):
+        flushed.opened(session_event(0, flushed=True))  # chunks still to send to a flushed session
+
+
+def test_a_stream_gives_up_after_its_attempts_without_progress():
+    stream = new_stream()
+    for _ in range(POLICY.attempts - 1):
+        stream.failed(wm.TransportError("refused"))
+        stream.wait_before_connect()
+    stream.failed(wm.TransportError("refused"))
+    with pytest.raises(wm.TransportError, match="gave up after 4 failed attempts"):
+        stream.wait_before_connect()
+
+
+def test_a_refused_handshake_is_retried_only_when_another_try_may_succeed():
+    clock = Clock()
+    stream = new_stream(known_replica="replica-a", clock=clock)
+    stream.refused(error_from(503, {"error": {"code": "draining", "message": "m"}}, retry_after=3.0))
+    assert stream.wait_before_connect() == 3.0  # Retry-After is honoured
+    stream.refused(error_from(502, HAPROXY_502.decode()))  # the router: the replica died mid-handshake
+    stream.refused(wm.TransportError("connection refused"))
+    moved = error_from(404, {"error": {"code": "session_not_found", "message": "m"}})
+    stream.refused(moved, replica="replica-b")  # another replica, not holding it yet: a move
+    clock.now += POLICY.move_timeout_s + 1
+    with pytest.raises(wm.SessionNotFoundError):
+        stream.refused(moved, replica="replica-b")  # still missing after the move's time: gone
+    with pytest.raises(wm.SessionNotFoundError):
+        new_stream(known_replica="replica-a").refused(moved, replica="replica-a")  # its own replica: gone at once
+    with pytest.raises(wm.SessionNotFoundError):
+        new_stream().refused(moved, replica="replica-b")  # never served to this client: unknown, not moving
+    with pytest.raises(wm.UnauthorizedError):
+        stream.refused(error_from(401, {"error": {"code": "unauthorized", "message": "m"}}))
+
+
+def test_http_retry_decisions():
+    clock = Clock()
+    gateway = error_from(502, HAPROXY_502.decode())
+    assert isinstance(gateway, wm.errors.BadGatewayError) and is_gateway_error(gateway)
+    assert is_gateway_error(error_from(504, "<html>504 Gateway Time-out</html>"))
+    assert not is_gateway_error(error_from(500, {"error": {"code": "internal_error", "message": "m"}}))
+
+    chunk = RequestAttempts(POLICY, "POST chunk", idempotent=True, known_replica="replica-a", clock=clock)
+    assert 0 < chunk.after_error(gateway, "router") <= POLICY.backoff_s  # a chunk with its seq: safe to repeat
+    create = RequestAttempts(POLICY, "POST /v1/sessions", idempotent=False, clock=clock)
+    with pytest.raises(wm.errors.BadGatewayError):
+        create.after_error(gateway)  # may have created a session: not repeated
+    with pytest.raises(wm.TransportError):
+        create.after_transport_error(ConnectionResetError("reset"), never_sent=False)
+    assert create.after_transport_error(ConnectionRefusedError("refused"), never_sent=True) > 0
+    refused = RequestAttempts(POLICY, "POST /v1/sessions", idempotent=False, clock=clock)
+    assert refused.after_error(error_from(503, {"error": {"code": "draining", "message": "m"}}, 2.0)) == 2.0
+
+    moved = error_from(404, {"error": {"code": "session_not_found", "message": "m"}})
+    state = RequestAttempts(POLICY, "GET state", known_replica="replica-a", clock=clock)
+    state.after_error(moved, "replica-b")
+    clock.now += POLICY.move_timeout_s - 0.5
+    state.after_error(moved, "replica-c")  # within the bound, counted from the first 404
+    clock.now += 1.0
+    with pytest.raises(wm.SessionNotFoundError):
+        state.after_error(moved, "replica-b")
+    with pytest.raises(wm.SessionNotFoundError):
+        RequestAttempts(POLICY, "GET state", known_replica="replica-a", clock=clock).after_error(moved, "replica-a")
+    with pytest.raises(wm.SeqConflictError):
+        RequestAttempts(POLICY, "POST chunk", known_replica="replica-a").after_error(
+            error_from(409, {"error": {"code": "seq_conflict", "message": "m"}}), "replica-b")
+    spent = RequestAttempts(wm.RetryPolicy(attempts=2), "GET", clock=clock)
+    spent.after_error(gateway)
+    with pytest.raises(wm.errors.BadGatewayError):
+        spent.after_error(gateway)  # the attempts bound every retry
+
+
+def test_chunk_seq():
+    seq = ChunkSeq()
+    assert not seq.known
+    with pytest.raises(RuntimeError):
+        seq.take()
+    seq.learn(3)
+    assert seq.take() == 3 and seq.take() == 3  # taken twice until accepted: a retry repeats its seq
+    seq.accepted(3)
+    assert seq.take() == 4
+    seq.forget()
+    assert not seq.known

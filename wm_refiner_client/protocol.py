@@ -1,0 +1,315 @@
+"""The client's protocol, without any I/O: what to send, what to retry, what to hand to the caller.
+
+The sync ``Client`` and the asyncio ``AsyncClient`` differ only in how they wait (threads or tasks); every decision
+they take is made here, so the two cannot drift apart, and each decision is unit-tested without a socket
+(``tests/client/test_protocol_core.py``):
+
+- ``RequestAttempts``: whether an HTTP request that failed is tried again, and after how long: lost connections
+  (when the request is idempotent or provably never left), 503s (after ``Retry-After``), a router's 502/504 (a
+  replica died mid-request; idempotent requests only), and a 404 for a session that is moving between replicas.
+- ``StreamProtocol``: one ``session.stream(...)`` over as many WebSocket connections as it takes: the
+  ``resume_from`` of each connection, what to resend after the server's ``session`` event, which messages go out
+  next (resends, the caller's chunks, the flush), which received units are new (a reconnect's replay is trimmed),
+  when the stream is done, and which failures end it.
+- ``ChunkSeq``: the ``seq`` of the next HTTP chunk.
+
+A session "moves" when a replica drains or dies and the router sends its id to another replica, which adopts it
+from the shared snapshot folder on its first request; until then that replica answers 404. A 404 is taken for a
+move, and retried for at most ``RetryPolicy.move_timeout_s``, only when it comes from a replica other than the one
+that last served the session to this client: on a single server (one replica id) a 404 is final at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+from ._common import FATAL_CLOSE_CODES, FLUSH_MESSAGE, RESUMABLE_EVENT_CODES, StreamStats, event_error, parse_event
+from .errors import (
+    APIError,
+    PayloadTooLargeCodeError,
+    ProtocolError,
+    ServiceUnavailableError,
+    SessionNotFoundError,
+    StreamClosedError,
+    StreamInUseError,
+    TransportError,
+)
+from .resume import ChunkSource, UnitTracker, frames_before_flush
+from .retry import RetryPolicy
+from .units import Array, ReturnTensors, Unit
+
+# A router's answers when the replica behind it failed mid-request (HAProxy: 502 when the connection broke, 504 when
+# the replica did not answer in time). The body is the router's HTML, not the service's envelope.
+GATEWAY_STATUSES = frozenset({502, 504})
+
+
+def is_gateway_error(error: APIError) -> bool:
+    """A router's 502/504 (not the service's own answer): the request may or may not have reached a replica."""
+    return error.status in GATEWAY_STATUSES and not (isinstance(error.body, dict) and "error" in error.body)
+
+
+class RequestAttempts:
+    """The retry decisions of one HTTP request. After each failure the driver asks for the wait before the next
+    try; the failure is raised instead once it is not worth retrying or the policy's bounds are spent.
+
+    ``idempotent``: repeating the request is harmless (reads, deletes, PUT of a session, a chunk with its ``seq``).
+    ``known_replica``: the replica that last served this request's session to this client (None: not a session
+    request, or a session not served yet); a 404 from another replica is a move (module docstring)."""
+
+    def __init__(self, policy: RetryPolicy, what: str, *, idempotent: bool = True,
+                 known_replica: str | None = None, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self.what = what
+        self.idempotent = idempotent
+        self.known_replica = known_replica
+        self.clock = clock
+        self.failures = 0
+        self._moving_since: float | None = None
+
+    def after_transport_error(self, exc: BaseException, *, never_sent: bool) -> float:
+        """The connection failed (``never_sent``: it was refused before the request left)."""
+        self.failures += 1
+        if not (self.idempotent or never_sent) or self.failures >= self.policy.attempts:
+            raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
+        return self.policy.delay(self.failures)
+
+    def after_error(self, error: APIError, replica: str | None = None) -> float:
+        """The server (or the router) answered with ``error``; ``replica``: its ``X-Replica`` header."""
+        self.failures += 1
+        if self.failures >= self.policy.attempts or not self.retryable(error, replica):
+            raise error
+        return self.policy.delay(self.failures, getattr(error, "retry_after", None))
+
+    def retryable(self, error: APIError, replica: str | None = None) -> bool:
+        """Whether the same request may succeed later: a 503 (refused before anything changed), a router's
+        502/504 when the request is idempotent, a 404 of a session moving between replicas."""
+        if isinstance(error, ServiceUnavailableError):
+            return True
+        if is_gateway_error(error):
+            return self.idempotent
+        return self.moving(error, replica)
+
+    def moving(self, error: APIError, replica: str | None) -> bool:
+        """Whether ``error`` is a 404 of a session on its way to another replica, still within the time allowed."""
+        if not isinstance(error, SessionNotFoundError) or self.known_replica is None:
+            return False
+        if replica is not None and replica == self.known_replica:
+            return False  # the replica that holds the session says it is gone: it is
+        now = self.clock()
+        if self._moving_since is None:
+            self._moving_since = now
+        return now - self._moving_since < self.policy.move_timeout_s
+
+
+class ChunkSeq:
+    """The ``seq`` of a session's next HTTP chunk: counted from the server's ``next_seq``, asked again after a
+    stream (stream messages count as chunks too)."""
+
+    def __init__(self, next_seq: int | None = None):
+        self.next_seq = next_seq
+
+    @property
+    def known(self) -> bool:
+        return self.next_seq is not None
+
+    def learn(self, next_seq: int) -> None:
+        self.next_seq = next_seq
+
+    def take(self) -> int:
+        if self.next_seq is None:
+            raise RuntimeError("the next seq is unknown: ask the server (GET /v1/sessions/{id}) first")
+        return self.next_seq
+
+    def accepted(self, seq: int) -> None:
+        self.next_seq = seq + 1
+
+    def forget(self) -> None:
+        self.next_seq = None
+
+
+# What ``StreamProtocol.next_message`` asks the driver to do when it has nothing to send right now.
+NEED_CHUNK = "need-chunk"  # take the caller's next chunk and ``add`` it (or ``finish`` when there is none)
+WAIT = "wait"  # wait for a unit to arrive (the flush waits for the full blocks), then ask again
+DONE_SENDING = "done-sending"  # this connection has sent everything, the flush included
+
+
+class StreamProtocol:
+    """One ``session.stream(...)``, across reconnects. The driver (sync or asyncio) runs, per connection:
+
+        wait(protocol.wait_before_connect()); connect with protocol.query()   -> failed: protocol.refused(exc)
+        protocol.opened(first message, replica)                               -> False: reconnect
+        a sender: loop on protocol.next_message() (add/finish the caller's chunks when it says NEED_CHUNK)
+        a receiver: protocol.received(message) -> a Unit for the caller, True when done; on a close protocol.lost()
+
+    and stops when ``received`` says the stream is done or a method raises (the error for the caller)."""
+
+    def __init__(self, session_id: str, config: Mapping[str, Any], policy: RetryPolicy, *,
+                 prompt: Array | None = None, prompt_mask: Array | None = None, frames_returned: int = 0,
+                 video_frames_returned: int = 0, known_replica: str | None = None,
+                 return_tensors: ReturnTensors = "np", on_unit: Callable[[Unit], None] | None = None,
+                 stats: StreamStats | None = None, clock: Callable[[], float] = time.monotonic):
+        self.session_id = session_id
+        self.config = dict(config)
+        self.policy = policy
+        self.source = ChunkSource(prompt, prompt_mask)
+        self.tracker = UnitTracker(frames_returned, video_frames_returned)
+        self.stats = stats if stats is not None else StreamStats()
+        self.return_tensors: ReturnTensors = return_tensors
+        self.on_unit = on_unit
+        self.replica = known_replica  # the replica of the last connection that got the session event
+        self.base: int | None = None  # the session's frame count when this stream's first frame was added
+        self.failures = 0
+        self.retry_after: float | None = None
+        self.last_error: BaseException | None = None
+        self.server_flushed = False
+        self._flush_sent = False
+        self._attempts = self._new_attempts(clock)
+        self._clock = clock
+
+    def _new_attempts(self, clock: Callable[[], float]) -> RequestAttempts:
+        return RequestAttempts(self.policy, f"stream of session {self.session_id}", known_replica=self.replica,
+                               clock=clock)
+
+    # --- connecting ---------------------------------------------------------------------------------------------
+    def wait_before_connect(self) -> float:
+        """Seconds to wait before the next connection (0 for the first); raises ``TransportError`` once the policy's
+        attempts are spent without a unit in between."""
+        if not self.failures:
+            return 0.0
+        if self.failures >= self.policy.attempts:
+            raise TransportError(f"stream of session {self.session_id}: gave up after {self.failures} failed "
+                                 f"attempts (last: {self.last_error})") from self.last_error
+        wait = self.policy.delay(self.failures, self.retry_after)
+        self.retry_after = None
+        return wait
+
+    def query(self) -> dict[str, int]:
+        """The next connection's query: replay from the first frame the caller lacks."""
+        return {"resume_from": self.tracker.frames}
+
+    def refused(self, exc: BaseException, replica: str | None = None) -> None:
+        """The connection could not be opened: ``exc`` is a ``TransportError`` or the handshake's ``APIError``.
+        Counts a failure when another try may succeed (503, a router's 502/504, a session moving between
+        replicas, no connection), else raises ``exc``."""
+        if isinstance(exc, APIError):
+            if not self._attempts.retryable(exc, replica):
+                raise exc
+            self.retry_after = exc.retry_after if isinstance(exc, ServiceUnavailableError) else None
+        elif not isinstance(exc, TransportError):
+            raise exc
+        self.failures += 1
+        self.last_error = exc
+
+    def failed(self, exc: BaseException) -> None:
+        """The connection broke before the session event (a server going down): try again."""
+        self.failures += 1
+        self.last_error = exc
+
+    def opened(self, first: str | bytes, replica: str | None = None) -> bool:
+        """The first message of a connection: True when it is the ``session`` event (the source is rewound to what
+        the server has), False after a resumable error event (the server closes; reconnect). Raises otherwise."""
+        if isinstance(first, bytes):
+            raise ProtocolError("expected the session event, got a binary message")
+        event = parse_event(first)
+        if event["type"] == "error":
+            error = event_error(event)
+            if error.code not in RESUMABLE_EVENT_CODES:
+                raise error
+            self.failures += 1
+            self.last_error = error
+            return False
+        if event["type"] != "session":
+            raise ProtocolError(f"expected the session event first, got {event}")
+        if self.base is None:
+            self.base = event["frames_received"]
+        else:
+            self.stats.reconnects += 1
+        if replica is not None:
+            self.replica = replica
+        self._attempts = self._new_attempts(self._clock)  # a move, if any, is over
+        self.source.rewind(event["frames_received"] - self.base)
+        self.server_flushed = bool(event["flushed"])
+        if self.server_flushed and not self.source.exhausted:
+            raise StreamClosedError(f"session {self.session_id} is flushed: it takes no more frames", status=409)
+        self._flush_sent = False
+        self.stats.frames_sent = self.source.frames_sent
+        return True
+
+    def lost(self, code: int | None, reason: str = "", exc: BaseException | None = None) -> None:
+        """The connection closed before ``done`` (close ``code``, None when there was no close frame): raises when
+        reconnecting is pointless (the session was taken over, a message was too big), else counts a failure."""
+        if code in FATAL_CLOSE_CODES:
+            if code == 1009:
+                raise PayloadTooLargeCodeError(
+                    f"session {self.session_id}: {reason or 'a message was over the size limit'}", status=413)
+            raise StreamInUseError(f"session {self.session_id}: the stream was closed: {reason or 'policy violation'}",
+                                   status=409)
+        self.failures += 1
+        self.last_error = exc if exc is not None else TransportError(f"closed with {code} {reason}".strip())
+
+    # --- sending ------------------------------------------------------------------------------------------------
+    def next_message(self) -> bytes | str:
+        """The next message for the current connection: a payload (bytes), the flush (text), or ``NEED_CHUNK``,
+        ``WAIT``, ``DONE_SENDING``. Resends come first; the flush waits for the caller's chunks to be exhausted and
+        for their full blocks to come back, so an error about any chunk arrives before the stream is flushed."""
+        payload = self.source.next_resend()
+        if payload is not None:
+            self.stats.frames_sent = self.source.frames_sent
+            return payload
+        if not self.source.exhausted:
+            return NEED_CHUNK
+        if self._flush_sent:
+            return DONE_SENDING
+        if not self.may_flush():
+            return WAIT
+        self._flush_sent = True
+        return FLUSH_MESSAGE
+
+    def add(self, item: Any) -> bytes | None:
+        """The caller's next chunk, numbered and kept for a resend; its payload (None: no frames, nothing to send)."""
+        payload = self.source.add(item)
+        self.stats.frames_sent = self.source.frames_sent
+        return payload
+
+    def finish(self) -> None:
+        """The caller's chunks are exhausted."""
+        self.source.finish()
+
+    def may_flush(self) -> bool:
+        if self.server_flushed:
+            return True
+        base = self.base or 0
+        return self.tracker.frames >= frames_before_flush(base + self.source.frames_added, self.config)
+
+    # --- receiving ----------------------------------------------------------------------------------------------
+    def received(self, message: str | bytes) -> Unit | bool | None:
+        """One message after the session event: a unit to hand to the caller (the part it lacks), True when the
+        stream is done, None when there is nothing new (a replayed unit, a resumable error before a close).
+        Other error events are raised."""
+        if isinstance(message, bytes):
+            fresh = self.tracker.accept(Unit.from_payload(message, self.return_tensors))
+            if fresh is None:
+                return None
+            base = self.base or 0
+            self.source.confirm(self.tracker.frames - base)
+            if self.on_unit is not None:
+                self.on_unit(fresh)
+            self.stats.frames_refined, self.stats.video_frames = self.tracker.frames - base, self.tracker.video_frames
+            self.stats.units += 1
+            if fresh.latency_ms is not None:
+                self.stats.last_latency_ms = fresh.latency_ms
+            self.failures = 0
+            return fresh
+        event = parse_event(message)
+        if event["type"] == "done":
+            if event.get("frames") != self.tracker.frames:
+                raise ProtocolError(f"the server returned {event.get('frames')} frames in all but this stream "
+                                    f"received {self.tracker.frames}")
+            return True
+        if event["type"] == "error":
+            error = event_error(event)
+            if error.code not in RESUMABLE_EVENT_CODES:
+                raise error
+            self.last_error = error  # the server closes the stream after it; the close starts the reconnect
+        return None
