@@ -83,9 +83,10 @@ def stream_command(args: argparse.Namespace) -> int:
 
     if args.chunk_frames < 1:
         raise ValueError(f"--chunk-frames must be >= 1, got {args.chunk_frames}")
-    latents, prompt, mask = read_clip(Path(args.input))
-    total = int(latents.shape[2])
     config = session_flags(args)
+    if "latents" not in config.get("outputs", ["latents"]):
+        raise ValueError(f"--output writes the refined latents, but --outputs {','.join(config['outputs'])} asks for "
+                         "none; add latents to --outputs or leave it unset")
     if args.video:
         if "video" not in config.setdefault("outputs", ["latents", "video"]):
             raise ValueError(f"--video writes the session's video, but --outputs {','.join(config['outputs'])} asks "
@@ -93,6 +94,8 @@ def stream_command(args: argparse.Namespace) -> int:
         if config.setdefault("video_format", "uint8") != "uint8":
             raise ValueError(f"--video encodes uint8 frames; leave --video-format unset or uint8 (got "
                              f"{config['video_format']})")
+    latents, prompt, mask = read_clip(Path(args.input))
+    total = int(latents.shape[2])
     with Client(args.server, args.api_key) as client:
         session = client.session(args.session_id, **config) if args.session_id else client.create_session(**config)
         already = session.frames_returned

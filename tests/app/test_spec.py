@@ -169,6 +169,19 @@ def test_flags_are_read_as_query_text_is():
             build_parser().parse_args(["stream", "--input", "a", "--output", "b", *bad])
 
 
+@pytest.mark.parametrize("flags,fragment", [
+    (["--outputs", "video"], "add latents to --outputs"),
+    (["--video", "v.mp4", "--outputs", "latents"], "add video to --outputs"),
+    (["--video", "v.mp4", "--video-format", "float32"], "leave --video-format unset or uint8"),
+])
+def test_stream_refuses_outputs_its_files_cannot_hold_before_reading_anything(flags, fragment):
+    from app.cli_remote import stream_command
+
+    args = build_parser().parse_args(["stream", "--input", "/nonexistent/in.safetensors", "--output", "o", *flags])
+    with pytest.raises(ValueError, match=fragment):
+        stream_command(args)
+
+
 # --- the client --------------------------------------------------------------------------------------------------
 def test_the_clients_keyword_arguments_are_the_spec():
     assert CONFIG_FIELDS == spec.NAMES
