@@ -18,12 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
     refine.add_argument("--model", required=True, help="refiner folder (diffusers layout)")
     refine.add_argument("--input", required=True, help="safetensors with latents, prompt_embeds[, prompt_attention_mask]")
     refine.add_argument("--output", required=True, help="safetensors to write the refined latents to (float32)")
-    refine.add_argument("--seed", type=int, default=42)
-    refine.add_argument("--fps", type=float, default=16.0)
-    refine.add_argument("--sink-frames", type=int, default=1)
-    refine.add_argument("--block-size", type=int, default=3)
-    refine.add_argument("--kv-max-frames", type=int, default=11)
-    refine.add_argument("--positions", choices=("absolute", "rebased"), default="absolute")
+    from app.cli_remote import add_session_flags, add_sessions_parser, add_stream_parser
+    from wm_refiner_client import spec
+
+    add_session_flags(refine, spec.CONFIG_NAMES, defaults=True)  # the model's config; no VAE here
     refine.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     refine.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, float64 or auto")
 
@@ -42,8 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device")
     serve.add_argument("--dtype")
     serve.add_argument("--api-key")
-
-    from app.cli_remote import add_sessions_parser, add_stream_parser
 
     add_stream_parser(commands)
     add_sessions_parser(commands)
@@ -104,8 +100,10 @@ def refine_command(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
+    from app.cli_remote import session_flags
     from models import SessionConfig, load_refiner
     from models.errors import MissingInputError
+    from wm_refiner_client import spec
 
     input_path = Path(args.input)
     if not input_path.is_file():
@@ -117,14 +115,7 @@ def refine_command(args: argparse.Namespace) -> int:
     for name in ("latents", "prompt_embeds"):
         if name not in tensors:
             raise MissingInputError(f"{input_path} has no {name!r} tensor (found {sorted(tensors)})")
-    config = SessionConfig(
-        seed=args.seed,
-        fps=args.fps,
-        sink_frames=args.sink_frames,
-        block_size=args.block_size,
-        kv_max_frames=args.kv_max_frames,
-        positions=args.positions,
-    )
+    config = SessionConfig.from_dict(session_flags(args, spec.CONFIG_NAMES))
     refiner = load_refiner(args.model, device=args.device, dtype=args.dtype)
     refined = refine_with_progress(
         refiner, tensors["latents"], tensors["prompt_embeds"], tensors.get("prompt_attention_mask"), config

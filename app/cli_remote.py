@@ -14,7 +14,40 @@ from typing import Any
 
 import numpy as np
 
-CONFIG_FLAGS = ("seed", "fps", "sink_frames", "block_size", "kv_max_frames", "positions")
+from wm_refiner_client import spec
+
+
+def add_session_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = spec.NAMES, *,
+                      defaults: bool = False) -> None:
+    """A flag per session field (``--sink-frames``, ``--outputs latents,video``, ...), read as a query parameter
+    is. ``defaults``: the flag defaults to the spec's value (a local run); else it is unset and the server's default
+    applies."""
+    for name in names:
+        field = spec.BY_NAME[name]
+        shown = field.to_text(field.default)
+        default = shown if defaults else f"the server's; {shown} out of the box"
+        parser.add_argument(
+            field.flag, dest=name, type=_flag_reader(field), metavar=field.name.upper(),
+            choices=field.choices if field.kind == spec.CHOICE else None,
+            default=field.default_json() if defaults else None,
+            help=f"{field.doc} (default: {default})",
+        )
+
+
+def _flag_reader(field: spec.SessionField):
+    def read(text: str):
+        try:
+            return field.from_text(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    read.__name__ = field.name  # argparse names the flag's type in its messages
+    return read
+
+
+def session_flags(args: argparse.Namespace, names: tuple[str, ...] = spec.NAMES) -> dict[str, Any]:
+    """The session fields the command line set."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def add_client_options(parser: argparse.ArgumentParser) -> None:
@@ -34,9 +67,7 @@ def add_stream_parser(commands) -> None:
     stream.add_argument("--session-id", help="name the session (PUT): rerunning with the same id continues it")
     stream.add_argument("--rate", type=float, default=0.0,
                         help="send at most this many latent frames per second, as a live source would (0: at once)")
-    for flag in CONFIG_FLAGS:
-        kind = {"fps": float, "positions": str}.get(flag, int)
-        stream.add_argument(f"--{flag.replace('_', '-')}", type=kind, help="session config (default: the server's)")
+    add_session_flags(stream)
 
 
 def add_sessions_parser(commands) -> None:
@@ -52,11 +83,19 @@ def stream_command(args: argparse.Namespace) -> int:
 
     if args.chunk_frames < 1:
         raise ValueError(f"--chunk-frames must be >= 1, got {args.chunk_frames}")
+    config = session_flags(args)
+    if "latents" not in config.get("outputs", ["latents"]):
+        raise ValueError(f"--output writes the refined latents, but --outputs {','.join(config['outputs'])} asks for "
+                         "none; add latents to --outputs or leave it unset")
+    if args.video:
+        if "video" not in config.setdefault("outputs", ["latents", "video"]):
+            raise ValueError(f"--video writes the session's video, but --outputs {','.join(config['outputs'])} asks "
+                             "for none; add video to --outputs or leave it unset")
+        if config.setdefault("video_format", "uint8") != "uint8":
+            raise ValueError(f"--video encodes uint8 frames; leave --video-format unset or uint8 (got "
+                             f"{config['video_format']})")
     latents, prompt, mask = read_clip(Path(args.input))
     total = int(latents.shape[2])
-    config: dict[str, Any] = {flag: getattr(args, flag) for flag in CONFIG_FLAGS if getattr(args, flag) is not None}
-    if args.video:
-        config.update(outputs=["latents", "video"], video_format="uint8")
     with Client(args.server, args.api_key) as client:
         session = client.session(args.session_id, **config) if args.session_id else client.create_session(**config)
         already = session.frames_returned

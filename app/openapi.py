@@ -1,5 +1,6 @@
 """What /openapi.json tells clients (and the schema fuzzer in tests/app/test_fuzz.py): the error envelope on every
-route, the statuses each route can answer with, the valid ranges of the session config fields, and the API key.
+route, the statuses each route can answer with, the session config's fields (from ``wm_refiner_client.spec``),
+and the API key.
 
 FastAPI documents only what it can see in a route's signature; the bodies here are read by hand (bounded reads,
 safetensors), and the errors are raised from anywhere, so each route lists them with ``errors(...)``.
@@ -7,21 +8,63 @@ safetensors), and the errors are raised from anywhere, so each route lists them 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Literal
+from typing import Annotated, Any, Callable, Iterable, Literal
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-# --- the session config's per-field bounds -----------------------------------------------------------------
-# The ranges models.config enforces, repeated so the schema can state them; test_fuzz checks that SessionConfig
-# accepts each bound and rejects the value just past it, so the two cannot drift apart unnoticed. Rules across
-# fields (kv_max_frames >= sink_frames + block_size; sigmas strictly decreasing to 0.0) cannot be written in a
-# JSON schema: they stay the model's, answered with 422 invalid_config.
-SEED_MAX = 2**63 - 1
-FPS_MAX = 1000.0
-FRAMES_MAX = 1 << 20  # sink_frames, block_size, kv_max_frames
-KV_MAX_FRAMES_MIN = 2  # the smallest sink_frames + block_size
-SIGMAS_MIN_ITEMS = 2
+from wm_refiner_client import spec
+
+# --- the session config -----------------------------------------------------------------------------------
+# Declared once in wm_refiner_client.spec; the bounds are re-exported for the routes and tests/app/test_fuzz.py
+# (which checks that SessionConfig accepts each bound and refuses the value just past it). Rules across fields
+# (kv_max_frames >= sink_frames + block_size; sigmas strictly decreasing to 0.0) cannot be written in a JSON schema:
+# they stay the model's, answered with 422 invalid_config.
+SEED_MAX = spec.SEED_MAX
+FPS_MAX = spec.FPS_MAX
+FRAMES_MAX = spec.FRAMES_MAX
+KV_MAX_FRAMES_MIN = spec.KV_MAX_FRAMES_MIN
+SIGMAS_MIN_ITEMS = spec.SIGMAS_MIN_ITEMS
+
+
+def value_annotation(field: spec.SessionField, bounds: bool = True) -> Any:
+    """The pydantic type of a field's JSON value, with the bounds the spec states (``bounds``: a request's; a
+    response states the types only)."""
+    lower = {"gt" if field.exclusive_minimum else "ge": field.minimum} if bounds and field.minimum is not None else {}
+    upper = {"le": field.maximum} if bounds and field.maximum is not None else {}
+    if not bounds and field.kind in (spec.NUMBERS, spec.CHOICES):
+        return list[float] if field.kind == spec.NUMBERS else list[Literal[field.choices]]
+    if field.kind == spec.INTEGER:
+        return Annotated[int, Field(**lower, **upper)]
+    if field.kind == spec.NUMBER:
+        return Annotated[float, Field(**lower, **upper)]
+    if field.kind == spec.CHOICE:
+        return Literal[field.choices]
+    if field.kind == spec.NUMBERS:
+        return Annotated[list[Annotated[float, Field(**lower, **upper)]],
+                         Field(min_length=field.min_items, max_length=field.max_items)]
+    if field.kind == spec.CHOICES:
+        return Annotated[list[Literal[field.choices]], Field(min_length=field.min_items, max_length=field.max_items)]
+    if field.kind == spec.LOOKAHEAD:
+        return Literal[spec.EXACT] | Annotated[int, Field(**lower, **upper)]
+    raise AssertionError(f"no pydantic type for field kind {field.kind!r}")
+
+
+def _session_create() -> type[BaseModel]:
+    fields = {
+        f.name: (Annotated[value_annotation(f) | None, Field(description=f.doc)], None) for f in spec.FIELDS
+    }
+    # strict: JSON false is not seed 0, nor "3" a block size; a client sending those has a bug worth hearing of.
+    return create_model(
+        "SessionCreate",
+        __config__=ConfigDict(extra="forbid", strict=True),
+        __doc__="Every field optional; unset fields take the server's defaults (GET /v1/info).",
+        **fields,
+    )
+
+
+# The JSON body of POST and PUT /v1/sessions.
+SessionCreate = _session_create()
 
 
 # --- the envelope ------------------------------------------------------------------------------------------
@@ -69,19 +112,11 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 # --- response bodies ---------------------------------------------------------------------------------------
 # extra="allow": the routes return more fields over time; the schema promises these, not only these.
-class SessionConfigOut(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    seed: int
-    fps: float
-    sink_frames: int
-    block_size: int
-    kv_max_frames: int
-    sigmas: list[float]
-    positions: Literal["absolute", "rebased"]
-    outputs: list[Literal["latents", "video"]]
-    video_format: Literal["uint8", "float32"]
-    video_lookahead: Literal["exact"] | int
+SessionConfigOut = create_model(
+    "SessionConfigOut",
+    __config__=ConfigDict(extra="allow"),
+    **{f.name: (Annotated[value_annotation(f, bounds=False), Field(description=f.doc)], ...) for f in spec.FIELDS},
+)
 
 
 class SessionSummary(BaseModel):

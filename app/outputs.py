@@ -16,14 +16,15 @@ from typing import Any
 import torch
 
 from models.vae import video_tensor
+from wm_refiner_client import spec
 
 from .errors import ApiError
 
 LATENTS, VIDEO = "latents", "video"
-OUTPUT_KINDS = (LATENTS, VIDEO)
-VIDEO_FORMATS = ("uint8", "float32")
-EXACT = "exact"
-OUTPUT_FIELDS = ("outputs", "video_format", "video_lookahead")
+OUTPUT_KINDS = spec.BY_NAME["outputs"].choices
+VIDEO_FORMATS = spec.BY_NAME["video_format"].choices
+EXACT = spec.EXACT
+OUTPUT_FIELDS = spec.OUTPUT_NAMES
 
 
 @dataclass(frozen=True)
@@ -49,44 +50,29 @@ class Outputs:
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any], vae_configured: bool) -> Outputs:
-        """From a session config's fields (absent = default); ApiError 422 saying what to send instead."""
-        kinds = fields.get("outputs")
-        if kinds is None:
-            kinds = [LATENTS]
-        if isinstance(kinds, str):
-            kinds = [part for part in kinds.split(",") if part]
-        if not isinstance(kinds, (list, tuple)) or not kinds or any(k not in OUTPUT_KINDS for k in kinds):
-            raise ApiError("invalid_config", f"outputs must be a non-empty list of {list(OUTPUT_KINDS)}, got {kinds!r}")
-        if len(set(kinds)) != len(kinds):
-            raise ApiError("invalid_config", f"outputs lists a kind twice: {list(kinds)}; list each at most once")
-        kinds = tuple(kind for kind in OUTPUT_KINDS if kind in kinds)  # a canonical order
+        """From a session config's fields as JSON values (absent = default; text goes through
+        ``spec.SessionField.from_text`` first); ApiError 422 saying what to send instead."""
+        try:
+            kinds = spec.output_kinds(fields.get("outputs"))
+            lookahead = spec.lookahead_frames(fields.get("video_lookahead"))
+        except ValueError as exc:
+            raise ApiError("invalid_config", str(exc)) from None
         if VIDEO in kinds and not vae_configured:
             raise ApiError(
                 "invalid_config",
                 "outputs includes 'video' but this server has no VAE (setting vae, flag --vae); ask for "
                 "outputs ['latents'] or configure the server with an AutoencoderKLLTX2Video folder",
             )
-        video_format = fields.get("video_format") or "uint8"
+        video_format = fields.get("video_format") or spec.BY_NAME["video_format"].default
         if video_format not in VIDEO_FORMATS:
             raise ApiError("invalid_config", f"video_format must be one of {list(VIDEO_FORMATS)}, got {video_format!r}")
-        lookahead = fields.get("video_lookahead", EXACT)
-        if lookahead is None or lookahead == EXACT:
-            lookahead = None
-        else:
-            if isinstance(lookahead, str) and lookahead.isdigit():
-                lookahead = int(lookahead)
-            if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-                raise ApiError(
-                    "invalid_config",
-                    f"video_lookahead must be \"exact\" or an integer >= 0 (latent frames), got {lookahead!r}",
-                )
         return cls(kinds, video_format, lookahead)
 
     def restrict(self, asked: str | None) -> Outputs:
         """The outputs a watcher asks for (``?outputs=video``), a subset of the session's; ApiError otherwise."""
         if asked is None:
             return self
-        kinds = [part for part in asked.split(",") if part]
+        kinds = spec.BY_NAME["outputs"].from_text(asked)
         unknown = [k for k in kinds if k not in OUTPUT_KINDS]
         if not kinds or unknown:
             raise ApiError("invalid_request", f"outputs={asked!r}: ask for 'latents', 'video' or 'latents,video'")

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import math
 import os
-import re
 import socket
 import tempfile
 import time
@@ -36,6 +35,7 @@ from models.determinism import forward_batch_invariant
 from models.memory import keep_freed_memory
 from models.session import Unit, check_prompt
 from models.vae import StreamingDecoder, VideoStream, load_vae, new_video
+from wm_refiner_client import spec
 
 from .delivery import Deliveries, Encoder, UnitCopies
 from .engine import Engine, EngineSession, Work
@@ -253,11 +253,15 @@ class Services:
     async def lookup(self, session_id: str) -> SessionHandle:
         """The session ``session_id``: a live one of this replica, else one adopted from ``snapshot_dir`` (saved by
         a drain or a checkpoint, here or on another replica); ApiError 404 / 410 otherwise."""
+        if not spec.is_session_id(session_id):
+            # No session was ever given such an id, and it must never reach the snapshot folder as a path.
+            raise ApiError("session_not_found", f"no session {session_id[:80]!r}: session ids are "
+                                                f"{spec.SESSION_ID_RULE}; use the session_id POST /v1/sessions returned")
         handle = self.registry.existing(session_id)
         if handle is not None:
             return handle
         folder = self.snapshot_folder
-        if folder is not None and _plain_id(session_id) and has_snapshot(folder, session_id):
+        if folder is not None and has_snapshot(folder, session_id):
             lock = self._adopting.setdefault(session_id, asyncio.Lock())
             async with lock:  # one adoption per id in this process; other replicas are kept off by the claim
                 handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
@@ -387,7 +391,7 @@ class Services:
             leftover.unlink(missing_ok=True)
         for stale in folder.glob(f".*{SUFFIX}.claimed-{self.settings.replica_id}"):
             session_id = stale.name[1 : -len(f"{SUFFIX}.claimed-{self.settings.replica_id}")]
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):  # ValueError: not a session's name, not ours to move
                 release_claim(stale, session_id)
 
     async def _evict_forever(self) -> None:
@@ -532,14 +536,6 @@ def _own_addresses() -> set[str]:
         return {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
     except OSError:
         return set()
-
-
-def _plain_id(session_id: str) -> bool:
-    """Only ids that can name a file are looked for on disk (a path in an id must never reach the folder)."""
-    return bool(_ID.fullmatch(session_id))
-
-
-_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 def warmup_work(refiner: Refiner, settings: Settings, decoder: StreamingDecoder | None = None) -> Work:

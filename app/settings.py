@@ -7,16 +7,18 @@ Every limit the service enforces is a field here, so an operator can see and cha
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
-from models.config import DEFAULT_SIGMAS, SessionConfig
+from models.config import SessionConfig
 from models.errors import InvalidConfigError
+from wm_refiner_client import spec
 
 ENV_PREFIX = "WM_REFINER_"
 MiB = 1024 * 1024
@@ -26,7 +28,59 @@ def _default_cache_dir() -> Path:
     return Path("~/.cache/wm-refiner").expanduser()
 
 
-class Settings(BaseSettings):
+# --- replica ids --------------------------------------------------------------------------------------------------
+REPLICA_ID_RULE = "[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_REPLICA_ID = re.compile(REPLICA_ID_RULE)
+
+
+def check_replica_id(replica_id: str) -> str:
+    """``replica_id`` when it is a safe token; ValueError saying what to choose otherwise.
+
+    It is sent as the ``X-Replica`` header and becomes part of snapshot claim file names
+    (``.<session>.session.safetensors.claimed-<replica_id>``, found again with a glob at start-up): so letters,
+    digits, '.', '_' and '-', starting with a letter or digit, at most 128 characters (a host name and a pid fit).
+    No '/', no glob characters, no spaces or control characters that a header or a file name would mangle.
+    """
+    if not isinstance(replica_id, str) or not _REPLICA_ID.fullmatch(replica_id):
+        raise ValueError(
+            f"replica_id {replica_id!r} is not a safe token ({REPLICA_ID_RULE}: letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit, at most 128 characters); set one such as 'replica-0' or the pod's name"
+        )
+    return replica_id
+
+
+def _default_replica_id() -> str:
+    # A host name may hold characters the rule refuses (or be long): those become '-', so the default always passes.
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "host"
+    return f"{host[:100]}-{os.getpid()}"
+
+
+def _settings_type(field: spec.SessionField) -> Any:
+    if field.kind == spec.INTEGER:
+        return int
+    if field.kind == spec.NUMBER:
+        return float
+    if field.kind == spec.NUMBERS:
+        return tuple[float, ...]
+    if field.kind == spec.CHOICE:
+        return Literal[field.choices]
+    raise AssertionError(f"no settings type for a {field.kind} field ({field.name})")
+
+
+# The default_* settings, one per spec field that names one (``SessionField.setting``): a new session field with a
+# server default needs no line here.
+_SessionDefaults = create_model(
+    "_SessionDefaults",
+    __base__=BaseSettings,
+    **{
+        f.setting: (_settings_type(f), Field(default=f.default, description=f"session default: {f.doc}"))
+        for f in spec.FIELDS
+        if f.setting is not None
+    },
+)
+
+
+class Settings(_SessionDefaults):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
         extra="forbid",
@@ -130,8 +184,9 @@ class Settings(BaseSettings):
         "(this replica's own may be among them), or dns:NAME:PORT (every address of a headless service)",
     )
     replica_id: str = Field(
-        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
-        description="this process's name in a deployment: the X-Replica header, snapshot claims",
+        default_factory=_default_replica_id,
+        description="this process's name in a deployment: the X-Replica header, snapshot claims; a safe token "
+        f"({REPLICA_ID_RULE})",
     )
 
     # --- prompt ------------------------------------------------------------------------------------------------
@@ -152,13 +207,12 @@ class Settings(BaseSettings):
     response_dtype: Literal["float32", "model"] = "float32"
 
     # --- session defaults (a client's POST /v1/sessions fields override these) -----------------------------
-    default_seed: int = 42
-    default_fps: float = 16.0
-    default_sink_frames: int = 1
-    default_block_size: int = 3
-    default_kv_max_frames: int = 11
-    default_sigmas: tuple[float, ...] = DEFAULT_SIGMAS
-    default_positions: Literal["absolute", "rebased"] = "absolute"
+    # default_seed, default_fps, ...: generated from wm_refiner_client.spec (_SessionDefaults above).
+
+    @field_validator("replica_id")
+    @classmethod
+    def _replica_id_safe(cls, value: str) -> str:
+        return check_replica_id(value)
 
     @model_validator(mode="after")
     def _session_defaults_valid(self) -> Settings:
@@ -169,15 +223,13 @@ class Settings(BaseSettings):
         return self
 
     def session_defaults(self) -> SessionConfig:
-        return SessionConfig(
-            seed=self.default_seed,
-            fps=self.default_fps,
-            sink_frames=self.default_sink_frames,
-            block_size=self.default_block_size,
-            kv_max_frames=self.default_kv_max_frames,
-            sigmas=self.default_sigmas,
-            positions=self.default_positions,
-        )
+        """The model config a session gets for every field it leaves unset."""
+        return SessionConfig.from_dict({f.name: getattr(self, f.setting) for f in spec.FIELDS if f.setting})
+
+    def session_default_values(self) -> dict[str, Any]:
+        """Every session field's default on this server, as JSON (``/v1/info`` ``default_session_config``)."""
+        config = self.session_defaults().to_dict()
+        return {f.name: config[f.name] if f.name in config else f.default_json() for f in spec.FIELDS}
 
     @property
     def embedded_model_dir(self) -> Path:

@@ -35,6 +35,7 @@ from models.snapshot import (
 )
 
 from models.vae import StreamingDecoder, VideoStream, video_from_tensors, video_to_tensors
+from wm_refiner_client import spec
 
 from .outputs import Outputs
 from .errors import ApiError
@@ -66,7 +67,9 @@ class SessionRecord:
 
 
 def snapshot_path(folder: Path, session_id: str) -> Path:
-    return folder / f"{session_id}{SUFFIX}"
+    """The file of ``session_id`` in ``folder``. Every path to a session's file is made here, so the id rule
+    (``spec.check_session_id``: ValueError otherwise) keeps any '/', '..' or glob character out of the folder."""
+    return folder / f"{spec.check_session_id(session_id)}{SUFFIX}"
 
 
 def save_record(folder: Path, record: SessionRecord) -> Path:
@@ -124,7 +127,7 @@ def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None =
         fields = json.loads(metadata["app"])
         if fields.get("format") != APP_FORMAT:
             raise SnapshotError(f"{path.name}: not a service snapshot (format {fields.get('format')!r})")
-        session_id = str(fields["session_id"])
+        session_id = spec.check_session_id(str(fields["session_id"]))
         if (expected_id is None and path.name != f"{session_id}{SUFFIX}") or expected_id not in (None, session_id):
             raise SnapshotError(f"{path.name}: holds session {session_id}, not the one its name says")
         units = [
@@ -167,7 +170,7 @@ def claim(folder: Path, session_id: str, claimant: str) -> Path | None:
     so of several replicas racing for it exactly one gets it. The claimed path, or None when there is no file
     (none was saved, or another replica claimed it first)."""
     source = snapshot_path(folder, session_id)
-    claimed = folder / f".{session_id}{SUFFIX}.claimed-{claimant}"
+    claimed = source.with_name(f".{source.name}.claimed-{claimant}")
     try:
         os.rename(source, claimed)
     except FileNotFoundError:

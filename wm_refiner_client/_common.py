@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
+from . import spec
 from .errors import ERROR_CLASSES, APIError, ProtocolError, error_from
 from .retry import parse_retry_after
 
 API_KEY_ENV = "WM_REFINER_API_KEY"
 URL_ENV = "WM_REFINER_URL"
 DEFAULT_URL = "http://127.0.0.1:8000"
-# PUT /v1/sessions/{id}: the ids a client may choose (api.md 1.1).
-SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
-CONFIG_FIELDS = ("seed", "fps", "sink_frames", "block_size", "kv_max_frames", "sigmas", "positions", "outputs",
-                 "video_format", "video_lookahead")
+# The keyword arguments of create_session, session and refine: the session's fields (spec.FIELDS).
+CONFIG_FIELDS = spec.NAMES
 # A 720p unit is several MB; websockets refuses messages over 1 MiB by default (close 1009), so the client lifts
 # the limit: it only ever receives what it asked for, units of its own session.
 WS_MAX_SIZE = None
@@ -45,7 +43,8 @@ def ws_url(base_url: str, path: str, query: Mapping[str, Any] | None = None) -> 
 
 
 def session_path(session_id: str, suffix: str = "") -> str:
-    return f"/v1/sessions/{quote(session_id, safe='')}{suffix}"
+    """The path of a session's route; ValueError for an id no session can have (spec.check_session_id)."""
+    return f"/v1/sessions/{quote(check_session_id(session_id), safe='')}{suffix}"
 
 
 def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -58,22 +57,14 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
 def refine_query(config: Mapping[str, Any]) -> dict[str, str]:
     """``/v1/refine`` takes the config as query parameters (lists as comma-separated text; no sigmas)."""
     fields = check_config(config)
-    if "sigmas" in fields:
-        raise TypeError("/v1/refine takes no sigmas; create a session for a custom schedule")
-    query = {}
-    for name, value in fields.items():
-        if isinstance(value, (list, tuple)):
-            value = ",".join(str(v) for v in value)
-        elif isinstance(value, bool):
-            value = str(value).lower()
-        query[name] = str(value)
-    return query
+    refused = [name for name in fields if not spec.BY_NAME[name].in_query]
+    if refused:
+        raise TypeError(f"/v1/refine takes no {', '.join(refused)}; create a session for those (it takes "
+                        f"{list(spec.QUERY_NAMES)})")
+    return {name: spec.BY_NAME[name].to_text(value) for name, value in fields.items()}
 
 
-def check_session_id(session_id: str) -> str:
-    if not SESSION_ID.fullmatch(session_id):
-        raise ValueError(f"session id {session_id!r} must match [A-Za-z0-9_-]{{8,64}}")
-    return session_id
+check_session_id = spec.check_session_id
 
 
 def response_error(status: int, content: bytes, headers: Mapping[str, str]) -> APIError:

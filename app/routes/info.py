@@ -11,13 +11,31 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from ..deps import ServicesDep
+from wm_refiner_client import spec
+
 from ..openapi import errors
-from ..outputs import Outputs
 
 router = APIRouter(tags=["info"])
 
-# What one session may ask for (422 beyond): reported beside the per-request limits of Settings.limits().
-SESSION_CAPS = ("max_window_frames", "max_denoise_steps", "max_frame_tokens", "max_batch")
+# What one session may ask for (422 beyond): reported beside the per-request limits of Settings.limits(). The
+# settings that cap a session field come from the spec; the payload's caps (frame size, batch) from here.
+SESSION_CAPS = tuple(dict.fromkeys([*(name for f in spec.FIELDS for name in f.limited_by), "max_frame_tokens", "max_batch"]))
+
+
+def session_fields(settings) -> dict[str, Any]:
+    """Each session field as this server takes it: its JSON schema, its default here, the settings that cap it
+    (with their values) and its doc text, in the spec's order."""
+    defaults = settings.session_default_values()
+    return {
+        f.name: {
+            "schema": f.json_schema(),
+            "default": defaults[f.name],
+            "limits": {name: getattr(settings, name) for name in f.limited_by},
+            "query": f.in_query,
+            "doc": f.doc,
+        }
+        for f in spec.FIELDS
+    }
 
 
 @router.get("/v1/info", responses=errors(401, 503))
@@ -37,7 +55,8 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             "class": services.decoder.info.class_name,
             **{k: v for k, v in services.decoder.info.to_dict().items() if k != "class_name"},
         },
-        "default_session_config": {**services.settings.session_defaults().to_dict(), **Outputs().to_dict()},
+        "default_session_config": services.settings.session_default_values(),
+        "session_fields": session_fields(services.settings),
         "default_prompt": services.default_prompt is not None,
         "engine": {
             "batching": services.settings.batching,

@@ -9,13 +9,15 @@ clip cannot hold the engine. A client that goes away stops its clip at the next 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Literal
+import inspect
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
-from models import RefinerSession, SessionConfig
+from models import RefinerSession
+from wm_refiner_client import spec
 
 from ..codec import OCTET_STREAM, PROMPT_EMBEDS, PROMPT_MASK, decode
 from ..deps import (
@@ -23,7 +25,6 @@ from ..deps import (
     OCTET_RESPONSE,
     PlainInteger,
     ServicesDep,
-    check_config_limits,
     check_payload,
     read_body,
     reject_unknown_query,
@@ -31,11 +32,53 @@ from ..deps import (
 )
 from ..engine import EngineSession, Work
 from ..errors import ApiError
-from ..openapi import FPS_MAX, FRAMES_MAX, KV_MAX_FRAMES_MIN, SEED_MAX, errors
+from ..openapi import errors
+from .sessions import check_fields, resolve_config
 
 router = APIRouter(tags=["refine"])
-REFINE_QUERY = frozenset({"seed", "fps", "sink_frames", "block_size", "kv_max_frames", "positions", "outputs",
-                          "video_format", "video_lookahead"})
+REFINE_QUERY = frozenset(spec.QUERY_NAMES)
+# Lists and the look-ahead arrive as text (``outputs=latents,video``, ``video_lookahead=2``); these bound the text.
+_TEXT_MAX_LENGTH = {spec.CHOICES: 32, spec.LOOKAHEAD: 16}
+
+
+def _query_annotation(field: spec.SessionField) -> Any:
+    """How /v1/refine declares ``field`` as a query parameter (and so documents it in /openapi.json)."""
+    if field.kind in _TEXT_MAX_LENGTH:
+        return Annotated[str | None, Query(max_length=_TEXT_MAX_LENGTH[field.kind], description=field.doc)]
+    lower = {"gt" if field.exclusive_minimum else "ge": field.minimum} if field.minimum is not None else {}
+    query = Query(**lower, le=field.maximum, description=field.doc)
+    if field.kind == spec.INTEGER:
+        return Annotated[int | None, query, PlainInteger]
+    if field.kind == spec.NUMBER:
+        return Annotated[float | None, query]
+    if field.kind == spec.CHOICE:
+        return Annotated[Literal[field.choices] | None, Query(description=field.doc)]
+    raise AssertionError(f"/v1/refine cannot take field {field.name} ({field.kind}) as a query parameter")
+
+
+def session_query(**values: Any) -> dict[str, Any]:
+    """The session fields given in the query (lists and the look-ahead still as text)."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def query_fields(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` as JSON values: text read by the spec, as the command line's flags are."""
+    fields = dict(given)
+    for name, value in given.items():
+        field = spec.BY_NAME[name]
+        if isinstance(value, str) and field.kind in _TEXT_MAX_LENGTH:
+            try:
+                fields[name] = field.from_text(value)
+            except ValueError as exc:
+                raise ApiError("invalid_config", str(exc)) from None
+    return fields
+
+
+# FastAPI reads a dependency's parameters from its signature; this one's comes from the spec.
+session_query.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_query_annotation(spec.BY_NAME[name]))
+    for name in spec.QUERY_NAMES
+])
 
 
 @router.post(
@@ -46,36 +89,12 @@ REFINE_QUERY = frozenset({"seed", "fps", "sink_frames", "block_size", "kv_max_fr
 async def refine(
     request: Request,
     services: ServicesDep,
-    seed: Annotated[int | None, Query(ge=0, le=SEED_MAX), PlainInteger] = None,
-    fps: Annotated[float | None, Query(gt=0, le=FPS_MAX)] = None,
-    sink_frames: Annotated[int | None, Query(ge=1, le=FRAMES_MAX), PlainInteger] = None,
-    block_size: Annotated[int | None, Query(ge=1, le=FRAMES_MAX), PlainInteger] = None,
-    kv_max_frames: Annotated[
-        int | None,
-        Query(ge=KV_MAX_FRAMES_MIN, le=FRAMES_MAX, description="at least sink_frames + block_size"),
-        PlainInteger,
-    ] = None,
-    positions: Annotated[Literal["absolute", "rebased"] | None, Query()] = None,
-    outputs: Annotated[
-        str | None, Query(max_length=32, description="latents (default), video, or latents,video; video needs a vae")
-    ] = None,
-    video_format: Annotated[Literal["uint8", "float32"] | None, Query()] = None,
-    video_lookahead: Annotated[
-        str | None, Query(max_length=16, description="exact (default) or N latent frames")
-    ] = None,
+    given: Annotated[dict[str, Any], Depends(session_query)],
 ) -> Response:
     reject_unknown_query(request, REFINE_QUERY)
     services.require_ready()
     settings = services.settings
-    asked = dict(
-        seed=seed, fps=fps, sink_frames=sink_frames, block_size=block_size, kv_max_frames=kv_max_frames,
-        positions=positions,
-    )
-    wanted = services.outputs({"outputs": outputs, "video_format": video_format,
-                               "video_lookahead": video_lookahead or "exact"})
-    defaults = settings.session_defaults().to_dict()
-    config = SessionConfig.from_dict({**defaults, **{k: v for k, v in asked.items() if v is not None}})
-    check_config_limits(config, settings)
+    config, wanted = resolve_config(check_fields(query_fields(given)), services)
     require_content_type(request, OCTET_STREAM)
     body = await read_body(request, settings.max_body_bytes)
     tensors = decode(body)

@@ -4,64 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from models import SessionConfig
+from wm_refiner_client import spec
 
 from ..deps import ServicesDep, check_config_limits, read_body, reject_unknown_query, require_content_type
 from ..errors import ApiError
-from ..openapi import (
-    FPS_MAX,
-    FRAMES_MAX,
-    KV_MAX_FRAMES_MIN,
-    SEED_MAX,
-    SIGMAS_MIN_ITEMS,
-    SessionCreated,
-    SessionDescription,
-    SessionList,
-    errors,
-)
-from ..outputs import OUTPUT_FIELDS
+from ..openapi import SessionCreate, SessionCreated, SessionDescription, SessionList, errors
 
 router = APIRouter(tags=["sessions"])
 
 # A session config is a few numbers; a body beyond this is a mistake or an attack.
 MAX_CONFIG_BYTES = 64 * 1024
-
-
-class SessionCreate(BaseModel):
-    """Every field optional; unset fields take the server's defaults (GET /v1/info)."""
-
-    # strict: JSON false is not seed 0, nor "3" a block size; a client sending those has a bug worth hearing of.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    seed: Annotated[int | None, Field(ge=0, le=SEED_MAX)] = None
-    fps: Annotated[float | None, Field(gt=0, le=FPS_MAX)] = None
-    sink_frames: Annotated[int | None, Field(ge=1, le=FRAMES_MAX)] = None
-    block_size: Annotated[int | None, Field(ge=1, le=FRAMES_MAX)] = None
-    kv_max_frames: Annotated[
-        int | None, Field(ge=KV_MAX_FRAMES_MIN, le=FRAMES_MAX, description="at least sink_frames + block_size")
-    ] = None
-    sigmas: Annotated[
-        list[Annotated[float, Field(ge=0, le=1)]] | None,
-        Field(min_length=SIGMAS_MIN_ITEMS, description="strictly decreasing, ending in 0.0"),
-    ] = None
-    positions: Literal["absolute", "rebased"] | None = None
-    outputs: Annotated[
-        list[Literal["latents", "video"]] | None,
-        Field(min_length=1, max_length=2, description="what units carry; 'video' needs the server's vae setting"),
-    ] = None
-    video_format: Literal["uint8", "float32"] | None = None
-    video_lookahead: Annotated[
-        Literal["exact"] | Annotated[int, Field(ge=0, le=FRAMES_MAX)] | None,
-        Field(description="'exact' (equal to the whole-clip decode) or N latent frames of look-ahead"),
-    ] = None
 
 
 CREATE_BODY = {
@@ -89,9 +49,6 @@ async def create_session(request: Request, services: ServicesDep) -> JSONRespons
     return JSONResponse({"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict()}}, status_code=201)
 
 
-SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
-
-
 @router.put(
     "/v1/sessions/{session_id}",
     status_code=201,
@@ -108,12 +65,10 @@ async def put_session(session_id: str, request: Request, services: ServicesDep) 
     path. Idempotent: the same id and config again answers 200 with the same body."""
     reject_unknown_query(request)
     services.require_ready()
-    if not SESSION_ID.fullmatch(session_id):
-        raise ApiError(
-            "invalid_request",
-            f"session id {session_id[:80]!r} is not 8 to 64 of A-Z, a-z, 0-9, '_' and '-'; choose one such id "
-            "(a UUID's hex digits, for one)",
-        )
+    try:
+        spec.check_session_id(session_id)
+    except ValueError as exc:
+        raise ApiError("invalid_request", str(exc)) from None
     config, outputs = await _read_config(request, services)
     body = {"session_id": session_id, "config": {**config.to_dict(), **outputs.to_dict()}}
     existing = await _existing(services, session_id)
@@ -147,8 +102,13 @@ def _differences(existing, config: SessionConfig, outputs) -> str:
 
 async def _read_config(request: Request, services) -> tuple[SessionConfig, Any]:
     body = await read_body(request, min(MAX_CONFIG_BYTES, services.settings.max_body_bytes))
-    fields = parse_config_body(request, body)
-    outputs = services.outputs({name: fields.pop(name) for name in OUTPUT_FIELDS if name in fields})
+    return resolve_config(parse_config_body(request, body), services)
+
+
+def resolve_config(fields: dict[str, Any], services) -> tuple[SessionConfig, Any]:
+    """The session's config and outputs from the fields a client set (JSON values, checked by ``check_fields``):
+    unset fields take the server's defaults; 422 for what the model or this server's limits refuse."""
+    outputs = services.outputs({name: fields.pop(name) for name in spec.OUTPUT_NAMES if name in fields})
     defaults = services.settings.session_defaults().to_dict()
     config = check_config_limits(SessionConfig.from_dict({**defaults, **fields}), services.settings)
     return config, outputs
@@ -170,6 +130,12 @@ def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(data, dict):
         raise ApiError("invalid_config", f"the body must be a JSON object of config fields, got {type(data).__name__}")
+    return check_fields(data)
+
+
+def check_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """The set fields of ``data`` (JSON values) after the spec's per-field checks (names, types, bounds); 422
+    invalid_config naming each problem. The body and /v1/refine's query both come through here."""
     try:
         parsed = SessionCreate.model_validate(data)
     except ValidationError as exc:

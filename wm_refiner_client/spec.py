@@ -1,0 +1,225 @@
+"""A session's fields, declared once: name, type, wire default, bounds, the server setting that supplies its default,
+the settings that cap it, and its doc text.
+
+Everything else is derived from ``FIELDS``: the JSON body of ``POST``/``PUT /v1/sessions`` and its OpenAPI schema
+(``app.openapi``), ``/v1/refine``'s query parameters (``app.routes.refine``), the ``default_*`` settings and
+``/v1/info``'s session part (``app.settings``, ``app.routes.info``), the command line's flags (``app.cli``,
+``app.cli_remote``) and this client's keyword arguments (``_common``). A new field is one line in ``FIELDS`` plus
+the code that uses it.
+
+Plain Python on purpose: the client package installs without torch or the service, and the service imports this
+module rather than the other way round. ``models.config.SessionConfig`` (the model's frozen config) keeps its own
+defaults, since ``models/`` depends on nothing above it; tests/app/test_spec.py checks that the two agree.
+
+Also here: the one rule for session ids (``check_session_id``), shared by the routes, the client and the snapshot
+files.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# --- bounds a single field can state (rules across fields stay with models.config: 422 invalid_config) ---------------
+SEED_MAX = 2**63 - 1
+FPS_MAX = 1000.0
+FRAMES_MAX = 1 << 20  # sink_frames, block_size, kv_max_frames, video_lookahead
+KV_MAX_FRAMES_MIN = 2  # the smallest sink_frames + block_size
+SIGMAS_MIN_ITEMS = 2
+# The 3-step distilled schedule of the public SANA-WM refiner release.
+DEFAULT_SIGMAS: tuple[float, ...] = (0.909375, 0.725, 0.421875, 0.0)
+EXACT = "exact"
+
+# The value kinds a field can have. Text (a query parameter, a command-line flag) becomes a JSON value by kind.
+INTEGER = "integer"  # a JSON integer; text: decimal digits
+NUMBER = "number"  # a JSON number; text: a float
+CHOICE = "choice"  # one of ``choices``
+NUMBERS = "numbers"  # a list of numbers; text: comma-separated
+CHOICES = "choices"  # a list of distinct ``choices``; text: comma-separated
+LOOKAHEAD = "lookahead"  # "exact" or an integer in [minimum, maximum]; text: "exact" or digits
+
+CONFIG = "config"  # the model's config (models.config.SessionConfig)
+OUTPUTS = "outputs"  # what the session's units carry (app.outputs.Outputs)
+
+
+@dataclass(frozen=True)
+class SessionField:
+    """One field of a session. ``default``: what a session gets when neither it nor the server says otherwise;
+    ``setting``: the server setting that overrides that default (None: fixed); ``limited_by``: server settings that
+    cap it beyond its own bounds (reported in ``/v1/info`` limits); ``in_query``: ``/v1/refine`` takes it as a query
+    parameter (a list of sigmas is a session's business)."""
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    part: str = CONFIG
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    choices: tuple[str, ...] = ()
+    min_items: int | None = None
+    max_items: int | None = None
+    setting: str | None = None
+    limited_by: tuple[str, ...] = ()
+    in_query: bool = True
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def default_json(self) -> Any:
+        return list(self.default) if isinstance(self.default, tuple) else self.default
+
+    def json_schema(self) -> dict[str, Any]:
+        """The JSON Schema of a value of this field (not null; the wire's "unset" is leaving the field out)."""
+        bounds: dict[str, Any] = {}
+        if self.minimum is not None:
+            bounds["exclusiveMinimum" if self.exclusive_minimum else "minimum"] = self.minimum
+        if self.maximum is not None:
+            bounds["maximum"] = self.maximum
+        if self.kind == INTEGER:
+            return {"type": "integer", **bounds}
+        if self.kind == NUMBER:
+            return {"type": "number", **bounds}
+        if self.kind == CHOICE:
+            return {"type": "string", "enum": list(self.choices)}
+        items = {"type": "number", **bounds} if self.kind == NUMBERS else {"type": "string", "enum": list(self.choices)}
+        if self.kind in (NUMBERS, CHOICES):
+            schema: dict[str, Any] = {"type": "array", "items": items}
+            if self.min_items is not None:
+                schema["minItems"] = self.min_items
+            if self.max_items is not None:
+                schema["maxItems"] = self.max_items
+            return schema
+        if self.kind == LOOKAHEAD:
+            return {"anyOf": [{"type": "string", "const": EXACT}, {"type": "integer", **bounds}]}
+        raise AssertionError(f"unknown field kind {self.kind!r}")
+
+    def from_text(self, text: str) -> Any:
+        """The JSON value a query parameter or a command-line flag stands for; ValueError saying what to write.
+        Only the form is checked here: bounds are the server's to check, like a JSON body's."""
+        if self.kind == INTEGER:
+            if not re.fullmatch(r"-?[0-9]+", text):
+                raise ValueError(f"{self.name} must be a plain integer such as {self.default!r}, got {text!r}")
+            return int(text)
+        if self.kind == NUMBER:
+            try:
+                return float(text)
+            except ValueError:
+                raise ValueError(f"{self.name} must be a number such as {self.default!r}, got {text!r}") from None
+        if self.kind == CHOICE:
+            return text
+        if self.kind == NUMBERS:
+            try:
+                return [float(part) for part in text.split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"{self.name} must be comma-separated numbers such as "
+                    f"{','.join(str(v) for v in self.default)}, got {text!r}"
+                ) from None
+        if self.kind == CHOICES:
+            return [part for part in text.split(",") if part]
+        if self.kind == LOOKAHEAD:
+            if text == EXACT:
+                return EXACT
+            if not re.fullmatch(r"[0-9]+", text):
+                raise ValueError(f"{self.name} must be {EXACT!r} or an integer >= 0 (latent frames), got {text!r}")
+            return int(text)
+        raise AssertionError(f"unknown field kind {self.kind!r}")
+
+    def to_text(self, value: Any) -> str:
+        """The inverse of ``from_text``: a JSON value as a query parameter or a flag's argument."""
+        if isinstance(value, (list, tuple)):
+            return ",".join(str(v) for v in value)
+        if isinstance(value, bool):
+            return str(value).lower()
+        return str(value)
+
+
+FIELDS: tuple[SessionField, ...] = (
+    SessionField("seed", INTEGER, 42, "noise seed", minimum=0, maximum=SEED_MAX, setting="default_seed"),
+    SessionField("fps", NUMBER, 16.0, "frame rate (the RoPE time scale)", minimum=0, exclusive_minimum=True,
+                 maximum=FPS_MAX, setting="default_fps"),
+    SessionField("sink_frames", INTEGER, 1, "leading frames kept raw, the attention sink S", minimum=1,
+                 maximum=FRAMES_MAX, setting="default_sink_frames"),
+    SessionField("block_size", INTEGER, 3, "frames refined together", minimum=1, maximum=FRAMES_MAX,
+                 setting="default_block_size", limited_by=("max_window_frames",)),
+    SessionField("kv_max_frames", INTEGER, 11, "sink + history frames a block attends to besides itself; at least "
+                 "sink_frames + block_size", minimum=KV_MAX_FRAMES_MIN, maximum=FRAMES_MAX,
+                 setting="default_kv_max_frames", limited_by=("max_window_frames",)),
+    SessionField("sigmas", NUMBERS, DEFAULT_SIGMAS, "the Euler schedule: strictly decreasing, ending in 0.0",
+                 minimum=0, maximum=1, min_items=SIGMAS_MIN_ITEMS, setting="default_sigmas",
+                 limited_by=("max_denoise_steps",), in_query=False),
+    SessionField("positions", CHOICE, "absolute", "RoPE positions: absolute (the reference) or rebased (bounded, "
+                 "for long streams)", choices=("absolute", "rebased"), setting="default_positions"),
+    SessionField("outputs", CHOICES, ("latents",), "what units carry; 'video' needs the server's vae setting",
+                 part=OUTPUTS, choices=("latents", "video"), min_items=1, max_items=2),
+    SessionField("video_format", CHOICE, "uint8", "uint8 (B, F, H, W, 3) RGB, or float32 (B, F, 3, H, W) in [0, 1]",
+                 part=OUTPUTS, choices=("uint8", "float32")),
+    SessionField("video_lookahead", LOOKAHEAD, EXACT, "'exact' (equal to the whole-clip decode) or N latent frames "
+                 "of look-ahead", part=OUTPUTS, minimum=0, maximum=FRAMES_MAX),
+)
+BY_NAME: dict[str, SessionField] = {f.name: f for f in FIELDS}
+NAMES: tuple[str, ...] = tuple(BY_NAME)
+CONFIG_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.part == CONFIG)
+OUTPUT_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.part == OUTPUTS)
+QUERY_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.in_query)
+
+
+def defaults() -> dict[str, Any]:
+    """Every field's default as JSON (what a server with no ``default_*`` settings gives a session)."""
+    return {f.name: f.default_json() for f in FIELDS}
+
+
+def lookahead_frames(value: Any) -> int | None:
+    """The one reading of ``video_lookahead``'s JSON value: None for "exact" (or unset), else the latent frames a
+    pixel frame waits for. Text goes through ``SessionField.from_text`` first. ValueError saying what to send."""
+    if value is None or value == EXACT:
+        return None
+    top = BY_NAME["video_lookahead"].maximum
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+        raise ValueError(f"video_lookahead must be \"exact\" or an integer in [0, {top}] (latent frames), got {value!r}")
+    return value
+
+
+def output_kinds(value: Any) -> tuple[str, ...]:
+    """The one reading of ``outputs``' JSON value (unset: the default), in canonical order; ValueError saying what
+    to send."""
+    spec = BY_NAME["outputs"]
+    kinds = spec.default if value is None else value
+    if not isinstance(kinds, (list, tuple)) or not kinds or any(k not in spec.choices for k in kinds):
+        raise ValueError(f"outputs must be a non-empty list of {list(spec.choices)}, got {kinds!r}")
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"outputs lists a kind twice: {list(kinds)}; list each at most once")
+    return tuple(kind for kind in spec.choices if kind in kinds)
+
+
+# --- session ids --------------------------------------------------------------------------------------------------
+SESSION_ID_RULE = "[A-Za-z0-9_-]{8,64}"
+_SESSION_ID = re.compile(SESSION_ID_RULE)
+
+
+def is_session_id(session_id: object) -> bool:
+    """Whether ``session_id`` may name a session.
+
+    The one rule, for every session: 8 to 64 of A-Z, a-z, 0-9, '_' and '-' (api.md 1.1 documents it for the ids
+    clients choose with ``PUT``; the ids the server makes, 32 hex digits of a UUID, obey it too). Being a plain
+    token it is safe in a URL path, in a router's hash, in a log line and as a file name in ``snapshot_dir``: no
+    '/', no '.', nothing a shell or a glob reads specially. Anything else names no session: the routes answer 404
+    (422 where a client tries to create one), the client refuses it before sending, and ``app.snapshots`` never
+    turns it into a path.
+    """
+    return isinstance(session_id, str) and _SESSION_ID.fullmatch(session_id) is not None
+
+
+def check_session_id(session_id: object) -> str:
+    """``session_id`` when it obeys ``is_session_id``'s rule; ValueError saying what to choose otherwise."""
+    if not is_session_id(session_id):
+        shown = session_id[:80] if isinstance(session_id, str) else session_id
+        raise ValueError(
+            f"session id {shown!r} is not 8 to 64 of A-Z, a-z, 0-9, '_' and '-' ({SESSION_ID_RULE}); choose one "
+            "such id (a UUID's hex digits, for one)"
+        )
+    return session_id  # type: ignore[return-value]
