@@ -10,7 +10,8 @@ see every forward), with three differences that keep each session's bits indepen
 save work:
 
 1. the timestep embedding is computed once per row instead of once per token (every token of a row shares its
-   sigma; the per-row values are broadcast, which gives the same numbers);
+   sigma; the per-row values are broadcast), and one row at a time (``time_embedding``: its GEMMs then never see
+   the batch);
 2. the prompt reaches cross-attention already caption-projected (``PreparedPrompt``, computed once per prompt);
 3. self- and cross-attention run per session (``models.attention``).
 
@@ -124,13 +125,10 @@ def forward_body(model: torch.nn.Module, tokens: torch.Tensor, timestep: torch.T
     """The model call proper: velocity (R, N, C) for ``tokens`` (R, N, C) at ``timestep`` (R,). Only tensors of
     fixed shapes reach the per-token code; everything that differs from one mix of sessions to another stays in
     ``window`` and ``prompts``, read by the attention functions (kept out of ``torch.compile``)."""
-    rows = tokens.shape[0]
     # 1. Input projection.
     hidden = model.proj_in(tokens)  # (R, N, D)
-    # 2. Timestep embedding and modulation, once per row.
-    temb, embedded = model.time_embed(timestep, batch_size=rows, hidden_dtype=hidden.dtype)
-    temb = temb.view(rows, -1, temb.size(-1))  # (R, 1, 6D)
-    embedded = embedded.view(rows, -1, embedded.size(-1))  # (R, 1, D)
+    # 2. Timestep embedding and modulation, once per row, each at one row.
+    temb, embedded = time_embedding(model, timestep, hidden.dtype)  # (R, 1, 6D), (R, 1, D)
     # 3. Transformer blocks; attention per session.
     for index, block in enumerate(model.transformer_blocks):
         hidden = block(
@@ -149,6 +147,23 @@ def forward_body(model: torch.nn.Module, tokens: torch.Tensor, timestep: torch.T
     hidden = model.norm_out(hidden)
     hidden = hidden * (1 + scale) + shift
     return model.proj_out(hidden)  # (R, N, C)
+
+
+def time_embedding(model: torch.nn.Module, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The modulation (R, 1, 6D) and embedded timestep (R, 1, D) of each row's ``timestep`` (R,), computed one row
+    at a time.
+
+    Why one row at a time: these GEMMs have one output row per batch row (M = R), and a CPU BLAS picks its kernel and
+    reduction order by M: MKL rounds ``F.linear(x[:1])[0]`` differently from ``F.linear(x[:R])[0]`` for every R in
+    2..8 on AVX2-only CPUs, even in its strict reproducible mode (measured; docs/benchmarks.md). At M = 1 whatever
+    the batch, a row's modulation has the same bits alone and stacked, by construction rather than by a CPU's luck.
+    The cost is R small GEMMs instead of one per forward (measured: docs/benchmarks.md, "Batch invariance")."""
+    temb, embedded = [], []
+    for row in range(timestep.shape[0]):
+        row_temb, row_embedded = model.time_embed(timestep[row : row + 1], batch_size=1, hidden_dtype=dtype)
+        temb.append(row_temb)  # (1, 6D)
+        embedded.append(row_embedded)  # (1, D)
+    return torch.stack(temb), torch.stack(embedded)  # (R, 1, 6D), (R, 1, D)
 
 
 def run_isolated(model: torch.nn.Module, forwards: Sequence[RowForward], runner=None) -> list[torch.Tensor | Exception]:
