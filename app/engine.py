@@ -8,9 +8,10 @@ belong to the service layer (``app.protocol``, ``app.delivery``).
 
 A session with work is in the *ring*. Each iteration is plan -> execute -> commit, with typed records between:
 
-    schedule() -> Batch | None      the next forward of every ready session, in ring order; the first one and
-                                    the following ones of the same group (tokens per row) up to max_batch_rows
-                                    rows form the batch (bookkeeping only, no compute)
+    schedule() -> Batch | None      every session in the ring advanced to its next forward (or settled); the
+                                    scheduler (``app.scheduler``, pure policy) picks which of them form the
+                                    call: the first one and the following ones of the same group (tokens per
+                                    row) up to max_batch_rows rows (bookkeeping only, no compute)
     execute(batch) -> BatchResult   one model call; if it fails, each forward alone, so that only a session
                                     whose own forward fails gets an error
     commit(result)                  each run takes its velocity; finished runs are committed, their units handed
@@ -59,6 +60,7 @@ from models.vae import StreamingDecoder, VideoStream, push_video
 
 from .errors import ApiError
 from .metrics import Metrics
+from .scheduler import ModelCall, Ready, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +78,11 @@ class EngineSession:
     run: BlockRun | None = None
     forward: RowForward | None = None  # the run's next forward, built once even if it waits several iterations
     checkpoint: SessionCheckpoint | None = None  # taken when atomic work starts
-    in_ring: bool = False
     # The session's video (outputs include it): its decoder state, replaced by each decode step.
     video: VideoStream | None = None
     video_checkpoint: VideoStream | None = None  # with ``checkpoint``
     # Committed units waiting for their decode step, in commit order: (unit or None for the tail, final).
     decodes: deque = field(default_factory=deque)
-    decoding: bool = False  # in the engine's list of sessions with decodes pending
     # Guarded by the engine's lock: work submitted and not yet settled.
     queued: int = 0
 
@@ -131,6 +131,7 @@ class Scheduled:
 @dataclass(frozen=True)
 class Batch:
     members: tuple[Scheduled, ...]
+    call: ModelCall | None = None  # the scheduler's plan it was built from, handed back once it ran
 
     @property
     def rows(self) -> int:
@@ -163,8 +164,6 @@ class Engine:
         self.metrics = metrics
         self.queue_depth = queue_depth
         self.session_depth = session_depth
-        self.max_batch_rows = max_batch_rows
-        self.batching = batching
         self.model: torch.nn.Module | None = None  # set once the refiner is loaded
         # What runs a model call: models.step.run_batch, or a compiled step (models.compiled.CompiledStep).
         self.runner: Callable[[torch.nn.Module, list[RowForward]], list[torch.Tensor]] | None = None
@@ -174,8 +173,8 @@ class Engine:
         self._accepting = True
         self._paused = False
         self._stopping = False
-        self._ring: deque[EngineSession] = deque()  # engine thread only: sessions with work, in turn order
-        self._decoding: deque[EngineSession] = deque()  # engine thread only: sessions with decodes pending
+        # Engine thread only: the policy (which forwards form a call, which output steps run); see app.scheduler.
+        self.scheduler = Scheduler(max_batch_rows, batching)
         self.decoder: StreamingDecoder | None = None  # set once the VAE is loaded (setting ``vae``)
         self._thread: threading.Thread | None = None
 
@@ -183,6 +182,14 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="refiner-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def max_batch_rows(self) -> int:
+        return self.scheduler.max_batch_rows
+
+    @property
+    def batching(self) -> bool:
+        return self.scheduler.batching
 
     @property
     def outstanding(self) -> int:
@@ -260,7 +267,7 @@ class Engine:
         with torch.no_grad():
             while True:
                 with self._cond:
-                    while not self._inbox and (not self._ring or self._paused) and not self._stopping:
+                    while not self._inbox and (not self.scheduler.ring or self._paused) and not self._stopping:
                         self._cond.wait()
                     if self._stopping:
                         self._fail_everything(ApiError("draining", "the server stopped before this work ran; "
@@ -275,7 +282,7 @@ class Engine:
                 batch = self.schedule()
                 if batch is not None:
                     self.commit(self.execute(batch))
-                if self._decoding:
+                if self.scheduler.outputs_pending:
                     self.decode_step()
 
     def _admit(self, item) -> None:
@@ -293,40 +300,29 @@ class Engine:
             return
         target = item.target
         target.work.append(item)
-        if not target.in_ring:
-            target.in_ring = True
-            self._ring.append(target)
+        self.scheduler.wake(target)
 
     def schedule(self) -> Batch | None:
-        """Which forwards run next: every session's next forward in ring order, the first one and the following
-        ones of its group up to ``max_batch_rows`` rows. Work that needs no forward (rejected, replayed, done)
-        settles here."""
-        ready: list[Scheduled] = []
-        for target in list(self._ring):
+        """Which forwards run next. The engine advances every session in the ring to its next forward (work that
+        needs none settles here: rejected, replayed, done) and asks the scheduler which of them form the call."""
+        ready: dict[EngineSession, RowForward] = {}
+        for target in self.scheduler.ring:
             forward = self._next_forward(target)
             if forward is not None:
-                ready.append(Scheduled(target, forward))
+                ready[target] = forward
             elif target.run is None and not target.work:
-                self._ring.remove(target)
-                target.in_ring = False
-        if not ready:
+                self.scheduler.sleep(target)
+        call = self.scheduler.plan_call([Ready(target, f.rows, f.group) for target, f in ready.items()])
+        if call is None:
             return None
-        head = ready[0]
-        members, rows = [head], head.forward.rows
-        if self.batching:
-            for candidate in ready[1:]:
-                if candidate.forward.group == head.forward.group and rows + candidate.forward.rows <= self.max_batch_rows:
-                    members.append(candidate)
-                    rows += candidate.forward.rows
-        for member in members:  # served: to the back, so the others go first next time
-            self._ring.remove(member.target)
-            self._ring.append(member.target)
-        return Batch(tuple(members))
+        return Batch(tuple(Scheduled(target, ready[target]) for target in call.sessions), call)
 
     def execute(self, batch: Batch) -> BatchResult:
         started = time.perf_counter()
         outcomes = run_isolated(self.model, [member.forward for member in batch.members], self.runner)
         seconds = time.perf_counter() - started
+        if batch.call is not None:
+            self.scheduler.served(batch.call)
         self.metrics.batch_rows.observe(batch.rows)
         self.metrics.model_call_seconds.observe(seconds)
         return BatchResult(batch, tuple(outcomes), seconds)
@@ -351,21 +347,18 @@ class Engine:
     def decode_step(self) -> None:
         """The oldest pending decode of every session that has one, in turn."""
         started = time.perf_counter()
-        for target in list(self._decoding):
+        for target in self.scheduler.plan_outputs():
             self._decode_one(target)
         self.metrics.decode_seconds.observe(time.perf_counter() - started)
 
     def _queue_decode(self, target: EngineSession, unit: Unit | None, final: bool) -> None:
         target.decodes.append((unit, final))
-        if not target.decoding:
-            target.decoding = True
-            self._decoding.append(target)
+        self.scheduler.output_pending(target)
 
     def _decode_one(self, target: EngineSession) -> None:
         unit, final = target.decodes.popleft()
         if not target.decodes:
-            target.decoding = False
-            self._decoding.remove(target)
+            self.scheduler.output_idle(target)
         work: Work = target.work[0]
         try:
             if unit is None:  # the tail a flush completes after the last block
@@ -394,9 +387,7 @@ class Engine:
 
     def _drop_decodes(self, target: EngineSession) -> None:
         target.decodes.clear()
-        if target.decoding:
-            target.decoding = False
-            self._decoding.remove(target)
+        self.scheduler.output_idle(target)
 
     def _decode_now(self, target: EngineSession) -> None:
         """Every pending decode of ``target`` at once (before its work settles or the engine pauses)."""
@@ -528,7 +519,7 @@ class Engine:
 
     def _pause_now(self) -> int:
         self._paused = True
-        for target in list(self._decoding):  # committed units are handed on with their video first
+        for target in self.scheduler.plan_outputs():  # committed units are handed on with their video first
             if target.work and not target.work[0].atomic:
                 self._decode_now(target)
         stopped = ApiError(
@@ -547,12 +538,11 @@ class Engine:
                 self._settle(item, error=error)
                 failed += 1
         self._inbox.clear()
-        for target in list(self._ring):
+        for target in self.scheduler.ring:
             while target.work:
                 self._fail(target.work[0], error)
                 failed += 1
-            target.in_ring = False
-        self._ring.clear()
+        self.scheduler.clear()
         return failed
 
 
