@@ -37,6 +37,10 @@ checkpoint of atomic work simply keeps the old ones. A work is finished once its
 flush that refined no block still finishes the stages' tail (a ``"tail"`` unit without latent frames). On a CUDA
 device the decode's kernels queue behind the model call's, without a host sync, like every other step.
 
+Errors the engine raises itself are its own types (``app.engine_errors``: ``Draining``, ``EngineBusy``,
+``OutputFailed``); ``app.errors`` maps them to what clients see. A session's ``closed`` error is whatever its closer
+gave (the registry's 404/410), raised as it is.
+
 ``pause`` (the drain) stops the engine between two iterations: blocks in flight are dropped, atomic work in
 progress is rolled back, and every unfinished work fails with ``draining``; what stays in the sessions is exactly
 what was committed, and every committed unit has been handed on.
@@ -368,6 +372,10 @@ class Engine:
         except OutputFailure as failure:
             log.exception("%s (a unit of %s) failed", failure.stage.action, target.name)
             self._output_failed(target, work, failure)
+            return
+        except Exception as exc:  # not a stage's (the tail's empty latents): the work fails, the stages are intact
+            self._drop_outputs(target)
+            self._fail(work, exc)
             return
         self._deliver(work, out)
 
