@@ -5,8 +5,9 @@ engine thread: it only starts the device-to-host copy and schedules the rest on 
 one-thread encoder pool turns the unit into safetensors bytes, and the session publishes the units in commit
 order: retained for reattaching clients, queued on the attached connection. HTTP responses are encoded by the
 same pool (``Encoder.response``). A unit's payloads (one per output kind: ``app.stages``) are copied to the host
-and put on the wire by their stages, as its session's ``app.outputs.Outputs`` say. The block latency metric is observed here, once the unit's bytes are on the
-host, so on a GPU it measures finished work rather than queued kernels.
+and put on the wire by their stages, as its session's ``app.outputs.Outputs`` say. The block latency metric is
+observed here, once the unit's bytes are on the host, so on a GPU it measures finished work rather than queued
+kernels.
 
 Nothing committed is lost on the way: a unit whose hand-over failed is still in its work's result and is
 handed over again (``Deliveries.push`` ignores a unit it already has), and a unit that cannot be encoded is

@@ -220,11 +220,12 @@ class Registry:
         """Register a session under ``session_id`` (a new one, or one restored from a snapshot; no capacity
         check there: those sessions were admitted before the restart). ``stages``: its output stages as restored
         (default: new ones for ``outputs``)."""
+        if stages is None:
+            stages = self._stages().for_session(outputs, session.config)
         handle = SessionHandle(
             id=session_id,
             config=session.config,
-            engine_session=EngineSession(session=session, name=f"session {session_id}",
-                                         stages=stages or self._stages().for_session(outputs, session.config)),
+            engine_session=EngineSession(session=session, name=f"session {session_id}", stages=stages),
             last_active=self.clock(),
             retained=RetainedUnits(self.resume_units),
             outputs=outputs,

@@ -157,7 +157,8 @@ class Services:
         session was flushed with them."""
         watchers = list(handle.watchers)
         if watchers:
-            copies = [UnitCopies(unit, self.stages) for unit in units]  # one host copy per unit, whatever the number of watchers
+            # One host copy per unit, whatever the number of watchers.
+            copies = [UnitCopies(unit, self.stages) for unit in units]
             for watcher in watchers:
                 for unit in copies:
                     watcher.offer(unit, received)
