@@ -25,8 +25,7 @@ What a new output kind implements (subclass ``OutputStage``, in its own module),
   that waits for it; the host payload has ``nbytes``;
 - ``wire(payloads, outputs, shape, at, response_dtype) -> (tensors, metadata)``: host payloads of consecutive
   units (possibly none) as one response or stream unit; ``shape``: the latents' (B, C, n, H, W), ``at``: its
-  ``position`` when there are no payloads.
-
+  ``position`` when there are no payloads;
 - ``build(**loaded)`` (a classmethod): the stage, given what the server loaded (``decoder``: the VAE's, or None),
   or a string saying why this server cannot produce the kind.
 
