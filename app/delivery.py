@@ -4,9 +4,10 @@ The engine hands each committed unit of a stream over the moment it commits it (
 engine thread: it only starts the device-to-host copy and schedules the rest on the event loop). There, a
 one-thread encoder pool turns the unit into safetensors bytes, and the session publishes the units in commit
 order: retained for reattaching clients, queued on the attached connection. HTTP responses are encoded by the
-same pool (``Encoder.response``). A unit's tensors (latents, and the pixel frames of its video) are encoded as its
-session's ``app.outputs.Outputs`` say. The block latency metric is observed here, once the unit's bytes are on the
-host, so on a GPU it measures finished work rather than queued kernels.
+same pool (``Encoder.response``). A unit's payloads (one per output kind: ``app.stages``) are copied to the host
+and put on the wire by their stages, as its session's ``app.outputs.Outputs`` say. The block latency metric is
+observed here, once the unit's bytes are on the host, so on a GPU it measures finished work rather than queued
+kernels.
 
 Nothing committed is lost on the way: a unit whose hand-over failed is still in its work's result and is
 handed over again (``Deliveries.push`` ignores a unit it already has), and a unit that cannot be encoded is
@@ -23,38 +24,28 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from models.session import SessionState, Unit
-from models.transfer import HostCopy
+from models.session import SessionState
 
 from .codec import encode
 from .metrics import Metrics
 from .outputs import HostUnit, Outputs, payload
 from .resume import SentUnit
+from .stages import OutputStages, OutUnit, build_stages
 
 log = logging.getLogger(__name__)
 
 
 class UnitCopies:
-    """A unit's tensors on their way to the host (started on the engine thread, awaited off it)."""
+    """A unit's payloads on their way to the host (started on the engine thread, awaited off it)."""
 
-    def __init__(self, unit: Unit):
+    def __init__(self, unit: OutUnit, stages: OutputStages):
         self.unit = unit
-        self._latents = HostCopy(unit.latents)
-        frames = None if unit.video is None else unit.video.frames
-        self._video = None if frames is None else HostCopy(frames)
+        self._waits = {kind: stages[kind].to_host(payload) for kind, payload in unit.payloads.items()}
 
     def wait(self) -> HostUnit:
-        unit, video = self.unit, self.unit.video
-        return HostUnit(
-            unit.kind, unit.frame_start, unit.frame_end, self._latents.wait(),
-            None if self._video is None else self._video.wait(),
-            0 if video is None else video.start, 0 if video is None else video.end,
-        )
-
-
-def unit_key(unit: Unit) -> tuple[int, int]:
-    """Where a unit ends in the stream: (latent frame, video frame); a video tail holds no latent frame."""
-    return unit.frame_end, 0 if unit.video is None else unit.video.end
+        unit = self.unit
+        return HostUnit(unit.kind, unit.frame_start, unit.frame_end, tuple(unit.latents.shape),
+                        {kind: wait() for kind, wait in self._waits.items()})
 
 
 class Encoder:
@@ -63,15 +54,15 @@ class Encoder:
     def __init__(self, metrics: Metrics, response_dtype: str):
         self.metrics = metrics
         self.response_dtype = response_dtype
-        self.spatial_scale = 1  # pixels per latent along H and W: the VAE's, once one is loaded
+        self.stages: OutputStages = build_stages()  # what puts each kind on the wire: the server's, once loaded
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unit-encoder")
 
     def unit_bytes(self, host: HostUnit, outputs: Outputs, received: float) -> bytes:
         """A stream unit: its outputs with metadata frame_start, frame_end (video_frame_start, video_frame_end with
         video) and latency_ms (since its chunk arrived)."""
         tensors, metadata = payload(
-            [host], outputs, latent_shape=tuple(host.latents.shape), spatial_scale=self.spatial_scale,
-            frame_at=host.frame_start, video_at=host.video_start, response_dtype=self.response_dtype,
+            [host], outputs, self.stages, latent_shape=host.latent_shape, frame_at=host.frame_start, positions={},
+            response_dtype=self.response_dtype,
         )
         metadata["latency_ms"] = f"{(time.perf_counter() - received) * 1000.0:.3f}"
         return encode(tensors, metadata)
@@ -81,7 +72,7 @@ class Encoder:
         self.observe(copies.unit)
         return host, self.unit_bytes(host, outputs, received)
 
-    def observe(self, unit: Unit) -> None:
+    def observe(self, unit: OutUnit) -> None:
         if unit.kind == "block":
             self.metrics.block_latency.observe(time.perf_counter() - unit.started_at)
 
@@ -91,23 +82,22 @@ class Encoder:
 
     def response(self, units, state: SessionState, request_shape: tuple[int, ...],
                  metadata: dict[str, object] | None = None, outputs: Outputs = Outputs(),
-                 video_frames: int = 0) -> Callable[[], bytes]:
+                 positions: dict[str, int] | None = None) -> Callable[[], bytes]:
         """What encodes an HTTP response: the frames ``units`` finalized as one payload (latents (B, C, n, H, W),
         n >= 0, and/or video), with metadata frame_start, frame_end (video_frame_start, video_frame_end) and
-        ``metadata``. ``video_frames``: where the video stands when no unit holds a video frame. Block latencies are
-        observed the first time."""
+        ``metadata``. ``positions``: where each output kind stands (``WorkResult.positions``), for a response
+        without units. Block latencies are observed the first time."""
         units, observed = tuple(units), []
 
         def build() -> bytes:
-            hosts = [UnitCopies(unit).wait() for unit in units]
+            hosts = [UnitCopies(unit, self.stages).wait() for unit in units]
             geometry = state.geometry
             if geometry is not None:
                 shape = (geometry.batch, geometry.channels, 0, geometry.height, geometry.width)
             else:
                 shape = (*request_shape[:2], 0, *request_shape[3:5])
-            tensors, meta = payload(hosts, outputs, latent_shape=shape, spatial_scale=self.spatial_scale,
-                                    frame_at=state.frames_returned, video_at=video_frames,
-                                    response_dtype=self.response_dtype)
+            tensors, meta = payload(hosts, outputs, self.stages, latent_shape=shape, frame_at=state.frames_returned,
+                                    positions=positions or {}, response_dtype=self.response_dtype)
             data = encode(tensors, {**meta, **(metadata or {})})
             if not observed:  # once the bytes are on the host
                 observed.append(True)
@@ -127,7 +117,7 @@ class Encoder:
 
 @dataclass
 class _Outgoing:
-    unit: Unit
+    unit: OutUnit
     copies: UnitCopies
     received: float
     encoded: asyncio.Future  # (host unit, bytes)
@@ -137,12 +127,12 @@ class Deliveries:
     """One session's stream units between commit and publication, kept in commit order. Event loop only, except
     ``hand_over``'s callback, which runs on the engine thread."""
 
-    def __init__(self, encoder: Encoder, publish: Callable[[Unit, SentUnit, float, HostUnit], None],
+    def __init__(self, encoder: Encoder, publish: Callable[[OutUnit, SentUnit, float, HostUnit], None],
                  outputs: Outputs = Outputs()):
         self.encoder = encoder
         self.publish = publish  # (unit, what goes on the wire, when its chunk arrived, its tensors on the host)
         self.outputs = outputs
-        self.handed_until: tuple[int, int] = (0, 0)  # unit_key of the newest unit handed over
+        self.handed_until: tuple[int, ...] = (0,)  # the key (OutUnit.key) of the newest unit handed over
         self._queue: deque[_Outgoing] = deque()
         self._task: asyncio.Task | None = None
 
@@ -151,24 +141,23 @@ class Deliveries:
         """Units handed over and not yet published."""
         return len(self._queue)
 
-    def hand_over(self, received: float) -> Callable[[Unit], None]:
+    def hand_over(self, received: float) -> Callable[[OutUnit], None]:
         """An ``on_unit`` for the engine thread: start the unit's host copy, continue on the loop."""
         loop = asyncio.get_running_loop()
 
-        def on_unit(unit: Unit) -> None:
-            copies = UnitCopies(unit)
+        def on_unit(unit: OutUnit) -> None:
+            copies = UnitCopies(unit, self.encoder.stages)
             loop.call_soon_threadsafe(self.push, unit, copies, received)
 
         return on_unit
 
-    def push(self, unit: Unit, copies: UnitCopies | None, received: float) -> None:
+    def push(self, unit: OutUnit, copies: UnitCopies | None, received: float) -> None:
         """Encode and publish ``unit`` after every unit before it; a unit already handed over is ignored."""
-        key = unit_key(unit)
-        if key <= self.handed_until:
+        if unit.key <= self.handed_until:
             return
-        self.handed_until = key
+        self.handed_until = unit.key
         loop = asyncio.get_running_loop()
-        copies = copies or UnitCopies(unit)
+        copies = copies or UnitCopies(unit, self.encoder.stages)
         encoded = self.encoder.submit(loop, copies, self.outputs, received)
         self._queue.append(_Outgoing(unit, copies, received, encoded))
         if self._task is None or self._task.done():

@@ -8,9 +8,10 @@ belong to the service layer (``app.protocol``, ``app.delivery``).
 
 A session with work is in the *ring*. Each iteration is plan -> execute -> commit, with typed records between:
 
-    schedule() -> Batch | None      the next forward of every ready session, in ring order; the first one and
-                                    the following ones of the same group (tokens per row) up to max_batch_rows
-                                    rows form the batch (bookkeeping only, no compute)
+    schedule() -> Batch | None      every session in the ring advanced to its next forward (or settled); the
+                                    scheduler (``app.scheduler``, pure policy) picks which of them form the
+                                    call: the first one and the following ones of the same group (tokens per
+                                    row) up to max_batch_rows rows (bookkeeping only, no compute)
     execute(batch) -> BatchResult   one model call; if it fails, each forward alone, so that only a session
                                     whose own forward fails gets an error
     commit(result)                  each run takes its velocity; finished runs are committed, their units handed
@@ -25,14 +26,20 @@ Failure: a forward that fails drops its session's block in flight (nothing commi
 work (a WebSocket message) keeps the blocks it committed and its frames stay pending, so the next message
 retries the block.
 
-Video (a session whose outputs include it): a committed unit is not handed on at once but queued for its *decode
-step*, which the engine runs between model calls, one pending unit of each such session per iteration, in turn
-order. Meanwhile the session's next block already runs (its refine does not wait for the previous block's
-decode), and another session's forwards are never delayed by more than one decode per decoding session. The
-decoder's state (``models.vae.VideoStream``) is the session's like its KV cache: immutable, so the checkpoint of
-atomic work simply keeps the old one. A work is finished once its units are decoded; a flush that refined no block
-still decodes the video's tail (a ``"video"`` unit without latent frames). On a CUDA device the decode's kernels
-queue behind the model call's, without a host sync, like every other step.
+Outputs: each committed unit goes through the session's output stages (``app.stages``: latents, video, ...),
+which the engine runs without knowing their kinds, and is handed on as an ``OutUnit`` (the unit and each stage's
+payload). A session with a *deferred* stage (the video's decode) does not get its unit handed on at once: it is
+queued for an *output step*, which the engine runs between model calls, one pending unit of each such session per
+iteration, in turn order (the scheduler's ``plan_outputs``). Meanwhile the session's next block already runs (its
+refine does not wait for the previous block's decode), and another session's forwards are never delayed by more
+than one output step per such session. The stages' states are the session's like its KV cache: immutable, so the
+checkpoint of atomic work simply keeps the old ones. A work is finished once its units went through its stages; a
+flush that refined no block still finishes the stages' tail (a ``"tail"`` unit without latent frames). On a CUDA
+device the decode's kernels queue behind the model call's, without a host sync, like every other step.
+
+Errors the engine raises itself are its own types (``app.engine_errors``: ``Draining``, ``EngineBusy``,
+``OutputFailed``); ``app.errors`` maps them to what clients see. A session's ``closed`` error is whatever its closer
+gave (the registry's 404/410), raised as it is.
 
 ``pause`` (the drain) stops the engine between two iterations: blocks in flight are dropped, atomic work in
 progress is rolled back, and every unfinished work fails with ``draining``; what stays in the sessions is exactly
@@ -42,7 +49,6 @@ what was committed, and every committed unit has been handed on.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -55,10 +61,11 @@ import torch
 from models.clip import check_clip_length
 from models.session import BlockRun, RefinerSession, SessionCheckpoint, SessionState, Unit
 from models.step import RowForward, run_isolated
-from models.vae import StreamingDecoder, VideoStream, push_video
 
-from .errors import ApiError
+from .engine_errors import Draining, EngineBusy, EngineError, OutputFailed
 from .metrics import Metrics
+from .scheduler import ModelCall, Ready, Scheduler
+from .stages import OutputFailure, OutUnit, SessionStages, latents_only
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +76,20 @@ class EngineSession:
 
     session: RefinerSession
     name: str = ""
-    # Set from the event loop when the session is deleted or evicted: its queued work then fails with it.
-    closed: ApiError | None = None
+    # Set from the event loop when the session is deleted or evicted (or by the engine when an output stage broke):
+    # its queued work then fails with this error, whatever it is.
+    closed: BaseException | None = None
     # Engine thread only.
     work: deque = field(default_factory=deque)
     run: BlockRun | None = None
     forward: RowForward | None = None  # the run's next forward, built once even if it waits several iterations
     checkpoint: SessionCheckpoint | None = None  # taken when atomic work starts
-    in_ring: bool = False
-    # The session's video (outputs include it): its decoder state, replaced by each decode step.
-    video: VideoStream | None = None
-    video_checkpoint: VideoStream | None = None  # with ``checkpoint``
-    # Committed units waiting for their decode step, in commit order: (unit or None for the tail, final).
-    decodes: deque = field(default_factory=deque)
-    decoding: bool = False  # in the engine's list of sessions with decodes pending
+    # What its units go through on their way out (app.stages); states replaced by each push.
+    stages: SessionStages = field(default_factory=latents_only)
+    stages_checkpoint: dict | None = None  # with ``checkpoint``
+    # Committed units waiting for their output step (deferred stages), in commit order: (unit or None for the
+    # tail, final).
+    pending_outputs: deque = field(default_factory=deque)
     # Guarded by the engine's lock: work submitted and not yet settled.
     queued: int = 0
 
@@ -103,11 +110,11 @@ class Work:
     flush: bool = False
     atomic: bool = False
     one_shot: bool = False  # a whole clip (/v1/refine): must have more frames than the sink
-    on_unit: Callable[[Unit], None] | None = None
+    on_unit: Callable[[OutUnit], None] | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     # Engine-side progress; ``started`` means the chunk was checked and appended (accepted).
     started: bool = False
-    units: list[Unit] = field(default_factory=list)
+    units: list[OutUnit] = field(default_factory=list)
     hand_over_failed: bool = False
     frames_in: int = 0
     future: asyncio.Future | None = None
@@ -116,10 +123,11 @@ class Work:
 
 @dataclass(frozen=True)
 class WorkResult:
-    units: tuple[Unit, ...]
+    units: tuple[OutUnit, ...]
     frames_in: int
     state: SessionState
-    video_frames: int = 0  # video frames the session has finalized so far (where an empty response stands)
+    # Where each output kind stands (say, video frames finalized so far): where an empty response stands.
+    positions: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,7 @@ class Scheduled:
 @dataclass(frozen=True)
 class Batch:
     members: tuple[Scheduled, ...]
+    call: ModelCall | None = None  # the scheduler's plan it was built from, handed back once it ran
 
     @property
     def rows(self) -> int:
@@ -163,8 +172,6 @@ class Engine:
         self.metrics = metrics
         self.queue_depth = queue_depth
         self.session_depth = session_depth
-        self.max_batch_rows = max_batch_rows
-        self.batching = batching
         self.model: torch.nn.Module | None = None  # set once the refiner is loaded
         # What runs a model call: models.step.run_batch, or a compiled step (models.compiled.CompiledStep).
         self.runner: Callable[[torch.nn.Module, list[RowForward]], list[torch.Tensor]] | None = None
@@ -174,9 +181,8 @@ class Engine:
         self._accepting = True
         self._paused = False
         self._stopping = False
-        self._ring: deque[EngineSession] = deque()  # engine thread only: sessions with work, in turn order
-        self._decoding: deque[EngineSession] = deque()  # engine thread only: sessions with decodes pending
-        self.decoder: StreamingDecoder | None = None  # set once the VAE is loaded (setting ``vae``)
+        # Engine thread only: the policy (which forwards form a call, which output steps run); see app.scheduler.
+        self.scheduler = Scheduler(max_batch_rows, batching)
         self._thread: threading.Thread | None = None
 
     # --- event-loop side ---------------------------------------------------------------------------------
@@ -185,28 +191,30 @@ class Engine:
         self._thread.start()
 
     @property
+    def max_batch_rows(self) -> int:
+        return self.scheduler.max_batch_rows
+
+    @property
+    def batching(self) -> bool:
+        return self.scheduler.batching
+
+    @property
     def outstanding(self) -> int:
         return self._outstanding
 
     def submit(self, work: Work) -> asyncio.Future:
-        """Queue work; raises ApiError (503) at once when the engine or the session is full or draining."""
+        """Queue work; raises ``Draining`` or ``EngineBusy`` at once when the engine is draining or the engine or
+        the session is full."""
         loop = asyncio.get_running_loop()
         work.loop, work.future = loop, loop.create_future()
         target = work.target
         with self._cond:
             if not self._accepting:
-                raise ApiError("draining", "the server is shutting down and takes no new work; retry after restart")
+                raise Draining("the server is shutting down and takes no new work; retry after restart")
             if self._outstanding >= self.queue_depth:
-                raise ApiError(
-                    "engine_busy",
-                    f"the engine already has {self._outstanding} jobs queued (engine_queue_depth); retry shortly",
-                )
+                raise EngineBusy("engine", self._outstanding)
             if target.queued >= self.session_depth:
-                raise ApiError(
-                    "engine_busy",
-                    f"this session already has {target.queued} chunks queued (session_queue_depth); wait for "
-                    "their responses before sending more",
-                )
+                raise EngineBusy("session", target.queued)
             self._outstanding += 1
             target.queued += 1
             self._inbox.append(work)
@@ -223,7 +231,7 @@ class Engine:
         job = _CallJob(fn, loop.create_future(), loop)
         with self._cond:
             if self._stopping:
-                raise ApiError("draining", "the engine has stopped")
+                raise Draining("the engine has stopped")
             self._inbox.append(job)
             self._cond.notify()
         return await job.future
@@ -260,11 +268,11 @@ class Engine:
         with torch.no_grad():
             while True:
                 with self._cond:
-                    while not self._inbox and (not self._ring or self._paused) and not self._stopping:
+                    while not self._inbox and (not self.scheduler.ring or self._paused) and not self._stopping:
                         self._cond.wait()
                     if self._stopping:
-                        self._fail_everything(ApiError("draining", "the server stopped before this work ran; "
-                                                       "retry after restart"))
+                        self._fail_everything(Draining("the server stopped before this work ran; retry after "
+                                                       "restart"))
                         return
                     inbox = list(self._inbox)
                     self._inbox.clear()
@@ -275,8 +283,8 @@ class Engine:
                 batch = self.schedule()
                 if batch is not None:
                     self.commit(self.execute(batch))
-                if self._decoding:
-                    self.decode_step()
+                if self.scheduler.outputs_pending:
+                    self.output_step()
 
     def _admit(self, item) -> None:
         if isinstance(item, _CallJob):
@@ -288,45 +296,34 @@ class Engine:
                 _resolve(item.loop, item.future, value, None)
             return
         if self._paused:
-            self._settle(item, error=ApiError("draining", "the server is shutting down and takes no new work; "
-                                                          "retry after restart"))
+            self._settle(item, error=Draining("the server is shutting down and takes no new work; retry after "
+                                              "restart"))
             return
         target = item.target
         target.work.append(item)
-        if not target.in_ring:
-            target.in_ring = True
-            self._ring.append(target)
+        self.scheduler.wake(target)
 
     def schedule(self) -> Batch | None:
-        """Which forwards run next: every session's next forward in ring order, the first one and the following
-        ones of its group up to ``max_batch_rows`` rows. Work that needs no forward (rejected, replayed, done)
-        settles here."""
-        ready: list[Scheduled] = []
-        for target in list(self._ring):
+        """Which forwards run next. The engine advances every session in the ring to its next forward (work that
+        needs none settles here: rejected, replayed, done) and asks the scheduler which of them form the call."""
+        ready: dict[EngineSession, RowForward] = {}
+        for target in self.scheduler.ring:
             forward = self._next_forward(target)
             if forward is not None:
-                ready.append(Scheduled(target, forward))
+                ready[target] = forward
             elif target.run is None and not target.work:
-                self._ring.remove(target)
-                target.in_ring = False
-        if not ready:
+                self.scheduler.sleep(target)
+        call = self.scheduler.plan_call([Ready(target, f.rows, f.group) for target, f in ready.items()])
+        if call is None:
             return None
-        head = ready[0]
-        members, rows = [head], head.forward.rows
-        if self.batching:
-            for candidate in ready[1:]:
-                if candidate.forward.group == head.forward.group and rows + candidate.forward.rows <= self.max_batch_rows:
-                    members.append(candidate)
-                    rows += candidate.forward.rows
-        for member in members:  # served: to the back, so the others go first next time
-            self._ring.remove(member.target)
-            self._ring.append(member.target)
-        return Batch(tuple(members))
+        return Batch(tuple(Scheduled(target, ready[target]) for target in call.sessions), call)
 
     def execute(self, batch: Batch) -> BatchResult:
         started = time.perf_counter()
         outcomes = run_isolated(self.model, [member.forward for member in batch.members], self.runner)
         seconds = time.perf_counter() - started
+        if batch.call is not None:
+            self.scheduler.served(batch.call)
         self.metrics.batch_rows.observe(batch.rows)
         self.metrics.model_call_seconds.observe(seconds)
         return BatchResult(batch, tuple(outcomes), seconds)
@@ -348,60 +345,56 @@ class Engine:
             if target.run.finished:
                 self._commit_run(target)
 
-    def decode_step(self) -> None:
-        """The oldest pending decode of every session that has one, in turn."""
+    def output_step(self) -> None:
+        """The oldest pending output step of every session the scheduler names (each that has one, in turn)."""
         started = time.perf_counter()
-        for target in list(self._decoding):
-            self._decode_one(target)
+        for target in self.scheduler.plan_outputs():
+            self._output_one(target)
         self.metrics.decode_seconds.observe(time.perf_counter() - started)
 
-    def _queue_decode(self, target: EngineSession, unit: Unit | None, final: bool) -> None:
-        target.decodes.append((unit, final))
-        if not target.decoding:
-            target.decoding = True
-            self._decoding.append(target)
+    def _queue_output(self, target: EngineSession, unit: Unit | None, final: bool) -> None:
+        target.pending_outputs.append((unit, final))
+        self.scheduler.output_pending(target)
+        if not target.stages.deferred:  # cheap stages run within the commit
+            self._output_now(target)
 
-    def _decode_one(self, target: EngineSession) -> None:
-        unit, final = target.decodes.popleft()
-        if not target.decodes:
-            target.decoding = False
-            self._decoding.remove(target)
+    def _output_one(self, target: EngineSession) -> None:
+        unit, final = target.pending_outputs.popleft()
+        if not target.pending_outputs:
+            self.scheduler.output_idle(target)
         work: Work = target.work[0]
         try:
             if unit is None:  # the tail a flush completes after the last block
                 state = target.session.state
-                unit = Unit("video", target.session.empty_latents(), state.frames_returned, state.frames_returned,
-                            started_at=time.perf_counter())
-            target.video, chunk = push_video(self.decoder, target.video, unit.latents if unit.frame_end > unit.frame_start else None,
-                                             final=final)
-        except Exception as exc:
-            log.exception("decoding a unit of %s failed", target.name)
-            self._decode_failed(target, work, exc)
+                out = target.stages.finish(target.session.empty_latents(), state.frames_returned, time.perf_counter())
+            else:
+                out = target.stages.push(unit, final)
+        except OutputFailure as failure:
+            log.exception("%s (a unit of %s) failed", failure.stage.action, target.name)
+            self._output_failed(target, work, failure)
             return
-        self._deliver(work, dataclasses.replace(unit, video=chunk))
+        except Exception as exc:  # not a stage's (the tail's empty latents): the work fails, the stages are intact
+            self._drop_outputs(target)
+            self._fail(work, exc)
+            return
+        self._deliver(work, out)
 
-    def _decode_failed(self, target: EngineSession, work: Work, exc: BaseException) -> None:
-        self._drop_decodes(target)
+    def _output_failed(self, target: EngineSession, work: Work, failure: OutputFailure) -> None:
+        self._drop_outputs(target)
         if not work.atomic:
-            # Its refined frames are committed but the video lost its place in the stream: it cannot go on.
-            target.closed = ApiError(
-                "internal_error",
-                f"decoding this session's video failed ({exc!r}); its refined latents up to frame "
-                f"{target.session.state.frames_returned} are kept, but the session cannot produce video any more: "
-                "start a new session",
-            )
-        self._fail(work, exc)
+            # Its refined frames are committed but the stage lost its place in the stream: it cannot go on.
+            target.closed = OutputFailed(failure.stage.kind, failure.stage.action, failure.cause,
+                                         target.session.state.frames_returned)
+        self._fail(work, failure.cause)
 
-    def _drop_decodes(self, target: EngineSession) -> None:
-        target.decodes.clear()
-        if target.decoding:
-            target.decoding = False
-            self._decoding.remove(target)
+    def _drop_outputs(self, target: EngineSession) -> None:
+        target.pending_outputs.clear()
+        self.scheduler.output_idle(target)
 
-    def _decode_now(self, target: EngineSession) -> None:
-        """Every pending decode of ``target`` at once (before its work settles or the engine pauses)."""
-        while target.decodes:
-            self._decode_one(target)
+    def _output_now(self, target: EngineSession) -> None:
+        """Every pending output step of ``target`` at once (before its work settles or the engine pauses)."""
+        while target.pending_outputs:
+            self._output_one(target)
 
     # --- work lifecycle (engine thread) ----------------------------------------------------------------------
     def _next_forward(self, target: EngineSession) -> RowForward | None:
@@ -429,19 +422,24 @@ class Engine:
             try:
                 plan = session.plan()
                 if plan is None:
-                    if target.video is not None and self._video_unfinished(target, work):
-                        return None  # the decode steps finish it
+                    if self._outputs_unfinished(target, work):
+                        if target.work and target.work[0] is work:
+                            return None  # its output steps finish it
+                        continue  # an output step failed and settled it
                     self._finish(work)
                     continue
                 target.run = session.start(plan)
             except Exception as exc:
                 self._fail(work, exc)
 
-    def _video_unfinished(self, target: EngineSession, work: Work) -> bool:
-        """Whether ``work`` (which has nothing left to refine) still waits for decodes; a flush queues the tail."""
-        if work.flush and not target.video.state.finished and not any(final for _, final in target.decodes):
-            self._queue_decode(target, None, final=True)
-        return bool(target.decodes)
+    def _outputs_unfinished(self, target: EngineSession, work: Work) -> bool:
+        """Whether ``work`` (which has nothing left to refine) still waits for output steps, or had them run now;
+        a flush queues the stages' tail."""
+        if work.flush and not target.stages.done and not any(final for _, final in target.pending_outputs):
+            self._queue_output(target, None, final=True)
+            if not target.stages.deferred:
+                return not (target.work and target.work[0] is work)
+        return bool(target.pending_outputs)
 
     def _start(self, work: Work) -> bool:
         """Check and append the work's chunk; False when the work was refused (and settled)."""
@@ -449,7 +447,7 @@ class Engine:
         session = target.session
         if work.atomic:
             target.checkpoint = session.checkpoint()
-            target.video_checkpoint = target.video
+            target.stages_checkpoint = target.stages.checkpoint()
         try:
             latents = work.latents
             if latents is None and work.flush:
@@ -475,13 +473,10 @@ class Engine:
         except Exception as exc:
             self._fail(work, exc)
             return
-        if target.video is not None:
-            state = target.session.state
-            self._queue_decode(target, unit, final=state.flushed and state.pending_frames == 0)
-            return
-        self._deliver(work, unit)
+        state = target.session.state
+        self._queue_output(target, unit, final=state.flushed and state.pending_frames == 0)
 
-    def _deliver(self, work: Work, unit: Unit) -> None:
+    def _deliver(self, work: Work, unit: OutUnit) -> None:
         work.units.append(unit)
         if work.on_unit is not None and not work.hand_over_failed:
             try:
@@ -497,24 +492,23 @@ class Engine:
         target = work.target
         if work.atomic and target.checkpoint is not None:
             target.session.release(target.checkpoint)
-            target.checkpoint = target.video_checkpoint = None
-        video = target.video
-        video_frames = 0 if video is None else max(video.emitted - video.drop, 0)
-        self._settle(work, WorkResult(tuple(work.units), work.frames_in, target.session.state, video_frames))
+            target.checkpoint = target.stages_checkpoint = None
+        self._settle(work, WorkResult(tuple(work.units), work.frames_in, target.session.state,
+                                      target.stages.positions()))
 
     def _fail(self, work: Work, error: BaseException) -> None:
         target = work.target
         target.run = target.forward = None  # a block in flight never reaches the session
         if work.atomic and target.checkpoint is not None:
-            self._drop_decodes(target)
+            self._drop_outputs(target)
             target.session.rollback(target.checkpoint)
-            target.video = target.video_checkpoint
-            target.checkpoint = target.video_checkpoint = None
-        elif target.decodes:
-            # The blocks it committed are kept: their units go out with their video before the error.
-            self._decode_now(target)
+            target.stages.restore(target.stages_checkpoint)
+            target.checkpoint = target.stages_checkpoint = None
+        elif target.pending_outputs:
+            # The blocks it committed are kept: their units go out through the stages before the error.
+            self._output_now(target)
             if not (target.work and target.work[0] is work):
-                return  # a decode failed meanwhile and settled the work
+                return  # an output step failed meanwhile and settled the work
         self._settle(work, error=error)
 
     def _settle(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
@@ -528,17 +522,16 @@ class Engine:
 
     def _pause_now(self) -> int:
         self._paused = True
-        for target in list(self._decoding):  # committed units are handed on with their video first
+        for target in self.scheduler.plan_outputs():  # committed units are handed on through their stages first
             if target.work and not target.work[0].atomic:
-                self._decode_now(target)
-        stopped = ApiError(
-            "draining",
+                self._output_now(target)
+        stopped = Draining(
             "the server is shutting down: this work was stopped before it finished (what it committed is kept); "
-            "retry after restart",
+            "retry after restart"
         )
         return self._fail_everything(stopped)
 
-    def _fail_everything(self, error: ApiError) -> int:
+    def _fail_everything(self, error: EngineError) -> int:
         failed = 0
         for item in list(self._inbox):
             if isinstance(item, _CallJob):
@@ -547,12 +540,11 @@ class Engine:
                 self._settle(item, error=error)
                 failed += 1
         self._inbox.clear()
-        for target in list(self._ring):
+        for target in self.scheduler.ring:
             while target.work:
                 self._fail(target.work[0], error)
                 failed += 1
-            target.in_ring = False
-        self._ring.clear()
+        self.scheduler.clear()
         return failed
 
 

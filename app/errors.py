@@ -1,7 +1,8 @@
 """The one error table: each kind of failure, its HTTP status, its WebSocket behaviour and its JSON envelope.
 
 Routes raise ``ApiError(kind, message)``; the handlers in ``app.main`` and the stream route turn it into the
-response. Errors from ``models`` (each with a stable ``code``) are mapped with ``from_refiner_error``.
+response. Errors raised where they arise are mapped here by ``from_exception``: those of ``models`` (each with a
+stable ``code``) and the engine's own (``app.engine_errors``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.errors import RefinerError
+
+from .engine_errors import Draining, EngineBusy, EngineError, OutputFailed
 
 # WebSocket close codes (RFC 6455 section 7.4.1).
 WS_NORMAL = 1000
@@ -81,6 +84,13 @@ _REFINER_CODES = {
     "stream_closed": "stream_closed",
 }
 
+# The engine's errors -> the kinds above (their messages are the client's already).
+_ENGINE_KINDS: tuple[tuple[type[EngineError], str], ...] = (
+    (Draining, "draining"),
+    (EngineBusy, "engine_busy"),
+    (OutputFailed, "internal_error"),
+)
+
 
 class ApiError(Exception):
     def __init__(self, kind: str, message: str, retry_after_s: int | None = None):
@@ -116,6 +126,10 @@ def from_exception(exc: BaseException) -> ApiError:
     """Any exception as the ApiError it is reported as."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, EngineError):
+        for kind_of, kind in _ENGINE_KINDS:
+            if isinstance(exc, kind_of):
+                return ApiError(kind, exc.message)
     if isinstance(exc, RefinerError) and exc.code in _REFINER_CODES:
         return ApiError(_REFINER_CODES[exc.code], str(exc))
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():

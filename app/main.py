@@ -23,6 +23,7 @@ from starlette.routing import Match, WebSocketRoute
 from models.errors import RefinerError
 
 from .auth import ApiKeyMiddleware
+from .engine_errors import EngineError
 from .errors import ApiError, envelope, from_exception
 from .openapi import document_api_key
 from .routes import admin, chunks, health, info, metrics, refine, sessions, stream, view, watch
@@ -140,6 +141,7 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RefinerError, api_error)
+    app.add_exception_handler(EngineError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)

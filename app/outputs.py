@@ -2,20 +2,17 @@
 and how a unit becomes tensors on the wire.
 
 ``Outputs`` is per session (fields ``outputs``, ``video_format``, ``video_lookahead`` of its config). A unit's
-payload holds ``latents`` (B, C, n, H, W) when ``"latents"`` is asked for, ``video`` when ``"video"`` is: uint8
-(B, F, H_px, W_px, 3) RGB or float32 (B, F, 3, H_px, W_px) in [0, 1]; its metadata always says ``frame_start`` and
-``frame_end`` (latent frames, which a reattach counts in) and, with video, ``video_frame_start`` and
-``video_frame_end`` (pixel frames of the session's video).
+payload holds a tensor per kind asked for, put there by the kind's stage (``app.stages``: ``latents``
+(B, C, n, H, W); ``video``: uint8 (B, F, H_px, W_px, 3) RGB or float32 (B, F, 3, H_px, W_px) in [0, 1]); its
+metadata always says ``frame_start`` and ``frame_end`` (latent frames, which a reattach counts in) and what the
+stages add (video: ``video_frame_start`` and ``video_frame_end``, pixel frames of the session's video).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from models.vae import video_tensor
 from wm_refiner_client import spec
 
 from .errors import ApiError
@@ -87,42 +84,30 @@ class Outputs:
 
 @dataclass(frozen=True)
 class HostUnit:
-    """A finalized unit's tensors on the host: latents (B, C, n, H, W); video frames (B, 3, f, H_px, W_px) in
-    [-1, 1] or None when it has none (``video_start == video_end``)."""
+    """A finalized unit's payloads on the host, by kind (``app.stages``: latents (B, C, n, H, W), a video's frames,
+    ...); ``latent_shape``: its latents' (B, C, n, H, W), which shapes empty outputs."""
 
     kind: str
     frame_start: int
     frame_end: int
-    latents: torch.Tensor
-    video: torch.Tensor | None = None
-    video_start: int = 0
-    video_end: int = 0
+    latent_shape: tuple[int, ...]
+    payloads: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return self.latents.nbytes + (0 if self.video is None else self.video.nbytes)
+        return sum(payload.nbytes for payload in self.payloads.values())
 
 
-def payload(units: list[HostUnit], outputs: Outputs, *, latent_shape: tuple[int, ...], spatial_scale: int,
-            frame_at: int, video_at: int, response_dtype: str) -> tuple[dict, dict]:
-    """(tensors, metadata) of ``units`` concatenated (an HTTP response, or one stream unit). ``latent_shape``
-    (B, C, n, H, W) shapes empty latents and, times ``spatial_scale`` (the VAE's), empty video; ``frame_at`` /
-    ``video_at``: the position to report when ``units`` is empty."""
-    tensors: dict[str, torch.Tensor] = {}
+def payload(units: list[HostUnit], outputs: Outputs, stages, *, latent_shape: tuple[int, ...], frame_at: int,
+            positions: dict[str, int], response_dtype: str) -> tuple[dict, dict]:
+    """(tensors, metadata) of ``units`` concatenated (an HTTP response, or one stream unit), each of ``outputs``'
+    kinds put on the wire by its stage (``stages``: ``app.stages.OutputStages``). ``latent_shape`` (B, C, n, H, W)
+    shapes empty outputs; ``frame_at`` / ``positions`` (by kind): where the stream stands when ``units`` is
+    empty."""
     metadata: dict[str, Any] = {}
     if units:
         metadata["frame_start"], metadata["frame_end"] = units[0].frame_start, units[-1].frame_end
     else:
         metadata["frame_start"] = metadata["frame_end"] = frame_at
-    batch, channels, _, height, width = latent_shape
-    if outputs.latents:
-        latents = torch.cat([u.latents for u in units], dim=2) if units else torch.zeros(batch, channels, 0, height, width)
-        tensors[LATENTS] = latents.float() if response_dtype == "float32" else latents
-    if outputs.video:
-        with_video = [u for u in units if u.video is not None]
-        frames = torch.cat([u.video for u in with_video], dim=2) if with_video else None
-        start = with_video[0].video_start if with_video else (units[-1].video_end if units else video_at)
-        video = video_tensor(frames, outputs.video_format, batch, height * spatial_scale, width * spatial_scale)
-        tensors[VIDEO] = video
-        metadata["video_frame_start"], metadata["video_frame_end"] = start, start + int(video.shape[1])
-    return tensors, metadata
+    tensors, kinds_meta = stages.wire([u.payloads for u in units], outputs, latent_shape, positions, response_dtype)
+    return tensors, {**metadata, **kinds_meta}

@@ -20,7 +20,6 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from models import Prompt, Refiner, RefinerSession, SessionConfig
-from models.vae import VideoStream
 
 from .delivery import Deliveries
 from .engine import EngineSession
@@ -28,6 +27,7 @@ from .errors import ApiError
 from .outputs import Outputs
 from .protocol import ChunkLog
 from .resume import RetainedUnits, SentUnit
+from .stages import OutputStages, SessionStages, build_stages
 
 
 @dataclass(eq=False)
@@ -70,19 +70,10 @@ class SessionHandle:
         return self.engine_session.session
 
     @property
-    def video_state_bytes(self) -> int:
-        video = self.engine_session.video  # immutable: read whole, whichever the engine holds now
-        return 0 if video is None else video.nbytes
-
-    @property
-    def video_frames_returned(self) -> int:
-        video = self.engine_session.video
-        return 0 if video is None else max(video.emitted - video.drop, 0)
-
-    @property
     def cache_bytes(self) -> int:
-        """What the session holds on the device between chunks: its KV cache and its decoder's state."""
-        return self.session.cache_bytes + self.video_state_bytes
+        """What the session holds on the device between chunks: its KV cache and its output stages' states (a
+        decoder's)."""
+        return self.session.cache_bytes + self.engine_session.stages.nbytes
 
     def publish(self, unit: SentUnit) -> None:
         """A stream unit is ready (called on the loop, in commit order): keep it, and send it if a client is
@@ -119,10 +110,10 @@ class SessionHandle:
             "flushed": state.flushed,
             "next_seq": self.chunks.next_seq,
             "kv_cache_bytes": self.session.cache_bytes,
-            # The decoder's temporal state (sessions with video), and both together: what the session holds.
-            "video_state_bytes": self.video_state_bytes,
+            # What the output stages hold and where they stand (video: its decoder's state, frames returned), and
+            # everything together: what the session holds.
+            **self.engine_session.stages.status(),
             "cache_bytes": self.cache_bytes,
-            "video_frames_returned": self.video_frames_returned,
             "watchers": len(self.watchers),
             "pending_bytes": state.pending_bytes,
             "streaming": self.streaming,
@@ -147,6 +138,7 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         deliveries: Callable[[SessionHandle], Deliveries] | None = None,
         on_close: Callable[[SessionHandle], None] | None = None,
+        stages: Callable[[], OutputStages] = build_stages,
     ):
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -158,6 +150,7 @@ class Registry:
         self.clock = clock
         self._deliveries = deliveries
         self._on_close = on_close  # a session ended (deleted, evicted): forget its checkpoint
+        self._stages = stages  # the server's output stages, once loaded: a new session's come from there
         self._sessions: dict[str, SessionHandle] = {}
         self.clips = 0  # one-shot clips being refined: they count against max_sessions while they run
         # Evicted ids answer 410 (the client should start over), unknown or deleted ones 404; the value says why.
@@ -170,12 +163,11 @@ class Registry:
         return list(self._sessions.values())
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None = None,
-               outputs: Outputs = Outputs(), video: VideoStream | None = None,
-               session_id: str | None = None) -> SessionHandle:
+               outputs: Outputs = Outputs(), session_id: str | None = None) -> SessionHandle:
         """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id."""
         self._require_capacity()
         session_id = session_id or uuid.uuid4().hex
-        return self.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs, video=video)
+        return self.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs)
 
     def existing(self, session_id: str) -> SessionHandle | None:
         """The live session of that id, or None (unknown); ApiError 410 while it is remembered as evicted."""
@@ -224,14 +216,16 @@ class Registry:
             self.clips -= 1
 
     def adopt(self, session_id: str, session: RefinerSession, detached: bool = False, outputs: Outputs = Outputs(),
-              video: VideoStream | None = None) -> SessionHandle:
+              stages: SessionStages | None = None) -> SessionHandle:
         """Register a session under ``session_id`` (a new one, or one restored from a snapshot; no capacity
-        check there: those sessions were admitted before the restart). ``video``: its decode stream when its
-        outputs include video."""
+        check there: those sessions were admitted before the restart). ``stages``: its output stages as restored
+        (default: new ones for ``outputs``)."""
+        if stages is None:
+            stages = self._stages().for_session(outputs, session.config)
         handle = SessionHandle(
             id=session_id,
             config=session.config,
-            engine_session=EngineSession(session=session, name=f"session {session_id}", video=video),
+            engine_session=EngineSession(session=session, name=f"session {session_id}", stages=stages),
             last_active=self.clock(),
             retained=RetainedUnits(self.resume_units),
             outputs=outputs,

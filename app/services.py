@@ -29,22 +29,24 @@ import torch
 
 from safetensors.torch import load_file
 
-from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, load_refiner
+from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, SessionConfig, load_refiner
 from models.compiled import CompiledStep, warmup_forwards
 from models.determinism import forward_batch_invariant
 from models.memory import keep_freed_memory
-from models.session import Unit, check_prompt
-from models.vae import StreamingDecoder, VideoStream, load_vae, new_video
+from models.session import check_prompt
+from models.vae import StreamingDecoder, load_vae
 from wm_refiner_client import spec
 
 from .delivery import Deliveries, Encoder, UnitCopies
 from .engine import Engine, EngineSession, Work
+from .engine_errors import Draining
 from .errors import WS_GOING_AWAY, WS_SERVICE_RESTART, ApiError
 from .metrics import Metrics
-from .outputs import HostUnit, Outputs
+from .outputs import OUTPUT_KINDS, HostUnit, Outputs
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
+from .stages import OutputStages, OutUnit, SessionStages, build_stages
 from .snapshots import (
     SUFFIX,
     SessionRecord,
@@ -85,6 +87,7 @@ class Services:
             flushed_ttl_s=settings.flushed_session_ttl_s,
             deliveries=self._deliveries_for,
             on_close=self._forget_checkpoint,
+            stages=lambda: self.stages,
         )
         self.metrics.track(
             sessions=lambda: len(self.registry),
@@ -93,6 +96,7 @@ class Services:
         )
         self.refiner: Refiner | None = None
         self.decoder: StreamingDecoder | None = None  # the VAE's decoder as a stream (setting ``vae``)
+        self.stages: OutputStages = build_stages()  # the output kinds this server can produce (app.stages)
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
         self.batch_invariant: bool | None = None  # measured during the warm-up when batching is on
         self.not_ready_reason: str | None = "loading the model"
@@ -141,7 +145,7 @@ class Services:
                 self.metrics.time_to_first_block.observe(time.perf_counter() - received)
 
     def _deliveries_for(self, handle: SessionHandle) -> Deliveries:
-        def published(unit: Unit, sent: SentUnit, received: float, host: HostUnit) -> None:
+        def published(unit: OutUnit, sent: SentUnit, received: float, host: HostUnit) -> None:
             self.count_out([unit], handle, received)
             handle.publish(sent)
             for watcher in list(handle.watchers):
@@ -154,7 +158,8 @@ class Services:
         session was flushed with them."""
         watchers = list(handle.watchers)
         if watchers:
-            copies = [UnitCopies(unit) for unit in units]  # one host copy per unit, whatever the number of watchers
+            # One host copy per unit, whatever the number of watchers.
+            copies = [UnitCopies(unit, self.stages) for unit in units]
             for watcher in watchers:
                 for unit in copies:
                     watcher.offer(unit, received)
@@ -170,11 +175,9 @@ class Services:
         """A session's outputs from its config fields; 422 for video without a VAE."""
         return Outputs.from_fields(fields, self.decoder is not None)
 
-    def new_video(self, outputs: Outputs, sink_frames: int) -> VideoStream | None:
-        """The decode stream of a new session with video (the reference drops ``sink_frames`` pixel frames)."""
-        if not outputs.video:
-            return None
-        return new_video(self.decoder, drop=sink_frames, lookahead=outputs.video_lookahead)
+    def session_stages(self, outputs: Outputs, config: SessionConfig) -> SessionStages:
+        """The output stages of a new session (its ``outputs``' kinds, already checked against this server)."""
+        return self.stages.for_session(outputs, config)
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -200,8 +203,8 @@ class Services:
             self.decoder = await self.engine.call(lambda: StreamingDecoder(load_vae(
                 Path(settings.vae).expanduser(), refiner.device, refiner.dtype,
                 latent_channels=refiner.info.in_channels)))
-            self.engine.decoder = self.decoder
-            self.encoder.spatial_scale = self.decoder.spatial_compression
+            self.stages = build_stages(decoder=self.decoder)
+            self.encoder.stages = self.stages
             log.info("loaded the VAE %s", self.decoder.info.to_dict())
         if settings.default_prompt is not None:
             refiner = self.refiner
@@ -228,7 +231,7 @@ class Services:
             if settings.warmup:
                 self.not_ready_reason = "warming up"
                 started = time.perf_counter()
-                await self.engine.run(warmup_work(refiner, settings, self.decoder))
+                await self.engine.run(warmup_work(refiner, settings, self.stages))
                 if settings.batching:
                     self.batch_invariant = await self.engine.call(
                         lambda: forward_batch_invariant(refiner, settings.warmup_height, settings.warmup_width,
@@ -291,7 +294,7 @@ class Services:
         record = _record(handle, self.encoder)
         try:
             tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
-        except ApiError:  # the engine stopped (drain): the drain saves the session itself
+        except Draining:  # the engine stopped (drain): the drain saves the session itself
             return
         handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
         metrics = self.metrics
@@ -353,7 +356,7 @@ class Services:
             release_claim(claimed, session_id)
             raise
         try:
-            record = await self.engine.call(lambda: load_record(claimed, self.refiner, self.decoder, session_id))
+            record = await self.engine.call(lambda: load_record(claimed, self.refiner, self.stages, session_id))
         except Exception as exc:
             aside = folder / f"{session_id}{SUFFIX}.corrupt"
             log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
@@ -369,7 +372,7 @@ class Services:
         # A session whose stream was open when it was saved waits ws_reattach_grace_s for its client.
         detached = record.streaming and not record.session.state.flushed
         handle = self.registry.adopt(record.session_id, record.session, detached=detached,
-                                     outputs=record.outputs, video=record.video)
+                                     outputs=record.outputs, stages=record.stages)
         if record.created_at is not None:
             handle.created_at = record.created_at
         handle.from_checkpoint = record.checkpoint
@@ -378,7 +381,7 @@ class Services:
         handle.first_block_done = record.session.state.blocks_refined > 0
         handle.retained.restore(record.units)
         if handle.deliveries is not None and record.units:
-            handle.deliveries.handed_until = (record.units[-1].frame_end, handle.video_frames_returned)
+            handle.deliveries.handed_until = handle.engine_session.stages.key_at(record.units[-1].frame_end)
         return handle
 
     def _clean_snapshot_dir(self, folder: Path) -> None:
@@ -517,7 +520,7 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
 
     def build() -> SessionRecord:
         return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
-                             encode=encode, outputs=handle.outputs, video=handle.engine_session.video,
+                             encode=encode, outputs=handle.outputs, stages=handle.engine_session.stages,
                              created_at=handle.created_at)
 
     def encode(unit: SentUnit) -> bytes:
@@ -538,7 +541,7 @@ def _own_addresses() -> set[str]:
         return set()
 
 
-def warmup_work(refiner: Refiner, settings: Settings, decoder: StreamingDecoder | None = None) -> Work:
+def warmup_work(refiner: Refiner, settings: Settings, stages: OutputStages | None = None) -> Work:
     """A throwaway stream long enough that its last block attends to a full window (sink + K - S history
     frames + the block), so start-up pays for every allocation and kernel choice of the steady state; with a VAE
     its video is decoded too, and the flush decodes the tail."""
@@ -552,9 +555,11 @@ def warmup_work(refiner: Refiner, settings: Settings, decoder: StreamingDecoder 
     )  # (1, C, T, H, W)
     prompt = torch.randn(1, settings.warmup_prompt_tokens, info.caption_channels, generator=generator)  # (1, L, D)
     target = EngineSession(session=RefinerSession(refiner, config), name="warm-up")
-    if decoder is not None:
-        target.video = new_video(decoder, drop=config.sink_frames)
-    return Work(target, latents, prompt, flush=decoder is not None)
+    if stages is not None:
+        # Every output kind this server can produce (a VAE's video above all), so that no client pays for the first.
+        target.stages = stages.for_session(Outputs(tuple(k for k in OUTPUT_KINDS if k in stages.by_kind)), config)
+    # A flush when a stage holds a tail (a video's last frames), so that finishing one is warmed up too.
+    return Work(target, latents, prompt, flush=not target.stages.done)
 
 
 def model_dir(settings: Settings) -> Path:

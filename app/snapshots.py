@@ -3,9 +3,9 @@
 A file holds what ``models.snapshot`` saves of the session (config, prompt, KV cache, generator state, pending
 frames, counters: ``session_to_tensors``) plus the service's own fields: the session id, ``next_seq``, the last
 ``seq`` and its stored response (a retry after the restart gets the same bytes), the units retained for a
-reattaching stream, its creation time, its outputs and, for a session with video, its decoder's state
-(``models.vae.video_to_tensors``). Everything sits in one file so that one atomic rename commits all of it; a
-restart can never pair a session with another moment's seq counters or units.
+reattaching stream, its creation time, its outputs and its output stages' states (``app.stages``; for video its
+decoder's state, ``models.vae.video_to_tensors``, under ``app.video``). Everything sits in one file so that one
+atomic rename commits all of it; a restart can never pair a session with another moment's seq counters or units.
 
 Sessions move through the folder: a draining replica writes its sessions (and a checkpoint is written the same
 way); the replica that next gets a request for one *claims* its file by renaming it to a name of its own
@@ -34,18 +34,18 @@ from models.snapshot import (
     write_atomically,
 )
 
-from models.vae import StreamingDecoder, VideoStream, video_from_tensors, video_to_tensors
 from wm_refiner_client import spec
 
-from .outputs import Outputs
 from .errors import ApiError
+from .outputs import Outputs
 from .resume import SentUnit
+from .stages import OutputStages, SessionStages, StageUnavailable
 
 APP_FORMAT = "wm-refiner-app/1"
 SUFFIX = ".session.safetensors"
 UNIT_TENSOR = "app.unit.{}"
 LAST_RESPONSE_TENSOR = "app.last_response"
-VIDEO_PREFIX = "app.video"
+STAGES_PREFIX = "app"  # a stage's tensors are named app.<kind>.*
 
 
 @dataclass
@@ -61,7 +61,7 @@ class SessionRecord:
     streaming: bool = False  # a WebSocket was attached when it was saved: its client will want to reattach
     encode: Callable[[SentUnit], bytes] | None = None  # for a retained unit whose encoding failed earlier
     outputs: Outputs = Outputs()
-    video: VideoStream | None = None
+    stages: SessionStages | None = None  # None: new ones (a session that outputs latents only)
     created_at: float | None = None  # wall clock (time.time()) of the session's creation
     checkpoint: bool = False  # read from a crash checkpoint rather than a drain's snapshot
 
@@ -91,16 +91,17 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
         "streaming": record.streaming,
         "created_at": record.created_at,
         "outputs": record.outputs.to_dict(),
-        "video": None,
         "checkpoint": copy,  # a crash checkpoint: its clients may be ahead of it
     }
-    video_tensors: dict[str, torch.Tensor] = {}
-    if record.video is not None:
-        video_tensors, app_fields["video"] = video_to_tensors(record.video, VIDEO_PREFIX)
+    stage_tensors: dict[str, torch.Tensor] = {}
+    if record.stages is not None:
+        # Each stage's fields under its kind ("video": the decoder's, as before stages existed; None: stateless).
+        stage_tensors, stage_fields = record.stages.to_tensors(STAGES_PREFIX)
+        app_fields.update(stage_fields)
     tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)})
     if copy:
         tensors = {name: tensor.clone() for name, tensor in tensors.items()}
-    tensors.update(video_tensors)  # immutable state: never written in place
+    tensors.update(stage_tensors)  # immutable states: never written in place
     for index, unit in enumerate(record.units):
         tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.data(record.encode))
     if record.last_response is not None:
@@ -118,10 +119,10 @@ def remove_record(folder: Path, session_id: str) -> None:
     snapshot_path(folder, session_id).unlink(missing_ok=True)
 
 
-def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None = None,
-                expected_id: str | None = None) -> SessionRecord:
-    """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model (or with a
-    video, without the VAE it needs). ``expected_id``: the session the file must hold (default: its name's)."""
+def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id: str | None = None) -> SessionRecord:
+    """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model (or with an
+    output this server cannot produce: video without a VAE). ``stages``: the server's. ``expected_id``: the session
+    the file must hold (default: its name's)."""
     tensors, metadata = read_tensors(path)
     try:
         fields = json.loads(metadata["app"])
@@ -138,19 +139,16 @@ def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None =
         next_seq = int(fields["next_seq"])
         last_seq = None if fields["last_seq"] is None else int(fields["last_seq"])
         outputs = Outputs.from_fields(fields.get("outputs") or {}, vae_configured=True)
-        video_fields = fields.get("video")
     except (KeyError, TypeError, ValueError) as exc:
         raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
     except ApiError as exc:
         raise SnapshotError(f"{path.name}: outputs are unreadable ({exc.message})") from None
-    video = None
-    if video_fields is not None:
-        if decoder is None:
-            raise SnapshotError(f"{path.name}: the session outputs video but this server has no VAE (setting vae)")
-        try:
-            video = video_from_tensors(decoder, tensors, video_fields, VIDEO_PREFIX)
-        except Exception as exc:
-            raise SnapshotError(f"{path.name}: its decoder state does not fit this server's VAE ({exc!r})") from None
+    try:
+        session_stages = stages.from_tensors(outputs, tensors, fields, STAGES_PREFIX)
+    except StageUnavailable as exc:
+        raise SnapshotError(f"{path.name}: the session outputs {list(outputs.kinds)} but {exc}") from None
+    except Exception as exc:
+        raise SnapshotError(f"{path.name}: its output stages' state does not fit this server ({exc!r})") from None
     session, _ = session_from_tensors(refiner, tensors, metadata)
     for earlier, later in zip(units, units[1:]):
         if later.frame_start != earlier.frame_end:
@@ -161,7 +159,7 @@ def load_record(path: Path, refiner: Refiner, decoder: StreamingDecoder | None =
             f"{session.state.frames_returned} returned frames"
         )
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
-                         outputs=outputs, video=video, created_at=fields.get("created_at"),
+                         outputs=outputs, stages=session_stages, created_at=fields.get("created_at"),
                          checkpoint=bool(fields.get("checkpoint")))
 
 

@@ -37,7 +37,6 @@ from .loading import Refiner
 from .rope import RopeTables, WindowPositions, apply_rope, rope_tables
 from .step import RowForward, prepare_prompt, run_batch
 from .transfer import to_device
-from .vae import VideoChunk
 
 LATENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *LATENT_DTYPES)
@@ -129,16 +128,14 @@ class BlockRun:
 
 @dataclass(frozen=True)
 class Unit:
-    """A finalized piece of the stream: the sink frames (unchanged) or one refined block; with video output, also
-    the pixel frames that became final with it (``video``, set by the engine's decode step). A "video" unit holds no
-    latent frames: the tail of the video a flush completes after the last block."""
+    """A finalized piece of the stream: the sink frames (unchanged) or one refined block. What it becomes on the
+    way out (a video's pixel frames, ...) is the service's business, not the model's."""
 
-    kind: Literal["sink", "block", "video"]
+    kind: Literal["sink", "block"]
     latents: torch.Tensor  # (B, C, frame_end - frame_start, H, W)
     frame_start: int
     frame_end: int
     started_at: float = 0.0  # when its run started (time.perf_counter), for latency figures
-    video: VideoChunk | None = None
 
 
 @dataclass(frozen=True)

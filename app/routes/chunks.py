@@ -82,7 +82,7 @@ async def _chunk(services, handle, seq, flush, tensors, latents, received) -> tu
         # Counted before anything else runs on the loop: a drain must never find the session advanced and the
         # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
         build = services.encoder.response(result.units, result.state, tuple(latents.shape), {"seq": chunks.next_seq},
-                                          outputs=handle.outputs, video_frames=result.video_frames)
+                                          outputs=handle.outputs, positions=result.positions)
         index = chunks.accept_request(seq, build)
         # A chunk accepted over HTTP means the client is back: a detached session's grace period ends (a stream
         # message of the dropped connection, still finishing, does not count).

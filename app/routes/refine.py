@@ -108,7 +108,7 @@ async def refine(
         )
     with services.registry.clip():
         session = RefinerSession(services.require_model(), config, services.default_prompt)
-        target = EngineSession(session=session, name="one-shot clip", video=services.new_video(wanted, config.sink_frames))
+        target = EngineSession(session=session, name="one-shot clip", stages=services.session_stages(wanted, config))
         work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True, one_shot=True)
         try:
             result = await services.engine.run(work)
@@ -117,5 +117,5 @@ async def refine(
             raise
     services.count_out(result.units)
     payload = await services.encoder.run(services.encoder.response(
-        result.units, result.state, tuple(latents.shape), outputs=wanted, video_frames=result.video_frames))
+        result.units, result.state, tuple(latents.shape), outputs=wanted, positions=result.positions))
     return Response(payload, media_type=OCTET_STREAM)

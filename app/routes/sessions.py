@@ -44,8 +44,7 @@ async def create_session(request: Request, services: ServicesDep) -> JSONRespons
     reject_unknown_query(request)  # the config goes in the body; ?seed=7 must not be ignored quietly
     services.require_ready()
     config, outputs = await _read_config(request, services)
-    handle = services.registry.create(services.require_model(), config, services.default_prompt, outputs=outputs,
-                                      video=services.new_video(outputs, config.sink_frames))
+    handle = services.registry.create(services.require_model(), config, services.default_prompt, outputs=outputs)
     return JSONResponse({"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict()}}, status_code=201)
 
 
@@ -81,7 +80,7 @@ async def put_session(session_id: str, request: Request, services: ServicesDep) 
             "PUT it with the same config to get it again, or choose another id",
         )
     handle = services.registry.create(services.require_model(), config, services.default_prompt, outputs=outputs,
-                                      video=services.new_video(outputs, config.sink_frames), session_id=session_id)
+                                      session_id=session_id)
     return JSONResponse({**body, "session_id": handle.id}, status_code=201)
 
 

@@ -45,6 +45,7 @@ from ..errors import (
     ApiError,
     from_exception,
 )
+from ..engine_errors import EngineError
 from ..registry import SessionHandle
 from ..resume import SentUnit
 from ..services import Services
@@ -346,11 +347,12 @@ class StreamConnection:
                                     self.services.require_model().info.in_channels)
             self.services.require_ready()
             await self._run(latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), False, received)
-        except ApiError as exc:
+        except (ApiError, EngineError) as exc:
             # A message refused for capacity was not taken, but the client's next ones are already on their way:
             # taken, they would land after a hole. Close instead; the client reconnects with ?resume_from=N and
             # resends from frames_received.
-            self._report(exc, close_code=WS_TRY_AGAIN_LATER if exc.kind == "engine_busy" else None)
+            busy = from_exception(exc).kind == "engine_busy"
+            self._report(exc, close_code=WS_TRY_AGAIN_LATER if busy else None)
         except RefinerError as exc:
             self._report(exc)
         except Exception as exc:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from app.engine import Engine, EngineSession, Work
-from app.errors import ApiError
+from app.engine_errors import Draining, EngineBusy, EngineError, OutputFailed
+from app.errors import from_exception
 from app.metrics import Metrics
 from app.services import warmup_work
 from app.settings import Settings
@@ -129,21 +130,23 @@ def test_queue_bounds_refuse_at_once(refiner):
         latents, embeds, _ = make_clip(frames=1)
         one, two = target(refiner, "one"), target(refiner, "two")
         first = engine.submit(Work(one, latents, embeds))
-        with pytest.raises(ApiError) as session_full:
+        with pytest.raises(EngineBusy) as session_full:
             engine.submit(Work(one, latents, embeds))
-        assert session_full.value.kind == "engine_busy" and "session_queue_depth" in session_full.value.message
+        wire = from_exception(session_full.value)  # what the client gets
+        assert wire.kind == "engine_busy" and "session_queue_depth" in wire.message
         second = engine.submit(Work(two, latents, embeds))
-        with pytest.raises(ApiError) as engine_full:
+        with pytest.raises(EngineBusy) as engine_full:
             engine.submit(Work(target(refiner, "three"), latents, embeds))
-        assert engine_full.value.kind == "engine_busy" and "engine_queue_depth" in engine_full.value.message
+        wire = from_exception(engine_full.value)
+        assert wire.kind == "engine_busy" and "engine_queue_depth" in wire.message
         assert engine.outstanding == 2
         hold.release.set()
         await asyncio.gather(task, first, second)
         assert engine.outstanding == 0
         engine.stop_accepting()
-        with pytest.raises(ApiError) as draining:
+        with pytest.raises(Draining) as draining:
             engine.submit(Work(one, latents, embeds))
-        assert draining.value.kind == "draining"
+        assert from_exception(draining.value).kind == "draining"
 
     run_with_engine(refiner, scenario, queue_depth=2, session_depth=1)
 
@@ -215,12 +218,12 @@ def test_pause_rolls_back_atomic_work_keeps_committed_stream_blocks_and_stops_ev
             await asyncio.sleep(0.001)
         stopped = await engine.pause()
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
-        assert stopped == 2 and all(isinstance(o, ApiError) and o.kind == "draining" for o in outcomes)
+        assert stopped == 2 and all(isinstance(o, Draining) and from_exception(o).kind == "draining" for o in outcomes)
         assert atomic.session.state is before, "atomic work rolled back"
         state = stream.session.state
         assert state.frames_returned == handed[-1].frame_end, "every committed unit was handed on"
         assert state.frames_returned < 13 and state.frames_received == 13
-        with pytest.raises(ApiError):
+        with pytest.raises(EngineError):
             engine.submit(Work(stream, None, flush=True))
         assert await engine.call(lambda: 42) == 42, "call jobs still run while paused"
 
@@ -268,3 +271,19 @@ def test_a_session_whose_bookkeeping_raises_fails_alone_and_the_engine_goes_on(r
 
     result = run_with_engine(refiner, scenario)
     assert torch.equal(torch.cat([u.latents for u in result.units], dim=2), expected_clip(refiner, *clips["y"]))
+
+
+def test_engine_errors_keep_their_wire_codes_statuses_and_messages():
+    """The engine raises its own types; the client sees what it saw when the engine raised ApiError."""
+    busy = from_exception(EngineBusy("session", 3))
+    assert (busy.kind, busy.status, busy.spec.retry_after) == ("engine_busy", 503, True)
+    assert busy.message == ("this session already has 3 chunks queued (session_queue_depth); wait for their "
+                            "responses before sending more")
+    assert from_exception(EngineBusy("engine", 64)).message == (
+        "the engine already has 64 jobs queued (engine_queue_depth); retry shortly")
+    draining = from_exception(Draining("the engine has stopped"))
+    assert (draining.kind, draining.status, draining.message) == ("draining", 503, "the engine has stopped")
+    broken = from_exception(OutputFailed("video", "decoding this session's video", RuntimeError("x"), 7))
+    assert (broken.kind, broken.status, broken.spec.ws_close) == ("internal_error", 500, 1011)
+    assert broken.message == ("decoding this session's video failed (RuntimeError('x')); its refined latents up to "
+                              "frame 7 are kept, but the session cannot produce video any more: start a new session")

@@ -9,7 +9,9 @@ import torch
 
 from app.engine import Work
 from models.checkpoints import build_vae
-from models.vae import StreamingDecoder, new_video
+from app.outputs import Outputs
+from app.stages import build_stages
+from models.vae import StreamingDecoder
 from tests.faults import failing_forwards
 
 from .conftest import expected_clip, make_clip
@@ -29,7 +31,8 @@ def whole_clip_video(decoder, latents: torch.Tensor, drop: int) -> torch.Tensor:
 
 def video_target(refiner, decoder, name, **config):
     engine_session = target(refiner, name, **config)
-    engine_session.video = new_video(decoder, drop=engine_session.session.config.sink_frames)
+    engine_session.stages = build_stages(decoder=decoder).for_session(Outputs(("latents", "video")),
+                                                                      engine_session.session.config)
     return engine_session
 
 
@@ -39,15 +42,14 @@ def test_decode_steps_run_between_model_calls_and_units_carry_their_frames(refin
     events: list[str] = []
 
     async def scenario(engine):
-        engine.decoder = decoder
         recorder = Recorder(refiner.model)
-        original = engine.decode_step
+        original = engine.output_step
 
-        def decode_step():
+        def output_step():
             events.append(f"decode {len(recorder.calls)}")
             original()
 
-        engine.decode_step = decode_step
+        engine.output_step = output_step
         try:
             video = recorder.name(video_target(refiner, decoder, "video"))
             plain = recorder.name(target(refiner, "plain"))
@@ -61,14 +63,14 @@ def test_decode_steps_run_between_model_calls_and_units_carry_their_frames(refin
 
     units, results, calls = run_with_engine(refiner, scenario)
     # Every unit of the video session came back with its frames, in order, after its decode.
-    assert [u.frame_end for u in units] == [1, 4, 7, 10, 11] and all(u.video is not None for u in units)
+    assert [u.frame_end for u in units] == [1, 4, 7, 10, 11] and all(u.payloads["video"] is not None for u in units)
     assert [u.frame_end for u in results[0].units] == [1, 4, 7, 10, 11]
     assert torch.equal(torch.cat([u.latents for u in units], dim=2), expected)
     assert torch.equal(torch.cat([u.latents for u in results[1].units], dim=2), expected)
-    frames = torch.cat([u.video.frames for u in units if u.video.frames is not None], dim=2)
-    starts = [u.video.start for u in units]
+    frames = torch.cat([u.payloads["video"].frames for u in units if u.payloads["video"].frames is not None], dim=2)
+    starts = [u.payloads["video"].start for u in units]
     assert starts == sorted(starts) and starts[0] == 0
-    assert frames.shape[2] == 8 * 10 + 1 - 1 == results[0].video_frames
+    assert frames.shape[2] == 8 * 10 + 1 - 1 == results[0].positions["video"]
     assert (frames - whole_clip_video(decoder, expected, 1)).abs().max().item() <= 1e-4
     # Decode steps were interleaved with the model calls (not one after the whole clip), and the two sessions
     # kept sharing model calls meanwhile.
@@ -84,18 +86,17 @@ def test_a_failing_stream_message_still_delivers_its_committed_units_with_video(
     expected = expected_clip(refiner, latents, embeds, mask)
 
     async def scenario(engine):
-        engine.decoder = decoder
         stream = video_target(refiner, decoder, "stream")
         units = []
         with failing_forwards(refiner.model, stream.session, when=lambda n: n == 7):  # inside block [4, 7)
             with pytest.raises(RuntimeError):
                 await engine.submit(Work(stream, latents, embeds, mask, on_unit=units.append))
-        assert [u.frame_end for u in units] == [1, 4] and all(u.video is not None for u in units)
+        assert [u.frame_end for u in units] == [1, 4] and all(u.payloads["video"] is not None for u in units)
         await engine.submit(Work(stream, None, flush=True, on_unit=units.append))
         return units
 
     units = run_with_engine(refiner, scenario)
     assert [u.frame_end for u in units] == [1, 4, 7, 8]
     assert torch.equal(torch.cat([u.latents for u in units], dim=2), expected)
-    frames = torch.cat([u.video.frames for u in units if u.video.frames is not None], dim=2)
+    frames = torch.cat([u.payloads["video"].frames for u in units if u.payloads["video"].frames is not None], dim=2)
     assert (frames - whole_clip_video(decoder, expected, 1)).abs().max().item() <= 1e-4
