@@ -32,6 +32,7 @@ from ._common import (
     StreamStats,
     auth_headers,
     check_config,
+    event_error,
     check_session_id,
     parse_event,
     refine_query,
