@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, SessionConfig, load_refiner
 from models.compiled import CompiledStep, warmup_forwards
-from models.determinism import forward_batch_invariant
+from models.determinism import probe_batch_invariance
 from models.memory import keep_freed_memory
 from models.session import check_prompt
 from models.vae import StreamingDecoder, load_vae
@@ -75,7 +75,8 @@ class Services:
             settings.engine_queue_depth,
             settings.session_queue_depth,
             max_batch_rows=settings.max_batch_rows,
-            batching=settings.batching,
+            # ``auto`` batches only once the warm-up's probe has passed (``_decide_batching``).
+            batching=settings.batching is True,
         )
         self.registry = Registry(
             max_sessions=settings.max_sessions,
@@ -98,7 +99,8 @@ class Services:
         self.decoder: StreamingDecoder | None = None  # the VAE's decoder as a stream (setting ``vae``)
         self.stages: OutputStages = build_stages()  # the output kinds this server can produce (app.stages)
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
-        self.batch_invariant: bool | None = None  # measured during the warm-up when batching is on
+        self.batch_invariant: bool | None = None  # measured during the warm-up unless batching is false
+        self.batch_probe: str | None = None  # what the probe found, in words
         self.not_ready_reason: str | None = "loading the model"
         self.draining = False
         self.streams: set[Any] = set()  # open WebSocket streams (app.routes.stream.StreamConnection)
@@ -194,7 +196,7 @@ class Services:
         if settings.compile_step:
             refiner = self.refiner
             self.engine.runner = await self.engine.call(
-                lambda: CompiledStep(refiner.model, settings.max_batch_rows if settings.batching else 1,
+                lambda: CompiledStep(refiner.model, settings.max_batch_rows if settings.batching is not False else 1,
                                      mode=settings.compile_mode, backend=settings.compile_backend)
             )
         log.info("loaded %s", self.refiner.info.to_dict())
@@ -232,25 +234,40 @@ class Services:
                 self.not_ready_reason = "warming up"
                 started = time.perf_counter()
                 await self.engine.run(warmup_work(refiner, settings, self.stages))
-                if settings.batching:
-                    self.batch_invariant = await self.engine.call(
-                        lambda: forward_batch_invariant(refiner, settings.warmup_height, settings.warmup_width,
-                                                        settings.warmup_prompt_tokens, runner)
-                    )
-                    if not self.batch_invariant:
-                        log.warning(
-                            "batched forwards are NOT bit-identical to solo forwards on %s here: a session's "
-                            "output may differ in its last bits with the sessions it shares forwards with (still "
-                            "within the parity tolerance). Set batching: false for bit-identical retries and "
-                            "restores.", refiner.device,
-                        )
                 log.info("warm-up done in %.2f s", time.perf_counter() - started)
+            await self._decide_batching()
             self.not_ready_reason = None
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {exc}"
+
+    async def _decide_batching(self) -> None:
+        """``batching: auto`` batches only when the probe finds every row of a batched call bit-identical to its solo
+        forward for this model on this device (so retries, restores, reattaches and crash resumes stay bit-identical);
+        ``true`` batches regardless and warns when the probe fails; ``false`` skips the probe."""
+        mode = self.settings.batching
+        if mode is False:
+            return
+        settings, refiner, runner = self.settings, self.refiner, self.engine.runner
+        started = time.perf_counter()
+        probe = await self.engine.call(lambda: probe_batch_invariance(
+            refiner, settings.warmup_height, settings.warmup_width, settings.warmup_prompt_tokens, runner,
+            max_rows=settings.max_batch_rows))
+        self.batch_invariant, self.batch_probe = probe.ok, str(probe)
+        self.engine.scheduler.batching = probe.ok or mode is True
+        log.info("batch invariance probe (%.2f s): %s", time.perf_counter() - started, probe)
+        if probe.ok:
+            return
+        if mode is True:
+            log.warning("batching: true, but batched forwards are NOT bit-identical to solo forwards here (%s): a "
+                        "session's bytes may depend on the sessions it shares model calls with (still within the "
+                        "parity tolerance), so retries, restores and resumes may differ in the last bits. Set "
+                        "batching: auto or false to keep them bit-identical.", probe.failure)
+        else:
+            log.warning("batching: auto turned batching OFF: batched forwards are not bit-identical to solo forwards "
+                        "here (%s); every model call serves one session. batching: true forces it.", probe.failure)
 
     # --- sessions that move (snapshot_dir, shared by replicas) ---------------------------------------------------
     async def lookup(self, session_id: str) -> SessionHandle:

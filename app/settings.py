@@ -133,8 +133,11 @@ class Settings(_SessionDefaults):
     engine_queue_depth: PositiveInt = 64
     session_queue_depth: PositiveInt = 4
     # --- the engine ------------------------------------------------------------------------------------------
-    batching: bool = Field(
-        default=True, description="run the ready forwards of several sessions as one model call"
+    batching: Literal["auto"] | bool = Field(
+        default="auto",
+        description="run the ready forwards of several sessions as one model call: auto (batch only if the start-up "
+        "probe finds batched rows bit-identical to solo ones for this model here), true (always; warns when the probe "
+        "fails), false (one session per call)",
     )
     max_batch_rows: PositiveInt = Field(
         default=8, description="most rows (sessions' batches summed) in one model call"

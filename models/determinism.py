@@ -1,28 +1,32 @@
 """Batch invariance: a session's bytes must not depend on which other sessions shared its forwards.
 
 What breaks it on a CPU, found by bisecting a forward module by module with forward hooks (docs/benchmarks.md,
-"Batch invariance"): MKL's sgemm splits the reduction (K) dimension across threads when the output is small
-relative to K, and how it splits depends on M, the number of rows in the call. The feed-forward's down
-projection (K = 4 x dim) of a 64-token block therefore gives a row different bits (~2e-6) alone than stacked
-with neighbours, as soon as more than one intra-op thread runs. With one thread, or with MKL's Conditional
-Numerical Reproducibility in strict mode, every row's result depends only on that row: ``MKL_CBWR=AUTO,STRICT``
-(Intel's documented switch; it keeps the CPU's own code path and costs under 5% on the step's shapes here,
-see docs/benchmarks.md).
+"Batch invariance"):
 
-MKL reads the variable when it runs its first routine, not when the library loads, so ``models`` sets it on
-import unless the user set it already; ``gemm_batch_invariant`` checks, at run time, that it took effect.
+1. GEMMs whose M is the number of rows (the timestep embedding and its modulation linears: one output row per
+   batch row). BLAS picks its kernel and reduction order by M, so a row's product alone (M = 1) and stacked
+   (M = R) round differently: on an AMD EPYC (AVX2) for every R in 2..8, and on Xeons for widths that are not a
+   multiple of 32, whatever MKL's reproducibility mode. ``models.step.time_embedding`` therefore runs them one row
+   at a time: M is 1 whatever the batch, by construction.
+2. GEMMs whose M is tokens x rows (projections, feed-forward): MKL's sgemm splits the reduction (K) dimension
+   across threads when the output is small relative to K, and how it splits depends on M. With MKL's Conditional
+   Numerical Reproducibility in strict mode, every row's result depends only on that row: ``MKL_CBWR=AUTO,STRICT``
+   (Intel's documented switch; under 5% on the step's shapes here). MKL reads the variable when it runs its first
+   routine, so ``models`` sets it on import unless the user set it already; ``gemm_batch_invariant`` checks that it
+   took effect.
 
-The rest of the forward is invariant by construction: attention, RoPE and the output gates run per session on
-the shapes of a solo forward, everything else is per token, and the time embedding is computed once per row. For widths that are
-a multiple of the vector length, as every real refiner's are, a row's elements then never fall in the scalar
-tail that CPU kernels use for the last elements of a tensor, where ``exp`` and ``tanh`` round differently. On CUDA, cuBLAS chooses GEMM kernels by shape, so rows may differ with
-the batch size there: ``forward_batch_invariant`` measures it for the loaded model, and the service reports it
-(``/v1/info``) and logs a warning when it does not hold.
+The rest of the forward is invariant by construction: attention, RoPE, the output gates and the prompt's
+projection run per session on the shapes of a solo forward, and everything else is per token.
+
+What no construction covers (another BLAS, a GPU: cuBLAS chooses GEMM kernels by shape, a compiled step whose
+kernels differ between bucket sizes) is measured: ``probe_batch_invariance`` runs the loaded model as the service
+runs it, and the service batches by default (``batching: auto``) only when the probe passes.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 MKL_CBWR = "MKL_CBWR"
 STRICT_CBWR = "AUTO,STRICT"
@@ -55,11 +59,34 @@ def gemm_batch_invariant(device, dtype, inner: int = 1536, outer: int = 384, tok
     return True
 
 
-def forward_batch_invariant(refiner, height: int, width: int, prompt_tokens: int, runner=None) -> bool:
-    """Whether the loaded refiner, as it runs here (device, dtype, intra-op threads, ``runner``: the compiled step
-    if one is used), gives a session the same velocity alone and stacked with another session in one model call.
-    Two small sessions with different content, prompt lengths and window lengths are refined to their second
-    block; the next forward of each is then run alone and together."""
+@dataclass(frozen=True)
+class InvarianceProbe:
+    """What ``probe_batch_invariance`` found: ``ok`` when every row of every call equalled the same row alone."""
+
+    ok: bool
+    calls: int  # model calls compared (solo ones not counted)
+    threads: tuple[int, ...]  # intra-op thread counts tried
+    failure: str | None = None  # the first row that differed: row count, position, thread count
+
+    def __str__(self) -> str:
+        threads = "/".join(str(t) for t in self.threads)
+        if self.ok:
+            return f"invariant over {self.calls} batched calls ({threads} threads)"
+        return f"NOT invariant: {self.failure}"
+
+
+def probe_batch_invariance(refiner, height: int, width: int, prompt_tokens: int, runner=None, max_rows: int = 8,
+                           threads: tuple[int, ...] | None = None, seed: int = 0) -> InvarianceProbe:
+    """Whether the loaded refiner, as it runs here (device, dtype, intra-op threads, ``runner``: the compiled step if
+    one is used), gives a session the same velocity alone and stacked with others in one model call.
+
+    Built not to pass by luck: up to ``max_rows`` sessions that differ in content, seed, prompt length, window
+    length (one or two blocks of history) and positions mode are each brought to their next forward; every row
+    count from 2 to ``max_rows`` is then run with rows drawn at random positions, and each row compared with
+    ``torch.equal`` to its solo forward, at every intra-op thread count in ``threads`` (default: 1 and the current
+    count, on a CPU; the current count is restored)."""
+    import random
+
     import torch
 
     from .config import SessionConfig
@@ -67,18 +94,41 @@ def forward_batch_invariant(refiner, height: int, width: int, prompt_tokens: int
     from .step import run_batch
 
     info = refiner.info
+    runner = runner or run_batch
+    sessions = max(2, min(max_rows, 8))
     forwards = []
-    for seed, blocks in ((1, 1), (2, 2)):
-        config = SessionConfig(seed=seed)
-        generator = torch.Generator().manual_seed(seed)
+    for index in range(sessions):
+        config = SessionConfig(seed=seed + index, positions="rebased" if index % 3 == 2 else "absolute")
+        generator = torch.Generator().manual_seed(seed + index)
+        blocks = 1 + index % 2
         frames = config.sink_frames + (blocks + 1) * config.block_size
-        latents = torch.randn(1, info.in_channels, frames, height, width, generator=generator)
-        embeds = torch.randn(1, prompt_tokens + seed, info.caption_channels, generator=generator)
+        latents = torch.randn(1, info.in_channels, frames, height, width, generator=generator)  # (1, C, T, H, W)
+        embeds = torch.randn(1, prompt_tokens + index, info.caption_channels, generator=generator)  # (1, L, D)
         session = RefinerSession(refiner, config)
         session.push(latents[:, :, : frames - config.block_size], embeds)
         session.append(session.check(latents[:, :, frames - config.block_size :]))
         forwards.append(session.next_forward(session.start(session.plan())))
-    runner = runner or run_batch
-    alone = [runner(refiner.model, [forward])[0] for forward in forwards]
-    together = runner(refiner.model, forwards)
-    return all(torch.equal(a, b) for a, b in zip(alone, together))
+
+    if threads is None:
+        current = torch.get_num_threads()
+        threads = (1, current) if refiner.device.type == "cpu" and current > 1 else (current,)
+    before = torch.get_num_threads()
+    rng = random.Random(seed)
+    calls = 0
+    try:
+        for count in threads:
+            torch.set_num_threads(count)
+            alone = [runner(refiner.model, [forward])[0] for forward in forwards]
+            for rows in range(2, sessions + 1):
+                order = rng.sample(range(sessions), rows)
+                together = runner(refiner.model, [forwards[i] for i in order])
+                calls += 1
+                for position, (index, velocity) in enumerate(zip(order, together)):
+                    if not torch.equal(velocity, alone[index]):
+                        worst = (velocity.double() - alone[index].double()).abs().max().item()
+                        return InvarianceProbe(False, calls, tuple(threads), (
+                            f"a row stacked at position {position} of {rows} differs from its solo forward by up to "
+                            f"{worst:.3g} with {count} intra-op thread(s) on {refiner.device}"))
+    finally:
+        torch.set_num_threads(before)
+    return InvarianceProbe(True, calls, tuple(threads))

@@ -35,3 +35,20 @@ def reference_refine(model, latents, prompt_embeds, prompt_mask=None, *, seed=42
         generator=torch.Generator("cpu").manual_seed(seed),
         output_type="latent" if vae is None else "pt",
     )
+
+
+# refiner.md's parity contract: within 1e-5 (max abs) of the reference in float32 on a CPU. Bit-exactness with the
+# reference is not ours to promise: diffusers computes the timestep embedding once per token (a GEMM of M = B*N rows)
+# where the service computes it one row at a time, and BLAS kernels round by M differently on different CPUs
+# (bit-exact on Intel Xeons with AVX-512/AMX, ~5e-7 on an AMD EPYC with AVX2).
+PARITY_TOLERANCE = 1e-5
+REBASED_TOLERANCE = 1e-4  # rebased positions, which the reference does not have: a different RoPE rounding
+
+
+def assert_parity(got: torch.Tensor, expected: torch.Tensor, what: str = "", tolerance: float = PARITY_TOLERANCE) -> float:
+    """Assert ``got`` matches the reference within ``tolerance``; prints and returns the max abs difference."""
+    assert got.shape == expected.shape, f"{what}: shape {tuple(got.shape)} != reference {tuple(expected.shape)}"
+    diff = (got.double() - expected.double()).abs().max().item()
+    print(f"parity {what or ''}: max abs diff vs diffusers' reference {diff:.3g} (bit-exact: {torch.equal(got, expected)})")
+    assert diff <= tolerance, f"{what}: max abs diff vs the reference {diff:.3g} > {tolerance}"
+    return diff

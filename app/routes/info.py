@@ -59,11 +59,13 @@ async def info(services: ServicesDep) -> dict[str, Any]:
         "session_fields": session_fields(services.settings),
         "default_prompt": services.default_prompt is not None,
         "engine": {
-            "batching": services.settings.batching,
+            "batching": services.settings.batching,  # the setting: auto, true or false
+            "batched": services.engine.batching,  # whether model calls hold several sessions now
             "max_batch_rows": services.settings.max_batch_rows,
             "compile_step": services.settings.compile_step,
             # Measured during the warm-up: a session's bytes do not depend on the sessions sharing its forwards.
             "batch_invariant": services.batch_invariant,
+            "batch_probe": services.batch_probe,
         },
         "limits": {
             **services.settings.limits(),
