@@ -1,0 +1,130 @@
+"""``batching``: auto (the default) batches only when the start-up probe passes for the loaded model here; true
+forces it with a warning; false never batches. And at the service level, sessions batched on one server equal
+each of them run alone on the same server, bit for bit, for a refiner wider than the test preset."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import httpx
+import pytest
+import torch
+
+from models.checkpoints import write_checkpoint
+from models.determinism import InvarianceProbe
+
+from .conftest import DEADLINE_S, LiveServer, running_app
+from .test_engine_v2 import model_calls, stream_clip
+
+
+def engine_info(client) -> dict:
+    return client.get("/v1/info").json()["engine"]
+
+
+def failing_probe(monkeypatch) -> list:
+    """The probe answers 'not invariant' (what it finds where a kernel depends on the batch: tests of the probe
+    itself are in tests/models/test_invariance.py); returns the list of its calls."""
+    calls = []
+
+    def probe(*args, **kwargs):
+        calls.append(kwargs)
+        return InvarianceProbe(False, 1, (1,), "a row stacked at position 1 of 2 differs (injected)")
+
+    monkeypatch.setattr("app.services.probe_batch_invariance", probe)
+    return calls
+
+
+def test_auto_is_the_default_and_batches_when_the_probe_passes(make_settings):
+    settings = make_settings()
+    assert settings.batching == "auto"
+    with running_app(settings) as client:
+        engine = engine_info(client)
+    assert engine["batching"] == "auto" and engine["batched"] is True and engine["batch_invariant"] is True
+    assert engine["batch_probe"].startswith("invariant over")
+
+
+def test_auto_serves_one_session_per_call_when_the_probe_fails(make_settings, monkeypatch, caplog):
+    calls = failing_probe(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="app"), LiveServer(make_settings()) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        engine = http.get("/v1/info").json()["engine"]
+        assert engine["batched"] is False and engine["batch_invariant"] is False and "injected" in engine["batch_probe"]
+        before = model_calls(server)
+        run_sessions_at_once(server, http, [dict(seed=i) for i in range(3)], clips(3, channels=32))
+        calls_made, rows = (after - was for after, was in zip(model_calls(server), before))
+        http.close()
+    assert len(calls) == 1
+    assert calls_made > 0 and rows == calls_made, "a model call carried several sessions although the probe failed"
+    warnings = [r.getMessage() for r in caplog.records if "batching: auto turned batching OFF" in r.getMessage()]
+    assert len(warnings) == 1 and "injected" in warnings[0]
+
+
+def test_true_forces_batching_and_warns_when_the_probe_fails(make_settings, monkeypatch, caplog):
+    failing_probe(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="app"), running_app(make_settings(batching=True)) as client:
+        engine = engine_info(client)
+    assert engine["batching"] is True and engine["batched"] is True and engine["batch_invariant"] is False
+    assert any("batching: true, but batched forwards are NOT bit-identical" in r.getMessage() for r in caplog.records)
+
+
+def test_false_never_batches_and_skips_the_probe(make_settings, monkeypatch):
+    calls = failing_probe(monkeypatch)
+    with running_app(make_settings(batching=False)) as client:
+        engine = engine_info(client)
+    assert calls == [] and engine["batched"] is False and engine["batch_invariant"] is None
+
+
+def test_the_environment_takes_auto_true_and_false(monkeypatch, make_settings):
+    for text, value in (("auto", "auto"), ("true", True), ("false", False)):
+        monkeypatch.setenv("WM_REFINER_BATCHING", text)
+        assert make_settings().batching == value
+    monkeypatch.setenv("WM_REFINER_BATCHING", "sometimes")
+    with pytest.raises(ValueError, match="batching"):
+        make_settings()
+
+
+# --- the service level ---------------------------------------------------------------------------------------
+WIDE = dict(num_attention_heads=8, attention_head_dim=64, cross_attention_dim=512, caption_channels=64, num_layers=4)
+
+
+def clips(count: int, channels: int) -> list:
+    out = []
+    for index in range(count):
+        generator = torch.Generator().manual_seed(100 + index)
+        latents = torch.randn(1, 128, 10 + index % 3, 4, 4, generator=generator)  # (B, C, T, H, W)
+        embeds = torch.randn(1, 3 + index, channels, generator=generator)  # (B, L, caption)
+        out.append((latents, embeds, None))
+    return out
+
+
+def run_sessions_at_once(server, http, configs: list[dict], inputs: list) -> list[torch.Tensor]:
+    ids = [http.post("/v1/sessions", json=config).json()["session_id"] for config in configs]
+    outputs: list[list] = [[] for _ in configs]
+    threads = [threading.Thread(target=stream_clip, args=(server, ids[i], *inputs[i], 2 + i % 3, outputs[i]))
+               for i in range(len(configs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(DEADLINE_S * 2)
+    return [torch.cat([units for units, _ in output], dim=2) for output in outputs]
+
+
+def test_sessions_batched_on_a_server_equal_each_alone_for_a_wider_refiner(make_settings, tmp_path):
+    """The issue's repro: a refiner of inner width 512 (8 x 64), 4 layers, caption 64; 8 sessions at once on one
+    server, then each alone on the same server: every clip bit-identical."""
+    checkpoint = write_checkpoint(tmp_path / "wide", preset="tiny", **WIDE)
+    configs = [dict(seed=i, positions="rebased" if i % 3 == 2 else "absolute", kv_max_frames=7 + i % 2 * 4)
+               for i in range(8)]
+    inputs = clips(8, channels=WIDE["caption_channels"])
+    with LiveServer(make_settings(model=str(checkpoint), max_batch_rows=8, warmup_prompt_tokens=3)) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        assert http.get("/v1/info").json()["engine"]["batched"] is True
+        before = model_calls(server)
+        together = run_sessions_at_once(server, http, configs, inputs)
+        calls, rows = (after - was for after, was in zip(model_calls(server), before))
+        alone = [run_sessions_at_once(server, http, [config], [clip])[0] for config, clip in zip(configs, inputs)]
+        http.close()
+    assert rows > calls, "no model call carried more than one session"
+    for index, (a, b) in enumerate(zip(together, alone)):
+        assert torch.equal(a, b), f"session {index}: batched differs from alone by {(a - b).abs().max().item():.3g}"
