@@ -52,13 +52,21 @@ PlainInteger = BeforeValidator(_plain_integer)
 
 
 def reject_unknown_query(request: Request, known: frozenset[str] = frozenset()) -> None:
-    """422 for a query parameter the route does not take: a misspelt ``flsuh=true`` or a config field sent as
-    ``POST /v1/sessions?seed=7`` would otherwise be ignored without a word, and the client get what it did not
-    ask for."""
+    """422 for a query parameter the route does not take, or one given more than once: a misspelt ``flsuh=true``,
+    a config field sent as ``POST /v1/sessions?seed=7`` or ``?seed=1&seed=2`` (of which the framework would keep one)
+    would otherwise be ignored without a word, and the client get what it did not ask for. The schema says the same
+    (``QUERY_RULE``, in /openapi.json's description)."""
     unknown = sorted(set(request.query_params) - known)
     if unknown:
         takes = f"this route takes only {sorted(known)}" if known else "this route takes no query parameters"
         raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; {takes}")
+    repeated = sorted(name for name in set(request.query_params) if len(request.query_params.getlist(name)) > 1)
+    if repeated:
+        raise ApiError("invalid_request", f"query parameter(s) {repeated} given more than once; give each at most once")
+
+
+QUERY_RULE = ("Query parameters: each route takes only the ones it documents, each at most once; an unknown or repeated "
+              "query parameter is refused with 422 invalid_request (never ignored).")
 
 
 def require_content_type(request: Request, expected: str) -> None:

@@ -24,6 +24,7 @@ from models.errors import RefinerError
 
 from .auth import ApiKeyMiddleware
 from .engine_errors import EngineError
+from .deps import QUERY_RULE
 from .errors import ApiError, envelope, from_exception
 from .openapi import document_api_key
 from .routes import admin, chunks, health, info, metrics, refine, sessions, stream, view, watch
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         title="wm-refiner",
         version="1",
         summary="Streaming SANA-WM stage-2 refiner: latent chunks in, refined latents out",
+        description=QUERY_RULE,
         lifespan=lifespan,
     )
     app.state.services = services

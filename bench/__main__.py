@@ -5,6 +5,7 @@
     python -m bench attention      window attention for a batch: per session vs stacked vs padded + mask
     python -m bench vae-lookahead  bounded video look-ahead: error against the exact decode, N = 0..8
     python -m bench decode [...]   video output: refine + decode vs refine alone, shared, with a stalled watcher
+    python -m bench invariance     what batch invariance by construction costs (per-row time embedding, probe)
     python -m bench checkpoint     crash checkpoints: block latency with and without, bytes per checkpoint
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.vae_lookahead import main as lookahead_main
 
         return lookahead_main(rest)
+    if command == "invariance":
+        from bench.invariance import main as invariance_main
+
+        return invariance_main(rest)
     if command == "checkpoint":
         from bench.checkpoint import main as checkpoint_main
 

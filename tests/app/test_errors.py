@@ -396,3 +396,27 @@ def test_draining_is_503(make_settings):
         assert_error(client.get("/ready"), 503, "draining")
         assert_error(client.post("/v1/sessions"), 503, "draining")
         assert_error(post_chunk(client, session_id, payload(LATENTS[:, :, 5:6]), seq=1), 503, "draining")
+
+
+@pytest.mark.parametrize("method,path,query", [
+    ("POST", "/v1/refine", "seed=1&seed=2"),
+    ("POST", "/v1/refine", "outputs=latents&outputs=latents"),
+    ("POST", "/v1/refine", "sead=1"),
+    ("POST", "/v1/sessions/{id}/chunks", "seq=0&seq=1"),
+    ("POST", "/v1/sessions/{id}/chunks", "flush=true&flush=false"),
+    ("GET", "/v1/sessions", "limit=1&limit=2"),
+    ("POST", "/v1/sessions", "seed=7"),
+])
+def test_unknown_or_repeated_query_parameters_are_refused_and_change_nothing(client, method, path, query):
+    """A route takes only the query parameters it documents, each at most once (the framework would keep one of two
+    values without a word): 422 invalid_request naming the parameter, and nothing happens. /openapi.json says so."""
+    session_id = client.post("/v1/sessions", json={}).json()["session_id"]
+    tensors = "refine" in path or "chunks" in path
+    body = payload(*make_clip(frames=5)) if tensors else None
+    reply = client.request(method, path.replace("{id}", session_id) + "?" + query, content=body,
+                           headers=OCTET if tensors else {})
+    assert reply.status_code == 422, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "invalid_request" and query.split("=")[0] in error["message"]
+    assert client.get(f"/v1/sessions/{session_id}").json()["frames_received"] == 0
+    assert "refused with 422" in client.get("/openapi.json").json()["info"]["description"]
