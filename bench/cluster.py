@@ -4,11 +4,11 @@
   folder, HAProxy in front), ready once ``cluster.json`` is written; ``stop`` drains everything.
 - ``ws_client`` / ``http_client``: a session streamed closed-loop through the router, chunk by chunk, that
   survives its replica draining (503, 1012) or dying (connection errors, 404 until adopted) by doing what the
-  README tells clients to do: reconnect with ``?resume_from=<frames received>`` and resend from the session's
+  docs (cluster.md, api.md) tell clients to do: reconnect with ``?resume_from=<frames received>`` and resend from the session's
   ``frames_received``; over HTTP, retry the same ``seq``, and after a crash (409: the checkpoint is behind) resend
   from the chunk the session's state names. ``Units`` keeps the refined frames in order, skipping frames it has.
 
-These two clients speak the raw wire on purpose: they are the README's recipe for clients in other languages, run
+These two clients speak the raw wire on purpose: they are docs/api.md's recipe for clients in other languages, run
 against the real router, and they recover where ``wm_refiner_client`` cannot yet: after a ``kill -9`` whose
 adopting replica's crash checkpoint is behind frames the client already got back, a raw client still holds its
 input and resends it, while the library has dropped the chunks whose frames came back refined (issue 16 item 9:

@@ -1,4 +1,4 @@
-"""wm_refiner_client: the Python client of the wm-refiner service (README "Python client").
+"""wm_refiner_client: the Python client of the wm-refiner service (docs/client.md).
 
     from wm_refiner_client import Client
 

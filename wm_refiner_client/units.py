@@ -1,6 +1,6 @@
 """Tensors on the wire and the refined units that come back.
 
-Every payload is a safetensors file (README "The service", api.md "Tensors on the wire"). Inputs may be numpy
+Every payload is a safetensors file (docs/api.md "Tensors on the wire"). Inputs may be numpy
 arrays or torch tensors (float32, float16 or bfloat16; bfloat16 only as a torch tensor, numpy has no such dtype).
 Outputs are numpy arrays (``return_tensors="np"``, the default: no torch needed) or torch tensors (``"pt"``).
 
