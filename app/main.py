@@ -17,8 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Match, WebSocketRoute
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, WebSocketRoute, compile_path
 
 from models.errors import RefinerError
 
@@ -110,6 +110,18 @@ def error_response(error: ApiError, services: Services) -> JSONResponse:
     )
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path. Starlette's 405 names only the first route whose path matches,
+    and several routes share a path (``GET`` and ``POST /v1/sessions``)."""
+    methods: set[str] = set()
+    for context in iter_route_contexts(request.app.routes):
+        if context.methods and compile_path(context.path)[0].fullmatch(request.url.path):
+            methods |= context.methods
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods | {"OPTIONS"})
+
+
 def install_error_handlers(app: FastAPI, services: Services) -> None:
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(from_exception(exc), services)
@@ -126,7 +138,12 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
         if exc.status_code == 404:
             error = ApiError("not_found", f"no route {request.url.path}; see /docs for the routes")
         elif exc.status_code == 405:
-            error = ApiError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
+            allowed = allowed_methods(request)
+            if request.method == "OPTIONS":  # what may be done here (RFC 9110 9.3.7); no CORS is served
+                return Response(status_code=204, headers={"Allow": ", ".join(allowed)})
+            error = ApiError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}; "
+                                                   f"allowed: {', '.join(allowed)}")
+            exc.headers = {**(exc.headers or {}), "Allow": ", ".join(allowed)}
         else:
             services.metrics.rejected_requests.labels(reason=f"http_{exc.status_code}").inc()
             return JSONResponse(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-import socket
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,9 +50,9 @@ def check_replica_id(replica_id: str) -> str:
 
 
 def _default_replica_id() -> str:
-    # A host name may hold characters the rule refuses (or be long): those become '-', so the default always passes.
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "host"
-    return f"{host[:100]}-{os.getpid()}"
+    # Random per process: the id is on every response (X-Replica), the unauthenticated ones included, so the default
+    # must not reveal the host name or the process id. A deployment names its replicas (the pod name in deploy/k8s).
+    return f"replica-{secrets.token_hex(6)}"
 
 
 def _settings_type(field: spec.SessionField) -> Any:

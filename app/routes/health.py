@@ -20,6 +20,11 @@ async def health() -> dict[str, Literal["ok"]]:
     return {"status": "ok"}
 
 
+# HEAD answers like GET without a body (load balancers and uptime checks use it); left out of the schema, which
+# documents the GET.
+router.head("/health", include_in_schema=False)(health)
+
+
 @router.get(
     "/ready",
     response_model=dict[str, Literal["ready"]],
@@ -42,3 +47,6 @@ async def ready(services: ServicesDep) -> JSONResponse:
             headers=error.headers(services.settings.retry_after_s),
         )
     return JSONResponse({"status": "ready"})
+
+
+router.head("/ready", include_in_schema=False)(ready)

@@ -200,6 +200,19 @@ def test_routes_and_methods_that_do_not_exist_use_the_envelope(client):
     assert_error(client.put("/v1/sessions"), 405, "method_not_allowed")
 
 
+def test_allow_names_every_method_of_a_path_and_head_answers_like_get(client):
+    """Several routes share a path (GET and POST /v1/sessions): a 405 and OPTIONS name all of their methods, not the
+    first route's; HEAD on the probes answers like GET, without a body."""
+    refused = client.put("/v1/sessions")
+    assert refused.headers["allow"] == "GET, HEAD, OPTIONS, POST" and "allowed: GET, HEAD, OPTIONS, POST" in refused.text
+    options = client.options("/v1/sessions")
+    assert options.status_code == 204 and options.headers["allow"] == "GET, HEAD, OPTIONS, POST"
+    assert client.options("/v1/sessions/abcdefgh").headers["allow"] == "DELETE, GET, HEAD, OPTIONS, PUT"
+    for path in ("/health", "/ready"):
+        head = client.head(path)
+        assert head.status_code == 200 and head.content == b"" and head.headers["content-type"] == "application/json"
+
+
 @pytest.mark.parametrize(
     "body,headers,status,code",
     [
