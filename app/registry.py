@@ -59,7 +59,7 @@ class SessionHandle:
     outputs: Outputs = field(default_factory=Outputs)
     # Read-only subscribers (app.routes.watch.Watcher): they get every unit published from when they joined.
     watchers: set = field(default_factory=set)
-    # Crash checkpoints (app.services.Services.checkpoint): blocks and time of the last, and its write in flight.
+    # Crash checkpoints (app.store.SessionStore.checkpoint): blocks and time of the last, and its write in flight.
     checkpoint_blocks: int = 0
     checkpoint_at: float = field(default_factory=time.monotonic)
     checkpoint_write: Any = None

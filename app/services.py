@@ -9,7 +9,7 @@ session to ``snapshot_dir`` (when set) exactly as its clients last saw it, and c
 reason (1012 "service restart" for a saved session, 1001 otherwise), waiting for them at most
 ``drain_timeout_s``, before the server closes connections. Nothing is loaded at start-up: a server on the same
 ``snapshot_dir`` (this one restarted, or another replica) adopts a saved session on the first request for it,
-under its id (``_adopt``); start-up only removes interrupted writes and gives back this replica's stale claims.
+under its id (``app.store.SessionStore.lookup``); start-up only removes interrupted writes and gives back this replica's stale claims.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import contextlib
 import logging
 import math
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -29,36 +28,22 @@ import torch
 
 from safetensors.torch import load_file
 
-from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, SessionConfig, load_refiner
+from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, load_refiner
 from models.compiled import CompiledStep, warmup_forwards
 from models.determinism import probe_batch_invariance
 from models.memory import keep_freed_memory
 from models.session import check_prompt
 from models.vae import StreamingDecoder, load_vae
-from wm_refiner_client import spec
 
-from .delivery import Deliveries, Encoder, UnitCopies
+from .delivery import Encoder
 from .engine import Engine, EngineSession, Work
-from .engine_errors import Draining
 from .errors import WS_GOING_AWAY, WS_SERVICE_RESTART, ApiError
 from .metrics import Metrics
-from .outputs import OUTPUT_KINDS, HostUnit, Outputs
-from .registry import Registry, SessionHandle
-from .resume import SentUnit
+from .outputs import OUTPUT_KINDS, Outputs
+from .registry import Registry
 from .settings import Settings
-from .stages import OutputStages, OutUnit, SessionStages, build_stages
-from .snapshots import (
-    SUFFIX,
-    SessionRecord,
-    claim,
-    has_snapshot,
-    load_record,
-    record_tensors,
-    release_claim,
-    remove_record,
-    save_record,
-    write_record,
-)
+from .stages import OutputStages, build_stages
+from .store import SessionStore
 
 log = logging.getLogger("app")
 
@@ -67,6 +52,9 @@ class Services:
     """What one app holds. Created by ``create_app``, started and stopped by its lifespan."""
 
     def __init__(self, settings: Settings, warmup_gate: Callable[[], None] | None = None):
+        # Imported here: the operations read request plumbing (app.deps) that itself names this class.
+        from .sessions import SessionOps
+
         self.settings = settings
         self.metrics = Metrics()
         self.encoder = Encoder(self.metrics, settings.response_dtype)
@@ -78,37 +66,39 @@ class Services:
             # ``auto`` batches only once the warm-up's probe has passed (``_decide_batching``).
             batching=settings.batching is True,
         )
-        self.registry = Registry(
-            max_sessions=settings.max_sessions,
-            idle_timeout_s=settings.session_idle_timeout_s,
-            remember_evicted=settings.evicted_ids_remembered,
-            retry_after_s=settings.retry_after_s,
-            reattach_grace_s=settings.ws_reattach_grace_s,
-            resume_units=settings.ws_resume_units,
-            flushed_ttl_s=settings.flushed_session_ttl_s,
-            deliveries=self._deliveries_for,
-            on_close=self._forget_checkpoint,
+        self.refiner: Refiner | None = None
+        self.decoder: StreamingDecoder | None = None  # the VAE's decoder as a stream (setting ``vae``)
+        self.stages: OutputStages = build_stages()  # the output kinds this server can produce (app.stages)
+        # The operations routes call (app.sessions) and where the sessions live (app.store).
+        self.sessions = SessionOps(self)
+        self.store = SessionStore(
+            settings, self.metrics, self.engine, self.encoder,
+            refiner=lambda: self.refiner,
             stages=lambda: self.stages,
+            deliveries=self.sessions.deliveries_for,
         )
         self.metrics.track(
             sessions=lambda: len(self.registry),
             cache_bytes=self.registry.total_cache_bytes,
             queue=lambda: self.engine.outstanding,
         )
-        self.refiner: Refiner | None = None
-        self.decoder: StreamingDecoder | None = None  # the VAE's decoder as a stream (setting ``vae``)
-        self.stages: OutputStages = build_stages()  # the output kinds this server can produce (app.stages)
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
         self.batch_invariant: bool | None = None  # measured during the warm-up unless batching is false
         self.batch_probe: str | None = None  # what the probe found, in words
         self.not_ready_reason: str | None = "loading the model"
-        self.draining = False
-        self.streams: set[Any] = set()  # open WebSocket streams (app.routes.stream.StreamConnection)
         self.warmup_gate = warmup_gate
         self._tasks: list[asyncio.Task] = []
         self._drain_task: asyncio.Task | None = None
-        self._adopting: dict[str, asyncio.Lock] = {}
         self.drain_report: dict[str, Any] | None = None
+
+    @property
+    def registry(self) -> Registry:
+        """The store's index of live sessions (what /metrics and /v1/info count)."""
+        return self.store.registry
+
+    @property
+    def draining(self) -> bool:
+        return self.store.draining
 
     # --- admission -----------------------------------------------------------------------------------------
     def require_ready(self) -> None:
@@ -133,53 +123,6 @@ class Services:
 
     def reject(self, error: ApiError) -> None:
         self.metrics.rejected_requests.labels(reason=error.kind).inc()
-
-    # --- units out -----------------------------------------------------------------------------------------
-    def count_out(self, units, handle: SessionHandle | None = None, received: float | None = None) -> None:
-        """Metrics for units delivered to a client (a published stream unit, a returned response)."""
-        for unit in units:
-            self.metrics.frames_out.inc(unit.frame_end - unit.frame_start)
-            if unit.kind != "block":
-                continue
-            self.metrics.blocks_refined.inc()
-            if handle is not None and not handle.first_block_done and received is not None:
-                handle.first_block_done = True
-                self.metrics.time_to_first_block.observe(time.perf_counter() - received)
-
-    def _deliveries_for(self, handle: SessionHandle) -> Deliveries:
-        def published(unit: OutUnit, sent: SentUnit, received: float, host: HostUnit) -> None:
-            self.count_out([unit], handle, received)
-            handle.publish(sent)
-            for watcher in list(handle.watchers):
-                watcher.offer(host, received, sent if watcher.outputs == handle.outputs else None)
-
-        return Deliveries(self.encoder, published, handle.outputs)
-
-    def watch(self, handle: SessionHandle, units, received: float, done: bool = False) -> None:
-        """Offer units that went out another way (an HTTP response) to the session's watchers; ``done``: the
-        session was flushed with them."""
-        watchers = list(handle.watchers)
-        if watchers:
-            # One host copy per unit, whatever the number of watchers.
-            copies = [UnitCopies(unit, self.stages) for unit in units]
-            for watcher in watchers:
-                for unit in copies:
-                    watcher.offer(unit, received)
-        if done:
-            self.finish_watchers(handle)
-
-    def finish_watchers(self, handle: SessionHandle) -> None:
-        for watcher in list(handle.watchers):
-            watcher.finish()
-
-    # --- outputs ---------------------------------------------------------------------------------------------
-    def outputs(self, fields: dict[str, Any]) -> Outputs:
-        """A session's outputs from its config fields; 422 for video without a VAE."""
-        return Outputs.from_fields(fields, self.decoder is not None)
-
-    def session_stages(self, outputs: Outputs, config: SessionConfig) -> SessionStages:
-        """The output stages of a new session (its ``outputs``' kinds, already checked against this server)."""
-        return self.stages.for_session(outputs, config)
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -211,10 +154,9 @@ class Services:
         if settings.default_prompt is not None:
             refiner = self.refiner
             self.default_prompt = await self.engine.call(lambda: load_default_prompt(settings.default_prompt, refiner))
-        if settings.snapshot_dir is not None:
-            self._clean_snapshot_dir(Path(settings.snapshot_dir).expanduser())
+        self.store.clean_snapshot_dir()
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
-        self._tasks.append(asyncio.create_task(self._evict_forever(), name="evict-idle"))
+        self._tasks.append(asyncio.create_task(self.store.evict_forever(), name="evict-idle"))
 
     async def _warm_up(self) -> None:
         try:
@@ -269,163 +211,6 @@ class Services:
             log.warning("batching: auto turned batching OFF: batched forwards are not bit-identical to solo forwards "
                         "here (%s); every model call serves one session. batching: true forces it.", probe.failure)
 
-    # --- sessions that move (snapshot_dir, shared by replicas) ---------------------------------------------------
-    async def lookup(self, session_id: str) -> SessionHandle:
-        """The session ``session_id``: a live one of this replica, else one adopted from ``snapshot_dir`` (saved by
-        a drain or a checkpoint, here or on another replica); ApiError 404 / 410 otherwise."""
-        if not spec.is_session_id(session_id):
-            # No session was ever given such an id, and it must never reach the snapshot folder as a path.
-            raise ApiError("session_not_found", f"no session {session_id[:80]!r}: session ids are "
-                                                f"{spec.SESSION_ID_RULE}; use the session_id POST /v1/sessions returned")
-        handle = self.registry.existing(session_id)
-        if handle is not None:
-            return handle
-        folder = self.snapshot_folder
-        if folder is not None and has_snapshot(folder, session_id):
-            lock = self._adopting.setdefault(session_id, asyncio.Lock())
-            async with lock:  # one adoption per id in this process; other replicas are kept off by the claim
-                handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
-            self._adopting.pop(session_id, None)
-            if handle is not None:
-                return handle
-        return self.registry.get(session_id)
-
-    # --- crash checkpoints ---------------------------------------------------------------------------------------
-    async def checkpoint(self, handle: SessionHandle) -> None:
-        """Write the session's checkpoint when one is due (``checkpoint_every_blocks`` / ``checkpoint_interval_s``).
-        Called by a chunk or stream message that just finished, within the session's turn, so the session is
-        between two pieces of work: the engine copies its tensors (one ``call``, between two model calls), and the
-        file is serialized and written on a worker thread while the session goes on. A write still in flight makes
-        this one wait for the next chance; the drain waits for them before it saves."""
-        settings, folder = self.settings, self.snapshot_folder
-        every, interval = settings.checkpoint_every_blocks, settings.checkpoint_interval_s
-        if folder is None or self.draining or not (every or interval):
-            return
-        blocks = handle.session.state.blocks_refined
-        due = (every and blocks - handle.checkpoint_blocks >= every) or (
-            interval and blocks != handle.checkpoint_blocks and time.monotonic() - handle.checkpoint_at >= interval)
-        if not due or (handle.checkpoint_write is not None and not handle.checkpoint_write.done()):
-            return
-        if handle.deliveries is not None:
-            await handle.deliveries.flush()  # the units it streamed are retained, for a resume after the crash
-        record = _record(handle, self.encoder)
-        try:
-            tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
-        except Draining:  # the engine stopped (drain): the drain saves the session itself
-            return
-        handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
-        metrics = self.metrics
-
-        def write() -> None:
-            started = time.perf_counter()
-            path = write_record(folder, handle.id, tensors, metadata)
-            metrics.checkpoint_seconds.observe(time.perf_counter() - started)
-            metrics.checkpoint_bytes.inc(path.stat().st_size)
-
-        handle.checkpoint_write = asyncio.ensure_future(asyncio.to_thread(write))
-        handle.checkpoint_write.add_done_callback(_log_failed_checkpoint)
-
-    def _forget_checkpoint(self, handle: SessionHandle) -> None:
-        """A session that ended must never be adopted back from its last checkpoint."""
-        folder = self.snapshot_folder
-        if folder is None or not (self.settings.checkpoint_every_blocks or self.settings.checkpoint_interval_s):
-            return
-        pending = handle.checkpoint_write
-
-        async def remove() -> None:
-            if pending is not None:
-                await asyncio.wait({pending})
-            await asyncio.to_thread(remove_record, folder, handle.id)
-
-        asyncio.ensure_future(remove())
-
-    def peer_urls(self) -> list[str]:
-        """Base URLs of the other replicas (setting ``peers``); this replica's own address is left out."""
-        spec = self.settings.peers or ""
-        if spec.startswith("dns:"):
-            _, name, port = spec.split(":", 2)
-            try:
-                addresses = sorted({info[4][0] for info in socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)})
-            except OSError:
-                return []
-            urls = [f"http://{'[' + a + ']' if ':' in a else a}:{port}" for a in addresses]
-        else:
-            urls = [part.strip().rstrip("/") for part in spec.split(",") if part.strip()]
-        own = {f"http://{self.settings.host}:{self.settings.port}", f"http://127.0.0.1:{self.settings.port}",
-               f"http://localhost:{self.settings.port}"}
-        own |= {f"http://{a}:{self.settings.port}" for a in _own_addresses()}
-        return [url for url in urls if url not in own]
-
-    @property
-    def snapshot_folder(self) -> Path | None:
-        folder = self.settings.snapshot_dir
-        return None if folder is None else Path(folder).expanduser()
-
-    async def _adopt(self, folder: Path, session_id: str) -> SessionHandle | None:
-        """Claim the session's file (None when another replica was first), load it and hold the session. An adopted
-        session counts against max_sessions: when full, the file goes back and the request gets 503."""
-        claimed = claim(folder, session_id, self.settings.replica_id)
-        if claimed is None:
-            return None
-        try:
-            self.registry.require_capacity()
-        except ApiError:
-            release_claim(claimed, session_id)
-            raise
-        try:
-            record = await self.engine.call(lambda: load_record(claimed, self.refiner, self.stages, session_id))
-        except Exception as exc:
-            aside = folder / f"{session_id}{SUFFIX}.corrupt"
-            log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
-            with contextlib.suppress(OSError):
-                os.replace(claimed, aside)
-            return None
-        handle = self._hold(record)
-        claimed.unlink(missing_ok=True)
-        log.info("adopted session %s from %s", session_id, folder)
-        return handle
-
-    def _hold(self, record: SessionRecord) -> SessionHandle:
-        # A session whose stream was open when it was saved waits ws_reattach_grace_s for its client.
-        detached = record.streaming and not record.session.state.flushed
-        handle = self.registry.adopt(record.session_id, record.session, detached=detached,
-                                     outputs=record.outputs, stages=record.stages)
-        if record.created_at is not None:
-            handle.created_at = record.created_at
-        handle.from_checkpoint = record.checkpoint
-        chunks = handle.chunks
-        chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
-        handle.first_block_done = record.session.state.blocks_refined > 0
-        handle.retained.restore(record.units)
-        if handle.deliveries is not None and record.units:
-            handle.deliveries.handed_until = handle.engine_session.stages.key_at(record.units[-1].frame_end)
-        return handle
-
-    def _clean_snapshot_dir(self, folder: Path) -> None:
-        """Writes that never reached their rename are garbage; claims of this replica id from an earlier life of
-        it (a crash between claim and load) go back to the folder. Nothing else is touched: sessions are adopted on
-        their first request, by whichever replica the router sends it to."""
-        if not folder.is_dir():
-            return
-        for leftover in folder.glob(f".*{SUFFIX}.*.tmp"):
-            leftover.unlink(missing_ok=True)
-        for stale in folder.glob(f".*{SUFFIX}.claimed-{self.settings.replica_id}"):
-            session_id = stale.name[1 : -len(f"{SUFFIX}.claimed-{self.settings.replica_id}")]
-            with contextlib.suppress(OSError, ValueError):  # ValueError: not a session's name, not ours to move
-                release_claim(stale, session_id)
-
-    async def _evict_forever(self) -> None:
-        settings = self.settings
-        interval = min(settings.session_idle_timeout_s / 2, settings.ws_reattach_grace_s / 2, 5.0)
-        while True:
-            await asyncio.sleep(interval)
-            if self.draining:
-                # The sessions are saved as they stand; evicting them now would not remove their snapshots.
-                continue
-            evicted = self.registry.evict_idle()
-            if evicted:
-                log.info("evicted %d idle session(s)", len(evicted))
-
     async def drain(self) -> dict[str, Any]:
         """Stop admitting, finish in-flight blocks, save the sessions, close streams cleanly. Idempotent: later
         calls (SIGTERM after the admin route, then the lifespan) wait for the first and get its report."""
@@ -435,7 +220,7 @@ class Services:
 
     async def _drain(self) -> dict[str, Any]:
         started = time.perf_counter()
-        self.draining = True
+        self.store.draining = True
         self.not_ready_reason = "draining: the server is shutting down"
         self.engine.stop_accepting()
         timeout = self.settings.drain_timeout_s
@@ -446,17 +231,9 @@ class Services:
         stopped = 0
         with contextlib.suppress(Exception):
             stopped = await self.engine.pause()
-        handles = self.registry.handles()
-        await asyncio.gather(*(h.deliveries.flush() for h in handles if h.deliveries is not None),
-                             return_exceptions=True)
-        # A checkpoint still being written must not land after (and over) the snapshot below.
-        writes = [h.checkpoint_write for h in handles if h.checkpoint_write is not None]
-        if writes:
-            await asyncio.wait(writes)
-        saved: set[str] = set()
-        if self.settings.snapshot_dir is not None:
-            saved = await self._save_sessions(Path(self.settings.snapshot_dir).expanduser(), handles)
-        streams = list(self.streams)
+        # Every committed unit retained and no checkpoint write in flight, then the sessions saved as they stand.
+        saved = await self.store.save_all(await self.store.settle())
+        streams = list(self.store.connections)
         for stream in streams:
             if stream.session_id in saved:
                 stream.close(
@@ -486,31 +263,6 @@ class Services:
         log.info("drain done: %s", self.drain_report)
         return self.drain_report
 
-    async def _save_sessions(self, folder: Path, handles: list[SessionHandle]) -> set[str]:
-        """Write every live session to ``folder``, on the engine thread (paused by now, so no forward can run
-        while a session is read). Returns the ids written."""
-        # The service's fields that live on the loop are read here, on the loop.
-        records = {handle.id: _record(handle, self.encoder) for handle in handles}
-
-        def save_all() -> set[str]:
-            written = set()
-            for session_id, record in records.items():
-                try:
-                    save_record(folder, record())
-                except Exception:  # one session that cannot be saved must not cost the others
-                    log.exception("drain: could not save session %s", session_id)
-                    continue
-                written.add(session_id)
-            return written
-
-        try:
-            written = await self.engine.call(save_all)
-        except Exception:
-            log.exception("drain: saving sessions to %s failed", folder)
-            return set()
-        log.info("drain: saved %d of %d session(s) to %s", len(written), len(handles), folder)
-        return written
-
     async def abort_start(self) -> None:
         """Start-up failed: stop what started, quietly (there is nothing to drain or save)."""
         for task in self._tasks:
@@ -525,37 +277,6 @@ class Services:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.engine.stop)
         self.encoder.close()
-
-
-def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionRecord]:
-    """What saving ``handle`` writes, read now (on the loop); the returned function builds the record (on the
-    engine thread: it may encode the last response)."""
-    chunks = handle.chunks
-    units = list(handle.retained)
-    streaming = handle.streaming or handle.detached
-    next_seq, last_seq = chunks.next_seq, chunks.last_seq
-
-    def build() -> SessionRecord:
-        return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
-                             encode=encode, outputs=handle.outputs, stages=handle.engine_session.stages,
-                             created_at=handle.created_at)
-
-    def encode(unit: SentUnit) -> bytes:
-        return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
-
-    return build
-
-
-def _log_failed_checkpoint(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("writing a checkpoint failed: %r", task.exception())
-
-
-def _own_addresses() -> set[str]:
-    try:
-        return {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        return set()
 
 
 def warmup_work(refiner: Refiner, settings: Settings, stages: OutputStages | None = None) -> Work:

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..codec import OCTET_STREAM, PROMPT_EMBEDS, PROMPT_MASK, decode
+from ..codec import OCTET_STREAM
 from ..deps import (
     OCTET_BODY,
     OCTET_RESPONSE,
     PlainInteger,
     ServicesDep,
-    check_payload,
     read_body,
     reject_unknown_query,
     require_content_type,
 )
-from ..engine import Work
 from ..openapi import errors
 
 router = APIRouter(tags=["sessions"])
@@ -43,54 +39,10 @@ async def post_chunk(
     flush: Annotated[bool, Query(description="also refine the pending frames as a final block and end the stream")] = False,
 ) -> Response:
     reject_unknown_query(request, CHUNK_QUERY)
-    services.require_ready()
-    settings = services.settings
-    registry = services.registry
-    handle = await services.lookup(session_id)
-    require_content_type(request, OCTET_STREAM)
-    handle.requests_in_flight += 1
-    try:
-        received = time.perf_counter()
-        body = await read_body(request, settings.max_body_bytes)
-        tensors = decode(body)
-        latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
-                                services.require_model().info.in_channels)
-        # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
-        # retry of its seq gets the stored response instead of appending the frames twice.
-        chunk = asyncio.ensure_future(_chunk(services, handle, seq, flush, tensors, latents, received))
-        payload, replayed = await asyncio.shield(chunk)
-    finally:
-        handle.requests_in_flight -= 1
-        registry.touch(handle)
+
+    async def read_payload() -> bytes:
+        require_content_type(request, OCTET_STREAM)
+        return await read_body(request, services.settings.max_body_bytes)
+
+    payload, replayed = await services.sessions.submit_chunk(session_id, seq, flush, read_payload)
     return Response(payload, media_type=OCTET_STREAM, headers={"X-Replayed": "true"} if replayed else {})
-
-
-async def _chunk(services, handle, seq, flush, tensors, latents, received) -> tuple[bytes, bool]:
-    chunks = handle.chunks
-    async with chunks.turn(services.settings.session_queue_depth):
-        if chunks.is_repeat(seq):
-            return await services.encoder.run(chunks.stored_response), True
-        work = Work(
-            handle.engine_session,
-            latents,
-            tensors.get(PROMPT_EMBEDS),
-            tensors.get(PROMPT_MASK),
-            flush=flush,
-            atomic=True,
-        )
-        result = await services.engine.run(work)
-        # Counted before anything else runs on the loop: a drain must never find the session advanced and the
-        # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
-        build = services.encoder.response(result.units, result.state, tuple(latents.shape), {"seq": chunks.next_seq},
-                                          outputs=handle.outputs, positions=result.positions)
-        index = chunks.accept_request(seq, build)
-        # A chunk accepted over HTTP means the client is back: a detached session's grace period ends (a stream
-        # message of the dropped connection, still finishing, does not count).
-        services.registry.attach(handle)
-        services.metrics.frames_in.inc(result.frames_in)
-        services.count_out(result.units, handle, received)
-        services.watch(handle, result.units, received, done=result.state.flushed)
-        payload = await services.encoder.run(build)
-        chunks.store(index, payload)
-        await services.checkpoint(handle)  # still within the turn: no other chunk of this session runs
-        return payload, False

@@ -8,7 +8,6 @@ clip cannot hold the engine. A client that goes away stops its clip at the next 
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from typing import Annotated, Any, Literal
 
@@ -16,24 +15,21 @@ from fastapi import APIRouter, Depends, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
-from models import RefinerSession
 from wm_refiner_client import spec
 
-from ..codec import OCTET_STREAM, PROMPT_EMBEDS, PROMPT_MASK, decode
+from ..codec import OCTET_STREAM
 from ..deps import (
     OCTET_BODY,
     OCTET_RESPONSE,
     PlainInteger,
     ServicesDep,
-    check_payload,
     read_body,
     reject_unknown_query,
     require_content_type,
 )
-from ..engine import EngineSession, Work
 from ..errors import ApiError
 from ..openapi import errors
-from .sessions import check_fields, resolve_config
+from .sessions import check_fields
 
 router = APIRouter(tags=["refine"])
 REFINE_QUERY = frozenset(spec.QUERY_NAMES)
@@ -92,30 +88,10 @@ async def refine(
     given: Annotated[dict[str, Any], Depends(session_query)],
 ) -> Response:
     reject_unknown_query(request, REFINE_QUERY)
-    services.require_ready()
-    settings = services.settings
-    config, wanted = resolve_config(check_fields(query_fields(given)), services)
-    require_content_type(request, OCTET_STREAM)
-    body = await read_body(request, settings.max_body_bytes)
-    tensors = decode(body)
-    latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames",
-                            services.require_model().info.in_channels)
-    if PROMPT_EMBEDS not in tensors and services.default_prompt is None:
-        raise ApiError(
-            "missing_input",
-            "the payload has no 'prompt_embeds' tensor; a clip needs prompt_embeds (B, L, caption_channels) and "
-            "optionally prompt_attention_mask (B, L) (this server has no default_prompt)",
-        )
-    with services.registry.clip():
-        session = RefinerSession(services.require_model(), config, services.default_prompt)
-        target = EngineSession(session=session, name="one-shot clip", stages=services.session_stages(wanted, config))
-        work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True, one_shot=True)
-        try:
-            result = await services.engine.run(work)
-        except asyncio.CancelledError:
-            target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
-            raise
-    services.count_out(result.units)
-    payload = await services.encoder.run(services.encoder.response(
-        result.units, result.state, tuple(latents.shape), outputs=wanted, positions=result.positions))
+
+    async def read_payload() -> bytes:
+        require_content_type(request, OCTET_STREAM)
+        return await read_body(request, services.settings.max_body_bytes)
+
+    payload = await services.sessions.refine_clip(lambda: check_fields(query_fields(given)), read_payload)
     return Response(payload, media_type=OCTET_STREAM)

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import Any
 
 from fastapi import APIRouter
@@ -33,9 +32,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from models.errors import RefinerError
 
-from ..codec import PROMPT_EMBEDS, PROMPT_MASK, decode
-from ..deps import check_payload
-from ..engine import Work
 from ..errors import (
     WS_INTERNAL_ERROR,
     WS_MESSAGE_TOO_BIG,
@@ -46,9 +42,9 @@ from ..errors import (
     from_exception,
 )
 from ..engine_errors import EngineError
-from ..registry import SessionHandle
 from ..resume import SentUnit
 from ..services import Services
+from ..sessions import RefuseInBand, StreamSession, StreamTakenOver
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["sessions"])
@@ -62,44 +58,14 @@ _MAX_REASON = 120
 async def stream(websocket: WebSocket, session_id: str) -> None:
     services: Services = websocket.app.state.services
     try:
-        services.require_ready()
-        handle = await services.lookup(session_id)
+        session = await services.sessions.open_stream(session_id, websocket.query_params.get("resume_from"))
+    except RefuseInBand as refused:
+        await refuse(websocket, refused.error, services)
+        return
     except ApiError as error:
         await deny(websocket, error, services)
         return
-    try:
-        resume_from = parse_resume_from(websocket.query_params.get("resume_from"))
-        if resume_from is not None:
-            # Refused before taking anything over, so a bad resume leaves the session and its stream as they
-            # were. Frames still being refined for the old connection may make a larger resume_from valid, so
-            # that bound is only checked here when nothing is in flight (and again once it is).
-            frames_returned = handle.session.state.frames_returned
-            if handle.from_checkpoint:
-                # Adopted from a crash checkpoint: the client may hold frames the session has to refine again.
-                resume_from = max(resume_from, 0)
-            else:
-                handle.retained.check(resume_from, frames_returned if not handle.stream_jobs else resume_from)
-    except ApiError as error:
-        await refuse(websocket, error, services)
-        return
-    if handle.streaming and resume_from is None:
-        error = ApiError(
-            "stream_in_use",
-            f"session {session_id} already has an open stream; close it before opening another, or "
-            "reconnect with ?resume_from=N to take the session over",
-        )
-        await deny(websocket, error, services)
-        return
-    if handle.session.state.flushed and resume_from is None:
-        # A new stream could only be refused chunk by chunk; a client that lost the tail reconnects with resume_from.
-        error = ApiError(
-            "stream_closed",
-            f"session {session_id} was flushed and takes no more frames; reconnect with ?resume_from=N (the frames "
-            "you received) to get the units you missed, or create a new session",
-        )
-        await deny(websocket, error, services)
-        return
-    connection = StreamConnection(websocket, handle, services, resume_from)
+    connection = StreamConnection(websocket, session, services)
     # Claimed before the first await, so two connections racing for one session cannot both pass the check.
     connection.claim()
     try:
@@ -108,21 +74,6 @@ async def stream(websocket: WebSocket, session_id: str) -> None:
         connection.release()
         raise
     await connection.run()
-
-
-def parse_resume_from(value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise ApiError(
-            "invalid_request",
-            f"resume_from={value!r} is not a frame index; pass the number of frames received so far (>= 0)",
-        )
-    return number
 
 
 async def deny(websocket: WebSocket, error: ApiError, services: Services) -> None:
@@ -147,12 +98,15 @@ async def refuse(websocket: WebSocket, error: ApiError, services: Services) -> N
 
 
 class StreamConnection:
-    def __init__(self, websocket: WebSocket, handle: SessionHandle, services: Services, resume_from: int | None = None):
+    """The WebSocket side of one stream: a reader, a writer and the outbox between them; what it does to the
+    session goes through its ``StreamSession`` (app.sessions)."""
+
+    def __init__(self, websocket: WebSocket, session: StreamSession, services: Services):
         self.websocket = websocket
-        self.handle = handle
+        self.session = session
         self.services = services
         self.settings = services.settings
-        self.resume_from = resume_from
+        self.resume_from = session.resume_from
         self.skip_until = 0  # units ending at or before this frame are not sent (the client has them)
         self.loop = asyncio.get_running_loop()
         self.outbox: asyncio.Queue = asyncio.Queue()  # bounded by the reader, see _wait_for_room
@@ -167,36 +121,18 @@ class StreamConnection:
         self._done = asyncio.Event()
         self._reader: asyncio.Task | None = None
         self._writer: asyncio.Task | None = None
-        self._claimed = False
-        self.previous: StreamConnection | None = None
 
     @property
     def session_id(self) -> str:
-        return self.handle.id
+        return self.session.session_id
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     def claim(self) -> None:
         """Become the session's connection (a previous one, if any, is abandoned in ``run``)."""
-        if self._claimed:
-            return
-        self._claimed = True
-        self.previous = self.handle.stream
-        self.handle.stream = self
-        self.handle.streaming = True
-        self.services.registry.attach(self.handle)
-        self.services.streams.add(self)
+        self.session.claim(self)
 
     def release(self) -> None:
-        self.services.streams.discard(self)
-        handle = self.handle
-        if handle.stream is self:  # not taken over by a newer connection
-            handle.stream = None
-            handle.streaming = False
-            self.services.registry.touch(handle)
-            # The client left before the end of the stream: keep the session ws_reattach_grace_s for it to
-            # reattach. A stream the server closed (an error, a deletion) leaves the session as it was.
-            if self.dropped and not handle.session.state.flushed:
-                self.services.registry.detach(handle)
+        self.session.release(self, self.dropped)
         self._done.set()
 
     async def run(self) -> None:
@@ -208,7 +144,7 @@ class StreamConnection:
                 # wait() rather than await: the writer cancels the reader after a close it initiated.
                 await asyncio.wait({self._reader})
                 # Units of the messages already handed over are still being encoded: they go out before the end.
-                await asyncio.wait({asyncio.ensure_future(self.handle.deliveries.flush())},
+                await asyncio.wait({asyncio.ensure_future(self.session.settle())},
                                    timeout=self.settings.drain_timeout_s)
             self.outbox.put_nowait(_STOP)
             await asyncio.wait({self._writer}, timeout=self.settings.drain_timeout_s)
@@ -221,54 +157,19 @@ class StreamConnection:
     async def _attach(self) -> bool:
         """Start receiving units; on a resume, first report the stream's position and send what was missed.
         False when the connection is to be closed instead (the error is queued)."""
-        handle = self.handle
         if self.resume_from is None:
             self.attached = True
             return True
-        previous = self.previous
-        if previous is not None and previous is not self:
-            previous.abandon()
-            await asyncio.wait({asyncio.ensure_future(previous.closed())}, timeout=self.settings.drain_timeout_s)
-        if handle.stream is not self:  # an even newer connection took over meanwhile
-            self.close(WS_POLICY_VIOLATION, "another connection resumed this session")
-            return False
-        # Messages the old connection handed to the engine count as received: wait until they are done (their
-        # units are then retained), so frames_received below is final and the client resends exactly the rest.
-        jobs = list(handle.stream_jobs)
-        if jobs:
-            await asyncio.wait(jobs, timeout=self.settings.drain_timeout_s)
-        if handle.stream_jobs:
-            # Counts taken now could still move, and the client would resend frames the session gets anyway.
-            self._report(
-                ApiError("engine_busy", "the previous connection's messages are still being refined; reconnect shortly"),
-                close_code=WS_TRY_AGAIN_LATER,
-            )
-            return False
-        # Units committed for those messages may still be on their way (encoding): retain them all first.
-        await handle.deliveries.flush()
-        if handle.stream is not self:
-            self.close(WS_POLICY_VIOLATION, "another connection resumed this session")
-            return False
-        state = handle.session.state
         try:
-            # After a crash, the checkpoint may be behind the client: its refined frames come again, bit-identical,
-            # and the ones the client has are not sent twice.
-            self.skip_until = self.resume_from
-            units = handle.retained.resume(min(self.resume_from, state.frames_returned), state.frames_returned)
-        except ApiError as error:
-            self._report(error, close_code=WS_POLICY_VIOLATION)
+            event, units = await self.session.resume(self, self.settings.drain_timeout_s)
+        except StreamTakenOver as taken:
+            self.close(WS_POLICY_VIOLATION, taken.message)
             return False
-        event = {
-            "type": "session",
-            "session_id": handle.id,
-            "frames_received": state.frames_received,
-            "frames_returned": state.frames_returned,
-            "pending_frames": state.pending_frames,
-            "next_seq": handle.chunks.next_seq,
-            "flushed": state.flushed,
-            "resume_from": self.resume_from,
-            "resent_from": units[0].frame_start if units else state.frames_returned,
-        }
+        except ApiError as error:
+            busy = error.kind == "engine_busy"
+            self._report(error, close_code=WS_TRY_AGAIN_LATER if busy else WS_POLICY_VIOLATION)
+            return False
+        self.skip_until = self.resume_from
         self.outbox.put_nowait(("text", json.dumps(event)))
         # No await from here to ``attached``: a unit published meanwhile is either in ``units`` or sent live.
         for unit in units:
@@ -314,7 +215,7 @@ class StreamConnection:
             if message["type"] == "websocket.disconnect":
                 self.dropped = not self.closing
                 return
-            self.services.registry.touch(self.handle)
+            self.session.touch()
             data, text = message.get("bytes"), message.get("text")
             size = len(data) if data is not None else len((text or "").encode())
             if size > self.settings.max_ws_message_bytes:
@@ -335,18 +236,13 @@ class StreamConnection:
 
     async def _wait_for_room(self) -> None:
         # Units still being encoded count too: they are this connection's as soon as they are published.
-        while self.units_waiting + self.handle.deliveries.pending >= self.settings.ws_outbound_queue and not self.closing:
+        while self.units_waiting + self.session.pending_units >= self.settings.ws_outbound_queue and not self.closing:
             self.room.clear()
             await self.room.wait()
 
     async def _chunk(self, data: bytes) -> None:
-        received = time.perf_counter()
         try:
-            tensors = decode(data)
-            latents = check_payload(tensors, self.settings, self.settings.max_frames_per_chunk, "max_frames_per_chunk",
-                                    self.services.require_model().info.in_channels)
-            self.services.require_ready()
-            await self._run(latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), False, received)
+            await self.session.message(data)
         except (ApiError, EngineError) as exc:
             # A message refused for capacity was not taken, but the client's next ones are already on their way:
             # taken, they would land after a hole. Close instead; the client reconnects with ?resume_from=N and
@@ -372,35 +268,13 @@ class StreamConnection:
                 )
             )
             return
-        state = self.handle.session.state
-        if not state.flushed:  # a second flush (say, after a reconnect) just repeats "done"
-            try:
-                self.services.require_ready()
-                await self._run(None, None, None, True, time.perf_counter())
-            except Exception as exc:
-                self._report(exc)
-                return
-        await self.handle.deliveries.flush()  # every unit queued before "done"
-        self.services.finish_watchers(self.handle)
-        frames = self.handle.session.state.frames_returned
+        try:
+            frames = await self.session.flush()
+        except Exception as exc:
+            self._report(exc)
+            return
         self.outbox.put_nowait(("text", json.dumps({"type": "done", "frames": frames})))
         self.close(WS_NORMAL, "stream flushed")
-
-    async def _run(self, latents, embeds, mask, flush: bool, received: float) -> None:
-        """Hand one message to the session and wait for it. Once handed over it belongs to the session, not this
-        connection: if the client drops, it still runs to the end, is counted, and its units are retained for a
-        reattach."""
-        task = asyncio.ensure_future(_message(self.services, self.handle, latents, embeds, mask, flush, received))
-        jobs = self.handle.stream_jobs
-        jobs.add(task)
-
-        def settled(done: asyncio.Future) -> None:
-            jobs.discard(done)
-            if not done.cancelled():
-                done.exception()  # retrieved: a job whose connection is gone must not log "never retrieved"
-
-        task.add_done_callback(settled)
-        await asyncio.shield(task)
 
     # --- writing -------------------------------------------------------------------------------------------
     def send_unit(self, unit: SentUnit, force: bool = False) -> None:
@@ -434,9 +308,6 @@ class StreamConnection:
         if code is not None:
             self.close(code, error.message)
 
-    def _encode_again(self, unit: SentUnit) -> bytes:
-        return self.services.encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
-
     async def _write_loop(self) -> None:
         websocket = self.websocket
         while True:
@@ -447,7 +318,7 @@ class StreamConnection:
             try:
                 if kind == "unit":
                     try:
-                        data = item[1].data(self._encode_again)
+                        data = item[1].data(self.session.encode_again)
                     except Exception as exc:  # the unit stays retained: a reconnecting client gets it again
                         log.exception("stream %s: a unit cannot be encoded", self.session_id)
                         await websocket.send_text(json.dumps({"type": "error", **from_exception(exc).envelope()}))
@@ -486,22 +357,3 @@ class StreamConnection:
                 if self._reader is not None:
                     self._reader.cancel()
                 return
-
-
-async def _message(services: Services, handle: SessionHandle, latents, embeds, mask, flush: bool,
-                   received: float) -> None:
-    """One stream message through the session's chunk turn and the engine, counted as accepted once appended;
-    every unit it committed is handed to the session's deliveries (again, if a hand-over failed)."""
-    async with handle.chunks.turn(services.settings.session_queue_depth):
-        work = Work(handle.engine_session, latents, embeds, mask, flush=flush,
-                    on_unit=handle.deliveries.hand_over(received))
-        try:
-            await services.engine.run(work)
-        finally:
-            if work.started:
-                handle.chunks.accept_message()
-                services.metrics.frames_in.inc(work.frames_in)
-            for unit in work.units:
-                handle.deliveries.push(unit, None, received)
-        if work.started:
-            await services.checkpoint(handle)  # still within the turn: no other chunk of this session runs

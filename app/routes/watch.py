@@ -33,7 +33,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..delivery import UnitCopies
 from ..errors import WS_NORMAL, ApiError
 from ..outputs import HostUnit, Outputs
-from ..registry import SessionHandle
 from ..resume import SentUnit
 from ..services import Services
 from .stream import deny
@@ -51,39 +50,27 @@ _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="watch-encoder")
 async def watch(websocket: WebSocket, session_id: str) -> None:
     services: Services = websocket.app.state.services
     try:
-        services.require_ready()
-        handle = await services.lookup(session_id)
-        unknown = sorted(set(websocket.query_params) - {"outputs"})
-        if unknown:
-            raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; a watch takes only 'outputs'")
-        outputs = handle.outputs.restrict(websocket.query_params.get("outputs"))
-        if len(handle.watchers) >= services.settings.max_watchers:
-            raise ApiError(
-                "engine_busy",
-                f"session {session_id} already has {len(handle.watchers)} watchers (max_watchers); retry later",
-            )
+        # Subscribed before the first await: no unit published meanwhile is missed.
+        watcher = await services.sessions.watch(
+            session_id, websocket.query_params, lambda sid, outputs: Watcher(websocket, sid, services, outputs))
     except ApiError as error:
         await deny(websocket, error, services)
         return
-    watcher = Watcher(websocket, handle, services, outputs)
-    handle.watchers.add(watcher)  # before the first await: no unit published meanwhile is missed
-    services.streams.add(watcher)
     try:
         offered = websocket.scope.get("subprotocols") or []
         await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
         await watcher.run()
     finally:
-        handle.watchers.discard(watcher)
-        services.streams.discard(watcher)
+        services.sessions.unwatch(watcher)
         watcher.done_event.set()
 
 
 class Watcher:
     """One watcher: a bounded queue of units and one task writing it out."""
 
-    def __init__(self, websocket: WebSocket, handle: SessionHandle, services: Services, outputs: Outputs):
+    def __init__(self, websocket: WebSocket, session_id: str, services: Services, outputs: Outputs):
         self.websocket = websocket
-        self.handle = handle
+        self.session_id = session_id
         self.services = services
         self.outputs = outputs
         self.limit = services.settings.watch_queue_units
@@ -93,10 +80,6 @@ class Watcher:
         self.closing = False
         self.done_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-
-    @property
-    def session_id(self) -> str:
-        return self.handle.id
 
     @property
     def is_closed(self) -> bool:
@@ -118,11 +101,10 @@ class Watcher:
         self.queue.append(("unit", unit, received, sent, latency_ms))
         self.wakeup.set()
 
-    def finish(self) -> None:
-        """The session was flushed and every unit offered: done, then close 1000."""
+    def finish(self, frames: int) -> None:
+        """The session was flushed and every unit offered (``frames`` returned in all): done, then close 1000."""
         if self.closing:
             return
-        frames = self.handle.session.state.frames_returned
         self.queue.append(("text", {"type": "done", "frames": frames}))
         self.close(WS_NORMAL, "stream flushed")
 

@@ -233,7 +233,7 @@ def test_a_client_that_neither_reads_nor_closes_cannot_hold_the_drain(make_setti
         session_id = client.post("/v1/sessions").json()["session_id"]
         peer = client.portal.call(lambda: _never_reads(payload(latents, embeds, mask)))
         handle = services.registry.get(session_id)
-        running = client.portal.start_task_soon(lambda: StreamConnection(peer, handle, services).run())
+        running = client.portal.start_task_soon(lambda: StreamConnection(peer, services.sessions.stream_for(handle), services).run())
         wait_until(lambda: handle.session.state.frames_returned == 7, "the stuck stream's units to be refined")
         began = time.monotonic()
         report = client.portal.call(services.drain)

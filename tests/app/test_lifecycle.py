@@ -204,7 +204,7 @@ def test_a_slow_reader_stalls_only_its_own_stream(make_settings, refiner):
         ]
         peer = client.portal.call(lambda: _make_peer(messages))
         handle = services.registry.get(slow_id)
-        running = client.portal.start_task_soon(lambda: StreamConnection(peer, handle, services).run())
+        running = client.portal.start_task_soon(lambda: StreamConnection(peer, services.sessions.stream_for(handle), services).run())
 
         # The first message yields two units; the writer is stuck on the first, so the reader holds back.
         wait_until(lambda: peer.sending and peer.received == 2, "the slow stream to stall")

@@ -1,0 +1,520 @@
+"""The session operations: what a request does to a session, once the route has parsed it.
+
+Each route calls one of these and frames what it returns (an HTTP response, WebSocket messages and close codes);
+the routes never see ``Work``, ``EngineSession`` or a handle's fields. An operation finds the session in the
+store, runs its work on the engine, counts it, hands its units to the session's stream and watchers, and writes
+its checkpoint when one is due. Errors are typed where they arise (``ApiError``, the engine's and the model's
+own) and mapped to codes by ``app.errors``.
+
+    create, put, describe, list, delete      the session's life (POST/PUT/GET/DELETE /v1/sessions...)
+    submit_chunk                             an HTTP chunk, all or nothing, with seq and replay
+    open_stream -> StreamSession             a WebSocket stream: claim/release, resume, message, flush
+    refine_clip                              a whole clip through a throwaway session
+    watch, unwatch                           read-only subscribers
+
+Bodies are read through a callable the route passes, so that the order of the checks a client sees (readiness,
+the session, the content type, then the body) stays the one the API documents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+
+from models import RefinerSession, SessionConfig
+from wm_refiner_client import spec
+
+from .codec import PROMPT_EMBEDS, PROMPT_MASK, decode
+from .delivery import Deliveries, UnitCopies
+from .deps import check_config_limits, check_payload
+from .engine import EngineSession, Work
+from .errors import ApiError
+from .outputs import HostUnit, Outputs
+from .peers import peer_sessions, peer_urls
+from .registry import SessionHandle
+from .resume import SentUnit
+from .stages import OutUnit
+
+if TYPE_CHECKING:
+    from .services import Services
+
+ReadBody = Callable[[], Awaitable[bytes]]
+
+
+class RefuseInBand(Exception):
+    """A stream request refused after the handshake, with an error event (a bad ``resume_from``): many WebSocket
+    clients cannot read a refused handshake's body, and a resuming client handles this in-band."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class StreamTakenOver(Exception):
+    """Another connection resumed the session while this one was attaching."""
+
+    message = "another connection resumed this session"
+
+
+class SessionOps:
+    def __init__(self, services: Services):
+        self.services = services
+        self.settings = services.settings
+        self._watching: dict[Any, SessionHandle] = {}  # each watcher's session, for unwatch
+
+    @property
+    def store(self):
+        return self.services.store
+
+    # --- the session's life --------------------------------------------------------------------------------
+    async def create(self, read_fields: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """A new session from the fields a client set (read after the readiness check)."""
+        services = self.services
+        services.require_ready()
+        config, outputs = self.resolve_config(await read_fields())
+        handle = self.store.create(services.require_model(), config, services.default_prompt, outputs)
+        return {"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict()}}
+
+    async def put(self, session_id: str, read_fields: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[dict[str, Any], bool]:
+        """A session under the client's id; (its description, created). The same id and config again is a safe
+        retry (created False); another config is 409."""
+        services = self.services
+        services.require_ready()
+        try:
+            spec.check_session_id(session_id)
+        except ValueError as exc:
+            raise ApiError("invalid_request", str(exc)) from None
+        config, outputs = self.resolve_config(await read_fields())
+        body = {"session_id": session_id, "config": {**config.to_dict(), **outputs.to_dict()}}
+        existing = await self._existing(session_id)
+        if existing is not None:
+            if existing.config == config and existing.outputs == outputs:
+                return body, False
+            raise ApiError(
+                "session_exists",
+                f"session {session_id} already exists with another config "
+                f"({_differences(existing, config, outputs)}); PUT it with the same config to get it again, or "
+                "choose another id",
+            )
+        handle = self.store.create(services.require_model(), config, services.default_prompt, outputs,
+                                   session_id=session_id)
+        return {**body, "session_id": handle.id}, True
+
+    async def _existing(self, session_id: str) -> SessionHandle | None:
+        try:
+            return await self.store.lookup(session_id)
+        except ApiError as error:
+            if error.kind == "session_not_found":
+                return None
+            raise  # 410 while remembered as evicted
+
+    async def describe(self, session_id: str) -> dict[str, Any]:
+        return (await self.store.lookup(session_id)).describe()
+
+    async def delete(self, session_id: str) -> None:
+        await self.store.lookup(session_id)  # a session saved by another replica is taken and ended here
+        self.store.delete(session_id)
+
+    async def list(self, limit: int, after: str | None, scope: str, headers: dict[str, str]) -> dict[str, Any]:
+        """A page of sessions, oldest first. Behind a router (``peers`` set, scope ``deployment``) the deployment's
+        (api.md 1.1): every peer's own sessions (asked with the caller's ``headers``), merged; a peer that does not
+        answer within 2 s is left out and named in ``"unreachable"``."""
+        replica = self.settings.replica_id
+        if scope == "local" or not self.settings.peers:
+            page, following = self.store.listing(limit, after)
+            return {"sessions": [{**handle.summary(), "replica": replica} for handle in page], "next": following}
+        mine = [{**h.summary(), "replica": replica} for h in self.store.handles()]
+        theirs, unreachable = await peer_sessions(peer_urls(self.settings), headers)
+        merged: dict[str, dict[str, Any]] = {}
+        for entry in [*mine, *theirs]:
+            merged.setdefault(entry["session_id"], entry)  # a session seen twice (mid-move): the first answer
+        ordered = sorted(merged.values(), key=lambda e: (e["created_at"], e["session_id"]))
+        if after is not None:
+            ids = [entry["session_id"] for entry in ordered]
+            if after not in ids:
+                raise ApiError("invalid_request", f"after={after!r} is not a live session of this deployment; pass "
+                                                  "the 'next' of the previous page")
+            ordered = ordered[ids.index(after) + 1 :]
+        page = ordered[:limit]
+        body: dict[str, Any] = {"sessions": page, "next": page[-1]["session_id"] if len(ordered) > limit else None}
+        if unreachable:
+            body["unreachable"] = unreachable
+        return body
+
+    def resolve_config(self, fields: dict[str, Any]) -> tuple[SessionConfig, Outputs]:
+        """The session's config and outputs from the fields a client set (JSON values, checked by the route's
+        ``check_fields``): unset fields take the server's defaults; 422 for what the model or this server's limits
+        refuse (video without a VAE among them)."""
+        outputs = Outputs.from_fields({name: fields.pop(name) for name in spec.OUTPUT_NAMES if name in fields},
+                                      self.services.decoder is not None)
+        defaults = self.settings.session_defaults().to_dict()
+        config = check_config_limits(SessionConfig.from_dict({**defaults, **fields}), self.settings)
+        return config, outputs
+
+    # --- HTTP chunks -----------------------------------------------------------------------------------------
+    async def submit_chunk(self, session_id: str, seq: int | None, flush: bool, read_payload: ReadBody,
+                           ) -> tuple[bytes, bool]:
+        """One chunk, all or nothing: (the response's bytes, replayed). A repeat of the last ``seq`` gets the
+        stored response again instead of appending the frames twice."""
+        services, settings = self.services, self.settings
+        services.require_ready()
+        handle = await self.store.lookup(session_id)
+        handle.requests_in_flight += 1
+        try:
+            received = time.perf_counter()
+            tensors = decode(await read_payload())
+            latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
+                                    services.require_model().info.in_channels)
+            # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
+            # retry of its seq gets the stored response instead of appending the frames twice.
+            chunk = asyncio.ensure_future(self._chunk(handle, seq, flush, tensors, latents, received))
+            return await asyncio.shield(chunk)
+        finally:
+            handle.requests_in_flight -= 1
+            self.store.touch(handle)
+
+    async def _chunk(self, handle: SessionHandle, seq, flush, tensors, latents, received) -> tuple[bytes, bool]:
+        services, chunks = self.services, handle.chunks
+        encoder = services.encoder
+        async with chunks.turn(self.settings.session_queue_depth):
+            if chunks.is_repeat(seq):
+                return await encoder.run(chunks.stored_response), True
+            work = Work(handle.engine_session, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK),
+                        flush=flush, atomic=True)
+            result = await services.engine.run(work)
+            # Counted before anything else runs on the loop: a drain must never find the session advanced and the
+            # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
+            build = encoder.response(result.units, result.state, tuple(latents.shape), {"seq": chunks.next_seq},
+                                     outputs=handle.outputs, positions=result.positions)
+            index = chunks.accept_request(seq, build)
+            # A chunk accepted over HTTP means the client is back: a detached session's grace period ends (a stream
+            # message of the dropped connection, still finishing, does not count).
+            self.store.registry.attach(handle)
+            services.metrics.frames_in.inc(result.frames_in)
+            self.count_out(result.units, handle, received)
+            self._offer(handle, result.units, received, done=result.state.flushed)
+            payload = await encoder.run(build)
+            chunks.store(index, payload)
+            await self.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
+            return payload, False
+
+    # --- one-shot clips --------------------------------------------------------------------------------------
+    async def refine_clip(self, read_fields: Callable[[], dict[str, Any]], read_payload: ReadBody) -> bytes:
+        """A whole clip through a throwaway session that holds one of ``max_sessions`` places while it runs; its
+        forwards take turns (and share model calls) with the sessions'. A client that goes away stops it at the
+        next block."""
+        services, settings = self.services, self.settings
+        services.require_ready()
+        config, wanted = self.resolve_config(read_fields())
+        tensors = decode(await read_payload())
+        latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames",
+                                services.require_model().info.in_channels)
+        if PROMPT_EMBEDS not in tensors and services.default_prompt is None:
+            raise ApiError(
+                "missing_input",
+                "the payload has no 'prompt_embeds' tensor; a clip needs prompt_embeds (B, L, caption_channels) and "
+                "optionally prompt_attention_mask (B, L) (this server has no default_prompt)",
+            )
+        with self.store.clip():
+            session = RefinerSession(services.require_model(), config, services.default_prompt)
+            target = EngineSession(session=session, name="one-shot clip",
+                                   stages=services.stages.for_session(wanted, config))
+            work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True,
+                        one_shot=True)
+            try:
+                result = await services.engine.run(work)
+            except asyncio.CancelledError:
+                target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
+                raise
+        self.count_out(result.units)
+        return await services.encoder.run(services.encoder.response(
+            result.units, result.state, tuple(latents.shape), outputs=wanted, positions=result.positions))
+
+    # --- streams ---------------------------------------------------------------------------------------------
+    async def open_stream(self, session_id: str, resume_from: str | None) -> StreamSession:
+        """The session for a new WebSocket stream. ApiError: refuse the handshake; RefuseInBand: accept, say why
+        and close (a bad resume). Nothing is taken over yet (``StreamSession.claim`` does)."""
+        self.services.require_ready()
+        handle = await self.store.lookup(session_id)
+        try:
+            start = parse_resume_from(resume_from)
+            if start is not None:
+                # Refused before taking anything over, so a bad resume leaves the session and its stream as they
+                # were. Frames still being refined for the old connection may make a larger resume_from valid, so
+                # that bound is only checked here when nothing is in flight (and again once it is).
+                frames_returned = handle.session.state.frames_returned
+                if handle.from_checkpoint:
+                    # Adopted from a crash checkpoint: the client may hold frames the session has to refine again.
+                    start = max(start, 0)
+                else:
+                    handle.retained.check(start, frames_returned if not handle.stream_jobs else start)
+        except ApiError as error:
+            raise RefuseInBand(error) from None
+        if handle.streaming and start is None:
+            raise ApiError(
+                "stream_in_use",
+                f"session {session_id} already has an open stream; close it before opening another, or "
+                "reconnect with ?resume_from=N to take the session over",
+            )
+        if handle.session.state.flushed and start is None:
+            # A new stream could only be refused chunk by chunk; a client that lost the tail reconnects with
+            # resume_from.
+            raise ApiError(
+                "stream_closed",
+                f"session {session_id} was flushed and takes no more frames; reconnect with ?resume_from=N (the "
+                "frames you received) to get the units you missed, or create a new session",
+            )
+        return StreamSession(self, handle, start)
+
+    def stream_for(self, handle: SessionHandle, resume_from: int | None = None) -> StreamSession:
+        """A stream on a session already looked up (tests drive a connection with it directly)."""
+        return StreamSession(self, handle, resume_from)
+
+    # --- watchers --------------------------------------------------------------------------------------------
+    async def watch(self, session_id: str, query: Mapping[str, str], subscribe: Callable[[str, Outputs], Any]) -> Any:
+        """Add a read-only subscriber: ``subscribe(session_id, outputs)`` builds it (``offer``, ``finish``, ``end``,
+        ``close``); it gets every unit published from now on. Done before the route's first await, so no unit
+        published meanwhile is missed."""
+        self.services.require_ready()
+        handle = await self.store.lookup(session_id)
+        unknown = sorted(set(query) - {"outputs"})
+        if unknown:
+            raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; a watch takes only 'outputs'")
+        outputs = handle.outputs.restrict(query.get("outputs"))
+        if len(handle.watchers) >= self.settings.max_watchers:
+            raise ApiError(
+                "engine_busy",
+                f"session {session_id} already has {len(handle.watchers)} watchers (max_watchers); retry later",
+            )
+        watcher = subscribe(handle.id, outputs)
+        handle.watchers.add(watcher)
+        self.store.connections.add(watcher)
+        self._watching[watcher] = handle
+        return watcher
+
+    def unwatch(self, watcher: Any) -> None:
+        handle = self._watching.pop(watcher, None)
+        if handle is not None:
+            handle.watchers.discard(watcher)
+        self.store.connections.discard(watcher)
+
+    # --- units out -------------------------------------------------------------------------------------------
+    def count_out(self, units, handle: SessionHandle | None = None, received: float | None = None) -> None:
+        """Metrics for units delivered to a client (a published stream unit, a returned response)."""
+        metrics = self.services.metrics
+        for unit in units:
+            metrics.frames_out.inc(unit.frame_end - unit.frame_start)
+            if unit.kind != "block":
+                continue
+            metrics.blocks_refined.inc()
+            if handle is not None and not handle.first_block_done and received is not None:
+                handle.first_block_done = True
+                metrics.time_to_first_block.observe(time.perf_counter() - received)
+
+    def deliveries_for(self, handle: SessionHandle) -> Deliveries:
+        """Where a session's stream units go once committed: counted, retained, sent to its stream and offered to
+        its watchers (the session's own bytes, when a watcher wants the same outputs)."""
+        def published(unit: OutUnit, sent: SentUnit, received: float, host: HostUnit) -> None:
+            self.count_out([unit], handle, received)
+            handle.publish(sent)
+            for watcher in list(handle.watchers):
+                watcher.offer(host, received, sent if watcher.outputs == handle.outputs else None)
+
+        return Deliveries(self.services.encoder, published, handle.outputs)
+
+    def _offer(self, handle: SessionHandle, units, received: float, done: bool = False) -> None:
+        """Offer units that went out another way (an HTTP response) to the session's watchers; ``done``: the
+        session was flushed with them."""
+        watchers = list(handle.watchers)
+        if watchers:
+            # One host copy per unit, whatever the number of watchers.
+            copies = [UnitCopies(unit, self.services.stages) for unit in units]
+            for watcher in watchers:
+                for unit in copies:
+                    watcher.offer(unit, received)
+        if done:
+            self._finish_watchers(handle)
+
+    def _finish_watchers(self, handle: SessionHandle) -> None:
+        frames = handle.session.state.frames_returned
+        for watcher in list(handle.watchers):
+            watcher.finish(frames)
+
+
+class StreamSession:
+    """One WebSocket connection's hold on its session: what ``app.routes.stream.StreamConnection`` asks of it.
+
+    The connection is the session's (``claim``) from before its first await until ``release``; a later connection
+    with ``?resume_from=N`` takes it over (``resume`` abandons this one). Messages handed to the engine belong to
+    the session, not the connection: if the client drops they still run to the end, are counted, and their units
+    are retained for a reattach."""
+
+    def __init__(self, ops: SessionOps, handle: SessionHandle, resume_from: int | None):
+        self.ops = ops
+        self.handle = handle
+        self.resume_from = resume_from
+        self.previous: Any = None  # the connection this one takes over, if any
+        self._claimed = False
+
+    @property
+    def session_id(self) -> str:
+        return self.handle.id
+
+    @property
+    def pending_units(self) -> int:
+        """Units committed and still being encoded: they are the connection's as soon as they are published."""
+        return self.handle.deliveries.pending
+
+    def claim(self, connection: Any) -> None:
+        """Make ``connection`` the session's: units go to its ``send_unit``, and a drain closes it."""
+        if self._claimed:
+            return
+        self._claimed = True
+        handle = self.handle
+        self.previous = handle.stream
+        handle.stream = connection
+        handle.streaming = True
+        self.ops.store.registry.attach(handle)
+        self.ops.store.connections.add(connection)
+
+    def release(self, connection: Any, dropped: bool) -> None:
+        """The connection ended; ``dropped``: its client went away (rather than the server closing it)."""
+        store = self.ops.store
+        store.connections.discard(connection)
+        handle = self.handle
+        if handle.stream is connection:  # not taken over by a newer connection
+            handle.stream = None
+            handle.streaming = False
+            store.touch(handle)
+            # The client left before the end of the stream: keep the session ws_reattach_grace_s for it to
+            # reattach. A stream the server closed (an error, a deletion) leaves the session as it was.
+            if dropped and not handle.session.state.flushed:
+                store.registry.detach(handle)
+
+    def touch(self) -> None:
+        self.ops.store.touch(self.handle)
+
+    async def settle(self) -> None:
+        """Every unit already committed handed to the connection (or retained)."""
+        await self.handle.deliveries.flush()
+
+    async def resume(self, connection: Any, timeout: float) -> tuple[dict[str, Any], list[SentUnit]]:
+        """Take the session over for a resuming ``connection``: the previous connection is abandoned, the messages
+        it handed over are waited for (so the frame counts are final and the client resends exactly the rest).
+        Returns the ``session`` event and the retained units to send again; the caller sends them and attaches
+        without awaiting in between, so a unit published meanwhile is either among them or sent live.
+        StreamTakenOver: an even newer connection took over meanwhile; ApiError: engine_busy (the old messages
+        are still running) or a resume_from the retained units cannot serve."""
+        handle = self.handle
+        previous = self.previous
+        if previous is not None and previous is not connection:
+            previous.abandon()
+            await asyncio.wait({asyncio.ensure_future(previous.closed())}, timeout=timeout)
+        if handle.stream is not connection:
+            raise StreamTakenOver()
+        jobs = list(handle.stream_jobs)
+        if jobs:
+            await asyncio.wait(jobs, timeout=timeout)
+        if handle.stream_jobs:
+            # Counts taken now could still move, and the client would resend frames the session gets anyway.
+            raise ApiError("engine_busy",
+                           "the previous connection's messages are still being refined; reconnect shortly")
+        # Units committed for those messages may still be on their way (encoding): retain them all first.
+        await handle.deliveries.flush()
+        if handle.stream is not connection:
+            raise StreamTakenOver()
+        state = handle.session.state
+        # After a crash, the checkpoint may be behind the client: its refined frames come again, bit-identical,
+        # and the ones the client has are not sent twice.
+        units = handle.retained.resume(min(self.resume_from, state.frames_returned), state.frames_returned)
+        event = {
+            "type": "session",
+            "session_id": handle.id,
+            "frames_received": state.frames_received,
+            "frames_returned": state.frames_returned,
+            "pending_frames": state.pending_frames,
+            "next_seq": handle.chunks.next_seq,
+            "flushed": state.flushed,
+            "resume_from": self.resume_from,
+            "resent_from": units[0].frame_start if units else state.frames_returned,
+        }
+        return event, units
+
+    async def message(self, data: bytes) -> None:
+        """One binary message: a chunk payload, refined and published unit by unit."""
+        received = time.perf_counter()
+        services, settings = self.ops.services, self.ops.settings
+        tensors = decode(data)
+        latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
+                                services.require_model().info.in_channels)
+        services.require_ready()
+        await self._run(latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), False, received)
+
+    async def flush(self) -> int:
+        """The client's flush: the pending frames refined as a final block (once; a second flush just repeats
+        "done"), every unit delivered, the watchers done. Returns the frames the session returned."""
+        handle = self.handle
+        if not handle.session.state.flushed:
+            self.ops.services.require_ready()
+            await self._run(None, None, None, True, time.perf_counter())
+        await handle.deliveries.flush()  # every unit queued before "done"
+        self.ops._finish_watchers(handle)
+        return handle.session.state.frames_returned
+
+    def encode_again(self, unit: SentUnit) -> bytes:
+        """A retained unit's bytes when its first encoding failed (a resume sends it again)."""
+        return self.ops.services.encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
+
+    async def _run(self, latents, embeds, mask, flush: bool, received: float) -> None:
+        """Hand one message to the session and wait for it; it runs to the end even if the connection goes."""
+        task = asyncio.ensure_future(self._message(latents, embeds, mask, flush, received))
+        jobs = self.handle.stream_jobs
+        jobs.add(task)
+
+        def settled(done: asyncio.Future) -> None:
+            jobs.discard(done)
+            if not done.cancelled():
+                done.exception()  # retrieved: a job whose connection is gone must not log "never retrieved"
+
+        task.add_done_callback(settled)
+        await asyncio.shield(task)
+
+    async def _message(self, latents, embeds, mask, flush: bool, received: float) -> None:
+        """One stream message through the session's chunk turn and the engine, counted as accepted once appended;
+        every unit it committed is handed to the session's deliveries (again, if a hand-over failed)."""
+        services, handle = self.ops.services, self.handle
+        async with handle.chunks.turn(self.ops.settings.session_queue_depth):
+            work = Work(handle.engine_session, latents, embeds, mask, flush=flush,
+                        on_unit=handle.deliveries.hand_over(received))
+            try:
+                await services.engine.run(work)
+            finally:
+                if work.started:
+                    handle.chunks.accept_message()
+                    services.metrics.frames_in.inc(work.frames_in)
+                for unit in work.units:
+                    handle.deliveries.push(unit, None, received)
+            if work.started:
+                await self.ops.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
+
+
+def parse_resume_from(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ApiError(
+            "invalid_request",
+            f"resume_from={value!r} is not a frame index; pass the number of frames received so far (>= 0)",
+        )
+    return number
+
+
+def _differences(existing: SessionHandle, config: SessionConfig, outputs: Outputs) -> str:
+    have = {**existing.config.to_dict(), **existing.outputs.to_dict()}
+    want = {**config.to_dict(), **outputs.to_dict()}
+    return ", ".join(f"{name}: {have[name]!r} there, {want[name]!r} asked" for name in want if have[name] != want[name])
