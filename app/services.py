@@ -177,8 +177,12 @@ class Services:
                 started = time.perf_counter()
                 await self.engine.run(warmup_work(refiner, settings, self.stages))
                 log.info("warm-up done in %.2f s", time.perf_counter() - started)
-            await self._decide_batching()
+                await self._decide_batching()
             self.not_ready_reason = None
+            if not settings.warmup:
+                # Ready at once, as asked; every call serves one session until the probe (run now, between the
+                # sessions' forwards) has passed.
+                await self._decide_batching()
         except asyncio.CancelledError:
             raise
         except Exception as exc:

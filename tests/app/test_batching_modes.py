@@ -14,7 +14,7 @@ import torch
 from models.checkpoints import write_checkpoint
 from models.determinism import InvarianceProbe
 
-from .conftest import DEADLINE_S, LiveServer, running_app
+from .conftest import DEADLINE_S, LiveServer, running_app, wait_until
 from .test_engine_v2 import model_calls, stream_clip
 
 
@@ -42,6 +42,14 @@ def test_auto_is_the_default_and_batches_when_the_probe_passes(make_settings):
         engine = engine_info(client)
     assert engine["batching"] == "auto" and engine["batched"] is True and engine["batch_invariant"] is True
     assert engine["batch_probe"].startswith("invariant over")
+
+
+def test_without_the_warm_up_it_is_ready_at_once_and_batches_once_the_probe_passed(make_settings):
+    """``warmup: false`` means ready without waiting: the probe then runs after, and calls hold one session until it
+    has passed."""
+    with running_app(make_settings(warmup=False)) as client:
+        wait_until(lambda: engine_info(client)["batched"], "the probe to pass and batching to start")
+        assert engine_info(client)["batch_invariant"] is True
 
 
 def test_auto_serves_one_session_per_call_when_the_probe_fails(make_settings, monkeypatch, caplog):
