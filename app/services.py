@@ -53,6 +53,7 @@ from .snapshots import (
     claim,
     has_snapshot,
     load_record,
+    snapshot_limits,
     record_tensors,
     release_claim,
     remove_record,
@@ -373,7 +374,8 @@ class Services:
             release_claim(claimed, session_id)
             raise
         try:
-            record = await self.engine.call(lambda: load_record(claimed, self.refiner, self.stages, session_id))
+            record = await self.engine.call(lambda: load_record(claimed, self.refiner, self.stages, session_id,
+                                                                     snapshot_limits(self.settings)))
         except Exception as exc:
             aside = folder / f"{session_id}{SUFFIX}.corrupt"
             log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
