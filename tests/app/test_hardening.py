@@ -78,3 +78,29 @@ def test_snapshot_metadata_is_checked_against_limits_and_tensors_before_anything
         assert client.get(f"/v1/sessions/{saved.name.split('.')[0]}").status_code == 200
     names = sorted(p.name for p in folder.iterdir() if p != saved)
     assert names == sorted(f"{i}.session.safetensors.corrupt" for i in [*ids, "hugewindow"])
+
+
+def test_a_chunk_that_refines_to_non_finite_values_is_refused_and_the_session_is_unchanged(make_settings, refiner):
+    from .conftest import expected_clip, read_latents, session_state
+
+    latents, embeds, mask = make_clip(frames=10, seed=5)
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        first = client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(latents[:, :, :4], embeds, mask),
+                            headers=OCTET)
+        assert first.status_code == 200
+        before = session_state(client, session_id)
+        poisoned = latents[:, :, 4:].clone()
+        poisoned[:, :, :, 0, 0] = 3e38  # finite: passes the input checks, overflows in the model
+        refused = client.post(f"/v1/sessions/{session_id}/chunks?seq=1&flush=true", content=payload(poisoned),
+                              headers=OCTET)
+        assert refused.status_code == 422, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "invalid_input" and "NaN or Inf" in error["message"]
+        assert "3e+38" in error["message"] and "send latents and prompt_embeds" in error["message"]
+        assert session_state(client, session_id) == before
+        retry = client.post(f"/v1/sessions/{session_id}/chunks?seq=1&flush=true", content=payload(latents[:, :, 4:]),
+                            headers=OCTET)
+        assert retry.status_code == 200, retry.text
+        refined = torch.cat([read_latents(first.content)[0], read_latents(retry.content)[0]], dim=2)
+    assert torch.equal(refined, expected_clip(refiner, latents, embeds, mask))
