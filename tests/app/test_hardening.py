@@ -104,3 +104,113 @@ def test_a_chunk_that_refines_to_non_finite_values_is_refused_and_the_session_is
         assert retry.status_code == 200, retry.text
         refined = torch.cat([read_latents(first.content)[0], read_latents(retry.content)[0]], dim=2)
     assert torch.equal(refined, expected_clip(refiner, latents, embeds, mask))
+
+
+# --- real servers on loopback: bodies in flight, huge and slow requests --------------------------------------------
+import socket  # noqa: E402
+import time  # noqa: E402
+
+from .conftest import LiveServer  # noqa: E402
+
+
+def _connect(server, timeout: float = 10.0) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=timeout)
+    return sock
+
+
+def _response_head(sock: socket.socket) -> bytes:
+    """What the server answered before closing (or b'' when it closed without a word)."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            part = sock.recv(65536)
+            if not part:
+                break
+            data += part
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _chunk_head(session_id: str, length: int, seq: int = 0) -> bytes:
+    return (f"POST /v1/sessions/{session_id}/chunks?seq={seq} HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def test_request_bodies_in_flight_are_bounded_across_connections(make_settings):
+    body = 1024 * 1024
+    with LiveServer(make_settings(max_body_bytes=body, max_inflight_body_bytes=4 * body)) as server:
+        import httpx
+
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        held = []
+        for _ in range(4):  # four large bodies, each one byte short: they fill the budget
+            sock = _connect(server)
+            sock.sendall(_chunk_head(session_id, body) + b"\0" * (body - 1))
+            held.append(sock)
+        time.sleep(0.3)
+        refused = _connect(server)
+        started = time.monotonic()
+        refused.sendall(_chunk_head(session_id, body))  # headers only: refused before its body is read
+        head = _response_head(refused)
+        assert head.startswith(b"HTTP/1.1 503"), head[:200]
+        assert b"retry-after: 1" in head.lower() and time.monotonic() - started < 5
+        refused.close()
+        held.pop().close()  # a client that goes away gives its share back
+        time.sleep(0.3)
+        accepted = _connect(server)
+        accepted.sendall(_chunk_head(session_id, 10) + b"\0" * 10)
+        head = _response_head(accepted)
+        assert not head.startswith(b"HTTP/1.1 503"), head[:200]  # read, and refused for what it is
+        accepted.close()
+        for sock in held:
+            sock.close()
+
+
+def test_a_huge_header_is_refused_without_being_buffered(make_settings):
+    with LiveServer(make_settings(max_header_bytes=64 * 1024)) as server:
+        from .test_hardening import _rss_mib as rss
+
+        before = rss()
+        sock = _connect(server)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent, piece = 0, b"a" * (1024 * 1024)
+        try:
+            while sent < 128 * 1024 * 1024:
+                sock.sendall(piece)
+                sent += len(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        head = _response_head(sock)
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 431") or head == b"", head[:200]
+        assert sent < 64 * 1024 * 1024, f"the server read {sent} bytes of one header"
+        assert rss() - before < 100, "a refused header grew the server"
+
+
+def test_slow_headers_and_trickled_bodies_are_cut_off(make_settings):
+    with LiveServer(make_settings(request_header_timeout_s=1.0, request_body_timeout_s=2.0)) as server:
+        idle = _connect(server)  # connects and sends nothing
+        partial = _connect(server)
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never ends its headers
+        import httpx
+
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        trickle = _connect(server)
+        trickle.sendall(_chunk_head(session_id, 100))
+        started = time.monotonic()
+        for sock in (idle, partial):
+            head = _response_head(sock)
+            assert head.startswith(b"HTTP/1.1 408"), head[:200]
+        assert time.monotonic() - started < 5
+        try:
+            for _ in range(8):  # one byte a second, past the body's time
+                trickle.sendall(b"\0")
+                time.sleep(1.0)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        head = _response_head(trickle)
+        assert head.startswith(b"HTTP/1.1 408") or head == b"", head[:200]
+        assert time.monotonic() - started < 9, "the trickled body was not cut off"
+        for sock in (idle, partial, trickle):
+            sock.close()
