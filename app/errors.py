@@ -72,6 +72,8 @@ ERRORS: dict[str, ErrorKind] = {
     "draining": ErrorKind(503, ws_close=WS_GOING_AWAY, retry_after=True),
     "too_many_sessions": ErrorKind(503, retry_after=True),
     "engine_busy": ErrorKind(503, retry_after=True),
+    # Request bodies in flight over max_inflight_body_bytes (app.guards).
+    "server_busy": ErrorKind(503, retry_after=True),
     # 500: a bug or a device failure; the session was restored, but the stream is closed to be safe.
     "internal_error": ErrorKind(500, ws_close=WS_INTERNAL_ERROR),
 }

@@ -13,6 +13,7 @@ import uvicorn
 from models.errors import ModelLoadError
 from models.loading import resolve_device
 
+from .guards import BodyBudget, GuardedHttpToolsProtocol
 from .main import create_app
 from .services import Services, ensure_embedded_model
 from .settings import Settings, load_settings
@@ -38,8 +39,13 @@ class DrainingServer(uvicorn.Server):
 
 def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
     app = create_app(settings)
+    guarded = BodyBudget(app, settings.max_inflight_body_bytes, settings.max_body_bytes, settings.retry_after_s)
+    # What a client may hold before a route sees its request: head size, time to send head and body (app.guards).
+    http = GuardedHttpToolsProtocol.configure(settings.max_header_bytes, settings.request_header_timeout_s,
+                                              settings.request_body_timeout_s)
+    uvicorn_options.setdefault("http", http)
     config = uvicorn.Config(
-        app,
+        guarded,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

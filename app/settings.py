@@ -115,6 +115,22 @@ class Settings(_SessionDefaults):
     # --- limits --------------------------------------------------------------------------------------------
     max_sessions: PositiveInt = 16
     max_body_bytes: PositiveInt = 64 * MiB
+    max_inflight_body_bytes: PositiveInt = Field(
+        default=256 * MiB,
+        description="request-body bytes all connections together may hold while they arrive; a body past it is "
+        "refused with 503 + Retry-After before it is read (at least max_body_bytes)",
+    )
+    max_header_bytes: PositiveInt = Field(
+        default=64 * 1024, description="largest request line + headers; larger: 431 and the connection closed"
+    )
+    request_header_timeout_s: PositiveFloat = Field(
+        default=10.0, description="time a client has to send a request's headers (from its first byte, or from "
+        "connecting); then 408 and closed"
+    )
+    request_body_timeout_s: PositiveFloat = Field(
+        default=120.0, description="time a client has to send a request's body once its headers arrived; then 408 "
+        "and closed"
+    )
     max_ws_message_bytes: PositiveInt = 64 * MiB
     max_frames_per_chunk: PositiveInt = 64
     max_clip_frames: PositiveInt = 512
@@ -216,6 +232,16 @@ class Settings(_SessionDefaults):
     @classmethod
     def _replica_id_safe(cls, value: str) -> str:
         return check_replica_id(value)
+
+    @model_validator(mode="after")
+    def _inflight_holds_a_body(self) -> Settings:
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) is below max_body_bytes "
+                f"({self.max_body_bytes}): no body of the largest size could ever be accepted; set it to at least "
+                "max_body_bytes (a few times it lets that many such bodies arrive at once)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _session_defaults_valid(self) -> Settings:

@@ -28,6 +28,9 @@ import torch
 from models import Refiner, RefinerSession
 from models.snapshot import (
     SnapshotError,
+    SnapshotLimits,
+    TensorHeader,
+    check_header,
     read_tensors,
     session_from_tensors,
     session_to_tensors,
@@ -119,11 +122,55 @@ def remove_record(folder: Path, session_id: str) -> None:
     snapshot_path(folder, session_id).unlink(missing_ok=True)
 
 
-def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id: str | None = None) -> SessionRecord:
+def snapshot_limits(settings) -> SnapshotLimits:
+    """The limits a file in ``snapshot_dir`` is held to: those of a session a client could have made here. Pending
+    frames: at most a window's worth plus one chunk that arrived before the blocks it completes were refined."""
+    return SnapshotLimits(
+        max_window_frames=settings.max_window_frames,
+        max_denoise_steps=settings.max_denoise_steps,
+        max_frame_tokens=settings.max_frame_tokens,
+        max_batch=settings.max_batch,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_pending_frames=settings.max_window_frames + settings.max_frames_per_chunk,
+    )
+
+
+def check_record_header(path: Path, refiner: Refiner, limits: SnapshotLimits, headers: dict[str, TensorHeader],
+                        metadata: dict[str, str]) -> None:
+    """Refuse a file from its header alone: the session's part against ``limits`` and the model
+    (``models.snapshot.check_header``), the service's tensors against the fields that declare them."""
+    try:
+        check_header(refiner, headers, metadata, limits, foreign=lambda name: name.startswith(f"{STAGES_PREFIX}."))
+        fields = json.loads(metadata["app"])
+        units = list(fields["units"])
+        has_last_response = bool(fields["has_last_response"])
+    except SnapshotError as exc:
+        raise SnapshotError(f"{path.name}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
+    byte_tensors = [UNIT_TENSOR.format(index) for index in range(len(units))]
+    if has_last_response:
+        byte_tensors.append(LAST_RESPONSE_TENSOR)
+    for name in byte_tensors:
+        header = headers.get(name)
+        if header is None or header.dtype != "U8" or len(header.shape) != 1:
+            raise SnapshotError(f"{path.name}: {name} is {header}, not the bytes its fields declare")
+    declared = set(byte_tensors)
+    extra = sorted(name for name in headers
+                   if name.startswith(("app.unit.", LAST_RESPONSE_TENSOR)) and name not in declared)
+    if extra:
+        raise SnapshotError(f"{path.name}: holds tensors its fields do not declare: {extra[:5]}")
+
+
+def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id: str | None = None,
+                limits: SnapshotLimits | None = None) -> SessionRecord:
     """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model (or with an
     output this server cannot produce: video without a VAE). ``stages``: the server's. ``expected_id``: the session
-    the file must hold (default: its name's)."""
-    tensors, metadata = read_tensors(path)
+    the file must hold (default: its name's). ``limits``: checked from the file's header before anything is read
+    (``check_record_header``), so a file cannot make this process allocate more than a client's session could."""
+    check = None if limits is None else (
+        lambda headers, metadata: check_record_header(path, refiner, limits, headers, metadata))
+    tensors, metadata = read_tensors(path, check)
     try:
         fields = json.loads(metadata["app"])
         if fields.get("format") != APP_FORMAT:

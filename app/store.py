@@ -46,6 +46,7 @@ from .snapshots import (
     release_claim,
     remove_record,
     save_record,
+    snapshot_limits,
     write_record,
 )
 from .stages import OutputStages
@@ -228,7 +229,8 @@ class SessionStore:
             raise
         refiner, stages = self._refiner(), self._stages()
         try:
-            record = await self.engine.call(lambda: load_record(claimed, refiner, stages, session_id))
+            limits = snapshot_limits(self.settings)  # checked from the file's header before anything is allocated
+            record = await self.engine.call(lambda: load_record(claimed, refiner, stages, session_id, limits))
         except Exception as exc:
             aside = folder / f"{session_id}{SUFFIX}.corrupt"
             log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)

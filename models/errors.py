@@ -25,6 +25,11 @@ class InvalidInputError(RefinerError, ValueError):
     code = "invalid_input"
 
 
+class NonFiniteOutputError(InvalidInputError):
+    """Finite inputs whose block refined to NaN or Inf (magnitudes near the dtype's limit): the block is not
+    committed, so the session is as it was before it."""
+
+
 class MissingInputError(RefinerError, ValueError):
     """A required tensor is absent (e.g. the first chunk carries no ``prompt_embeds``)."""
 

@@ -30,7 +30,7 @@ import torch
 
 from .attention import PreparedPrompt, WindowMode
 from .config import SessionConfig
-from .errors import InvalidInputError, MissingInputError, StreamClosedError
+from .errors import InvalidInputError, MissingInputError, NonFiniteOutputError, StreamClosedError
 from .forward import Prompt, pack, unpack
 from .kv import Checkpoint, SessionKV, WindowLayout
 from .loading import Refiner
@@ -365,6 +365,8 @@ class RefinerSession:
             raise RuntimeError(f"run of {plan} committed after {run.done} of {len(run.modes)} forwards")
         if plan.start != state.frames_returned:
             raise RuntimeError(f"stale step: planned at frame {plan.start}, session is at {state.frames_returned}")
+        if run.modes:
+            self._check_finite_output(run)
         remaining = state.pending[:, :, plan.frames :]
         changes: dict = dict(frames_returned=plan.end, pending=remaining if remaining.shape[2] > 0 else None)
         if plan.kind == "sink":
@@ -380,6 +382,35 @@ class RefinerSession:
             )
         self._state = dataclasses.replace(state, **changes)
         return Unit(plan.kind, run.x, plan.start, plan.end, run.started_at)
+
+    def _check_finite_output(self, run: BlockRun) -> None:
+        """Refuse to commit a run whose result is not finite: once NaN or Inf is in the cache every later block
+        attends to it, so one bad chunk would poison the session for good. What is checked is what the session
+        keeps: for a block its refined frames (its K/V follow from them and the prompt, which shaped them too),
+        for the sink its K/V (its frames are returned as sent). One reduction and one host sync per block, on the
+        block alone, whose frames go to the host anyway; the rest of this runs only on failure."""
+        plan = run.plan
+        if plan.kind == "sink":
+            kv, sink = self._kv, self._kv.layout.sink_tokens
+            finite = bool(torch.isfinite(kv.sink_key).all()) and bool(torch.isfinite(kv.window[:, 1, :, :sink]).all())
+            what = "the sink's keys and values"
+        else:
+            finite = bool(torch.isfinite(run.x).all())
+            what = "the refined block"
+        if finite:
+            return
+        state, offset = self._state, plan.start - self._state.frames_returned
+        frames = state.pending[:, :, offset : offset + plan.frames]
+        largest = float(frames.abs().max()) if frames.numel() else 0.0
+        prompt = state.prompt
+        prompt_largest = float(prompt.embeds.abs().max()) if prompt is not None and prompt.embeds.numel() else 0.0
+        raise NonFiniteOutputError(
+            f"frames [{plan.start}, {plan.end}) refined to NaN or Inf in {what}, although the inputs are finite: "
+            f"their latents reach |x| = {largest:.3g} and prompt_embeds |x| = {prompt_largest:.3g}, too large for "
+            f"the model in {str(self.refiner.dtype).removeprefix('torch.')}; nothing of it was kept (the session is "
+            "as before these frames): send latents and prompt_embeds at the scale the stage-1 model produces "
+            "(|x| of order 1 to 10)"
+        )
 
     def step(self) -> Unit | None:
         """Plan, run and commit the next step alone (no batching); None when nothing is ready."""

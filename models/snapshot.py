@@ -9,9 +9,12 @@ Restoring checks that the snapshot was made with the same model geometry and dty
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -31,6 +34,155 @@ class SnapshotError(RefinerError):
     """A snapshot that cannot be restored (corrupt, foreign, or made for another model)."""
 
     code = "snapshot_error"
+
+
+@dataclass(frozen=True)
+class SnapshotLimits:
+    """What a snapshot may declare before any of it is allocated: the limits a live session is held to (its
+    window, steps, frame size, batch, prompt length), so a file can never make the server build more than a
+    client could have asked for. ``max_pending_frames``: frames received and not yet refined."""
+
+    max_window_frames: int
+    max_denoise_steps: int
+    max_frame_tokens: int
+    max_batch: int
+    max_prompt_tokens: int
+    max_pending_frames: int
+
+
+# A generator's state is a few KiB (CPU: 5056 bytes, CUDA: 16); anything far larger is not one.
+_MAX_RNG_STATE_BYTES = 64 * 1024
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """A tensor as the file's header declares it; read without touching its data."""
+
+    dtype: str  # safetensors' name: F32, BF16, U8, ...
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPE_BYTES.get(self.dtype, 8)
+
+
+def read_header(path: str | Path) -> tuple[dict[str, TensorHeader], dict[str, str]]:
+    """(every tensor's dtype and shape, metadata) of a safetensors file from its header alone (nothing of the data
+    is read or allocated); ``SnapshotError`` when it cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            headers = {}
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                headers[name] = TensorHeader(str(view.get_dtype()), tuple(int(n) for n in view.get_shape()))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SnapshotError(f"{Path(path).name}: unreadable snapshot ({exc})") from None
+    return headers, metadata
+
+
+def check_header(refiner: Refiner, headers: dict[str, TensorHeader], metadata: dict[str, str],
+                 limits: SnapshotLimits, foreign: Callable[[str], bool] = lambda name: False) -> None:
+    """Refuse (``SnapshotError``) a snapshot whose declared config, counters or geometry exceed ``limits`` or this
+    model, or whose tensors are not exactly the ones those declare (names, shapes, dtypes), before anything is
+    allocated from them. ``foreign``: names of tensors that are the caller's to check (the service's fields)."""
+    if metadata.get("format") != FORMAT:
+        raise SnapshotError(f"not a session snapshot (format {metadata.get('format')!r}, expected {FORMAT!r})")
+    try:
+        model = json.loads(metadata["model"])
+        config = SessionConfig.from_dict(json.loads(metadata["config"]))
+        counters = json.loads(metadata["state"])
+    except (KeyError, ValueError, TypeError, RefinerError) as exc:
+        raise SnapshotError(f"snapshot metadata is unreadable: {exc}") from None
+    if model != _model_key(refiner):
+        raise SnapshotError(f"snapshot was made for model {model}, the loaded model is {_model_key(refiner)}")
+    window = config.kv_max_frames + config.block_size
+    if window > limits.max_window_frames:
+        raise SnapshotError(f"snapshot declares a window of {window} frames, past this server's limit of "
+                            f"{limits.max_window_frames} (max_window_frames)")
+    if config.steps > limits.max_denoise_steps:
+        raise SnapshotError(f"snapshot declares {config.steps} forwards per block, past this server's limit of "
+                            f"{limits.max_denoise_steps} (max_denoise_steps)")
+    if not isinstance(counters, dict):
+        raise SnapshotError("snapshot state is not a mapping")
+
+    def count(name: str) -> int:
+        value = counters.get(name)
+        if type(value) is not int or value < 0:
+            raise SnapshotError(f"snapshot counter {name} is {value!r}, not a count")
+        return value
+
+    received, returned, history = count("frames_received"), count("frames_returned"), count("history_frames")
+    count("blocks_refined")
+    pending = received - returned
+    if not 0 <= pending <= limits.max_pending_frames:
+        raise SnapshotError(f"snapshot declares {pending} pending frames (received {received}, returned {returned}); "
+                            f"at most {limits.max_pending_frames} can be")
+    if history > config.max_history_frames:
+        raise SnapshotError(f"snapshot holds {history} history frames, more than its config allows "
+                            f"({config.max_history_frames})")
+    geometry = counters.get("geometry")
+    info = refiner.info
+    if geometry is not None:
+        if (not isinstance(geometry, list) or len(geometry) != 4
+                or not all(type(n) is int and n >= 1 for n in geometry)):
+            raise SnapshotError(f"snapshot geometry {geometry!r} is not four positive integers (B, C, H, W)")
+        batch, channels, height, width = geometry
+        if channels != info.in_channels:
+            raise SnapshotError(f"snapshot geometry has {channels} channels, the model takes {info.in_channels}")
+        if batch > limits.max_batch:
+            raise SnapshotError(f"snapshot geometry has batch {batch}, past the limit of {limits.max_batch} (max_batch)")
+        if height * width > limits.max_frame_tokens:
+            raise SnapshotError(f"snapshot geometry has {height}x{width} tokens per frame, past the limit of "
+                                f"{limits.max_frame_tokens} (max_frame_tokens)")
+    elif received or counters.get("has_sink"):
+        raise SnapshotError("snapshot has frames or a sink but no geometry")
+
+    expected: dict[str, tuple[int, ...]] = {}
+    if geometry is not None:
+        batch, channels, height, width = geometry
+        tokens = height * width
+        if "pending" in headers:
+            expected["pending"] = (batch, channels, pending, height, width)
+        if counters.get("has_sink"):
+            for layer in range(refiner.num_layers):
+                for part in ("key", "value"):
+                    expected[f"sink.{layer}.{part}"] = (batch, config.sink_frames * tokens, info.inner_dim)
+                    if history:
+                        expected[f"history.{layer}.{part}"] = (batch, history * tokens, info.inner_dim)
+    elif "pending" in headers:
+        raise SnapshotError("snapshot holds pending frames but no geometry")
+    if pending and "pending" not in headers:
+        raise SnapshotError(f"snapshot counters say {pending} pending frames but it holds none")
+    prompt = headers.get("prompt_embeds")
+    if prompt is not None:
+        if (len(prompt.shape) != 3 or prompt.shape[2] != info.caption_channels
+                or not 1 <= prompt.shape[1] <= limits.max_prompt_tokens
+                or prompt.shape[0] not in ({1, geometry[0]} if geometry else range(1, limits.max_batch + 1))):
+            raise SnapshotError(f"snapshot prompt_embeds shaped {list(prompt.shape)} do not fit (B, L <= "
+                                f"{limits.max_prompt_tokens}, {info.caption_channels})")
+        expected["prompt_embeds"] = prompt.shape
+        if "prompt_mask" in headers:
+            expected["prompt_mask"] = prompt.shape[:2]
+    for name, shape in expected.items():
+        header = headers.get(name)
+        if header is None:
+            raise SnapshotError(f"snapshot is missing tensor {name!r}")
+        if header.shape != shape:
+            raise SnapshotError(f"snapshot tensor {name!r} is shaped {list(header.shape)}, its metadata says "
+                                f"{list(shape)}")
+        if name != "prompt_mask" and header.dtype not in _FLOAT_DTYPES:
+            raise SnapshotError(f"snapshot tensor {name!r} is {header.dtype}, not a floating point type")
+    rng = headers.get("rng_state")
+    if rng is None or rng.dtype != "U8" or len(rng.shape) != 1 or rng.nbytes > _MAX_RNG_STATE_BYTES:
+        raise SnapshotError(f"snapshot rng_state is {rng}, not a generator state (at most "
+                            f"{_MAX_RNG_STATE_BYTES} bytes of U8)")
+    unknown = sorted(name for name in headers if name not in expected and name != "rng_state" and not foreign(name))
+    if unknown:
+        raise SnapshotError(f"snapshot holds tensors its metadata does not account for: {unknown[:5]}")
 
 
 def _model_key(refiner: Refiner) -> dict:
@@ -153,7 +305,14 @@ def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], met
                 history_frames,
             )
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise SnapshotError(f"snapshot state is inconsistent: {exc}") from None
+        problem = f"snapshot state is inconsistent: {exc}"
+    else:
+        problem = None
+    if problem is not None:
+        # Raised outside the except clause: an exception raised inside would keep the failed one as its context,
+        # and with it the frames holding whatever was allocated (a KV cache) for as long as anyone holds it.
+        kv = state = None
+        raise SnapshotError(problem)
     pending = 0 if state.pending is None else int(state.pending.shape[2])
     if pending != state.pending_frames:
         raise SnapshotError(f"snapshot holds {pending} pending frames but its counters say {state.pending_frames}")
@@ -195,8 +354,12 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file; ``SnapshotError`` when it cannot be read."""
+def read_tensors(path: str | Path, check: Callable[[dict[str, TensorHeader], dict[str, str]], None] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file; ``SnapshotError`` when it cannot be read. ``check``: called with
+    the header (``read_header``) before any tensor is read; it raises to refuse the file."""
+    if check is not None:
+        check(*read_header(path))
     try:
         tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as handle:
@@ -212,7 +375,9 @@ def save_snapshot(path: str | Path, session: RefinerSession, extra: dict[str, st
     return write_atomically(path, tensors, metadata)
 
 
-def load_snapshot(path: str | Path, refiner: Refiner):
-    """(session, metadata) from a snapshot file; ``SnapshotError`` if it is corrupt or foreign."""
-    tensors, metadata = read_tensors(path)
+def load_snapshot(path: str | Path, refiner: Refiner, limits: SnapshotLimits | None = None):
+    """(session, metadata) from a snapshot file; ``SnapshotError`` if it is corrupt or foreign, or (``limits``)
+    declares more than they allow: checked from the header before anything is read."""
+    check = None if limits is None else (lambda headers, metadata: check_header(refiner, headers, metadata, limits))
+    tensors, metadata = read_tensors(path, check)
     return session_from_tensors(refiner, tensors, metadata)

@@ -66,6 +66,10 @@ def test_the_routers_configurations_are_accepted_by_haproxy_and_agree(tmp_path):
     for rule in ("balance hash path,field(4,/)", "hash-type consistent", "stick on path,field(4,/)",
                  "option httpchk GET /ready", "set-path /v1/sessions/%[var(txn.new_id)]"):
         assert rule in k8s and rule in local, rule
+    # Slow and huge heads stop at the router (issue 16 item 5): headers within 10 s, heads within one buffer.
+    compose = (DEPLOY / "haproxy-compose.cfg").read_text()
+    for rule in ("timeout http-request 10s", "tune.bufsize 32768", "tune.maxrewrite 1024"):
+        assert rule in k8s and rule in local and rule in compose, rule
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs haproxy (apt-get install haproxy)")

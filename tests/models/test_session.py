@@ -230,3 +230,48 @@ def test_config_from_dict_rejects_unknown_fields():
     assert SessionConfig.from_dict({"block_size": 2, "sigmas": [0.5, 0.0]}).sigmas == (0.5, 0.0)
     with pytest.raises(InvalidConfigError, match="blocksize"):
         SessionConfig.from_dict({"blocksize": 2})
+
+
+@pytest.mark.parametrize("where", ["latents", "prompt"])
+def test_a_chunk_that_refines_to_non_finite_values_is_refused_and_the_session_is_unchanged(where):
+    from models import RefinerSession, SessionConfig, from_model
+    from models.checkpoints import build_model
+    from models.errors import NonFiniteOutputError
+
+    refiner = from_model(build_model("tiny"))
+    config = SessionConfig(block_size=2, kv_max_frames=5)
+    latents, embeds = make_inputs(frames=9, seed=3)
+    uninterrupted = RefinerSession(refiner, config).push(latents, embeds, flush=True)
+
+    session = RefinerSession(refiner, config)
+    first = session.push(latents[:, :, :3], embeds)  # sink and one block
+    before = session.state
+    poisoned_latents, poisoned_embeds = latents[:, :, 3:6].clone(), embeds.clone()
+    if where == "latents":
+        poisoned_latents[:, :, :, 0, 0] = 3e38  # finite, and near float32's limit
+    else:
+        poisoned_embeds[:, 0, 0] = 3e38
+    with pytest.raises(NonFiniteOutputError, match="NaN or Inf.*send latents and prompt_embeds"):
+        session.push(poisoned_latents, poisoned_embeds)
+    after = session.state
+    assert (after.frames_received, after.frames_returned, after.history_frames, after.blocks_refined) == (
+        before.frames_received, before.frames_returned, before.history_frames, before.blocks_refined)
+    rest = session.push(latents[:, :, 3:], flush=True)  # a retry with sane input continues as if nothing happened
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(first + rest, uninterrupted))
+
+
+def test_a_poisoned_sink_is_not_kept():
+    from models import RefinerSession, SessionConfig, from_model
+    from models.checkpoints import build_model
+    from models.errors import NonFiniteOutputError
+
+    refiner = from_model(build_model("tiny"))
+    latents, embeds = make_inputs(frames=4, seed=4)
+    session = RefinerSession(refiner, SessionConfig(block_size=3))
+    poisoned = latents.clone()
+    poisoned[:, :, 0] = 3e38
+    with pytest.raises(NonFiniteOutputError, match="sink"):
+        session.push(poisoned, embeds)
+    assert not session.state.has_sink and session.state.frames_received == 0
+    units = session.push(latents, embeds, flush=True)
+    assert all(bool(torch.isfinite(u.latents).all()) for u in units)

@@ -48,3 +48,75 @@ def test_bad_snapshots_are_refused(tmp_path):
     with pytest.raises(SnapshotError, match="made for model"):
         load_snapshot(path, from_model(build_model("tiny", rope_type="split")))
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries behind
+
+
+def _limits(**overrides):
+    from models.snapshot import SnapshotLimits
+
+    values = dict(max_window_frames=64, max_denoise_steps=16, max_frame_tokens=4096, max_batch=4,
+                  max_prompt_tokens=1024, max_pending_frames=128)
+    values.update(overrides)
+    return SnapshotLimits(**values)
+
+
+def _edited(path, target, edit_metadata=None, edit_tensors=None):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = {k: json.loads(v) if k in ("state", "config") else v for k, v in handle.metadata().items()}
+    if edit_metadata:
+        edit_metadata(metadata)
+    if edit_tensors:
+        edit_tensors(tensors)
+    metadata = {k: json.dumps(v) if k in ("state", "config") else v for k, v in metadata.items()}
+    save_file(tensors, str(target), metadata=metadata)
+    return target
+
+
+def test_snapshot_headers_are_checked_against_limits_and_tensors_before_loading(tmp_path, monkeypatch):
+    import models.snapshot as snapshot_module
+
+    refiner = from_model(build_model("tiny"))
+    session = RefinerSession(refiner, SessionConfig(block_size=2, kv_max_frames=5))
+    latents, embeds = make_inputs(frames=6)
+    session.push(latents, embeds)
+    path = save_snapshot(tmp_path / "s.safetensors", session)
+    restored, _ = load_snapshot(path, refiner, _limits())  # a genuine snapshot passes every check
+    assert restored.state.history_frames == session.state.history_frames
+
+    def geometry(values):
+        return lambda m: m["state"].update(geometry=values)
+
+    cases = {
+        # within max_frame_tokens, but the KV tensors hold 4x4 frames: the header says so, nothing is allocated
+        "tensor 'pending' is shaped": geometry([1, 128, 64, 64]),
+        "max_frame_tokens": geometry([2, 128, 256, 256]),
+        "max_batch": geometry([9, 128, 4, 4]),
+        "channels": geometry([1, 64, 4, 4]),
+        "max_window_frames": lambda m: m["config"].update(kv_max_frames=1000, block_size=500),
+        "max_denoise_steps": lambda m: m["config"].update(sigmas=[1.0 - i / 200 for i in range(201)]),
+        "pending frames": lambda m: m["state"].update(frames_received=10**9),
+        "history frames": lambda m: m["state"].update(history_frames=50),
+        "not a count": lambda m: m["state"].update(blocks_refined=-1),
+    }
+    # Nothing may be read or allocated for a refused file: loading would fail the test.
+    monkeypatch.setattr(snapshot_module, "load_file", lambda *a, **k: pytest.fail("tensors read before the check"))
+    for index, (message, edit) in enumerate(cases.items()):
+        bad = _edited(path, tmp_path / f"bad{index}.safetensors", edit)
+        with pytest.raises(SnapshotError, match=message):
+            load_snapshot(bad, refiner, _limits())
+    lying = {
+        "is shaped": lambda t: t.update({"history.0.key": torch.zeros(1, 4 * 16, 32)}),
+        "does not account for": lambda t: t.update(extra=torch.zeros(3)),
+        "missing tensor": lambda t: t.pop("sink.1.value"),
+        "rng_state": lambda t: t.update(rng_state=torch.zeros(10**6, dtype=torch.uint8)),
+        "prompt_embeds": lambda t: t.update(prompt_embeds=torch.zeros(1, 2000, 32)),
+    }
+    for index, (message, edit) in enumerate(lying.items()):
+        bad = _edited(path, tmp_path / f"lying{index}.safetensors", edit_tensors=edit)
+        with pytest.raises(SnapshotError, match=message):
+            load_snapshot(bad, refiner, _limits())
