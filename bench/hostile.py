@@ -23,7 +23,8 @@ from urllib.parse import urlparse
 import httpx
 
 
-def _head(sock: socket.socket) -> bytes:
+def response_head(sock: socket.socket) -> bytes:
+    """What the server answered before closing (or b'' when it closed without a word)."""
     data = b""
     try:
         while b"\r\n\r\n" not in data:
@@ -53,7 +54,7 @@ def run(url: str, api_key: str | None, deadline: float, body_bytes: int) -> list
 
     sock = connect()
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-    head = _head(sock)
+    head = response_head(sock)
     sock.close()
     results.append(("unfinished head", head.startswith(b"HTTP/1.1 408"), head[:40].decode(errors="replace")))
 
@@ -65,7 +66,7 @@ def run(url: str, api_key: str | None, deadline: float, body_bytes: int) -> list
             sent += 1024 * 1024
     except OSError:
         pass
-    head = _head(sock)
+    head = response_head(sock)
     sock.close()
     results.append(("huge header", sent < 64 * 1024 * 1024 and not head.startswith(b"HTTP/1.1 200"),
                     f"{sent >> 20} MiB sent, {head[:40].decode(errors='replace')!r}"))
@@ -89,7 +90,7 @@ def run(url: str, api_key: str | None, deadline: float, body_bytes: int) -> list
             sock = connect()
             sock.sendall(chunk_head(session_id, body_bytes))
             sock.settimeout(0.5)
-            head = _head(sock)
+            head = response_head(sock)
             if head.startswith(b"HTTP/1.1 503"):
                 refused = head
                 sock.close()

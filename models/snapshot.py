@@ -89,14 +89,7 @@ def check_header(refiner: Refiner, headers: dict[str, TensorHeader], metadata: d
     """Refuse (``SnapshotError``) a snapshot whose declared config, counters or geometry exceed ``limits`` or this
     model, or whose tensors are not exactly the ones those declare (names, shapes, dtypes), before anything is
     allocated from them. ``foreign``: names of tensors that are the caller's to check (the service's fields)."""
-    if metadata.get("format") != FORMAT:
-        raise SnapshotError(f"not a session snapshot (format {metadata.get('format')!r}, expected {FORMAT!r})")
-    try:
-        model = json.loads(metadata["model"])
-        config = SessionConfig.from_dict(json.loads(metadata["config"]))
-        counters = json.loads(metadata["state"])
-    except (KeyError, ValueError, TypeError, RefinerError) as exc:
-        raise SnapshotError(f"snapshot metadata is unreadable: {exc}") from None
+    model, config, counters = _read_metadata(metadata)
     if model != _model_key(refiner):
         raise SnapshotError(f"snapshot was made for model {model}, the loaded model is {_model_key(refiner)}")
     window = config.kv_max_frames + config.block_size
@@ -241,16 +234,20 @@ def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = N
     return tensors, metadata
 
 
-def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
-    """Rebuild a session saved by ``session_to_tensors``; returns (session, metadata)."""
+def _read_metadata(metadata: dict[str, str]) -> tuple[dict, SessionConfig, dict]:
+    """The model key, config and counters a snapshot declares; SnapshotError when they cannot be read."""
     if metadata.get("format") != FORMAT:
         raise SnapshotError(f"not a session snapshot (format {metadata.get('format')!r}, expected {FORMAT!r})")
     try:
-        model = json.loads(metadata["model"])
-        config = SessionConfig.from_dict(json.loads(metadata["config"]))
-        counters = json.loads(metadata["state"])
-    except (KeyError, ValueError, RefinerError) as exc:
+        return (json.loads(metadata["model"]), SessionConfig.from_dict(json.loads(metadata["config"])),
+                json.loads(metadata["state"]))
+    except (KeyError, ValueError, TypeError, RefinerError) as exc:
         raise SnapshotError(f"snapshot metadata is unreadable: {exc}") from None
+
+
+def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
+    """Rebuild a session saved by ``session_to_tensors``; returns (session, metadata)."""
+    model, config, counters = _read_metadata(metadata)
     if model != _model_key(refiner):
         raise SnapshotError(f"snapshot was made for model {model}, the loaded model is {_model_key(refiner)}")
     device, num_layers = refiner.device, refiner.num_layers

@@ -111,25 +111,12 @@ import socket  # noqa: E402
 import time  # noqa: E402
 
 from .conftest import LiveServer  # noqa: E402
+from bench.hostile import response_head  # noqa: E402
 
 
 def _connect(server, timeout: float = 10.0) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=timeout)
     return sock
-
-
-def _response_head(sock: socket.socket) -> bytes:
-    """What the server answered before closing (or b'' when it closed without a word)."""
-    data = b""
-    try:
-        while b"\r\n\r\n" not in data:
-            part = sock.recv(65536)
-            if not part:
-                break
-            data += part
-    except ConnectionResetError:
-        pass
-    return data
 
 
 def _chunk_head(session_id: str, length: int, seq: int = 0) -> bytes:
@@ -152,7 +139,7 @@ def test_request_bodies_in_flight_are_bounded_across_connections(make_settings):
         refused = _connect(server)
         started = time.monotonic()
         refused.sendall(_chunk_head(session_id, body))  # headers only: refused before its body is read
-        head = _response_head(refused)
+        head = response_head(refused)
         assert head.startswith(b"HTTP/1.1 503"), head[:200]
         assert b"retry-after: 1" in head.lower() and time.monotonic() - started < 5
         refused.close()
@@ -160,7 +147,7 @@ def test_request_bodies_in_flight_are_bounded_across_connections(make_settings):
         time.sleep(0.3)
         accepted = _connect(server)
         accepted.sendall(_chunk_head(session_id, 10) + b"\0" * 10)
-        head = _response_head(accepted)
+        head = response_head(accepted)
         assert not head.startswith(b"HTTP/1.1 503"), head[:200]  # read, and refused for what it is
         accepted.close()
         for sock in held:
@@ -181,7 +168,7 @@ def test_a_huge_header_is_refused_without_being_buffered(make_settings):
                 sent += len(piece)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        head = _response_head(sock)
+        head = response_head(sock)
         sock.close()
         assert head.startswith(b"HTTP/1.1 431") or head == b"", head[:200]
         assert sent < 64 * 1024 * 1024, f"the server read {sent} bytes of one header"
@@ -200,7 +187,7 @@ def test_slow_headers_and_trickled_bodies_are_cut_off(make_settings):
         trickle.sendall(_chunk_head(session_id, 100))
         started = time.monotonic()
         for sock in (idle, partial):
-            head = _response_head(sock)
+            head = response_head(sock)
             assert head.startswith(b"HTTP/1.1 408"), head[:200]
         assert time.monotonic() - started < 5
         try:
@@ -209,7 +196,7 @@ def test_slow_headers_and_trickled_bodies_are_cut_off(make_settings):
                 time.sleep(1.0)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        head = _response_head(trickle)
+        head = response_head(trickle)
         assert head.startswith(b"HTTP/1.1 408") or head == b"", head[:200]
         assert time.monotonic() - started < 9, "the trickled body was not cut off"
         for sock in (idle, partial, trickle):
