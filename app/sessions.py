@@ -31,7 +31,7 @@ from .deps import check_config_limits, check_payload
 from .engine import EngineSession, Work
 from .errors import ApiError
 from .outputs import HostUnit, Outputs
-from .peers import peer_sessions, peer_urls
+from .peers import peer_headers, peer_sessions, peer_urls
 from .registry import SessionHandle
 from .resume import SentUnit
 from .stages import OutUnit
@@ -116,16 +116,16 @@ class SessionOps:
         await self.store.lookup(session_id)  # a session saved by another replica is taken and ended here
         self.store.delete(session_id)
 
-    async def list(self, limit: int, after: str | None, scope: str, headers: dict[str, str]) -> dict[str, Any]:
+    async def list(self, limit: int, after: str | None, scope: str) -> dict[str, Any]:
         """A page of sessions, oldest first. Behind a router (``peers`` set, scope ``deployment``) the deployment's
-        (api.md 1.1): every peer's own sessions (asked with the caller's ``headers``), merged; a peer that does not
-        answer within 2 s is left out and named in ``"unreachable"``."""
+        (api.md 1.1): every peer's own sessions (asked with the replicas' credential, ``app.peers``), merged; a peer
+        that gives no bounded, well-formed listing within 2 s in all is left out and named in ``"unreachable"``."""
         replica = self.settings.replica_id
         if scope == "local" or not self.settings.peers:
             page, following = self.store.listing(limit, after)
             return {"sessions": [{**handle.summary(), "replica": replica} for handle in page], "next": following}
         mine = [{**h.summary(), "replica": replica} for h in self.store.handles()]
-        theirs, unreachable = await peer_sessions(peer_urls(self.settings), headers)
+        theirs, unreachable = await peer_sessions(await peer_urls(self.settings), peer_headers(self.settings))
         merged: dict[str, dict[str, Any]] = {}
         for entry in [*mine, *theirs]:
             merged.setdefault(entry["session_id"], entry)  # a session seen twice (mid-move): the first answer

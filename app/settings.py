@@ -202,6 +202,11 @@ class Settings(_SessionDefaults):
         description="the deployment's replicas, for GET /v1/sessions to list all of them: comma-separated base URLs "
         "(this replica's own may be among them), or dns:NAME:PORT (every address of a headless service)",
     )
+    peer_api_key: str | None = Field(
+        default=None, repr=False,
+        description="the key this replica sends to its peers when it lists the deployment (unset: its own api_key); "
+        "never the caller's",
+    )
     replica_id: str = Field(
         default_factory=_default_replica_id,
         description="this process's name in a deployment: the X-Replica header, snapshot claims; a safe token "

@@ -112,9 +112,7 @@ async def list_sessions(
     ] = "deployment",
 ) -> dict[str, Any]:
     reject_unknown_query(request, frozenset({"limit", "after", "scope"}))
-    # The caller's API key goes on to the peers when the listing covers the deployment.
-    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-    return await services.sessions.list(limit, after, scope, headers)
+    return await services.sessions.list(limit, after, scope)
 
 
 @router.get(
