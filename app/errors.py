@@ -63,6 +63,10 @@ ERRORS: dict[str, ErrorKind] = {
     "prompt_too_long": ErrorKind(413),
     # 415
     "unsupported_media_type": ErrorKind(415),
+    # Answered by the HTTP layer (app.guards) before any route, the connection then closed: headers or a body not
+    # sent within request_header_timeout_s / request_body_timeout_s, a head over max_header_bytes.
+    "request_timeout": ErrorKind(408),
+    "headers_too_large": ErrorKind(431),
     # 422
     "invalid_input": ErrorKind(422),
     "invalid_config": ErrorKind(422),

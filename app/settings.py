@@ -287,6 +287,10 @@ class Settings(_SessionDefaults):
             "ws_resume_units",
             "watch_queue_units",
             "max_watchers",
+            "max_inflight_body_bytes",
+            "max_header_bytes",
+            "request_header_timeout_s",
+            "request_body_timeout_s",
         )
         return {name: getattr(self, name) for name in names}
 

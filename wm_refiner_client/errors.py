@@ -218,6 +218,26 @@ class EngineBusyError(ServiceUnavailableError):
     code = "engine_busy"
 
 
+class ServerBusyError(ServiceUnavailableError):
+    """Request bodies in flight across the server are over its max_inflight_body_bytes; nothing was read."""
+
+    code = "server_busy"
+
+
+class RequestTimeoutError(APIError):
+    """The server's HTTP layer closed a request whose headers or body came too slowly (408)."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class HeadersTooLargeError(APIError):
+    """The request line and headers were over the server's max_header_bytes (431)."""
+
+    status = 431
+    code = "headers_too_large"
+
+
 ERROR_CLASSES: dict[str, type[APIError]] = {
     cls.code: cls
     for cls in (
@@ -225,7 +245,8 @@ ERROR_CLASSES: dict[str, type[APIError]] = {
         MethodNotAllowedError, SeqConflictError, StreamClosedError, StreamInUseError, SessionExistsError,
         ResumeUnavailableError, SessionEvictedError, PayloadTooLargeCodeError, TooManyFramesError,
         PromptTooLongError, UnsupportedMediaTypeError, InvalidInputError, InvalidConfigError, InvalidRequestError,
-        InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError,
+        InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError, ServerBusyError,
+        RequestTimeoutError, HeadersTooLargeError,
     )
 }
 _BY_STATUS: dict[int, type[APIError]] = {
@@ -238,7 +259,7 @@ _BY_STATUS: dict[int, type[APIError]] = {
 }
 
 # Codes after which the server will take the same request again (the request changed nothing).
-RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy"})
+RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy"})
 
 
 def error_from(status: int, body: Any, retry_after: float | None = None) -> APIError:
