@@ -111,6 +111,7 @@ class StreamConnection:
         self.loop = asyncio.get_running_loop()
         self.outbox: asyncio.Queue = asyncio.Queue()  # bounded by the reader, see _wait_for_room
         self.units_waiting = 0
+        self.events_waiting = 0  # text events in the outbox: they count against ws_outbound_queue like units
         self.room = asyncio.Event()
         self.closing = False
         # Units reach this connection only once it is attached: before that they are retained by the session
@@ -170,7 +171,7 @@ class StreamConnection:
             self._report(error, close_code=WS_TRY_AGAIN_LATER if busy else WS_POLICY_VIOLATION)
             return False
         self.skip_until = self.resume_from
-        self.outbox.put_nowait(("text", json.dumps(event)))
+        self._send_text(event)
         # No await from here to ``attached``: a unit published meanwhile is either in ``units`` or sent live.
         for unit in units:
             self.send_unit(unit, force=True)
@@ -228,15 +229,18 @@ class StreamConnection:
                     close_code=WS_MESSAGE_TOO_BIG,
                 )
                 return
+            # Every message waits for room, not only chunks: each bad one queues an error event, and a client that
+            # sends a million of them without reading must meet TCP back-pressure, not grow the server.
+            await self._wait_for_room()
             if data is not None:
-                await self._wait_for_room()
                 await self._chunk(data)
             else:
                 await self._command(text or "")
 
     async def _wait_for_room(self) -> None:
         # Units still being encoded count too: they are this connection's as soon as they are published.
-        while self.units_waiting + self.session.pending_units >= self.settings.ws_outbound_queue and not self.closing:
+        while (self.units_waiting + self.events_waiting + self.session.pending_units >= self.settings.ws_outbound_queue
+               and not self.closing):
             self.room.clear()
             await self.room.wait()
 
@@ -273,7 +277,7 @@ class StreamConnection:
         except Exception as exc:
             self._report(exc)
             return
-        self.outbox.put_nowait(("text", json.dumps({"type": "done", "frames": frames})))
+        self._send_text({"type": "done", "frames": frames})
         self.close(WS_NORMAL, "stream flushed")
 
     # --- writing -------------------------------------------------------------------------------------------
@@ -296,10 +300,14 @@ class StreamConnection:
                 task.cancel()
         self.room.set()
 
+    def _send_text(self, event: dict[str, Any]) -> None:
+        self.events_waiting += 1
+        self.outbox.put_nowait(("text", json.dumps(event)))
+
     def _report(self, exc: BaseException, close_code: int | None = None) -> None:
         error = from_exception(exc)
         self.services.reject(error)
-        self.outbox.put_nowait(("text", json.dumps({"type": "error", **error.envelope()})))
+        self._send_text({"type": "error", **error.envelope()})
         code = close_code or error.spec.ws_close
         if error.kind == "draining" and self.services.draining:
             # The drain closes every stream itself once the sessions are saved, with the code that says whether
@@ -332,6 +340,8 @@ class StreamConnection:
                     self.room.set()
                 elif kind == "text":
                     await websocket.send_text(item[1])
+                    self.events_waiting -= 1
+                    self.room.set()
                 else:
                     _, code, reason = item
                     await websocket.close(code, reason)

@@ -146,9 +146,11 @@ class Watcher:
             message = await self.websocket.receive()
             if message["type"] == "websocket.disconnect":
                 return
+            if any(item[0] == "refusal" for item in self.queue):
+                continue  # one unsent refusal says it all: a client that floods a watcher cannot grow its queue
             error = ApiError("invalid_request", "a watcher is read-only; send chunks on the session's stream "
                                                 "(WS /v1/sessions/{id}/stream) or POST /v1/sessions/{id}/chunks")
-            self.queue.appendleft(("text", {"type": "error", **error.envelope()}))
+            self.queue.appendleft(("refusal", {"type": "error", **error.envelope()}))
             self.wakeup.set()
 
     async def _write_loop(self) -> None:
@@ -166,7 +168,7 @@ class Watcher:
                     await websocket.send_text(json.dumps({"type": "dropped", "units": dropped}))
                 if kind == "unit":
                     await self._send_unit(*item[1:])
-                elif kind == "text":
+                elif kind in ("text", "refusal"):
                     await websocket.send_text(json.dumps(item[1]))
                 else:
                     _, code, reason = item

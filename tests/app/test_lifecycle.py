@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -228,3 +231,40 @@ def test_a_slow_reader_stalls_only_its_own_stream(make_settings, refiner):
 
 async def _make_peer(messages):
     return StalledClient(messages)
+
+
+def test_a_client_that_floods_bad_messages_and_never_reads_cannot_grow_the_server(make_settings):
+    """Each bad text message queues an error event. A client that sends tens of thousands without reading meets the
+    same bound as a chunk does (ws_outbound_queue: the server stops reading it, TCP pushes back), instead of an
+    outbound queue that grows with every message (issue 16, item 1)."""
+    import socket as socket_module
+
+    limit = 4
+    with LiveServer(make_settings(ws_outbound_queue=limit)) as server:
+        session_id = httpx.post(f"{server.base_url}/v1/sessions", timeout=DEADLINE_S).json()["session_id"]
+        raw = socket_module.create_connection(("127.0.0.1", server.port))
+        raw.setsockopt(socket_module.SOL_SOCKET, socket_module.SO_RCVBUF, 4096)
+        flood = connect(f"{server.ws_url}/v1/sessions/{session_id}/stream", sock=raw, open_timeout=DEADLINE_S,
+                           max_queue=1, ping_interval=None, compression=None)
+        stop = threading.Event()
+
+        def send_forever():
+            with contextlib.suppress(Exception):
+                for _ in range(60_000):
+                    if stop.is_set():
+                        return
+                    flood.send("x")
+
+        sender = threading.Thread(target=send_forever, daemon=True)
+        sender.start()
+        deepest = 0
+        deadline = time.monotonic() + 8.0
+        while time.monotonic() < deadline and sender.is_alive():
+            for connection in list(server.services.store.connections):
+                outbox = getattr(connection, "outbox", None)
+                if outbox is not None:
+                    deepest = max(deepest, outbox.qsize())
+            time.sleep(0.005)
+        stop.set()
+        raw.close()
+    assert deepest <= limit + 2, f"the stream's outbound queue reached {deepest} messages (limit {limit})"
