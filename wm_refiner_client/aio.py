@@ -33,12 +33,11 @@ from ._common import (
     refine_query,
     resolve_api_key,
     resolve_url,
-    response_error,
     session_path,
     ws_url,
 )
 from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error
-from .errors import APIError, SessionNotFoundError, TransportError
+from .errors import APIError, TransportError
 from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol
 from .retry import RetryPolicy
 from .units import Array, ReturnTensors, Unit, encode
@@ -147,20 +146,10 @@ class AsyncClient:
                 log.info("%s %s: %s; retrying in %.2f s", method, path, type(exc).__name__, wait)
                 await asyncio.sleep(wait)
                 continue
-            replica = response.headers.get("x-replica")
-            if response.status_code < 400:
-                if session_id is not None:
-                    self._replicas.served(session_id, replica)
+            wait = self._replicas.answer_or_wait(response, session_id, attempts)
+            if wait is None:
                 return response
-            error = response_error(response.status_code, response.content, response.headers)
-            error.replica = replica
-            try:
-                wait = attempts.after_error(error, replica)
-            except SessionNotFoundError:
-                if session_id is not None:
-                    self._replicas.forget(session_id)
-                raise
-            log.info("%s %s: %s; retrying in %.2f s", method, path, error.code, wait)
+            log.info("%s %s: HTTP %d; retrying in %.2f s", method, path, response.status_code, wait)
             await asyncio.sleep(wait)
 
     async def _connect(self, path: str, query: Mapping[str, Any] | None = None) -> ClientConnection:

@@ -77,6 +77,24 @@ class Replicas:
         with self._lock:
             self._by_session.pop(session_id, None)
 
+    def answer_or_wait(self, response, session_id: str | None, attempts: RequestAttempts) -> float | None:
+        """What an HTTP response means for its request (the sync and the asyncio client alike): None for a success
+        (its replica remembered for the session); else the seconds to wait before trying again, or the typed error
+        raised when it is final (a 404 that ends the retries also forgets the session's replica)."""
+        replica = response.headers.get("x-replica")
+        if response.status_code < 400:
+            if session_id is not None:
+                self.served(session_id, replica)
+            return None
+        error = response_error(response.status_code, response.content, response.headers)
+        error.replica = replica
+        try:
+            return attempts.after_error(error, replica)
+        except SessionNotFoundError:
+            if session_id is not None:
+                self.forget(session_id)
+            raise
+
 
 class Client:
     """A wm-refiner server.
@@ -195,20 +213,10 @@ class Client:
                 log.info("%s %s: %s; retrying in %.2f s", method, path, type(exc).__name__, wait)
                 time.sleep(wait)
                 continue
-            replica = response.headers.get("x-replica")
-            if response.status_code < 400:
-                if session_id is not None:
-                    self._replicas.served(session_id, replica)
+            wait = self._replicas.answer_or_wait(response, session_id, attempts)
+            if wait is None:
                 return response
-            error = response_error(response.status_code, response.content, response.headers)
-            error.replica = replica
-            try:
-                wait = attempts.after_error(error, replica)
-            except SessionNotFoundError:
-                if session_id is not None:
-                    self._replicas.forget(session_id)
-                raise
-            log.info("%s %s: %s; retrying in %.2f s", method, path, error.code, wait)
+            log.info("%s %s: HTTP %d; retrying in %.2f s", method, path, response.status_code, wait)
             time.sleep(wait)
 
     def _connect(self, path: str, query: Mapping[str, Any] | None = None) -> ClientConnection:
