@@ -78,6 +78,9 @@ ERRORS: dict[str, ErrorKind] = {
     "engine_busy": ErrorKind(503, retry_after=True),
     # Request bodies in flight over max_inflight_body_bytes (app.guards).
     "server_busy": ErrorKind(503, retry_after=True),
+    # The session is another replica's (it holds the session's lease: app.leases), or this replica just lost it to
+    # one; the stream closes with 1012 and the client retries, through the router, to the session's owner.
+    "session_moved": ErrorKind(503, ws_close=WS_SERVICE_RESTART, retry_after=True),
     # 500: a bug or a device failure; the session was restored, but the stream is closed to be safe.
     "internal_error": ErrorKind(500, ws_close=WS_INTERNAL_ERROR),
 }

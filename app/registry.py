@@ -64,6 +64,9 @@ class SessionHandle:
     checkpoint_at: float = field(default_factory=time.monotonic)
     checkpoint_write: Any = None
     from_checkpoint: bool = False  # adopted from a file that may be behind its clients (a crash checkpoint)
+    # Input frames the session's last crash checkpoint covers (the client keeps what it may have to resend until
+    # then); None when this server writes no checkpoints (snapshot_dir or checkpointing unset: a crash loses it).
+    durable_frames: int | None = None
 
     @property
     def session(self) -> RefinerSession:
@@ -120,6 +123,7 @@ class SessionHandle:
             "detached": self.detached,
             # The earliest frame a reattaching stream can ask for again (resume_from).
             "resumable_from": self.retained.first_frame(state.frames_returned),
+            **({} if self.durable_frames is None else {"durable_frames": self.durable_frames}),
             "created_at": _iso(self.created_at),
             "last_active_at": _iso(self.last_active_wall),
         }
@@ -272,6 +276,12 @@ class Registry:
     def delete(self, session_id: str) -> None:
         handle = self.get(session_id)
         self._close(handle, ApiError("session_not_found", f"session {session_id} was deleted"))
+
+    def drop(self, handle: SessionHandle, error: ApiError) -> None:
+        """Let go of a session this replica no longer owns (another replica took it over): its work fails with
+        ``error`` and its id is not remembered as deleted or evicted (it lives on elsewhere)."""
+        if self._sessions.get(handle.id) is handle:
+            self._close(handle, error)
 
     def close_all(self, error: ApiError) -> None:
         for handle in self.handles():

@@ -9,7 +9,8 @@ session to ``snapshot_dir`` (when set) exactly as its clients last saw it, and c
 reason (1012 "service restart" for a saved session, 1001 otherwise), waiting for them at most
 ``drain_timeout_s``, before the server closes connections. Nothing is loaded at start-up: a server on the same
 ``snapshot_dir`` (this one restarted, or another replica) adopts a saved session on the first request for it,
-under its id (``app.store.SessionStore.lookup``); start-up only removes interrupted writes and gives back this replica's stale claims.
+under its id (``app.store.SessionStore.lookup``); start-up only removes interrupted writes (this replica's, and
+abandoned ones: ``app.snapshots.leftover_temporaries``).
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ class Services:
         self.store.clean_snapshot_dir()
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
         self._tasks.append(asyncio.create_task(self.store.evict_forever(), name="evict-idle"))
+        if settings.snapshot_dir is not None:
+            self._tasks.append(asyncio.create_task(self.store.renew_leases_forever(), name="renew-leases"))
 
     async def _warm_up(self) -> None:
         try:

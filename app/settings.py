@@ -197,6 +197,11 @@ class Settings(_SessionDefaults):
         default=0.0, ge=0.0,
         description="and/or when this long passed since its last one (and it refined a block since); 0: off",
     )
+    session_lease_s: float = Field(
+        default=10.0, gt=0.0,
+        description="a replica's lease on each session it holds with a file in snapshot_dir, renewed every third of "
+        "it: another replica adopts the file only once the owner released it or this long after its last renewal",
+    )
     peers: str | None = Field(
         default=None,
         description="the deployment's replicas, for GET /v1/sessions to list all of them: comma-separated base URLs "

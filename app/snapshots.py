@@ -8,9 +8,10 @@ decoder's state, ``models.vae.video_to_tensors``, under ``app.video``). Everythi
 atomic rename commits all of it; a restart can never pair a session with another moment's seq counters or units.
 
 Sessions move through the folder: a draining replica writes its sessions (and a checkpoint is written the same
-way); the replica that next gets a request for one *claims* its file by renaming it to a name of its own
-(``claim``: of several racing replicas exactly one succeeds), loads it and deletes it, so two replicas never own
-one session and a later crash cannot bring back a stale copy.
+way); the replica that next gets a request for one takes the session's *lease* (``app.leases``: of several racing
+replicas exactly one gets it, and none while the owner's lease is live), loads the file and holds the session. Every
+write of a session's file is fenced by its writer's lease, so a replica that lost a session can never write it
+again, and a later crash cannot bring back a stale owner's copy.
 
 Reading and building records run on the engine thread (the session's tensors are the engine's).
 """
@@ -75,10 +76,11 @@ def snapshot_path(folder: Path, session_id: str) -> Path:
     return folder / f"{spec.check_session_id(session_id)}{SUFFIX}"
 
 
-def save_record(folder: Path, record: SessionRecord) -> Path:
+def save_record(folder: Path, record: SessionRecord, *, writer: str = "",
+                before_rename: Callable[[], None] | None = None) -> Path:
     """Write ``record`` atomically (temporary file, fsync, rename): a crash leaves the old file or none."""
     tensors, metadata = record_tensors(record)
-    return write_record(folder, record.session_id, tensors, metadata)
+    return write_record(folder, record.session_id, tensors, metadata, writer=writer, before_rename=before_rename)
 
 
 def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -112,9 +114,40 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
     return tensors, metadata
 
 
-def write_record(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+def write_record(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
+                 writer: str = "", before_rename: Callable[[], None] | None = None) -> Path:
+    """``writer``: the replica id, in the temporary file's name (``is_own_leftover``); ``before_rename``: the
+    lease's fencing check (``app.leases.check``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    return write_atomically(snapshot_path(folder, session_id), tensors, metadata)
+    return write_atomically(snapshot_path(folder, session_id), tensors, metadata, writer=writer,
+                            before_rename=before_rename)
+
+
+# A temporary file of another writer is left alone until it is this old: no write of a session takes that long,
+# so it was abandoned (its writer crashed) rather than in progress on a live replica.
+STALE_TEMPORARY_S = 3600.0
+
+
+def leftover_temporaries(folder: Path, writer: str, now: float, stale_after_s: float = STALE_TEMPORARY_S
+                         ) -> list[Path]:
+    """The temporary files in ``folder`` a starting replica may delete: those ``writer`` (its replica id) left
+    behind in an earlier life, and anyone's older than ``stale_after_s``. Never another live replica's write in
+    progress."""
+    found = []
+    for path, marker in [*((p, f"{SUFFIX}.") for p in folder.glob(f".*{SUFFIX}.*.tmp")),
+                         *((p, ".session.lease.") for p in folder.glob(".*.session.lease.*.tmp"))]:
+        # .<id><marker>[<generation>.]<writer>.<random>.tmp; the random part has no dot, a writer may.
+        rest = path.name.split(marker, 1)[1][: -len(".tmp")]
+        if marker != f"{SUFFIX}.":
+            rest = rest.split(".", 1)[-1]
+        own = rest.rsplit(".", 1)[0] == writer
+        try:
+            old = now - path.stat().st_mtime > stale_after_s
+        except FileNotFoundError:
+            continue
+        if own or old:
+            found.append(path)
+    return found
 
 
 def remove_record(folder: Path, session_id: str) -> None:
@@ -208,24 +241,6 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
                          outputs=outputs, stages=session_stages, created_at=fields.get("created_at"),
                          checkpoint=bool(fields.get("checkpoint")))
-
-
-def claim(folder: Path, session_id: str, claimant: str) -> Path | None:
-    """Take the snapshot of ``session_id`` for this replica: an atomic rename to a name only ``claimant`` uses,
-    so of several replicas racing for it exactly one gets it. The claimed path, or None when there is no file
-    (none was saved, or another replica claimed it first)."""
-    source = snapshot_path(folder, session_id)
-    claimed = source.with_name(f".{source.name}.claimed-{claimant}")
-    try:
-        os.rename(source, claimed)
-    except FileNotFoundError:
-        return None
-    return claimed
-
-
-def release_claim(claimed: Path, session_id: str) -> None:
-    """Give a claimed snapshot back (this replica could not take the session after all)."""
-    os.replace(claimed, snapshot_path(claimed.parent, session_id))
 
 
 def has_snapshot(folder: Path, session_id: str) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 import uuid
@@ -36,17 +37,19 @@ from .outputs import Outputs
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
+from . import leases
+from .errors import WS_SERVICE_RESTART
+from .leases import Lease, LeaseHeld, LeaseLost
 from .snapshots import (
-    SUFFIX,
     SessionRecord,
-    claim,
     has_snapshot,
+    leftover_temporaries,
     load_record,
     record_tensors,
-    release_claim,
     remove_record,
     save_record,
     snapshot_limits,
+    snapshot_path,
     write_record,
 )
 from .stages import OutputStages
@@ -88,7 +91,15 @@ class SessionStore:
         self.connections: set[Any] = set()
         # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
         self.draining = False
-        self._adopting: dict[str, asyncio.Lock] = {}
+        self._adopting: dict[str, _Adoption] = {}
+        # This replica's leases (app.leases) on the sessions it holds with a file in snapshot_dir, by id.
+        self.leases: dict[str, Lease] = {}
+        self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.settings.snapshot_dir is not None and bool(
+            self.settings.checkpoint_every_blocks or self.settings.checkpoint_interval_s)
 
     @property
     def snapshot_folder(self) -> Path | None:
@@ -105,8 +116,11 @@ class SessionStore:
                session_id: str | None = None) -> SessionHandle:
         """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id."""
         self.admit()
-        return self.registry.adopt(session_id or uuid.uuid4().hex, RefinerSession(refiner, config, prompt),
-                                   outputs=outputs)
+        handle = self.registry.adopt(session_id or uuid.uuid4().hex, RefinerSession(refiner, config, prompt),
+                                     outputs=outputs)
+        if self.checkpointing:
+            handle.durable_frames = 0  # nothing survives a crash until its first checkpoint
+        return handle
 
     @contextlib.contextmanager
     def clip(self) -> Iterator[None]:
@@ -131,10 +145,19 @@ class SessionStore:
             return handle
         folder = self.snapshot_folder
         if folder is not None and has_snapshot(folder, session_id):
-            lock = self._adopting.setdefault(session_id, asyncio.Lock())
-            async with lock:  # one adoption per id in this process; other replicas are kept off by the claim
-                handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
-            self._adopting.pop(session_id, None)
+            # One adoption per id in this process (other replicas are kept off by the lease). The entry stays in
+            # the table while anyone waits on it, so a lookup arriving meanwhile queues on the same lock.
+            adoption = self._adopting.get(session_id)
+            if adoption is None:
+                adoption = self._adopting[session_id] = _Adoption()
+            adoption.waiters += 1
+            try:
+                async with adoption.lock:
+                    handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
+            finally:
+                adoption.waiters -= 1
+                if not adoption.waiters:
+                    del self._adopting[session_id]
             if handle is not None:
                 return handle
         return self.registry.get(session_id)
@@ -185,61 +208,170 @@ class SessionStore:
         if handle.deliveries is not None:
             await handle.deliveries.flush()  # the units it streamed are retained, for a resume after the crash
         record = _record(handle, self.encoder)
+        frames = handle.session.state.frames_received  # the session's turn: nothing of it runs meanwhile
         try:
             tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
         except Draining:  # the engine stopped (drain): the drain saves the session itself
             return
         handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
-        metrics = self.metrics
+        metrics, settings, lease = self.metrics, self.settings, self.leases.get(handle.id)
 
-        def write() -> None:
+        def write() -> Lease:
             started = time.perf_counter()
-            path = write_record(folder, handle.id, tensors, metadata)
+            # A session's first checkpoint takes its lease; every write is fenced by it.
+            held = lease or leases.acquire(folder, handle.id, settings.replica_id, settings.session_lease_s)
+            path = write_record(folder, handle.id, tensors, metadata, writer=settings.replica_id,
+                                before_rename=lambda: leases.check(held))
             metrics.checkpoint_seconds.observe(time.perf_counter() - started)
             metrics.checkpoint_bytes.inc(path.stat().st_size)
+            return held
 
-        handle.checkpoint_write = asyncio.ensure_future(asyncio.to_thread(write))
+        async def run() -> None:
+            try:
+                held = await asyncio.to_thread(write)
+            except (LeaseHeld, LeaseLost) as exc:
+                self.lose(handle, exc)
+                return
+            # Kept even if the session ended meanwhile: its removal (which waits for this write) releases it.
+            self.leases[handle.id] = held
+            handle.durable_frames = max(handle.durable_frames or 0, frames)
+
+        handle.checkpoint_write = asyncio.ensure_future(run())
         handle.checkpoint_write.add_done_callback(_log_failed_checkpoint)
 
     def _forget_checkpoint(self, handle: SessionHandle) -> None:
-        """A session that ended must never be adopted back from its last checkpoint."""
+        """A session that ended must never be adopted back from its last checkpoint: its file and its lease go
+        (only while the lease is still this replica's: a session another replica took over is not ours to
+        remove)."""
         folder = self.snapshot_folder
-        if folder is None or not (self.settings.checkpoint_every_blocks or self.settings.checkpoint_interval_s):
+        if folder is None:
             return
         pending = handle.checkpoint_write
 
         async def remove() -> None:
             if pending is not None:
                 await asyncio.wait({pending})
-            await asyncio.to_thread(remove_record, folder, handle.id)
+            lease = self.leases.pop(handle.id, None)
+            if lease is None:
+                return
 
-        asyncio.ensure_future(remove())
+            def drop() -> None:
+                try:
+                    leases.check(lease)
+                except LeaseLost:
+                    return
+                remove_record(folder, handle.id)
+                leases.release(folder, handle.id, lease)
+
+            await asyncio.to_thread(drop)
+
+        self._spawn(remove())
+
+    def _spawn(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def lose(self, handle: SessionHandle, reason: BaseException) -> None:
+        """Another replica holds the session's lease now (this one stalled past session_lease_s, or two replicas
+        were asked for it): drop this copy without touching the files, and send its clients to the new owner
+        (503 session_moved for its work; streams close with 1012, and reconnect through the router)."""
+        self.leases.pop(handle.id, None)
+        log.warning("session %s: %s; dropping this replica's copy", handle.id, reason)
+        error = ApiError("session_moved", f"session {handle.id} moved to another replica ({reason}); retry: "
+                                          "through the router the request reaches the replica that holds it now")
+        self.registry.drop(handle, error)
+        for connection in list(self.connections):
+            if connection.session_id == handle.id:
+                connection.close(WS_SERVICE_RESTART, "session moved to another replica; reconnect with resume_from")
+
+    async def renew_leases_forever(self) -> None:
+        """Renew every lease this replica holds, every third of session_lease_s; a lease found lost drops its
+        session (``lose``)."""
+        interval = self.settings.session_lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            held = dict(self.leases)
+            if not held:
+                continue
+
+            def renew_all() -> dict[str, LeaseLost]:
+                lost = {}
+                for session_id, lease in held.items():
+                    try:
+                        leases.renew(lease)
+                    except LeaseLost as exc:
+                        lost[session_id] = exc
+                    except OSError as exc:  # a shared folder that fails now: try again next time, keep the session
+                        log.warning("renewing the lease on session %s failed: %r", session_id, exc)
+                return lost
+
+            lost = await asyncio.to_thread(renew_all)
+            live = {handle.id: handle for handle in self.registry.handles()}
+            for session_id, exc in lost.items():
+                handle = live.get(session_id)
+                if handle is not None and self.leases.get(session_id) is held[session_id]:
+                    self.lose(handle, exc)
 
     # --- adoption --------------------------------------------------------------------------------------------
     async def _adopt(self, folder: Path, session_id: str) -> SessionHandle | None:
-        """Claim the session's file (None when another replica was first), load it and hold the session. An adopted
-        session counts against max_sessions: when full, the file goes back and the request gets 503."""
-        claimed = claim(folder, session_id, self.settings.replica_id)
-        if claimed is None:
-            return None
+        """Take the session's lease, load its file and hold the session (None when the file went meanwhile or
+        cannot be loaded). 503 session_moved while another replica holds the lease. An adopted session counts
+        against max_sessions: when full, the request gets 503 and the file stays for a replica with room. With
+        checkpoints on, the file stays (it is the session's durable copy, under this replica's lease); otherwise it
+        is deleted once loaded, as a drain's snapshot is taken exactly once."""
+        settings = self.settings
+        self.admit()
+        # The place is held across the awaits below, so that concurrent adoptions cannot pass the check together.
+        self.registry.clips += 1
         try:
-            self.admit()
-        except ApiError:
-            release_claim(claimed, session_id)
-            raise
-        refiner, stages = self._refiner(), self._stages()
-        try:
-            limits = snapshot_limits(self.settings)  # checked from the file's header before anything is allocated
-            record = await self.engine.call(lambda: load_record(claimed, refiner, stages, session_id, limits))
-        except Exception as exc:
-            aside = folder / f"{session_id}{SUFFIX}.corrupt"
-            log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
-            with contextlib.suppress(OSError):
-                os.replace(claimed, aside)
-            return None
+            try:
+                lease = await asyncio.to_thread(leases.acquire, folder, session_id, settings.replica_id,
+                                                settings.session_lease_s)
+            except LeaseHeld as held:
+                raise ApiError(
+                    "session_moved",
+                    f"{held}: the session lives there. Send its requests through the router (or to that replica); "
+                    "if that replica is gone, this one adopts the session once the lease expires: retry then",
+                    retry_after_s=max(1, math.ceil(held.expires_in)),
+                ) from None
+            path = snapshot_path(folder, session_id)
+            refiner, stages = self._refiner(), self._stages()
+            limits = snapshot_limits(settings)  # checked from the file's header before anything is allocated
+            try:
+                if not path.is_file():
+                    raise FileNotFoundError(path)
+                record = await self.engine.call(lambda: load_record(path, refiner, stages, session_id, limits))
+            except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                return None
+            except Draining:
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                raise
+            except Exception as exc:
+                aside = folder / f"{path.name}.corrupt"
+                log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
+                with contextlib.suppress(OSError):
+                    os.replace(path, aside)
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                return None
+        finally:
+            self.registry.clips -= 1
         handle = self._hold(record)
-        claimed.unlink(missing_ok=True)
-        log.info("adopted session %s from %s", session_id, folder)
+        # An owner that stopped renewing crashed: its file may be a checkpoint its clients are ahead of, even one
+        # that began as a drain's snapshot.
+        handle.from_checkpoint = record.checkpoint or lease.previous != "none"
+        if self.checkpointing:
+            self.leases[session_id] = lease
+            handle.durable_frames = record.session.state.frames_received
+            handle.checkpoint_blocks = record.session.state.blocks_refined
+        else:
+            def take() -> None:
+                path.unlink(missing_ok=True)
+                leases.release(folder, session_id, lease)
+
+            await asyncio.to_thread(take)
+        log.info("adopted session %s from %s (lease generation %d)", session_id, folder, lease.generation)
         return handle
 
     def _hold(self, record: SessionRecord) -> SessionHandle:
@@ -259,18 +391,15 @@ class SessionStore:
         return handle
 
     def clean_snapshot_dir(self) -> None:
-        """Writes that never reached their rename are garbage; claims of this replica id from an earlier life of
-        it (a crash between claim and load) go back to the folder. Nothing else is touched: sessions are adopted on
-        their first request, by whichever replica the router sends it to."""
+        """Writes that never reached their rename are garbage: this replica id's own (from an earlier life) and
+        anyone's older than ``snapshots.STALE_TEMPORARY_S``; another live replica's write in progress is left
+        alone. Nothing else is touched: sessions are adopted on their first request, by whichever replica the
+        router sends it to."""
         folder = self.snapshot_folder
         if folder is None or not folder.is_dir():
             return
-        for leftover in folder.glob(f".*{SUFFIX}.*.tmp"):
+        for leftover in leftover_temporaries(folder, self.settings.replica_id, time.time()):
             leftover.unlink(missing_ok=True)
-        for stale in folder.glob(f".*{SUFFIX}.claimed-{self.settings.replica_id}"):
-            session_id = stale.name[1 : -len(f"{SUFFIX}.claimed-{self.settings.replica_id}")]
-            with contextlib.suppress(OSError, ValueError):  # ValueError: not a session's name, not ours to move
-                release_claim(stale, session_id)
 
     # --- drain snapshots ---------------------------------------------------------------------------------------
     async def settle(self) -> list[SessionHandle]:
@@ -293,11 +422,21 @@ class SessionStore:
         # The service's fields that live on the loop are read here, on the loop.
         records = {handle.id: _record(handle, self.encoder) for handle in handles}
 
+        settings, held = self.settings, dict(self.leases)
+
         def save_all() -> set[str]:
             written = set()
             for session_id, record in records.items():
                 try:
-                    save_record(folder, record())
+                    lease = held.get(session_id) or leases.acquire(folder, session_id, settings.replica_id,
+                                                                   settings.session_lease_s)
+                    save_record(folder, record(), writer=settings.replica_id,
+                                before_rename=lambda: leases.check(lease))
+                    # Released at once: the next replica asked for it adopts it without waiting for the lease.
+                    leases.release(folder, session_id, lease)
+                except (LeaseHeld, LeaseLost) as exc:
+                    log.warning("drain: session %s is another replica's now (%s); not saved", session_id, exc)
+                    continue
                 except Exception:  # one session that cannot be saved must not cost the others
                     log.exception("drain: could not save session %s", session_id)
                     continue
@@ -309,6 +448,8 @@ class SessionStore:
         except Exception:
             log.exception("drain: saving sessions to %s failed", folder)
             return set()
+        for session_id in written:
+            self.leases.pop(session_id, None)
         log.info("drain: saved %d of %d session(s) to %s", len(written), len(handles), folder)
         return written
 
@@ -330,6 +471,14 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
         return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
 
     return build
+
+
+class _Adoption:
+    """The adoption lock of one id and how many lookups hold or wait for it."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.waiters = 0
 
 
 def _log_failed_checkpoint(task: asyncio.Future) -> None:

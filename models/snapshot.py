@@ -318,17 +318,22 @@ def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], met
     return session, metadata
 
 
-def write_atomically(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+def write_atomically(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
+                     writer: str = "", before_rename: Callable[[], None] | None = None) -> Path:
     """Write a safetensors file so that a crash leaves the previous file or none: temporary file in the same
-    folder, fsync, rename, fsync of the folder."""
+    folder (``.<name>.<writer>.<random>.tmp``: ``writer`` names who writes it, so that a folder shared by several
+    processes can tell its own leftovers from another's write in progress), fsync, rename, fsync of the folder.
+    ``before_rename``: last check before the rename; what it raises aborts the write (the file is left as it was)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer + '.' if writer else ''}", suffix=".tmp")
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

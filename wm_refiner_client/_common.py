@@ -189,4 +189,4 @@ class StreamStats:
 # took the session over; 1009: a message over the server's size limit (its error event names the limit).
 FATAL_CLOSE_CODES = frozenset({1008, 1009})
 # Error events after which the server closes the stream itself and the session can go on: reconnect and resume.
-RESUMABLE_EVENT_CODES = frozenset({"draining", "engine_busy", "internal_error", "not_ready"})
+RESUMABLE_EVENT_CODES = frozenset({"draining", "engine_busy", "internal_error", "not_ready", "session_moved"})

@@ -224,6 +224,13 @@ class ServerBusyError(ServiceUnavailableError):
     code = "server_busy"
 
 
+class SessionMovedError(ServiceUnavailableError):
+    """The session lives on another replica (it holds the session's lease), or is moving there: retried, and
+    behind the router the retry reaches the session's owner."""
+
+    code = "session_moved"
+
+
 class RequestTimeoutError(APIError):
     """The server's HTTP layer closed a request whose headers or body came too slowly (408)."""
 
@@ -246,7 +253,7 @@ ERROR_CLASSES: dict[str, type[APIError]] = {
         ResumeUnavailableError, SessionEvictedError, PayloadTooLargeCodeError, TooManyFramesError,
         PromptTooLongError, UnsupportedMediaTypeError, InvalidInputError, InvalidConfigError, InvalidRequestError,
         InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError, ServerBusyError,
-        RequestTimeoutError, HeadersTooLargeError,
+        SessionMovedError, RequestTimeoutError, HeadersTooLargeError,
     )
 }
 _BY_STATUS: dict[int, type[APIError]] = {
@@ -259,7 +266,8 @@ _BY_STATUS: dict[int, type[APIError]] = {
 }
 
 # Codes after which the server will take the same request again (the request changed nothing).
-RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy"})
+RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy",
+                             "session_moved"})
 
 
 def error_from(status: int, body: Any, retry_after: float | None = None) -> APIError:

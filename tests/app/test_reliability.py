@@ -6,7 +6,9 @@ A dropped client is simulated by shutting its TCP socket down without a close fr
 from __future__ import annotations
 
 import json
+import os
 import socket
+import time
 
 import httpx
 import pytest
@@ -251,6 +253,8 @@ def test_a_corrupt_or_foreign_snapshot_is_set_aside_when_asked_for_and_start_up_
 
     save_file({"x": torch.zeros(1)}, str(folder / "feedbeef.session.safetensors"), metadata={"format": "other"})
     (folder / ".half-written.session.safetensors.x1.tmp").write_bytes(b"partial")
+    # Abandoned (older than any write takes); a fresh one of another replica would be a write in progress.
+    os.utime(folder / ".half-written.session.safetensors.x1.tmp", (time.time() - 7200, time.time() - 7200))
     with caplog.at_level("WARNING", logger="app"):
         with running_app(make_settings(snapshot_dir=folder)) as client:
             assert client.get("/ready").status_code == 200

@@ -20,7 +20,8 @@ from app.cli import build_parser
 from app.cli_remote import session_flags
 from app.main import create_app
 from app.settings import Settings, check_replica_id, load_settings
-from app.snapshots import claim, has_snapshot, remove_record, snapshot_path
+from app.leases import acquire
+from app.snapshots import has_snapshot, remove_record, snapshot_path
 from models.config import SessionConfig
 from models.errors import InvalidConfigError
 from wm_refiner_client import Client, spec
@@ -252,7 +253,7 @@ def test_a_bad_id_never_becomes_a_snapshot_path(tmp_path):
     (tmp_path / "x.session.safetensors").write_bytes(b"")  # a file a short id would name
     for bad in BAD_IDS:
         for reach in (lambda: snapshot_path(tmp_path, bad), lambda: has_snapshot(tmp_path, bad),
-                      lambda: remove_record(tmp_path, bad), lambda: claim(tmp_path, bad, "replica-a")):
+                      lambda: remove_record(tmp_path, bad), lambda: acquire(tmp_path, bad, "replica-a", 10.0)):
             with pytest.raises(ValueError, match="8 to 64"):
                 reach()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.session.safetensors"]

@@ -1,0 +1,158 @@
+"""Who owns a session's file in the shared snapshot folder: a lease per session, with fencing.
+
+Only plain POSIX file operations, so that any shared folder works (a local disk, NFS, a ReadWriteMany volume):
+
+- A lease is a file ``.<session>.session.lease.<generation>`` (generation: 10 digits) holding its owner's
+  ``replica_id``. The session's current lease is the one of the highest generation. It is *live* while its
+  modification time is less than ``session_lease_s`` old: the owner renews it by touching it (``os.utime``, which
+  never creates a file) every ``session_lease_s / 3`` while it holds the session.
+- **Taking** a lease: read the current one; when it is live and another replica's, the session is that replica's
+  (``LeaseHeld``). Otherwise (none, expired, or this replica id's own from an earlier life) create generation + 1
+  with ``os.link`` of a complete temporary file: the link fails when the name exists, so of several replicas
+  racing for one generation exactly one gets it. Older generations are removed afterwards (a courtesy: only the
+  highest counts).
+- **Fencing**: before a checkpoint or a drain's snapshot is renamed into place, and at every renewal, the owner
+  checks that its generation's file is still there and generation + 1 is not. A replica that lost its lease (it
+  stalled past ``session_lease_s`` and another one took the session) has its write refused and drops its copy.
+  Between that check and the rename there is a window of one ``rename`` call: a write that slips through it holds
+  the same session at a later point of the same deterministic run, which the new owner's next checkpoint replaces.
+- **Releasing**: the owner deletes its lease files (after a drain saved the session, when the session ended, or
+  when an adoption gave the file back); the file is then adoptable at once, by generation 1 again.
+
+Expiry compares this machine's clock with the file's modification time (the file server's clock on NFS): the
+replicas' clocks must agree to well within ``session_lease_s`` (NTP does).
+
+No asyncio here: the store calls these on a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from wm_refiner_client import spec
+
+LEASE_INFIX = ".session.lease."
+_DIGITS = 10
+
+
+class LeaseHeld(Exception):
+    """The session's lease is live and another replica's."""
+
+    def __init__(self, session_id: str, owner: str, expires_in: float):
+        super().__init__(f"session {session_id} is held by replica {owner!r} (its lease runs {expires_in:.1f} s more "
+                         "unless renewed)")
+        self.session_id = session_id
+        self.owner = owner
+        self.expires_in = expires_in
+
+
+class LeaseLost(Exception):
+    """This replica's lease on a session was taken by another replica (or released by it): writes are refused."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    session_id: str
+    generation: int
+    path: Path
+    # What was there before: "none" (no lease: never leased, or released), "expired" (its owner stopped renewing:
+    # it crashed or stalled, so the file may be a crash checkpoint its clients are ahead of), "self" (this
+    # replica id's own, from an earlier life of it: also a crash).
+    previous: str = "none"
+
+
+def lease_path(folder: Path, session_id: str, generation: int) -> Path:
+    return folder / f".{spec.check_session_id(session_id)}{LEASE_INFIX}{generation:0{_DIGITS}d}"
+
+
+def generations(folder: Path, session_id: str) -> list[int]:
+    """The session's lease generations present in ``folder``, lowest first."""
+    prefix = f".{spec.check_session_id(session_id)}{LEASE_INFIX}"
+    found = []
+    for path in folder.glob(f"{prefix}*"):
+        tail = path.name[len(prefix):]
+        if len(tail) == _DIGITS and tail.isdigit():
+            found.append(int(tail))
+    return sorted(found)
+
+
+def _owner(path: Path) -> str | None:
+    try:
+        return str(json.loads(path.read_text())["owner"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return "?"  # unreadable: treated as someone else's until it expires
+
+
+def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now: float | None = None) -> Lease:
+    """Take the session's lease for ``replica_id``; ``LeaseHeld`` when another replica holds a live one (or won
+    the race for the next generation)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    current = generations(folder, session_id)
+    previous, generation = "none", 0
+    if current:
+        generation = current[-1]
+        path = lease_path(folder, session_id, generation)
+        owner = _owner(path)
+        if owner is not None:  # None: released between the listing and now
+            try:
+                age = (time.time() if now is None else now) - path.stat().st_mtime
+            except FileNotFoundError:
+                age = lease_s
+            if owner == replica_id:
+                previous = "self"
+            elif age < lease_s:
+                raise LeaseHeld(session_id, owner, lease_s - age)
+            else:
+                previous = "expired"
+    target = lease_path(folder, session_id, generation + 1)
+    staging = folder / f"{target.name}.{replica_id}.{secrets.token_hex(4)}.tmp"
+    staging.write_text(json.dumps({"owner": replica_id, "session_id": session_id, "generation": generation + 1}))
+    try:
+        os.link(staging, target)
+    except FileExistsError:
+        raise LeaseHeld(session_id, _owner(target) or "?", lease_s) from None
+    finally:
+        staging.unlink(missing_ok=True)
+    for older in current:
+        with contextlib.suppress(OSError):
+            lease_path(folder, session_id, older).unlink()
+    return Lease(session_id, generation + 1, target, previous)
+
+
+def check(lease: Lease) -> None:
+    """``LeaseLost`` unless ``lease`` is still the session's current one."""
+    if not lease.path.exists():
+        raise LeaseLost(f"the lease on session {lease.session_id} was released by another replica")
+    successor = lease_path(lease.path.parent, lease.session_id, lease.generation + 1)
+    if successor.exists():
+        raise LeaseLost(f"session {lease.session_id} was taken over by replica {_owner(successor)!r}")
+
+
+def renew(lease: Lease) -> None:
+    """Touch the lease (``LeaseLost`` when it is no longer this replica's)."""
+    check(lease)
+    try:
+        os.utime(lease.path)  # never creates the file: a lease deleted meanwhile stays deleted
+    except FileNotFoundError:
+        raise LeaseLost(f"the lease on session {lease.session_id} was released by another replica") from None
+
+
+def release(folder: Path, session_id: str, lease: Lease | None = None) -> None:
+    """Delete the session's lease files (``lease``: only if it is still the current one, so a replica that lost
+    the session never deletes its successor's lease)."""
+    if lease is not None:
+        try:
+            check(lease)
+        except LeaseLost:
+            return
+    for generation in generations(folder, session_id):
+        with contextlib.suppress(OSError):
+            lease_path(folder, session_id, generation).unlink()
