@@ -57,20 +57,23 @@ class Encoder:
         self.stages: OutputStages = build_stages()  # what puts each kind on the wire: the server's, once loaded
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unit-encoder")
 
-    def unit_bytes(self, host: HostUnit, outputs: Outputs, received: float) -> bytes:
+    def unit_bytes(self, host: HostUnit, outputs: Outputs, received: float,
+                   extra: dict[str, str] | None = None) -> bytes:
         """A stream unit: its outputs with metadata frame_start, frame_end (video_frame_start, video_frame_end with
-        video) and latency_ms (since its chunk arrived)."""
+        video), latency_ms (since its chunk arrived) and ``extra`` (the session's durable_frames)."""
         tensors, metadata = payload(
             [host], outputs, self.stages, latent_shape=host.latent_shape, frame_at=host.frame_start, positions={},
             response_dtype=self.response_dtype,
         )
         metadata["latency_ms"] = f"{(time.perf_counter() - received) * 1000.0:.3f}"
+        metadata.update(extra or {})
         return encode(tensors, metadata)
 
-    def _encode_unit(self, copies: UnitCopies, outputs: Outputs, received: float) -> tuple[HostUnit, bytes]:
+    def _encode_unit(self, copies: UnitCopies, outputs: Outputs, received: float,
+                     extra: dict[str, str] | None = None) -> tuple[HostUnit, bytes]:
         host = copies.wait()
         self.observe(copies.unit)
-        return host, self.unit_bytes(host, outputs, received)
+        return host, self.unit_bytes(host, outputs, received, extra)
 
     def observe(self, unit: OutUnit) -> None:
         if unit.kind == "block":
@@ -108,8 +111,8 @@ class Encoder:
         return build
 
     def submit(self, loop: asyncio.AbstractEventLoop, copies: UnitCopies, outputs: Outputs,
-               received: float) -> asyncio.Future:
-        return loop.run_in_executor(self._pool, self._encode_unit, copies, outputs, received)
+               received: float, extra: dict[str, str] | None = None) -> asyncio.Future:
+        return loop.run_in_executor(self._pool, self._encode_unit, copies, outputs, received, extra)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -133,6 +136,8 @@ class Deliveries:
         self.publish = publish  # (unit, what goes on the wire, when its chunk arrived, its tensors on the host)
         self.outputs = outputs
         self.handed_until: tuple[int, ...] = (0,)  # the key (OutUnit.key) of the newest unit handed over
+        # Metadata for every unit, read when it is handed over (the session's durable_frames: app.store).
+        self.metadata: Callable[[], dict[str, str]] | None = None
         self._queue: deque[_Outgoing] = deque()
         self._task: asyncio.Task | None = None
 
@@ -158,7 +163,8 @@ class Deliveries:
         self.handed_until = unit.key
         loop = asyncio.get_running_loop()
         copies = copies or UnitCopies(unit, self.encoder.stages)
-        encoded = self.encoder.submit(loop, copies, self.outputs, received)
+        encoded = self.encoder.submit(loop, copies, self.outputs, received,
+                                      None if self.metadata is None else self.metadata())
         self._queue.append(_Outgoing(unit, copies, received, encoded))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._publish_in_order())

@@ -185,7 +185,8 @@ class SessionOps:
             result = await services.engine.run(work)
             # Counted before anything else runs on the loop: a drain must never find the session advanced and the
             # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
-            build = encoder.response(result.units, result.state, tuple(latents.shape), {"seq": chunks.next_seq},
+            build = encoder.response(result.units, result.state, tuple(latents.shape),
+                                     {"seq": chunks.next_seq, **durable_metadata(handle)},
                                      outputs=handle.outputs, positions=result.positions)
             index = chunks.accept_request(seq, build)
             # A chunk accepted over HTTP means the client is back: a detached session's grace period ends (a stream
@@ -321,7 +322,9 @@ class SessionOps:
             for watcher in list(handle.watchers):
                 watcher.offer(host, received, sent if watcher.outputs == handle.outputs else None)
 
-        return Deliveries(self.services.encoder, published, handle.outputs)
+        deliveries = Deliveries(self.services.encoder, published, handle.outputs)
+        deliveries.metadata = lambda: durable_metadata(handle)
+        return deliveries
 
     def _offer(self, handle: SessionHandle, units, received: float, done: bool = False) -> None:
         """Offer units that went out another way (an HTTP response) to the session's watchers; ``done``: the
@@ -438,6 +441,7 @@ class StreamSession:
             "flushed": state.flushed,
             "resume_from": self.resume_from,
             "resent_from": units[0].frame_start if units else state.frames_returned,
+            **({} if handle.durable_frames is None else {"durable_frames": handle.durable_frames}),
         }
         return event, units
 
@@ -497,6 +501,12 @@ class StreamSession:
                     handle.deliveries.push(unit, None, received)
             if work.started:
                 await self.ops.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
+
+
+def durable_metadata(handle: SessionHandle) -> dict[str, str]:
+    """What a unit or a response says of the session's last checkpoint: the input frames it covers (a client keeps
+    what it may have to resend until then). Nothing when this server writes no checkpoints."""
+    return {} if handle.durable_frames is None else {"durable_frames": str(handle.durable_frames)}
 
 
 def parse_resume_from(value: str | None) -> int | None:

@@ -152,7 +152,7 @@ class StreamProtocol:
         self.session_id = session_id
         self.config = dict(config)
         self.policy = policy
-        self.source = ChunkSource(prompt, prompt_mask)
+        self.source = ChunkSource(prompt, prompt_mask, max_kept_bytes=policy.max_resend_bytes)
         self.tracker = UnitTracker(frames_returned, video_frames_returned)
         self.stats = stats if stats is not None else StreamStats()
         self.return_tensors: ReturnTensors = return_tensors
@@ -229,6 +229,8 @@ class StreamProtocol:
             self.replica = replica
         self._attempts = self._new_attempts(self._clock)  # a move, if any, is over
         self.source.rewind(event["frames_received"] - self.base)
+        if event.get("durable_frames") is not None:
+            self.source.durable(event["durable_frames"] - self.base)
         self.server_flushed = bool(event["flushed"])
         if self.server_flushed and not self.source.exhausted:
             raise StreamClosedError(f"session {self.session_id} is flushed: it takes no more frames", status=409)
@@ -288,10 +290,13 @@ class StreamProtocol:
         stream is done, None when there is nothing new (a replayed unit, a resumable error before a close).
         Other error events are raised."""
         if isinstance(message, bytes):
-            fresh = self.tracker.accept(Unit.from_payload(message, self.return_tensors))
+            unit = Unit.from_payload(message, self.return_tensors)
+            base = self.base or 0
+            if "durable_frames" in unit.metadata:
+                self.source.durable(int(unit.metadata["durable_frames"]) - base)
+            fresh = self.tracker.accept(unit)
             if fresh is None:
                 return None
-            base = self.base or 0
             self.source.confirm(self.tracker.frames - base)
             if self.on_unit is not None:
                 self.on_unit(fresh)

@@ -1,8 +1,11 @@
 """The bookkeeping of a stream that survives reconnects, without any I/O (the sync and async clients share it).
 
 A stream's frames are counted two ways. Going out, ``ChunkSource`` numbers the frames of the caller's chunks from
-0 and keeps every message the server may not have yet; when a reconnect's ``session`` event says the server has
-``frames_received`` of them, the source sends again from exactly there (a message lost in flight is not counted by
+0 and keeps every message the server may not have yet, or may lose: a server that writes crash checkpoints says
+in every unit (and the ``session`` event) how many input frames its last checkpoint covers (``durable_frames``), and
+a message is kept until it is covered, since a crash brings the session back from that checkpoint, behind frames
+already refined; without checkpoints a message goes once its frames came back refined. When a reconnect's
+``session`` event says the server has ``frames_received`` of them, the source sends again from exactly there (a message lost in flight is not counted by
 the server, so it is resent whole, its prompt with it). Coming back, ``UnitTracker`` counts the session's frames the
 caller has got: a reconnect asks the server to resend from that count (``resume_from``), and a unit that straddles
 it (the server resends units whole) is trimmed, so no frame is delivered twice; a unit beginning past the count
@@ -59,11 +62,21 @@ def as_chunk(item: Any) -> Chunk:
 
 class ChunkSource:
     """The caller's chunks as stream messages, numbered in frames, with the ones the server may lack kept for a
-    resend. Thread-safe: the sync client's sender thread adds while its receiver confirms."""
+    resend. Thread-safe: the sync client's sender thread adds while its receiver confirms.
 
-    def __init__(self, prompt: Array | None = None, prompt_mask: Array | None = None):
+    ``max_kept_bytes``: a bound on the input kept for frames that already came back refined but are not durable
+    yet (the server's checkpoints lag, or fail); past it the oldest such messages go, and a reconnect to a
+    checkpoint behind them fails with ``ProtocolError``. Messages not refined yet are always kept (an ordinary
+    reconnect resends them); the stream's flow control bounds those."""
+
+    def __init__(self, prompt: Array | None = None, prompt_mask: Array | None = None,
+                 max_kept_bytes: int | None = None):
         self._first_prompt = (prompt, prompt_mask)
+        self.max_kept_bytes = max_kept_bytes
         self._log: list[_Sent] = []  # oldest first, contiguous in frames
+        self._refined = 0  # frames that came back refined
+        self._durable: int | None = None  # frames the server's last checkpoint covers; None: it reports none
+        self._over_bound = 0  # frames dropped past max_kept_bytes before they were durable
         self._resend: list[tuple[bytes, int]] = []  # (payload, frames)
         self._lock = threading.Lock()
         self.frames_added = 0  # frames taken from the caller
@@ -106,10 +119,11 @@ class ChunkSource:
                 )
             first_kept = self._log[0].start if self._log else self.frames_added
             if frames_received < first_kept:
-                raise ProtocolError(
-                    f"the server has only {frames_received} frames of this stream, but frames before {first_kept} "
-                    "were confirmed as received earlier"
-                )
+                why = (f"the frames up to {self._over_bound} were no longer kept: over max_resend_bytes "
+                       f"({self.max_kept_bytes} bytes of input the server had not made durable)"
+                       if self._over_bound > frames_received else
+                       f"frames before {first_kept} were confirmed as received earlier")
+                raise ProtocolError(f"the server has only {frames_received} frames of this stream, but {why}")
             self._resend = [
                 (_payload(sent, frames_received), sent.end - max(sent.start, frames_received))
                 for sent in self._log
@@ -118,15 +132,40 @@ class ChunkSource:
             self.frames_sent = frames_received
 
     def confirm(self, frames: int) -> None:
-        """The server has the first ``frames`` frames (they came back refined): no need to keep them."""
+        """The first ``frames`` frames came back refined: the live server has them (and, when the server reports
+        no checkpoints, nothing else could ask for them again)."""
         with self._lock:
-            while self._log and self._log[0].end <= frames:
-                self._log.pop(0)
+            self._refined = max(self._refined, frames)
+            self._drop()
+
+    def durable(self, frames: int) -> None:
+        """The server's last checkpoint covers the first ``frames`` frames: a crash cannot lose them any more.
+        From the first call on, messages are kept until durable rather than until refined."""
+        with self._lock:
+            self._durable = max(self._durable or 0, frames)
+            self._drop()
+
+    def _drop(self) -> None:
+        until = self._refined if self._durable is None else self._durable
+        while self._log and self._log[0].end <= until:
+            self._log.pop(0)
+        if self.max_kept_bytes is None:
+            return
+        kept = sum(_nbytes(sent.chunk) for sent in self._log if sent.end <= self._refined)
+        while self._log and kept > self.max_kept_bytes and self._log[0].end <= self._refined:
+            dropped = self._log.pop(0)
+            kept -= _nbytes(dropped.chunk)
+            self._over_bound = dropped.end
 
     @property
     def kept_frames(self) -> int:
         with self._lock:
             return sum(sent.end - sent.start for sent in self._log)
+
+
+def _nbytes(chunk: Chunk) -> int:
+    return sum(int(getattr(array, "nbytes", 0) or 0) for array in (chunk.latents, chunk.prompt, chunk.prompt_mask)
+               if array is not None)
 
 
 def _payload(sent: _Sent, from_frame: int) -> bytes:

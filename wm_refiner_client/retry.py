@@ -22,18 +22,24 @@ class RetryPolicy:
     ``Retry-After`` is waited at least, up to ``max_retry_after_s``. ``move_timeout_s``: how long a 404 for a
     session is retried when it comes from a replica other than the one that last served the session (behind a
     router the session is moving: the next replica adopts it from the shared snapshots on a request); the 404 is
-    raised (``SessionNotFoundError``) after that, or at once when the session's own replica answers it."""
+    raised (``SessionNotFoundError``) after that, or at once when the session's own replica answers it.
+    ``max_resend_bytes``: how much input a stream keeps for frames already refined but not yet covered by the
+    server's last crash checkpoint (``durable_frames``), so that it can resend them to a replica that adopts the
+    session from that checkpoint after a crash; past it the oldest go (a crash that far behind then ends the
+    stream with ``ProtocolError``). Input not yet refined is always kept."""
 
     attempts: int = 10
     backoff_s: float = 0.25
     max_backoff_s: float = 8.0
     max_retry_after_s: float = 30.0
     move_timeout_s: float = 15.0
+    max_resend_bytes: int = 512 * 2**20
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {self.attempts}")
-        if min(self.backoff_s, self.max_backoff_s, self.max_retry_after_s, self.move_timeout_s) < 0:
+        if min(self.backoff_s, self.max_backoff_s, self.max_retry_after_s, self.move_timeout_s,
+               self.max_resend_bytes) < 0:
             raise ValueError("waits must be >= 0")
 
     def delay(self, failures: int, retry_after: float | None = None, jitter: float | None = None) -> float:
