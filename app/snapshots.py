@@ -19,7 +19,6 @@ Reading and building records run on the engine thread (the session's tensors are
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable

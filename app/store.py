@@ -28,18 +28,17 @@ from typing import Any, Callable, Iterator
 from models import Prompt, Refiner, RefinerSession, SessionConfig
 from wm_refiner_client import spec
 
+from . import leases
 from .delivery import Deliveries, Encoder
 from .engine import Engine
 from .engine_errors import Draining
-from .errors import ApiError
+from .errors import WS_SERVICE_RESTART, ApiError
+from .leases import Lease, LeaseHeld, LeaseLost
 from .metrics import Metrics
 from .outputs import Outputs
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
-from . import leases
-from .errors import WS_SERVICE_RESTART
-from .leases import Lease, LeaseHeld, LeaseLost
 from .snapshots import (
     SessionRecord,
     has_snapshot,

@@ -140,3 +140,19 @@ def test_a_replica_that_lost_its_lease_has_its_writes_refused_and_drops_its_copy
         assert moved.status_code == 503 and moved.json()["error"]["code"] == "session_moved"
         assert "replica-b" in moved.json()["error"]["message"]
         assert httpx.get(f"{b.base_url}/v1/sessions/leased-session-2").status_code == 200
+
+
+def test_a_session_that_ends_takes_its_checkpoint_and_lease_with_it(make_settings, tmp_path):
+    """Deleted: its checkpoint and its lease go (a tracked background removal), so no replica can adopt it back and
+    the id is free at once."""
+    folder = tmp_path / "shared"
+    latents, embeds, mask = make_clip(frames=9)
+    with LiveServer(make_settings(snapshot_dir=folder, replica_id="replica-a", checkpoint_every_blocks=1)) as a:
+        checkpointed_session(a.base_url, "ending-session-1", latents, embeds, mask)
+        store = a.services.store
+        assert "ending-session-1" in store.leases
+        assert generations(folder, "ending-session-1") == [1]
+        assert httpx.delete(f"{a.base_url}/v1/sessions/ending-session-1").status_code == 204
+        wait_until(lambda: not list(folder.iterdir()), "the checkpoint and the lease to be removed")
+        wait_until(lambda: not store._background, "the removal to be done and forgotten")
+        assert store.leases == {}
