@@ -97,3 +97,47 @@ def test_what_the_client_keeps_for_a_crash_is_bounded():
     unbounded.durable(0)
     unbounded.confirm(10)
     assert unbounded.kept_frames == 10, "no bound: kept until durable"
+
+
+def unit_payload(start: int, end: int, durable: int | None) -> bytes:
+    from safetensors.numpy import save
+
+    metadata = {"frame_start": str(start), "frame_end": str(end), "latency_ms": "1.0"}
+    if durable is not None:
+        metadata["durable_frames"] = str(durable)
+    return save({"latents": np.zeros((1, 4, end - start, 2, 2), dtype=np.float32)}, metadata=metadata)
+
+
+def session_event(frames_received: int, frames_returned: int, durable: int | None) -> str:
+    import json
+
+    event = {"type": "session", "session_id": "s", "frames_received": frames_received,
+             "frames_returned": frames_returned, "pending_frames": frames_received - frames_returned, "next_seq": 0,
+             "flushed": False, "resume_from": 0, "resent_from": frames_returned}
+    if durable is not None:
+        event["durable_frames"] = durable
+    return json.dumps(event)
+
+
+def test_the_stream_state_machine_resends_from_a_checkpoint_behind_its_units():
+    """What both clients run (``StreamProtocol``), without a server: units come back to frame 11 while the last
+    checkpoint covers 8; the next connection's session event says the server has 8 frames (it adopted that
+    checkpoint): the messages from frame 8 on are resent, and the units it refines again are not handed out twice."""
+    from wm_refiner_client.protocol import NEED_CHUNK, StreamProtocol
+    from wm_refiner_client.units import decode
+
+    protocol = StreamProtocol("s", {"sink_frames": 1, "block_size": 2}, RetryPolicy())
+    assert protocol.opened(session_event(0, 0, 0))
+    latents = np.arange(1 * 4 * 12 * 2 * 2, dtype=np.float32).reshape(1, 4, 12, 2, 2)
+    for start in range(0, 12, 2):
+        assert protocol.next_message() == NEED_CHUNK
+        protocol.add(latents[:, :, start : start + 2])
+    for start, end, durable in [(0, 1, 0), (1, 3, 0), (3, 5, 0), (5, 7, 0), (7, 9, 8), (9, 11, 8)]:
+        assert protocol.received(unit_payload(start, end, durable)) is not None
+    assert protocol.source.kept_frames == 4, "frames [8, 12) are not durable yet"
+    assert protocol.opened(session_event(8, 7, 8))  # another replica, from the checkpoint
+    resent = [decode(protocol.next_message())["latents"] for _ in range(2)]
+    assert np.array_equal(np.concatenate(resent, axis=2), latents[:, :, 8:12])
+    assert protocol.received(unit_payload(7, 9, 8)) is None, "the caller has these frames"
+    fresh = protocol.received(unit_payload(9, 13, 8))
+    assert (fresh.frame_start, fresh.frame_end) == (11, 13), "a straddling unit is trimmed to what is new"
