@@ -36,8 +36,9 @@ _REPLICA_ID = re.compile(REPLICA_ID_RULE)
 def check_replica_id(replica_id: str) -> str:
     """``replica_id`` when it is a safe token; ValueError saying what to choose otherwise.
 
-    It is sent as the ``X-Replica`` header and becomes part of snapshot claim file names
-    (``.<session>.session.safetensors.claimed-<replica_id>``, found again with a glob at start-up): so letters,
+    It is sent as the ``X-Replica`` header, written into session leases and becomes part of temporary file names
+    in the snapshot folder (``.<session>.session.safetensors.<replica_id>.<random>.tmp``, found again with a glob
+    at start-up): so letters,
     digits, '.', '_' and '-', starting with a letter or digit, at most 128 characters (a host name and a pid fit).
     No '/', no glob characters, no spaces or control characters that a header or a file name would mangle.
     """
@@ -214,7 +215,7 @@ class Settings(_SessionDefaults):
     )
     replica_id: str = Field(
         default_factory=_default_replica_id,
-        description="this process's name in a deployment: the X-Replica header, snapshot claims; a safe token "
+        description="this process's name in a deployment: the X-Replica header, session leases; a safe token "
         f"({REPLICA_ID_RULE})",
     )
 
