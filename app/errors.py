@@ -78,6 +78,9 @@ ERRORS: dict[str, ErrorKind] = {
     "engine_busy": ErrorKind(503, retry_after=True),
     # Request bodies in flight over max_inflight_body_bytes (app.guards).
     "server_busy": ErrorKind(503, retry_after=True),
+    # A session's bytes (known at its first chunk) do not fit device_memory_budget, even after idle sessions were
+    # parked (app.parking); refused before anything of it was allocated.
+    "insufficient_memory": ErrorKind(503, retry_after=True),
     # 500: a bug or a device failure; the session was restored, but the stream is closed to be safe.
     "internal_error": ErrorKind(500, ws_close=WS_INTERNAL_ERROR),
 }

@@ -10,6 +10,7 @@ does not extend the wait (a client polling GET is not back); a new stream, or a 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
@@ -24,6 +25,7 @@ from models import Prompt, Refiner, RefinerSession, SessionConfig
 from .delivery import Deliveries
 from .engine import EngineSession
 from .errors import ApiError
+from .memory import handle_bytes
 from .outputs import Outputs
 from .protocol import ChunkLog
 from .resume import RetainedUnits, SentUnit
@@ -64,6 +66,11 @@ class SessionHandle:
     checkpoint_at: float = field(default_factory=time.monotonic)
     checkpoint_write: Any = None
     from_checkpoint: bool = False  # adopted from a file that may be behind its clients (a crash checkpoint)
+    # Where its tensors are (app.parking): active (device), parked (host), spilled (snapshot_dir, handle dropped).
+    memory_state: str = "active"
+    reserved_bytes: int = 0  # device bytes admission reserved at its first chunk (app.parking.Parking.reserve)
+    park_ready: Any = None  # CUDA event of the copies that last moved its tensors (None on a CPU)
+    moving: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while its tensors move (app.parking)
 
     @property
     def session(self) -> RefinerSession:
@@ -95,6 +102,8 @@ class SessionHandle:
             "streaming": self.streaming,
             "outputs": list(self.outputs.kinds),
             "watchers": len(self.watchers),
+            "state": self.memory_state,
+            "bytes": {**{k: v for k, v in handle_bytes(self).items() if k != "parts"}, "disk": 0},
         }
 
     def describe(self) -> dict[str, Any]:
@@ -122,6 +131,9 @@ class SessionHandle:
             "resumable_from": self.retained.first_frame(state.frames_returned),
             "created_at": _iso(self.created_at),
             "last_active_at": _iso(self.last_active_wall),
+            # Where it is (app.parking) and what it holds there, by part (app.memory).
+            "state": self.memory_state,
+            "bytes": {**handle_bytes(self), "disk": 0},
         }
 
 
@@ -283,6 +295,21 @@ class Registry:
         for handle in idle:
             self._evict(handle)
         return [h.id for h in idle]
+
+    def holds(self, handle: SessionHandle) -> bool:
+        """Whether ``handle`` is the live session of its id (without touching it)."""
+        return self._sessions.get(handle.id) is handle
+
+    def release(self, handle: SessionHandle, error: ApiError) -> None:
+        """Drop a session that lives on elsewhere (spilled to snapshot_dir): nothing of it ends, its file stays."""
+        handle.engine_session.closed = error
+        self._sessions.pop(handle.id, None)
+
+    def mark_evicted(self, session_id: str, reason: str) -> None:
+        """A session that was not live here (spilled) ended: its id answers 410 with ``reason``."""
+        self._evicted[session_id] = reason
+        while len(self._evicted) > self.remember_evicted:
+            self._evicted.popitem(last=False)
 
     def total_cache_bytes(self) -> int:
         return sum(h.cache_bytes for h in self._sessions.values())

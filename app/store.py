@@ -33,6 +33,7 @@ from .engine_errors import Draining
 from .errors import ApiError
 from .metrics import Metrics
 from .outputs import Outputs
+from .parking import Parking
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
@@ -73,7 +74,7 @@ class SessionStore:
         self._stages = stages
         self.registry = Registry(
             max_sessions=settings.max_sessions,
-            idle_timeout_s=settings.session_idle_timeout_s,
+            idle_timeout_s=settings.retention_s,
             remember_evicted=settings.evicted_ids_remembered,
             retry_after_s=settings.retry_after_s,
             reattach_grace_s=settings.ws_reattach_grace_s,
@@ -89,6 +90,8 @@ class SessionStore:
         # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
         self.draining = False
         self._adopting: dict[str, asyncio.Lock] = {}
+        # Bytes: accounting, admission by bytes, park / spill / page-in (app.parking).
+        self.parking = Parking(self)
 
     @property
     def snapshot_folder(self) -> Path | None:
@@ -96,10 +99,20 @@ class SessionStore:
         return None if folder is None else Path(folder).expanduser()
 
     # --- admission -----------------------------------------------------------------------------------------
-    def admit(self) -> None:
-        """Room for one more session (or clip), or ApiError 503 too_many_sessions. A count today
-        (``max_sessions``); a memory budget (bytes held by the sessions) is the next check to add here."""
+    def admit(self, need_bytes: int = 0, what: str = "a new session") -> None:
+        """Room for one more session (or clip): ApiError 503 too_many_sessions past ``max_sessions``, 503
+        insufficient_memory when ``need_bytes`` more device bytes do not fit ``device_memory_budget``. A new
+        session's bytes are unknown until its first chunk (``prepare``), so they are checked there."""
         self.registry.require_capacity()
+        self.parking.require(need_bytes, what)
+
+    async def prepare(self, handle: SessionHandle, shape: tuple[int, ...] | None) -> None:
+        """Right before work of ``handle`` (frames shaped ``shape``, or None) goes to the engine, within its turn:
+        a parked session is brought back to the device, and a session's first frames reserve its bytes (or are
+        refused with insufficient_memory) before anything of it is allocated."""
+        await self.parking.activate(handle)
+        if shape is not None:
+            await self.parking.reserve(handle, shape)
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
                session_id: str | None = None) -> SessionHandle:
@@ -131,11 +144,14 @@ class SessionStore:
             return handle
         folder = self.snapshot_folder
         if folder is not None and has_snapshot(folder, session_id):
+            started = time.perf_counter()
+            await self.parking.room_for_file(folder, session_id)  # its bytes, from the header, before the claim
             lock = self._adopting.setdefault(session_id, asyncio.Lock())
             async with lock:  # one adoption per id in this process; other replicas are kept off by the claim
                 handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
             self._adopting.pop(session_id, None)
             if handle is not None:
+                self.parking.paged_in(session_id, started)  # a spilled session of this replica is back
                 return handle
         return self.registry.get(session_id)
 
@@ -148,15 +164,35 @@ class SessionStore:
     def touch(self, handle: SessionHandle) -> None:
         self.registry.touch(handle)
 
-    def listing(self, limit: int, after: str | None) -> tuple[list[SessionHandle], str | None]:
-        return self.registry.listing(limit, after)
+    def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
+        """A page of the sessions, live and spilled (``app.parking.Spilled``), oldest first; each has ``summary()``."""
+        if not self.parking.spilled:
+            return self.registry.listing(limit, after)
+        self.registry.evict_idle()
+        entries = sorted(self.everything(), key=lambda e: (e.created_at, e.id))
+        if after is not None:
+            ids = [entry.id for entry in entries]
+            if after not in ids:
+                raise ApiError("invalid_request", f"after={after!r} is not a live session of this server; pass the "
+                                                  "'next' of the previous page")
+            entries = entries[ids.index(after) + 1 :]
+        page = entries[:limit]
+        return page, (page[-1].id if len(entries) > limit else None)
+
+    def everything(self) -> list[Any]:
+        """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir."""
+        spilled = [stub for session_id in list(self.parking.spilled) if (stub := self.parking.stub(session_id))]
+        return [*self.registry.handles(), *spilled]
 
     def handles(self) -> list[SessionHandle]:
         return self.registry.handles()
 
     async def evict_forever(self) -> None:
+        """Evict sessions past their retention (or grace, or TTL); park, spill and delete by idle time
+        (``app.parking``)."""
         settings = self.settings
-        interval = min(settings.session_idle_timeout_s / 2, settings.ws_reattach_grace_s / 2, 5.0)
+        interval = min(settings.retention_s / 2, settings.ws_reattach_grace_s / 2, settings.park_after_s / 2,
+                       settings.spill_after_s / 2, 5.0)
         while True:
             await asyncio.sleep(interval)
             if self.draining:
@@ -165,6 +201,10 @@ class SessionStore:
             evicted = self.registry.evict_idle()
             if evicted:
                 log.info("evicted %d idle session(s)", len(evicted))
+            try:
+                await self.parking.tick()
+            except Exception:  # parking is an optimisation: a failure must never stop eviction
+                log.exception("parking sessions failed")
 
     # --- crash checkpoints ---------------------------------------------------------------------------------------
     async def checkpoint(self, handle: SessionHandle) -> None:
@@ -279,6 +319,7 @@ class SessionStore:
         handles = self.registry.handles()
         await asyncio.gather(*(h.deliveries.flush() for h in handles if h.deliveries is not None),
                              return_exceptions=True)
+        await self.parking.settle()  # parked sessions' copies to the host complete before they are read
         writes = [h.checkpoint_write for h in handles if h.checkpoint_write is not None]
         if writes:
             await asyncio.wait(writes)

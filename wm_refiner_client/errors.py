@@ -224,6 +224,13 @@ class ServerBusyError(ServiceUnavailableError):
     code = "server_busy"
 
 
+class InsufficientMemoryError(ServiceUnavailableError):
+    """The session's bytes (its KV cache at its frame size) do not fit the server's device memory budget; nothing
+    was allocated. Retry later, with smaller frames or window, or on another replica."""
+
+    code = "insufficient_memory"
+
+
 class RequestTimeoutError(APIError):
     """The server's HTTP layer closed a request whose headers or body came too slowly (408)."""
 
@@ -246,7 +253,7 @@ ERROR_CLASSES: dict[str, type[APIError]] = {
         ResumeUnavailableError, SessionEvictedError, PayloadTooLargeCodeError, TooManyFramesError,
         PromptTooLongError, UnsupportedMediaTypeError, InvalidInputError, InvalidConfigError, InvalidRequestError,
         InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError, ServerBusyError,
-        RequestTimeoutError, HeadersTooLargeError,
+        InsufficientMemoryError, RequestTimeoutError, HeadersTooLargeError,
     )
 }
 _BY_STATUS: dict[int, type[APIError]] = {
@@ -259,7 +266,8 @@ _BY_STATUS: dict[int, type[APIError]] = {
 }
 
 # Codes after which the server will take the same request again (the request changed nothing).
-RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy"})
+RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy",
+                             "insufficient_memory"})
 
 
 def error_from(status: int, body: Any, retry_after: float | None = None) -> APIError:
