@@ -192,7 +192,7 @@ class Parking:
             idle = sorted((h for h in self.store.registry.handles()
                            if h is not exclude and h.memory_state == "active" and _idle(h)
                            and handle_bytes(h)["device"] > 0),
-                          key=lambda h: h.last_active)
+                          key=lambda h: h.last_work)
             if not idle:
                 break
             if not await self.park(idle[0], reason="admission"):
@@ -313,13 +313,13 @@ class Parking:
             if handle.deliveries is not None:
                 await handle.deliveries.flush()
             await self.settle()
-            seen = handle.last_active
+            seen = handle.taken
             from .store import _record  # the drain's record of a session: the same file, adoptable by any replica
 
             record = _record(handle, store.encoder)
             tensors, metadata = await store.engine.call(lambda: record_tensors(record()))
             path = await asyncio.to_thread(write_record, folder, handle.id, tensors, metadata)
-            if not _spillable(handle) or handle.last_active != seen or not store.registry.holds(handle):
+            if not _spillable(handle) or handle.taken != seen or not store.registry.holds(handle):
                 # Asked for while it was written: it stays parked here, and no other replica may adopt the file.
                 await asyncio.to_thread(remove_record, folder, handle.id)
                 return False
@@ -342,6 +342,15 @@ class Parking:
             return None
         return stub
 
+    def read(self, session_id: str) -> dict[str, Any] | None:
+        """GET of a spilled session: its description, without bringing it back (a request all the same: its
+        retention restarts, as a GET of a live session's does)."""
+        stub = self.stub(session_id)
+        if stub is None:
+            return None
+        stub.last_active = self.store.registry.clock()
+        return stub.describe()
+
     def paged_in(self, session_id: str, started: float) -> None:
         """A spilled session was adopted back (``SessionStore.lookup``)."""
         if self.spilled.pop(session_id, None) is not None:
@@ -362,7 +371,7 @@ class Parking:
         spill_after_s, delete the spilled ones past session_retention_s."""
         settings, registry, now = self.settings, self.store.registry, self.store.registry.clock()
         for handle in registry.handles():
-            idle_for = now - handle.last_active
+            idle_for = now - handle.last_work
             if handle.memory_state == "active" and idle_for >= settings.park_after_s and _idle(handle):
                 await self.park(handle)
             if (handle.memory_state == "parked" and idle_for >= settings.spill_after_s

@@ -68,6 +68,8 @@ class SessionHandle:
     from_checkpoint: bool = False  # adopted from a file that may be behind its clients (a crash checkpoint)
     # Where its tensors are (app.parking): active (device), parked (host), spilled (snapshot_dir, handle dropped).
     memory_state: str = "active"
+    last_work: float = 0.0  # registry clock: when work of it last started or ended (parking's idle clock)
+    taken: int = 0  # lookups that handed it to a request (a spill in progress gives way to them)
     reserved_bytes: int = 0  # device bytes admission reserved at its first chunk (app.parking.Parking.reserve)
     park_ready: Any = None  # CUDA event of the copies that last moved its tensors (None on a CPU)
     moving: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while its tensors move (app.parking)
@@ -151,8 +153,10 @@ class Registry:
         deliveries: Callable[[SessionHandle], Deliveries] | None = None,
         on_close: Callable[[SessionHandle], None] | None = None,
         stages: Callable[[], OutputStages] = build_stages,
+        idle_setting: str = "session_idle_timeout_s",
     ):
         self.max_sessions = max_sessions
+        self.idle_setting = idle_setting  # the setting idle_timeout_s came from, named in an eviction's reason
         self.idle_timeout_s = idle_timeout_s
         self.reattach_grace_s = reattach_grace_s
         self.flushed_ttl_s = flushed_ttl_s
@@ -239,6 +243,7 @@ class Registry:
             config=session.config,
             engine_session=EngineSession(session=session, name=f"session {session_id}", stages=stages),
             last_active=self.clock(),
+            last_work=self.clock(),
             retained=RetainedUnits(self.resume_units),
             outputs=outputs,
         )
@@ -354,7 +359,7 @@ class Registry:
         elif handle.detached:
             reason = f"its stream dropped and none reattached within {self.reattach_grace_s:g} s (ws_reattach_grace_s)"
         else:
-            reason = f"{self.idle_timeout_s:g} s without activity (session_idle_timeout_s)"
+            reason = f"{self.idle_timeout_s:g} s without activity ({self.idle_setting})"
         self._close(handle, ApiError("session_evicted", f"session {handle.id} was evicted after {reason}"))
         self._evicted[handle.id] = reason
         while len(self._evicted) > self.remember_evicted:

@@ -111,9 +111,12 @@ class SessionOps:
 
     async def describe(self, session_id: str) -> dict[str, Any]:
         # A spilled session is described from what it was when spilled, not brought back for a GET.
-        stub = self.store.parking.stub(session_id) if self.store.registry.existing(session_id) is None else None
-        if stub is not None:
-            return stub.describe()
+        live = self.store.registry.existing(session_id) if spec.is_session_id(session_id) else None
+        if live is not None:
+            return live.describe()  # read, not taken: a parked session stays parked
+        spilled = self.store.parking.read(session_id)
+        if spilled is not None:
+            return spilled
         return (await self.store.lookup(session_id)).describe()
 
     async def delete(self, session_id: str) -> None:

@@ -75,6 +75,7 @@ class SessionStore:
         self.registry = Registry(
             max_sessions=settings.max_sessions,
             idle_timeout_s=settings.retention_s,
+            idle_setting="session_retention_s" if settings.session_retention_s is not None else "session_idle_timeout_s",
             remember_evicted=settings.evicted_ids_remembered,
             retry_after_s=settings.retry_after_s,
             reattach_grace_s=settings.ws_reattach_grace_s,
@@ -110,6 +111,7 @@ class SessionStore:
         """Right before work of ``handle`` (frames shaped ``shape``, or None) goes to the engine, within its turn:
         a parked session is brought back to the device, and a session's first frames reserve its bytes (or are
         refused with insufficient_memory) before anything of it is allocated."""
+        handle.last_work = self.registry.clock()
         await self.parking.activate(handle)
         if shape is not None:
             await self.parking.reserve(handle, shape)
@@ -141,6 +143,7 @@ class SessionStore:
                                                 f"{spec.SESSION_ID_RULE}; use the session_id POST /v1/sessions returned")
         handle = self.registry.existing(session_id)
         if handle is not None:
+            handle.taken += 1  # a spill of it now gives way (app.parking)
             return handle
         folder = self.snapshot_folder
         if folder is not None and has_snapshot(folder, session_id):
@@ -162,7 +165,9 @@ class SessionStore:
                 connection.close(1000, "session deleted")
 
     def touch(self, handle: SessionHandle) -> None:
+        """Work of the session started or ended (a chunk, a stream message): its idle clocks restart."""
         self.registry.touch(handle)
+        handle.last_work = self.registry.clock()
 
     def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
         """A page of the sessions, live and spilled (``app.parking.Spilled``), oldest first; each has ``summary()``."""
