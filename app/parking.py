@@ -21,9 +21,9 @@ its own lock (``SessionHandle.moving``), which ``activate`` (the step before any
 the engine) also takes: work never reaches the engine while the session's tensors are away or moving. On CUDA the
 copies themselves run on a side stream (``models.memory.Move``): the engine thread only queues them.
 
-A spill writes the file with the lock held and commits it (drops the session from memory) only if nothing asked
-for the session meanwhile (no request, stream, watcher; the same last-activity time); otherwise the file is
-removed and the session stays parked.
+A spill writes the file with the lock held and commits it (drops the session from memory) only if nothing took the
+session meanwhile (no lookup handed it to a request, no stream or watcher attached, no work); otherwise the file is
+removed and the session stays parked. A GET reads a spilled session from what was saved, without bringing it back.
 
 Admission by bytes (``device_memory_budget``): a session's bytes are known once its geometry is, at its first chunk
 (``models.memory.session_bytes_estimate``, before anything is allocated); what does not fit is refused with 503
@@ -80,7 +80,10 @@ class Spilled:
                 "bytes": {"device": 0, "host": 0, "disk": self.file_bytes}}
 
     def describe(self) -> dict[str, Any]:
-        return {**self.description, "state": "spilled",
+        # What it held is in its file now; nothing of it is allocated here.
+        held = {name: 0 for name in ("kv_cache_bytes", "video_state_bytes", "cache_bytes", "pending_bytes")
+                if name in self.description}
+        return {**self.description, **held, "state": "spilled",
                 "bytes": {"device": 0, "host": 0, "disk": self.file_bytes, "parts": {}}}
 
 
@@ -319,6 +322,8 @@ class Parking:
             record = _record(handle, store.encoder)
             tensors, metadata = await store.engine.call(lambda: record_tensors(record()))
             path = await asyncio.to_thread(write_record, folder, handle.id, tensors, metadata)
+            if store.draining:
+                return False  # the drain saves it (over this file): it must find it live
             if not _spillable(handle) or handle.taken != seen or not store.registry.holds(handle):
                 # Asked for while it was written: it stays parked here, and no other replica may adopt the file.
                 await asyncio.to_thread(remove_record, folder, handle.id)

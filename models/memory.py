@@ -115,22 +115,24 @@ def session_bytes(session) -> dict[str, int]:
 class Move:
     """Tensors of a session on their way to another device, queued without waiting.
 
-    On CUDA the copies go on a side stream that first waits for everything queued on the engine's stream (the last
-    forwards that wrote the cache), into pinned host memory on the way out; the source tensors are marked as used by
-    that stream, so the caching allocator reuses their memory only once the copies are done, and the engine thread
-    never waits for a copy. ``ready`` is the event the next user of the moved tensors must make its stream wait for
-    (``after``). Elsewhere (CPU to CPU) nothing is copied unless ``copy`` asks for it (tests do, to prove that no
-    tensor of the moved session is shared with the one before)."""
+    Device to host (parking, on CUDA): the copies go on a side stream that first waits for everything queued on the
+    engine's stream (the last forwards that wrote the cache), into pinned host memory; the source tensors are marked
+    as used by that stream, so the caching allocator reuses their memory only once the copies are done, and the
+    engine thread never waits. ``ready`` is the event they complete with: whoever reads the host copies waits for it
+    (``after`` on the device, ``synchronize`` on the host). Host to device (a page-in): the copies are queued on the
+    engine's own stream, from pinned memory, so the forwards that follow are ordered after them. Elsewhere (CPU to
+    CPU) nothing is copied unless ``copy`` asks for it (tests do, to prove that no tensor of the moved session is
+    shared with the one before)."""
 
     def __init__(self, device: torch.device, copy: bool = False):
         self.device = torch.device(device)
         self.copy = copy
         self.ready = None
         self._stream = None
+        self._context = None
 
     def __enter__(self) -> Move:
-        cuda = [d for d in (self.device,) if d.type == "cuda"]
-        if cuda or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        if self.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
             self._stream = torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())
             self._context = torch.cuda.stream(self._stream)
@@ -146,17 +148,15 @@ class Move:
     def __call__(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
-        if tensor.device == self.device or (tensor.device.type == self.device.type == "cpu"):
+        if tensor.device.type == self.device.type and (self.device.type == "cpu" or tensor.device == self.device):
             return tensor.clone() if self.copy else tensor
-        if self.device.type == "cpu":
+        if self.device.type == "cpu":  # from CUDA, on the side stream
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
-            out = host
-        else:
-            out = tensor.to(self.device, non_blocking=True)
-        if tensor.device.type == "cuda" and self._stream is not None:
             tensor.record_stream(self._stream)
-        return out
+            return host
+        staged = tensor if tensor.is_pinned() else tensor.pin_memory()
+        return staged.to(self.device, non_blocking=True)
 
     @staticmethod
     def after(ready) -> None:
