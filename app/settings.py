@@ -165,7 +165,7 @@ class Settings(_SessionDefaults):
         "on CUDA); it comes back on its next request"
     )
     spill_after_s: PositiveFloat = Field(
-        default=300.0, description="a parked session without a request this long is written to snapshot_dir and "
+        default=300.0, description="a parked session with no work this long (since its last chunk or message) is written to snapshot_dir and "
         "freed (needs snapshot_dir; without it a session stays parked until session_retention_s)"
     )
     session_retention_s: PositiveFloat | None = Field(
