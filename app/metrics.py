@@ -89,10 +89,13 @@ class Metrics:
             registry=r,
         )
 
+        self._memory = _MemoryCollector(dict, dict)
+        r.register(self._memory)
+
     def track_memory(self, totals: Callable[[], dict[tuple[str, str], int]], counts: Callable[[], dict[str, int]]) -> None:
         """Per-state session bytes (``refiner_session_bytes{state,where}``) and counts (``refiner_sessions{state}``),
         read at scrape time."""
-        self.registry.register(_MemoryCollector(totals, counts))
+        self._memory._totals, self._memory._counts = totals, counts
 
     def track(self, sessions: Callable[[], int], cache_bytes: Callable[[], int], queue: Callable[[], int]) -> None:
         """Read the live values at scrape time instead of keeping gauges in step by hand."""

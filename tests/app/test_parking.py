@@ -270,3 +270,14 @@ def test_without_a_snapshot_dir_sessions_stay_parked_and_only_retention_deletes(
         wait_until(lambda: client.get(f"/v1/sessions/{other}").json()["state"] == "spilled", "the second to spill")
         assert client.delete(f"/v1/sessions/{other}").status_code == 204
         assert not list(folder.iterdir()) and client.get(f"/v1/sessions/{other}").status_code == 404
+
+
+def test_memory_settings_read_units_and_keep_the_old_idle_timeout_name(make_settings):
+    assert make_settings(device_memory_budget="40GiB").device_memory_budget == 40 * 2**30
+    assert make_settings(device_memory_budget="1.5e9").device_memory_budget == 1_500_000_000
+    assert make_settings(device_memory_budget="auto").device_memory_budget == "auto"
+    assert make_settings().device_memory_budget is None
+    with pytest.raises(ValueError, match="not a number of bytes.*40GiB"):
+        make_settings(device_memory_budget="lots")
+    assert make_settings(session_idle_timeout_s=90).retention_s == 90, "the older name still sets the retention"
+    assert make_settings(session_idle_timeout_s=90, session_retention_s=5).retention_s == 5
