@@ -128,7 +128,10 @@ class Parking:
             if handle is exclude:
                 continue
             device = handle_bytes(handle)["device"]
-            if handle.memory_state == "active":
+            if handle.memory_state == "active" and (handle.session.state.geometry is not None
+                                                    or handle.chunks.waiting or handle.engine_session.queued):
+                # Its reservation holds once it has frames, or while its first chunk is on its way (a first chunk
+                # that was refused holds none).
                 device = max(device, handle.reserved_bytes)
             used += device
         return used
@@ -214,7 +217,7 @@ class Parking:
     async def reserve(self, handle: SessionHandle, shape: tuple[int, ...]) -> None:
         """At a session's first chunk (its geometry now known): reserve its bytes or refuse it, before anything of
         it is allocated."""
-        if handle.session.state.geometry is not None or handle.reserved_bytes:
+        if handle.session.state.geometry is not None:
             return
         need = self.estimate(handle.config, shape)
         await self.make_room(need, f"session {handle.id} (frames {tuple(shape)})", exclude=handle)

@@ -1,7 +1,8 @@
 """The session store: where sessions live and how they move.
 
 It holds the live sessions (``app.registry.Registry``, the in-memory index: lookup, eviction, listing), admits new
-ones (``admit``: a count today), adopts sessions other lives of this server or other replicas saved to
+ones (``admit``: a count; bytes at a session's first chunk, ``prepare``), parks, spills and brings back idle ones
+(``app.parking``, its memory side), adopts sessions other lives of this server or other replicas saved to
 ``snapshot_dir`` (``lookup``), writes crash checkpoints between two pieces of a session's work (``checkpoint``)
 and, for a drain, settles and saves every live session (``settle``, ``save_all``). It also keeps the set of open
 connections (streams and watchers) that a drain closes once the sessions are saved.
