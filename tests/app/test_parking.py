@@ -282,3 +282,35 @@ def test_memory_settings_read_units_and_keep_the_old_idle_timeout_name(make_sett
         make_settings(device_memory_budget="lots")
     assert make_settings(session_idle_timeout_s=90).retention_s == 90, "the older name still sets the retention"
     assert make_settings(session_idle_timeout_s=90, session_retention_s=5).retention_s == 5
+
+
+def test_a_spill_gives_way_to_a_request_that_arrives_while_it_is_written(make_settings, refiner, tmp_path):
+    """The spill's file is written while a chunk arrives for the session: the spill is abandoned (its file removed,
+    so no replica can adopt a copy that is about to be stale), the session stays here and the chunk continues it."""
+    folder = tmp_path / "spill"
+    expected = expected_clip(refiner, LATENTS, EMBEDS, MASK)
+    with LiveServer(make_settings(snapshot_dir=folder, park_after_s=600, spill_after_s=600)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        sid = http.post("/v1/sessions").json()["session_id"]
+        first = http.post(f"/v1/sessions/{sid}/chunks", content=payload(LATENTS[:, :, :7], EMBEDS, MASK), headers=OCTET)
+        services = server.services
+        handle, parking = services.registry.existing(sid), services.store.parking
+        assert server.on_loop(parking.park(handle)).result(DEADLINE_S)
+        hold = EngineHold()
+        server.on_loop(services.engine.call(hold))
+        hold.wait_started()
+        spill = server.on_loop(parking.spill(handle))
+        wait_until(lambda: len(services.engine._inbox) == 1, "the spill to wait for the engine to read the session")
+        replies = []
+        sender = threading.Thread(target=lambda: replies.append(http.post(
+            f"/v1/sessions/{sid}/chunks?flush=true", content=payload(LATENTS[:, :, 7:]), headers=OCTET)))
+        sender.start()
+        wait_until(lambda: handle.chunks.waiting == 1, "the chunk to wait for the session")
+        hold.release.set()
+        assert spill.result(DEADLINE_S) is False, "the spill gave way"
+        sender.join(DEADLINE_S)
+        assert replies[0].status_code == 200, replies[0].text
+        assert not list(folder.iterdir()) and services.registry.existing(sid) is handle
+        assert _state(http, sid)["state"] == "active"
+        refined = torch.cat([read_latents(first.content)[0], read_latents(replies[0].content)[0]], dim=2)
+        assert torch.equal(refined, expected)
