@@ -131,6 +131,13 @@ def test_admission_by_bytes_parks_idle_sessions_never_busy_ones_and_refuses_what
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "insufficient_memory"
         clip = client.post("/v1/refine", content=payload(LATENTS, EMBEDS, MASK), headers=OCTET)
         assert clip.status_code == 503 and clip.json()["error"]["code"] == "insufficient_memory"
+        # On a stream: the error event, then close 1013 (its next messages would land after a hole).
+        with client.websocket_connect(f"/v1/sessions/{sid}/stream") as ws:
+            ws.send_bytes(payload(LATENTS[:, :, :5], EMBEDS, MASK))
+            event = ws.receive_json()
+            assert event["type"] == "error" and event["error"]["code"] == "insufficient_memory"
+            assert ws.receive()["code"] == 1013
+        assert client.get(f"/v1/sessions/{sid}").json()["frames_received"] == 0
 
 
 def test_http_chunks_and_a_watcher_page_sessions_in_from_parked_and_spilled_bit_identically(make_settings, refiner,
