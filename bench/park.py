@@ -35,6 +35,11 @@ def _payload(latents, embeds=None) -> bytes:
     return save(tensors)
 
 
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise SystemExit(f"bench park: {what}")
+
+
 def _cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -78,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             embeds = torch.randn(1, 16, caption, generator=generator)
             ids = [http.post("/v1/sessions").json()["session_id"] for _ in range(args.sessions)]
             for sid in ids:
-                assert http.post(f"/v1/sessions/{sid}/chunks", content=_payload(latents[:, :, :fill], embeds),
-                                 headers={"content-type": "application/octet-stream"}).status_code == 200
+                _require(http.post(f"/v1/sessions/{sid}/chunks", content=_payload(latents[:, :, :fill], embeds),
+                                   headers={"content-type": "application/octet-stream"}).status_code == 200,
+                         "the first chunk was refused")
             position = {sid: fill for sid in ids}
 
             def chunk(sid: str) -> float:
@@ -108,19 +114,19 @@ def main(argv: list[str] | None = None) -> int:
                 # Parked: page-in alone, then a chunk after parking again.
                 for sid in ids:
                     handle = services.registry.existing(sid)
-                    assert on_loop(parking.park(handle, reason="bench"))
+                    _require(on_loop(parking.park(handle, reason="bench")), "the session did not park")
                     sizes["parked host bytes"] = http.get(f"/v1/sessions/{sid}").json()["bytes"]["host"]
                     began = time.perf_counter()
                     on_loop(parking.activate(handle))
                     figures["page-in parked"].append(time.perf_counter() - began)
-                    assert on_loop(parking.park(handle, reason="bench"))
+                    _require(on_loop(parking.park(handle, reason="bench")), "the session did not park")
                     figures["chunk parked"].append(chunk(sid))
                 # Spilled: adoption alone, then a chunk after spilling again.
                 for sid in ids:
                     for timed in ("page-in spilled", "chunk spilled"):
                         handle = services.registry.existing(sid)
-                        assert on_loop(parking.park(handle, reason="bench"))
-                        assert on_loop(parking.spill(handle)), "the session did not spill"
+                        _require(on_loop(parking.park(handle, reason="bench")), "the session did not park")
+                        _require(on_loop(parking.spill(handle)), "the session did not spill")
                         sizes["spilled file bytes"] = parking.spilled[sid].file_bytes
                         began = time.perf_counter()
                         if timed == "page-in spilled":
