@@ -81,6 +81,9 @@ ERRORS: dict[str, ErrorKind] = {
     # The session is another replica's (it holds the session's lease: app.leases), or this replica just lost it to
     # one; the stream closes with 1012 and the client retries, through the router, to the session's owner.
     "session_moved": ErrorKind(503, ws_close=WS_SERVICE_RESTART, retry_after=True),
+    # A session's bytes (known at its first chunk) do not fit device_memory_budget, even after idle sessions were
+    # parked (app.parking); refused before anything of it was allocated.
+    "insufficient_memory": ErrorKind(503, retry_after=True),
     # 500: a bug or a device failure; the session was restored, but the stream is closed to be safe.
     "internal_error": ErrorKind(500, ws_close=WS_INTERNAL_ERROR),
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # From a tiny model on a CPU (milliseconds) to a 48-layer refiner at 720p (seconds).
@@ -78,6 +79,24 @@ class Metrics:
             registry=r,
         )
 
+        self.page_in_seconds = Histogram(
+            "refiner_page_in_seconds",
+            "Per page-in: from a request finding its session parked or spilled to the session being back on the device",
+            ["state"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.session_moves = Counter(
+            "refiner_session_moves", "Sessions moved between memory states, by the state they moved to", ["to"],
+            registry=r,
+        )
+
+        self._memory = _MemoryCollector(dict, dict)
+        r.register(self._memory)
+
+    def track_memory(self, totals: Callable[[], dict[tuple[str, str], int]], counts: Callable[[], dict[str, int]]) -> None:
+        """Per-state session bytes (``refiner_session_bytes{state,where}``) and counts (``refiner_sessions{state}``),
+        read at scrape time."""
+        self._memory._totals, self._memory._counts = totals, counts
+
     def track(self, sessions: Callable[[], int], cache_bytes: Callable[[], int], queue: Callable[[], int]) -> None:
         """Read the live values at scrape time instead of keeping gauges in step by hand."""
         self.active_sessions.set_function(sessions)
@@ -86,3 +105,22 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _MemoryCollector:
+    def __init__(self, totals, counts):
+        self._totals, self._counts = totals, counts
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        size = GaugeMetricFamily("refiner_session_bytes", "Bytes the sessions hold, by memory state (active, parked, "
+                                 "spilled) and where (device, host, disk)", labels=["state", "where"])
+        for (state, where), value in sorted(self._totals().items()):
+            size.add_metric([state, where], value)
+        yield size
+        count = GaugeMetricFamily("refiner_sessions", "Sessions by memory state", labels=["state"])
+        for state, value in self._counts().items():
+            count.add_metric([state], value)
+        yield count

@@ -119,6 +119,14 @@ SessionConfigOut = create_model(
 )
 
 
+class SessionBytes(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    device: int = Field(description="bytes on the device the model computes from (the GPU; on a CPU server its RAM)")
+    host: int = Field(description="bytes in host memory: retained units, the last response; parked: the KV cache too")
+    disk: int = Field(description="bytes of a spilled session's file in snapshot_dir")
+
+
 class SessionSummary(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -129,6 +137,8 @@ class SessionSummary(BaseModel):
     frames_returned: int
     flushed: bool
     streaming: bool
+    state: Literal["active", "parked", "spilled"] = Field(description="where its tensors are (api.md)")
+    bytes: SessionBytes
 
 
 class SessionList(BaseModel):
@@ -154,6 +164,8 @@ class SessionDescription(BaseModel):
     kv_cache_bytes: int
     created_at: str
     last_active_at: str
+    state: Literal["active", "parked", "spilled"] = Field(description="where its tensors are (api.md)")
+    bytes: SessionBytes = Field(description="what it holds where, and by part (parts)")
 
 
 # --- the API key -------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ does not extend the wait (a client polling GET is not back); a new stream, or a 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
@@ -24,6 +25,7 @@ from models import Prompt, Refiner, RefinerSession, SessionConfig
 from .delivery import Deliveries
 from .engine import EngineSession
 from .errors import ApiError
+from .memory import handle_bytes
 from .outputs import Outputs
 from .protocol import ChunkLog
 from .resume import RetainedUnits, SentUnit
@@ -67,6 +69,13 @@ class SessionHandle:
     # Input frames the session's last crash checkpoint covers (the client keeps what it may have to resend until
     # then); None when this server writes no checkpoints (snapshot_dir or checkpointing unset: a crash loses it).
     durable_frames: int | None = None
+    # Where its tensors are (app.parking): active (device), parked (host), spilled (snapshot_dir, handle dropped).
+    memory_state: str = "active"
+    last_work: float = 0.0  # registry clock: when work of it last started or ended (parking's idle clock)
+    taken: int = 0  # lookups that handed it to a request (a spill in progress gives way to them)
+    reserved_bytes: int = 0  # device bytes admission reserved at its first chunk (app.parking.Parking.reserve)
+    park_ready: Any = None  # CUDA event of the copies that last moved its tensors (None on a CPU)
+    moving: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while its tensors move (app.parking)
 
     @property
     def session(self) -> RefinerSession:
@@ -98,6 +107,8 @@ class SessionHandle:
             "streaming": self.streaming,
             "outputs": list(self.outputs.kinds),
             "watchers": len(self.watchers),
+            "state": self.memory_state,
+            "bytes": {**{k: v for k, v in handle_bytes(self).items() if k != "parts"}, "disk": 0},
         }
 
     def describe(self) -> dict[str, Any]:
@@ -126,6 +137,9 @@ class SessionHandle:
             **({} if self.durable_frames is None else {"durable_frames": self.durable_frames}),
             "created_at": _iso(self.created_at),
             "last_active_at": _iso(self.last_active_wall),
+            # Where it is (app.parking) and what it holds there, by part (app.memory).
+            "state": self.memory_state,
+            "bytes": {**handle_bytes(self), "disk": 0},
         }
 
 
@@ -143,8 +157,10 @@ class Registry:
         deliveries: Callable[[SessionHandle], Deliveries] | None = None,
         on_close: Callable[[SessionHandle], None] | None = None,
         stages: Callable[[], OutputStages] = build_stages,
+        idle_setting: str = "session_idle_timeout_s",
     ):
         self.max_sessions = max_sessions
+        self.idle_setting = idle_setting  # the setting idle_timeout_s came from, named in an eviction's reason
         self.idle_timeout_s = idle_timeout_s
         self.reattach_grace_s = reattach_grace_s
         self.flushed_ttl_s = flushed_ttl_s
@@ -231,6 +247,7 @@ class Registry:
             config=session.config,
             engine_session=EngineSession(session=session, name=f"session {session_id}", stages=stages),
             last_active=self.clock(),
+            last_work=self.clock(),
             retained=RetainedUnits(self.resume_units),
             outputs=outputs,
         )
@@ -294,6 +311,21 @@ class Registry:
             self._evict(handle)
         return [h.id for h in idle]
 
+    def holds(self, handle: SessionHandle) -> bool:
+        """Whether ``handle`` is the live session of its id (without touching it)."""
+        return self._sessions.get(handle.id) is handle
+
+    def release(self, handle: SessionHandle, error: ApiError) -> None:
+        """Drop a session that lives on elsewhere (spilled to snapshot_dir): nothing of it ends, its file stays."""
+        handle.engine_session.closed = error
+        self._sessions.pop(handle.id, None)
+
+    def mark_evicted(self, session_id: str, reason: str) -> None:
+        """A session that was not live here (spilled) ended: its id answers 410 with ``reason``."""
+        self._evicted[session_id] = reason
+        while len(self._evicted) > self.remember_evicted:
+            self._evicted.popitem(last=False)
+
     def total_cache_bytes(self) -> int:
         return sum(h.cache_bytes for h in self._sessions.values())
 
@@ -337,7 +369,7 @@ class Registry:
         elif handle.detached:
             reason = f"its stream dropped and none reattached within {self.reattach_grace_s:g} s (ws_reattach_grace_s)"
         else:
-            reason = f"{self.idle_timeout_s:g} s without activity (session_idle_timeout_s)"
+            reason = f"{self.idle_timeout_s:g} s without activity ({self.idle_setting})"
         self._close(handle, ApiError("session_evicted", f"session {handle.id} was evicted after {reason}"))
         self._evicted[handle.id] = reason
         while len(self._evicted) > self.remember_evicted:

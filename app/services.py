@@ -83,6 +83,7 @@ class Services:
             cache_bytes=self.registry.total_cache_bytes,
             queue=lambda: self.engine.outstanding,
         )
+        self.metrics.track_memory(self.store.parking.totals, self.store.parking.counts)
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
         self.batch_invariant: bool | None = None  # measured during the warm-up unless batching is false
         self.batch_probe: str | None = None  # what the probe found, in words
@@ -156,6 +157,8 @@ class Services:
             refiner = self.refiner
             self.default_prompt = await self.engine.call(lambda: load_default_prompt(settings.default_prompt, refiner))
         self.store.clean_snapshot_dir()
+        if settings.device_memory_budget != "auto":
+            self.store.parking.resolve_budget(self.refiner.device)
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
         self._tasks.append(asyncio.create_task(self.store.evict_forever(), name="evict-idle"))
         if settings.snapshot_dir is not None:
@@ -181,6 +184,9 @@ class Services:
                 await self.engine.run(warmup_work(refiner, settings, self.stages))
                 log.info("warm-up done in %.2f s", time.perf_counter() - started)
                 await self._decide_batching()
+            if settings.device_memory_budget == "auto":
+                # What is free once the weights, the warm-up's activations and any compiled graphs are in place.
+                self.store.parking.resolve_budget(self.refiner.device)
             self.not_ready_reason = None
             if not settings.warmup:
                 # Ready at once, as asked; every call serves one session until the probe (run now, between the

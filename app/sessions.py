@@ -110,9 +110,18 @@ class SessionOps:
             raise  # 410 while remembered as evicted
 
     async def describe(self, session_id: str) -> dict[str, Any]:
+        # A spilled session is described from what it was when spilled, not brought back for a GET.
+        live = self.store.registry.existing(session_id) if spec.is_session_id(session_id) else None
+        if live is not None:
+            return live.describe()  # read, not taken: a parked session stays parked
+        spilled = self.store.parking.read(session_id)
+        if spilled is not None:
+            return spilled
         return (await self.store.lookup(session_id)).describe()
 
     async def delete(self, session_id: str) -> None:
+        if self.store.registry.existing(session_id) is None and self.store.parking.forget(session_id):
+            return  # spilled: its file goes, nothing is loaded
         await self.store.lookup(session_id)  # a session saved by another replica is taken and ended here
         self.store.delete(session_id)
 
@@ -124,7 +133,7 @@ class SessionOps:
         if scope == "local" or not self.settings.peers:
             page, following = self.store.listing(limit, after)
             return {"sessions": [{**handle.summary(), "replica": replica} for handle in page], "next": following}
-        mine = [{**h.summary(), "replica": replica} for h in self.store.handles()]
+        mine = [{**h.summary(), "replica": replica} for h in self.store.everything()]
         theirs, unreachable = await peer_sessions(await peer_urls(self.settings), peer_headers(self.settings))
         merged: dict[str, dict[str, Any]] = {}
         for entry in [*mine, *theirs]:
@@ -180,6 +189,7 @@ class SessionOps:
         async with chunks.turn(self.settings.session_queue_depth):
             if chunks.is_repeat(seq):
                 return await encoder.run(chunks.stored_response), True
+            await self.store.prepare(handle, tuple(latents.shape))  # parked: back; first chunk: its bytes admitted
             work = Work(handle.engine_session, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK),
                         flush=flush, atomic=True)
             result = await services.engine.run(work)
@@ -217,20 +227,27 @@ class SessionOps:
                 "the payload has no 'prompt_embeds' tensor; a clip needs prompt_embeds (B, L, caption_channels) and "
                 "optionally prompt_attention_mask (B, L) (this server has no default_prompt)",
             )
-        with self.store.clip():
-            session = RefinerSession(services.require_model(), config, services.default_prompt)
-            target = EngineSession(session=session, name="one-shot clip",
-                                   stages=services.stages.for_session(wanted, config))
-            work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True,
-                        one_shot=True)
-            try:
-                result = await services.engine.run(work)
-            except asyncio.CancelledError:
-                target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
-                raise
+        self.store.admit()  # its place first: no session is parked for a clip max_sessions refuses anyway
+        refiner = services.require_model()
+        # Its KV cache and, unlike a session's, every frame of the clip pending at once.
+        need = self.store.parking.estimate(config, tuple(latents.shape)) + latents.numel() * refiner.dtype.itemsize
+        async with self.store.parking.clip(need):  # its bytes (device_memory_budget), then its place (max_sessions)
+            with self.store.clip():
+                result = await self._clip(config, wanted, latents, tensors)
         self.count_out(result.units)
         return await services.encoder.run(services.encoder.response(
             result.units, result.state, tuple(latents.shape), outputs=wanted, positions=result.positions))
+
+    async def _clip(self, config, wanted, latents, tensors):
+        services = self.services
+        session = RefinerSession(services.require_model(), config, services.default_prompt)
+        target = EngineSession(session=session, name="one-shot clip", stages=services.stages.for_session(wanted, config))
+        work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True, one_shot=True)
+        try:
+            return await services.engine.run(work)
+        except asyncio.CancelledError:
+            target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
+            raise
 
     # --- streams ---------------------------------------------------------------------------------------------
     async def open_stream(self, session_id: str, resume_from: str | None) -> StreamSession:
@@ -489,6 +506,7 @@ class StreamSession:
         every unit it committed is handed to the session's deliveries (again, if a hand-over failed)."""
         services, handle = self.ops.services, self.handle
         async with handle.chunks.turn(self.ops.settings.session_queue_depth):
+            await self.ops.store.prepare(handle, None if latents is None else tuple(latents.shape))
             work = Work(handle.engine_session, latents, embeds, mask, flush=flush,
                         on_unit=handle.deliveries.hand_over(received))
             try:

@@ -145,7 +145,34 @@ class Settings(_SessionDefaults):
         default=4096, description="largest H x W per latent frame (4096 covers 2048x2048 pixels)"
     )
     max_batch: PositiveInt = Field(default=4, description="largest batch B per session")
-    session_idle_timeout_s: PositiveFloat = 600.0
+    session_idle_timeout_s: PositiveFloat = Field(
+        default=600.0, description="how long a session is kept without a request when session_retention_s is unset "
+        "(its older name: the same setting)"
+    )
+    # --- memory: admission by bytes, parking, spilling (app.parking) -----------------------------------------
+    device_memory_budget: int | Literal["auto"] | None = Field(
+        default=None,
+        description="device bytes the sessions may hold (a number, or with a unit: 40GiB); auto: on CUDA the memory "
+        "free after the warm-up minus device_memory_reserve, on the CPU none; unset: no budget (max_sessions only). "
+        "A session past it is refused with 503 insufficient_memory at its first chunk",
+    )
+    device_memory_reserve: int = Field(
+        default=2 * 1024 * MiB, ge=0,
+        description="with device_memory_budget auto: device bytes left out of the budget (activations of the model "
+        "calls, the allocator's slack)",
+    )
+    park_after_s: PositiveFloat = Field(
+        default=30.0, description="a session with no work this long moves its device state to host memory (pinned "
+        "on CUDA); it comes back on its next request"
+    )
+    spill_after_s: PositiveFloat = Field(
+        default=300.0, description="a parked session with no work this long (since its last chunk or message) is written to snapshot_dir and "
+        "freed (needs snapshot_dir; without it a session stays parked until session_retention_s)"
+    )
+    session_retention_s: PositiveFloat | None = Field(
+        default=None, description="a session without a request this long is deleted (then 410), whether active, "
+        "parked or spilled; unset: session_idle_timeout_s"
+    )
     evicted_ids_remembered: PositiveInt = 10_000
     engine_queue_depth: PositiveInt = 64
     session_queue_depth: PositiveInt = 4
@@ -244,6 +271,20 @@ class Settings(_SessionDefaults):
     def _replica_id_safe(cls, value: str) -> str:
         return check_replica_id(value)
 
+    @field_validator("device_memory_budget", "device_memory_reserve", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        if value is None or value == "auto":
+            return value
+        from .memory import parse_bytes
+
+        return parse_bytes(value)
+
+    @property
+    def retention_s(self) -> float:
+        """How long a session is kept without a request (session_retention_s, or its older name)."""
+        return self.session_retention_s if self.session_retention_s is not None else self.session_idle_timeout_s
+
     @model_validator(mode="after")
     def _inflight_holds_a_body(self) -> Settings:
         if self.max_inflight_body_bytes < self.max_body_bytes:
@@ -285,6 +326,8 @@ class Settings(_SessionDefaults):
             "max_clip_frames",
             "max_prompt_tokens",
             "session_idle_timeout_s",
+            "park_after_s",
+            "spill_after_s",
             "engine_queue_depth",
             "session_queue_depth",
             "max_batch_rows",

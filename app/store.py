@@ -1,7 +1,8 @@
 """The session store: where sessions live and how they move.
 
 It holds the live sessions (``app.registry.Registry``, the in-memory index: lookup, eviction, listing), admits new
-ones (``admit``: a count today), adopts sessions other lives of this server or other replicas saved to
+ones (``admit``: a count; bytes at a session's first chunk, ``prepare``), parks, spills and brings back idle ones
+(``app.parking``, its memory side), adopts sessions other lives of this server or other replicas saved to
 ``snapshot_dir`` (``lookup``), writes crash checkpoints between two pieces of a session's work (``checkpoint``)
 and, for a drain, settles and saves every live session (``settle``, ``save_all``). It also keeps the set of open
 connections (streams and watchers) that a drain closes once the sessions are saved.
@@ -36,6 +37,7 @@ from .errors import WS_SERVICE_RESTART, ApiError
 from .leases import Lease, LeaseHeld, LeaseLost
 from .metrics import Metrics
 from .outputs import Outputs
+from .parking import Parking
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
@@ -75,7 +77,8 @@ class SessionStore:
         self._stages = stages
         self.registry = Registry(
             max_sessions=settings.max_sessions,
-            idle_timeout_s=settings.session_idle_timeout_s,
+            idle_timeout_s=settings.retention_s,
+            idle_setting="session_retention_s" if settings.session_retention_s is not None else "session_idle_timeout_s",
             remember_evicted=settings.evicted_ids_remembered,
             retry_after_s=settings.retry_after_s,
             reattach_grace_s=settings.ws_reattach_grace_s,
@@ -94,6 +97,8 @@ class SessionStore:
         # This replica's leases (app.leases) on the sessions it holds with a file in snapshot_dir, by id.
         self.leases: dict[str, Lease] = {}
         self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
+        # Bytes: accounting, admission by bytes, park / spill / page-in (app.parking).
+        self.parking = Parking(self)
 
     @property
     def checkpointing(self) -> bool:
@@ -106,10 +111,21 @@ class SessionStore:
         return None if folder is None else Path(folder).expanduser()
 
     # --- admission -----------------------------------------------------------------------------------------
-    def admit(self) -> None:
-        """Room for one more session (or clip), or ApiError 503 too_many_sessions. A count today
-        (``max_sessions``); a memory budget (bytes held by the sessions) is the next check to add here."""
+    def admit(self, need_bytes: int = 0, what: str = "a new session") -> None:
+        """Room for one more session (or clip): ApiError 503 too_many_sessions past ``max_sessions``, 503
+        insufficient_memory when ``need_bytes`` more device bytes do not fit ``device_memory_budget``. A new
+        session's bytes are unknown until its first chunk (``prepare``), so they are checked there."""
         self.registry.require_capacity()
+        self.parking.require(need_bytes, what)
+
+    async def prepare(self, handle: SessionHandle, shape: tuple[int, ...] | None) -> None:
+        """Right before work of ``handle`` (frames shaped ``shape``, or None) goes to the engine, within its turn:
+        a parked session is brought back to the device, and a session's first frames reserve its bytes (or are
+        refused with insufficient_memory) before anything of it is allocated."""
+        handle.last_work = self.registry.clock()
+        await self.parking.activate(handle)
+        if shape is not None:
+            await self.parking.reserve(handle, shape)
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
                session_id: str | None = None) -> SessionHandle:
@@ -141,9 +157,12 @@ class SessionStore:
                                                 f"{spec.SESSION_ID_RULE}; use the session_id POST /v1/sessions returned")
         handle = self.registry.existing(session_id)
         if handle is not None:
+            handle.taken += 1  # a spill of it now gives way (app.parking)
             return handle
         folder = self.snapshot_folder
         if folder is not None and has_snapshot(folder, session_id):
+            started = time.perf_counter()
+            await self.parking.room_for_file(folder, session_id)  # its bytes, from the header, before the claim
             # One adoption per id in this process (other replicas are kept off by the lease). The entry stays in
             # the table while anyone waits on it, so a lookup arriving meanwhile queues on the same lock.
             adoption = self._adopting.get(session_id)
@@ -158,6 +177,7 @@ class SessionStore:
                 if not adoption.waiters:
                     del self._adopting[session_id]
             if handle is not None:
+                self.parking.paged_in(session_id, started)  # a spilled session of this replica is back
                 return handle
         return self.registry.get(session_id)
 
@@ -168,17 +188,39 @@ class SessionStore:
                 connection.close(1000, "session deleted")
 
     def touch(self, handle: SessionHandle) -> None:
+        """Work of the session started or ended (a chunk, a stream message): its idle clocks restart."""
         self.registry.touch(handle)
+        handle.last_work = self.registry.clock()
 
-    def listing(self, limit: int, after: str | None) -> tuple[list[SessionHandle], str | None]:
-        return self.registry.listing(limit, after)
+    def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
+        """A page of the sessions, live and spilled (``app.parking.Spilled``), oldest first; each has ``summary()``."""
+        if not self.parking.spilled:
+            return self.registry.listing(limit, after)
+        self.registry.evict_idle()
+        entries = sorted(self.everything(), key=lambda e: (e.created_at, e.id))
+        if after is not None:
+            ids = [entry.id for entry in entries]
+            if after not in ids:
+                raise ApiError("invalid_request", f"after={after!r} is not a live session of this server; pass the "
+                                                  "'next' of the previous page")
+            entries = entries[ids.index(after) + 1 :]
+        page = entries[:limit]
+        return page, (page[-1].id if len(entries) > limit else None)
+
+    def everything(self) -> list[Any]:
+        """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir."""
+        spilled = [stub for session_id in list(self.parking.spilled) if (stub := self.parking.stub(session_id))]
+        return [*self.registry.handles(), *spilled]
 
     def handles(self) -> list[SessionHandle]:
         return self.registry.handles()
 
     async def evict_forever(self) -> None:
+        """Evict sessions past their retention (or grace, or TTL); park, spill and delete by idle time
+        (``app.parking``)."""
         settings = self.settings
-        interval = min(settings.session_idle_timeout_s / 2, settings.ws_reattach_grace_s / 2, 5.0)
+        interval = min(settings.retention_s / 2, settings.ws_reattach_grace_s / 2, settings.park_after_s / 2,
+                       settings.spill_after_s / 2, 5.0)
         while True:
             await asyncio.sleep(interval)
             if self.draining:
@@ -187,6 +229,10 @@ class SessionStore:
             evicted = self.registry.evict_idle()
             if evicted:
                 log.info("evicted %d idle session(s)", len(evicted))
+            try:
+                await self.parking.tick()
+            except Exception:  # parking is an optimisation: a failure must never stop eviction
+                log.exception("parking sessions failed")
 
     # --- crash checkpoints ---------------------------------------------------------------------------------------
     async def checkpoint(self, handle: SessionHandle) -> None:
@@ -407,6 +453,7 @@ class SessionStore:
         handles = self.registry.handles()
         await asyncio.gather(*(h.deliveries.flush() for h in handles if h.deliveries is not None),
                              return_exceptions=True)
+        await self.parking.settle()  # parked sessions' copies to the host complete before they are read
         writes = [h.checkpoint_write for h in handles if h.checkpoint_write is not None]
         if writes:
             await asyncio.wait(writes)

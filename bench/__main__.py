@@ -7,6 +7,7 @@
     python -m bench decode [...]   video output: refine + decode vs refine alone, shared, with a stalled watcher
     python -m bench invariance     what batch invariance by construction costs (per-row time embedding, probe)
     python -m bench checkpoint     crash checkpoints: block latency with and without, bytes per checkpoint
+    python -m bench park   [...]   page-in latency of parked and spilled sessions, and their sizes
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -45,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.checkpoint import main as checkpoint_main
 
         return checkpoint_main(rest)
+    if command == "park":
+        from bench.park import main as park_main
+
+        return park_main(rest)
     if command == "decode":
         from bench.decode import main as decode_main
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from dataclasses import dataclass
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -37,3 +40,151 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.warning("mallopt refused the heap settings; large CPU tensors will be page-faulted in every forward")
     return ok
+
+
+# --- what a session holds -------------------------------------------------------------------------------------------
+# Its bytes, by part, for admission (before anything is allocated), accounting and parking. Kept pure functions of
+# plain values (model shape, session config, frame geometry, dtype) so a capacity plan can use them without a model.
+
+KV_PARTS = ("kv_window", "kv_sink", "kv_history_keys", "kv_rollback")
+
+
+@dataclass(frozen=True)
+class FrameGeometry:
+    """A session's latent frames: (batch, channels, height, width), fixed by its first chunk."""
+
+    batch: int
+    channels: int
+    height: int
+    width: int
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.height * self.width
+
+
+def session_bytes_estimate(num_layers: int, inner_dim: int, config, geometry: FrameGeometry,
+                           dtype: torch.dtype) -> dict[str, int]:
+    """What a session of ``config`` on frames of ``geometry`` will hold on the device once its sink is captured, by
+    part, computed without allocating: the KV window buffers exactly as ``models.kv.SessionKV`` allocates them (window
+    with its block slot, the sink's pre-RoPE keys, with rebased positions the history's pre-RoPE keys), and the
+    pending frames of one full step (``max(sink_frames, block_size)`` frames: what a session holds between two chunks
+    at most when its client sends block-sized chunks). A video decoder's state is not in it: it depends on the VAE
+    and is counted once it exists."""
+    element = torch.empty((), dtype=dtype).element_size()
+    tokens = geometry.tokens_per_frame
+    capacity = (config.sink_frames + config.max_history_frames + config.block_size) * tokens
+    per_token = geometry.batch * inner_dim * element  # one layer's K (or V) for one token
+    rebased = config.positions == "rebased"
+    return {
+        "kv_window": num_layers * 2 * capacity * per_token,
+        "kv_sink": num_layers * config.sink_frames * tokens * per_token,
+        "kv_history_keys": num_layers * (capacity - config.sink_frames * tokens) * per_token if rebased else 0,
+        "pending": max(config.sink_frames, config.block_size) * geometry.batch * geometry.channels * tokens * element,
+    }
+
+
+def session_tensors(session) -> dict[str, list[torch.Tensor]]:
+    """Every tensor a ``RefinerSession`` holds, by part (what its bytes are and what parking moves). The generator
+    state is left out: it is a few KiB of host memory on every device."""
+    kv, state = session.kv, session.state
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in (*KV_PARTS, "pending", "prompt")}
+    if kv is not None:
+        parts["kv_window"].append(kv.window)
+        parts["kv_sink"].append(kv.sink_key)
+        if kv.history_key is not None:
+            parts["kv_history_keys"].append(kv.history_key)
+        for mark in kv._checkpoints:
+            for window_piece, key_piece in mark.saved:
+                parts["kv_rollback"].extend(t for t in (window_piece, key_piece) if t is not None)
+    if state.pending is not None:
+        parts["pending"].append(state.pending)
+    if state.prompt is not None:
+        parts["prompt"].extend(t for t in (state.prompt.embeds, state.prompt.mask) if t is not None)
+    prepared = session._prepared
+    if prepared is not None:
+        parts["prompt"].extend(t for t in (prepared[1].embeds, prepared[1].bias) if t is not None)
+    return parts
+
+
+def session_bytes(session) -> dict[str, int]:
+    """``session_tensors``' bytes by part."""
+    return {name: sum(t.nbytes for t in tensors) for name, tensors in session_tensors(session).items()}
+
+
+class Move:
+    """Tensors of a session on their way to another device, queued without waiting.
+
+    Device to host (parking, on CUDA): the copies go on a side stream that first waits for everything queued on the
+    engine's stream (the last forwards that wrote the cache), into pinned host memory; the source tensors are marked
+    as used by that stream, so the caching allocator reuses their memory only once the copies are done, and the
+    engine thread never waits. ``ready`` is the event they complete with: whoever reads the host copies waits for it
+    (``after`` on the device, ``synchronize`` on the host). Host to device (a page-in): the copies are queued on the
+    engine's own stream, from pinned memory, so the forwards that follow are ordered after them. Elsewhere (CPU to
+    CPU) nothing is copied unless ``copy`` asks for it (tests do, to prove that no tensor of the moved session is
+    shared with the one before)."""
+
+    def __init__(self, device: torch.device, copy: bool = False):
+        self.device = torch.device(device)
+        self.copy = copy
+        self.ready = None
+        self._stream = None
+        self._context = None
+
+    def __enter__(self) -> Move:
+        if self.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            self._context = torch.cuda.stream(self._stream)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stream is not None:
+            self._context.__exit__(*exc)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self._stream)
+
+    def __call__(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        if tensor.device.type == self.device.type and (self.device.type == "cpu" or tensor.device == self.device):
+            return tensor.clone() if self.copy else tensor
+        if self.device.type == "cpu":  # from CUDA, on the side stream
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(self._stream)
+            return host
+        staged = tensor if tensor.is_pinned() else tensor.pin_memory()
+        return staged.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def after(ready) -> None:
+        """Make the current stream wait for a move's copies (no host wait)."""
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+
+
+def move_session(session, device: torch.device, copy: bool = False):
+    """Move every tensor ``session`` holds (its KV cache, pending frames and prompt) to ``device`` in place, without
+    a host wait; returns the CUDA event the copies complete with (None elsewhere). The caption projection prepared
+    from the prompt is dropped (recomputed from the moved prompt by the next forward, bit for bit: it is the same
+    computation on the same values). Only the engine thread may call this, between two of its jobs, and only for a
+    session with no run in flight (nothing else reads those tensors then)."""
+    import dataclasses
+
+    state = session.state
+    if session.kv is not None and session.kv._checkpoints:
+        raise RuntimeError("a session is moved between two pieces of work, never with a rollback point open")
+    with Move(device, copy) as move:
+        kv = session.kv
+        if kv is not None:
+            kv.window = move(kv.window)
+            kv.sink_key = move(kv.sink_key)
+            kv.history_key = move(kv.history_key)
+        prompt = state.prompt
+        if prompt is not None:
+            prompt = type(prompt)(embeds=move(prompt.embeds), mask=move(prompt.mask))
+        session.load(dataclasses.replace(state, pending=move(state.pending), prompt=prompt), kv)
+        session._prepared = None
+    return move.ready

@@ -231,6 +231,13 @@ class SessionMovedError(ServiceUnavailableError):
     code = "session_moved"
 
 
+class InsufficientMemoryError(ServiceUnavailableError):
+    """The session's bytes (its KV cache at its frame size) do not fit the server's device memory budget; nothing
+    was allocated. Retry later, with smaller frames or window, or on another replica."""
+
+    code = "insufficient_memory"
+
+
 class RequestTimeoutError(APIError):
     """The server's HTTP layer closed a request whose headers or body came too slowly (408)."""
 
@@ -253,7 +260,7 @@ ERROR_CLASSES: dict[str, type[APIError]] = {
         ResumeUnavailableError, SessionEvictedError, PayloadTooLargeCodeError, TooManyFramesError,
         PromptTooLongError, UnsupportedMediaTypeError, InvalidInputError, InvalidConfigError, InvalidRequestError,
         InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError, ServerBusyError,
-        SessionMovedError, RequestTimeoutError, HeadersTooLargeError,
+        SessionMovedError, InsufficientMemoryError, RequestTimeoutError, HeadersTooLargeError,
     )
 }
 _BY_STATUS: dict[int, type[APIError]] = {
@@ -267,7 +274,7 @@ _BY_STATUS: dict[int, type[APIError]] = {
 
 # Codes after which the server will take the same request again (the request changed nothing).
 RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy",
-                             "session_moved"})
+                             "session_moved", "insufficient_memory"})
 
 
 def error_from(status: int, body: Any, retry_after: float | None = None) -> APIError:

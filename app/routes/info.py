@@ -71,6 +71,9 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             **services.settings.limits(),
             **{name: getattr(services.settings, name) for name in SESSION_CAPS},
         },
+        # Device bytes: the sessions' budget (device_memory_budget; None: none), what they hold or reserved, what is
+        # free of it; host and disk bytes of parked and spilled sessions; sessions by state (app.parking).
+        "memory": services.store.parking.report(),
         "ready": services.not_ready_reason is None,
     }
 

@@ -251,7 +251,7 @@ class StreamConnection:
             # A message refused for capacity was not taken, but the client's next ones are already on their way:
             # taken, they would land after a hole. Close instead; the client reconnects with ?resume_from=N and
             # resends from frames_received.
-            busy = from_exception(exc).kind == "engine_busy"
+            busy = from_exception(exc).kind in ("engine_busy", "insufficient_memory")
             self._report(exc, close_code=WS_TRY_AGAIN_LATER if busy else None)
         except RefinerError as exc:
             self._report(exc)

@@ -1,0 +1,436 @@
+"""Sessions by memory: byte accounting, admission by bytes, and parking, spilling and paging sessions back in.
+
+A session is in one of three states (``memory_state`` on its handle, ``state`` in its JSON and metrics):
+
+    active    its KV cache, pending frames and prompt are on the device, counted against device_memory_budget
+    parked    no work for park_after_s: those tensors moved to host memory (pinned, on CUDA); they come back
+              before its next work runs. On a CPU server the tensors already are in host memory and stay where
+              they are: parking there only moves the session's bytes out of the budget (the state machine, the
+              accounting and page-in run exactly as on CUDA)
+    spilled   no request for spill_after_s: written to snapshot_dir like a drain's snapshot (adoptable by any
+              replica) and dropped from memory; the next request adopts it back from the file
+              (``SessionStore.lookup``). Without snapshot_dir nothing spills: a session stays parked until
+              session_retention_s
+
+and is deleted (410 ``session_evicted``) only session_retention_s after its last request, whatever its state.
+
+Who moves tensors: only the engine thread (``engine.call``, between two of its iterations), and only for a
+session excluded from scheduling: a session is parked or spilled only when it has no work queued or running, no
+HTTP request in flight and no stream message in progress, and every state change of one session happens under
+its own lock (``SessionHandle.moving``), which ``activate`` (the step before any work of the session is handed to
+the engine) also takes: work never reaches the engine while the session's tensors are away or moving. On CUDA the
+copies themselves run on a side stream (``models.memory.Move``): the engine thread only queues them.
+
+A spill writes the file with the lock held and commits it (drops the session from memory) only if nothing took the
+session meanwhile (no lookup handed it to a request, no stream or watcher attached, no work); otherwise the file is
+removed and the session stays parked. A GET reads a spilled session from what was saved, without bringing it back.
+
+Admission by bytes (``device_memory_budget``): a session's bytes are known once its geometry is, at its first chunk
+(``models.memory.session_bytes_estimate``, before anything is allocated); what does not fit is refused with 503
+``insufficient_memory`` after the least recently used sessions with no work were parked to make room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from models.memory import FrameGeometry, move_session, session_bytes_estimate
+from models.snapshot import SnapshotError, _read_metadata, read_header
+
+from . import leases
+from .errors import ApiError
+from .leases import LeaseHeld, LeaseLost
+from .memory import MOVED_PARTS, handle_bytes, handle_parts
+from .snapshots import record_tensors, remove_record, snapshot_path, write_record
+
+if TYPE_CHECKING:
+    from .registry import SessionHandle
+    from .store import SessionStore
+
+log = logging.getLogger("app")
+
+STATES = ("active", "parked", "spilled")
+WHERE = ("device", "host", "disk")
+
+
+@dataclass
+class Spilled:
+    """A session written to snapshot_dir and dropped from memory: what the listing and GET report of it until it is
+    adopted back (by this replica or another) or its retention ends."""
+
+    session_id: str
+    summary_fields: dict[str, Any]
+    description: dict[str, Any]
+    created_at: float
+    last_active: float  # registry clock
+    file_bytes: int
+
+    @property
+    def id(self) -> str:
+        return self.session_id
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.summary_fields, "state": "spilled",
+                "bytes": {"device": 0, "host": 0, "disk": self.file_bytes}}
+
+    def describe(self) -> dict[str, Any]:
+        # What it held is in its file now; nothing of it is allocated here.
+        held = {name: 0 for name in ("kv_cache_bytes", "video_state_bytes", "cache_bytes", "pending_bytes")
+                if name in self.description}
+        return {**self.description, **held, "state": "spilled",
+                "bytes": {"device": 0, "host": 0, "disk": self.file_bytes, "parts": {}}}
+
+
+class Parking:
+    """The store's memory side: accounting, admission by bytes, the park/spill/retention loop and page-in."""
+
+    def __init__(self, store: SessionStore):
+        self.store = store
+        self.settings = store.settings
+        self.spilled: dict[str, Spilled] = {}
+        self.budget: int | None = None  # resolved once the model is warm (``resolve_budget``)
+        self._moves: set[asyncio.Future] = set()  # CUDA copies of parked sessions not complete yet
+        self._clip_bytes = 0
+        metrics = store.metrics
+        self.page_in_seconds = metrics.page_in_seconds
+        self.moves = metrics.session_moves
+
+    # --- the budget ------------------------------------------------------------------------------------------
+    def resolve_budget(self, device: torch.device) -> None:
+        """``device_memory_budget`` as bytes: a number as set; ``auto``: on CUDA what is free now (after the
+        warm-up) minus device_memory_reserve, on the CPU no budget."""
+        setting = self.settings.device_memory_budget
+        if setting is None:
+            self.budget = None
+        elif setting == "auto":
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                self.budget = max(free - self.settings.device_memory_reserve, 0)
+            else:
+                self.budget = None
+        else:
+            self.budget = int(setting)
+        if self.budget is not None:
+            log.info("device memory budget for sessions: %d bytes", self.budget)
+
+    # --- accounting --------------------------------------------------------------------------------------------
+    def device_used(self, exclude: Any = None) -> int:
+        """Device bytes the sessions hold or have reserved (an active session counts at least what admission
+        reserved for it; a parked one only what stays on the device), plus clips being refined."""
+        used = self._clip_bytes
+        for handle in self.store.registry.handles():
+            if handle is exclude:
+                continue
+            device = handle_bytes(handle)["device"]
+            if handle.memory_state == "active" and (handle.session.state.geometry is not None
+                                                    or handle.chunks.waiting or handle.engine_session.queued):
+                # Its reservation holds once it has frames, or while its first chunk is on its way (a first chunk
+                # that was refused holds none).
+                device = max(device, handle.reserved_bytes)
+            used += device
+        return used
+
+    def totals(self) -> dict[tuple[str, str], int]:
+        """Bytes by (state, where), for /metrics."""
+        out = {(state, where): 0 for state in STATES for where in WHERE}
+        for handle in self.store.registry.handles():
+            counted = handle_bytes(handle)
+            out[(handle.memory_state, "device")] += counted["device"]
+            out[(handle.memory_state, "host")] += counted["host"]
+        for stub in self.spilled.values():
+            out[("spilled", "disk")] += stub.file_bytes
+        return out
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(STATES, 0)
+        for handle in self.store.registry.handles():
+            out[handle.memory_state] += 1
+        out["spilled"] = len(self.spilled)
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """``/v1/info``'s ``memory``."""
+        used = self.device_used()
+        totals = self.totals()
+        return {
+            "budget": self.budget,
+            "used": used,
+            "free": None if self.budget is None else max(self.budget - used, 0),
+            "host": sum(n for (state, where), n in totals.items() if where == "host"),
+            "disk": totals[("spilled", "disk")],
+            "sessions": self.counts(),
+            "park_after_s": self.settings.park_after_s,
+            "spill_after_s": self.settings.spill_after_s if self.store.snapshot_folder is not None else None,
+            "session_retention_s": self.settings.retention_s,
+        }
+
+    # --- admission by bytes -------------------------------------------------------------------------------------
+    def fits(self, need: int, exclude: Any = None) -> bool:
+        return self.budget is None or self.device_used(exclude) + need <= self.budget
+
+    def require(self, need: int, what: str, exclude: Any = None) -> None:
+        """ApiError 503 insufficient_memory unless ``need`` more device bytes fit the budget now."""
+        if self.fits(need, exclude):
+            return
+        used = self.device_used(exclude)
+        free = max(self.budget - used, 0)
+        raise ApiError(
+            "insufficient_memory",
+            f"{what} needs {need} bytes of device memory and {free} of the budget's {self.budget} are free "
+            f"(device_memory_budget; sessions hold {used}); nothing was allocated. Every session that could be "
+            "moved off the device has been: retry once a session finishes or goes idle, send smaller frames, a "
+            "smaller window (kv_max_frames) or batch, or use another replica",
+            retry_after_s=self.settings.retry_after_s,
+        )
+
+    async def make_room(self, need: int, what: str, exclude: Any = None) -> None:
+        """Park the least recently used sessions with no work (never ``exclude``, never one with work queued) until
+        ``need`` bytes fit; 503 insufficient_memory when they still do not."""
+        if self.budget is None:
+            return
+        while not self.fits(need, exclude):
+            idle = sorted((h for h in self.store.registry.handles()
+                           if h is not exclude and h.memory_state == "active" and _idle(h)
+                           and handle_bytes(h)["device"] > 0),
+                          key=lambda h: h.last_work)
+            if not idle:
+                break
+            if not await self.park(idle[0], reason="admission"):
+                break
+        self.require(need, what, exclude)
+
+    def estimate(self, config: Any, shape: tuple[int, ...]) -> int:
+        """Device bytes a session of ``config`` will hold once frames of ``shape`` (B, C, t, H, W) give it its
+        geometry."""
+        refiner = self.store._refiner()
+        batch, channels, _, height, width = (int(n) for n in shape)
+        parts = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
+                                       FrameGeometry(batch, channels, height, width), refiner.dtype)
+        return sum(parts.values())
+
+    async def reserve(self, handle: SessionHandle, shape: tuple[int, ...]) -> None:
+        """At a session's first chunk (its geometry now known): reserve its bytes or refuse it, before anything of
+        it is allocated."""
+        if handle.session.state.geometry is not None:
+            return
+        need = self.estimate(handle.config, shape)
+        await self.make_room(need, f"session {handle.id} (frames {tuple(shape)})", exclude=handle)
+        handle.reserved_bytes = need
+
+    @contextlib.asynccontextmanager
+    async def clip(self, need: int):
+        """A one-shot clip's bytes, held while it is refined."""
+        await self.make_room(need, "this clip")
+        self._clip_bytes += need
+        try:
+            yield
+        finally:
+            self._clip_bytes -= need
+
+    async def room_for_file(self, folder: Path, session_id: str) -> None:
+        """Before a session saved in ``folder`` is adopted: its bytes, from the file's header alone, must fit."""
+        if self.budget is None:
+            return
+        try:
+            headers, metadata = await asyncio.to_thread(read_header, snapshot_path(folder, session_id))
+            _, config, counters = _read_metadata(metadata)
+            geometry = counters.get("geometry")
+        except (SnapshotError, OSError):
+            return  # the adoption reports what is wrong with the file
+        if not isinstance(geometry, list) or len(geometry) != 4:
+            return
+        refiner = self.store._refiner()
+        need = sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
+                                          FrameGeometry(*(int(n) for n in geometry)), refiner.dtype).values())
+        await self.make_room(need, f"session {session_id} (saved in snapshot_dir)")
+
+    # --- park and page in ----------------------------------------------------------------------------------------
+    async def activate(self, handle: SessionHandle) -> None:
+        """Bring a parked session back to the device before work of it reaches the engine (room made for it
+        first). Called within the session's chunk turn, right before ``engine.run``."""
+        if handle.memory_state == "active" and not handle.moving.locked():
+            return
+        async with handle.moving:
+            if handle.memory_state != "parked":
+                return
+            started = time.perf_counter()
+            moved = sum(n for name, n in handle_parts(handle).items() if name in MOVED_PARTS)
+            await self.make_room(max(moved, handle.reserved_bytes), f"session {handle.id} (coming back from "
+                                 "host memory)", exclude=handle)
+            device, session, ready = self.store._refiner().device, handle.session, handle.park_ready
+
+            def page_in():
+                from models.memory import Move
+                Move.after(ready)  # the copies that parked it are complete before they are read back
+                return move_session(session, device)
+
+            handle.park_ready = await self.store.engine.call(page_in)
+            handle.memory_state = "active"
+            self.page_in_seconds.labels(state="parked").observe(time.perf_counter() - started)
+            self.moves.labels(to="active").inc()
+
+    async def park(self, handle: SessionHandle, reason: str = "idle") -> bool:
+        """Move an active session with no work to host memory; False when it got work (or went) meanwhile, or
+        its tensors are being moved already (never waited for: a page-in making room holds its own session's
+        lock)."""
+        if handle.moving.locked():
+            return False
+        async with handle.moving:
+            if handle.memory_state != "active" or not _idle(handle) or self.store.draining:
+                return False
+            if not self.store.registry.holds(handle):
+                return False
+            device, session = torch.device("cpu"), handle.session
+            ready = await self.store.engine.call(lambda: move_session(session, device))
+            handle.memory_state = "parked"
+            handle.park_ready = ready
+            self.moves.labels(to="parked").inc()
+            if ready is not None:
+                # Accounted as host bytes at once; the drain waits for the copies before it reads them.
+                waiting = asyncio.ensure_future(asyncio.to_thread(ready.synchronize))
+                self._moves.add(waiting)
+                waiting.add_done_callback(self._moves.discard)
+            log.debug("parked session %s (%s)", handle.id, reason)
+            return True
+
+    async def settle(self) -> None:
+        """Every queued device-to-host copy complete (before a drain reads the parked sessions)."""
+        if self._moves:
+            await asyncio.wait(set(self._moves))
+
+    # --- spill ---------------------------------------------------------------------------------------------------
+    async def spill(self, handle: SessionHandle) -> bool:
+        """Write a parked session to snapshot_dir and drop it from memory; False when it was kept (asked for
+        meanwhile, or it cannot be spilled: no folder, a stream or watcher attached, flushed)."""
+        folder, store = self.store.snapshot_folder, self.store
+        if folder is None:
+            return False
+        async with handle.moving:
+            if not _spillable(handle) or store.draining or not store.registry.holds(handle):
+                return False
+            if handle.checkpoint_write is not None and not handle.checkpoint_write.done():
+                return False  # the same file: the next round spills it
+            if handle.deliveries is not None:
+                await handle.deliveries.flush()
+            await self.settle()
+            seen = handle.taken
+            from .store import _record  # the drain's record of a session: the same file, adoptable by any replica
+
+            record = _record(handle, store.encoder)
+            frames = handle.session.state.frames_received
+            tensors, metadata = await store.engine.call(lambda: record_tensors(record()))
+            settings, lease = store.settings, store.leases.get(handle.id)
+
+            def write():
+                # Like a checkpoint: the file is written under the session's lease, fenced by it (app.leases).
+                held = lease or leases.acquire(folder, handle.id, settings.replica_id, settings.session_lease_s)
+                return held, write_record(folder, handle.id, tensors, metadata, writer=settings.replica_id,
+                                          before_rename=lambda: leases.check(held))
+
+            try:
+                held, path = await asyncio.to_thread(write)
+            except (LeaseHeld, LeaseLost) as exc:
+                store.lose(handle, exc)
+                return False
+            store.leases[handle.id] = held
+            if store.draining:
+                return False  # the drain saves it (over this file): it must find it live
+            if not _spillable(handle) or handle.taken != seen or not store.registry.holds(handle):
+                # Asked for while it was written: it stays parked here, and no other replica may adopt the file.
+                if store.checkpointing:  # the file is its durable copy now (a newer checkpoint), under its lease
+                    handle.durable_frames = max(handle.durable_frames or 0, frames)
+                else:
+                    await asyncio.to_thread(remove_record, folder, handle.id)
+                    store.leases.pop(handle.id, None)
+                    await asyncio.to_thread(leases.release, folder, handle.id, held)
+                return False
+            # Released, as a drain's file is: whichever replica is asked for the session next adopts it at once.
+            store.leases.pop(handle.id, None)
+            await asyncio.to_thread(leases.release, folder, handle.id, held)
+            summary, description = handle.summary(), handle.describe()
+            self.spilled[handle.id] = Spilled(handle.id, summary, description, handle.created_at, handle.last_active,
+                                              path.stat().st_size)
+            store.registry.release(handle, ApiError(
+                "session_not_found", f"session {handle.id} was moved to snapshot_dir; send the request again"))
+            handle.memory_state = "spilled"
+            self.moves.labels(to="spilled").inc()
+            log.debug("spilled session %s to %s", handle.id, path.name)
+            return True
+
+    def stub(self, session_id: str) -> Spilled | None:
+        """The spilled session ``session_id`` if its file is still there (another replica may have adopted it)."""
+        stub = self.spilled.get(session_id)
+        folder = self.store.snapshot_folder
+        # A lease on it now is another replica's (a spill releases this one's): that replica adopted it.
+        if stub is not None and (folder is None or not snapshot_path(folder, session_id).is_file()
+                                 or leases.generations(folder, session_id)):
+            self.spilled.pop(session_id, None)
+            return None
+        return stub
+
+    def read(self, session_id: str) -> dict[str, Any] | None:
+        """GET of a spilled session: its description, without bringing it back (a request all the same: its
+        retention restarts, as a GET of a live session's does)."""
+        stub = self.stub(session_id)
+        if stub is None:
+            return None
+        stub.last_active = self.store.registry.clock()
+        return stub.describe()
+
+    def paged_in(self, session_id: str, started: float) -> None:
+        """A spilled session was adopted back (``SessionStore.lookup``)."""
+        if self.spilled.pop(session_id, None) is not None:
+            self.page_in_seconds.labels(state="spilled").observe(time.perf_counter() - started)
+            self.moves.labels(to="active").inc()
+
+    def forget(self, session_id: str) -> bool:
+        """Delete a spilled session (its file); False if it is not one."""
+        if self.stub(session_id) is None:
+            return False
+        self.spilled.pop(session_id, None)
+        remove_record(self.store.snapshot_folder, session_id)
+        return True
+
+    # --- the timer ------------------------------------------------------------------------------------------------
+    async def tick(self) -> None:
+        """One round: park the active sessions idle for park_after_s, spill the parked ones idle for
+        spill_after_s, delete the spilled ones past session_retention_s."""
+        settings, registry, now = self.settings, self.store.registry, self.store.registry.clock()
+        for handle in registry.handles():
+            idle_for = now - handle.last_work
+            if handle.memory_state == "active" and idle_for >= settings.park_after_s and _idle(handle):
+                await self.park(handle)
+            if (handle.memory_state == "parked" and idle_for >= settings.spill_after_s
+                    and self.store.snapshot_folder is not None):
+                try:
+                    await self.spill(handle)
+                except Exception:  # a full disk must not stop parking; the session stays parked
+                    log.exception("spilling session %s failed; it stays parked", handle.id)
+        retention = settings.retention_s
+        for session_id, stub in list(self.spilled.items()):
+            if now - stub.last_active > retention:
+                if self.stub(session_id) is None:
+                    continue  # adopted elsewhere meanwhile: not this replica's to delete
+                self.spilled.pop(session_id, None)
+                with contextlib.suppress(OSError):
+                    remove_record(self.store.snapshot_folder, session_id)
+                registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+
+
+def _idle(handle: SessionHandle) -> bool:
+    """No work queued, running or on its way (the only sessions whose tensors may move)."""
+    return not (handle.requests_in_flight or handle.engine_session.queued or handle.stream_jobs
+                or handle.chunks.waiting or handle.engine_session.run is not None)
+
+
+def _spillable(handle: SessionHandle) -> bool:
+    return (handle.memory_state == "parked" and _idle(handle) and not handle.streaming and not handle.watchers
+            and not handle.session.state.flushed)

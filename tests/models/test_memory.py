@@ -1,0 +1,76 @@
+"""A session's bytes: computed before allocation (admission), counted from its tensors (accounting), and moved to
+another device and back without changing a bit of what it refines (parking)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import RefinerSession, SessionConfig, from_model
+from models.checkpoints import build_model
+from models.memory import FrameGeometry, move_session, session_bytes, session_bytes_estimate
+
+from .conftest import make_inputs
+
+
+def _owned(session) -> list[torch.Tensor]:
+    """Every tensor the session owns, found by walking its objects (not through models.memory)."""
+    found = [v for v in vars(session.kv).values() if isinstance(v, torch.Tensor)] if session.kv else []
+    state = session.state
+    found += [t for t in (state.pending,) if t is not None]
+    if state.prompt is not None:
+        found += [t for t in vars(state.prompt).values() if isinstance(t, torch.Tensor)]
+    if session._prepared is not None:
+        found += [t for t in vars(session._prepared[1]).values() if isinstance(t, torch.Tensor)]
+    return found
+
+
+@pytest.mark.parametrize("positions,batch", [("absolute", 1), ("rebased", 2)])
+def test_the_estimate_is_what_the_session_allocates_and_the_count_is_its_tensors(positions, batch):
+    refiner = from_model(build_model("tiny"))
+    config = SessionConfig(positions=positions, block_size=2, kv_max_frames=5)
+    latents, embeds = make_inputs(batch=batch, frames=6, height=4, width=3)
+    estimate = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
+                                      FrameGeometry(batch, 128, 4, 3), refiner.dtype)
+    session = RefinerSession(refiner, config)
+    assert sum(session_bytes(session).values()) == 0, "nothing before the first chunk"
+    session.push(latents[:, :, :5], embeds)  # the sink, two blocks; no frame pending
+    counted = session_bytes(session)
+    for part in ("kv_window", "kv_sink", "kv_history_keys"):
+        assert counted[part] == estimate[part], part
+    assert (counted["kv_history_keys"] > 0) == (positions == "rebased")
+    assert sum(counted.values()) == sum(t.nbytes for t in _owned(session))
+    session.push(latents[:, :, 5:6])  # one frame pending: at most a step's worth is estimated
+    assert 0 < session_bytes(session)["pending"] <= estimate["pending"]
+    assert sum(session_bytes(session).values()) == sum(t.nbytes for t in _owned(session))
+
+
+@pytest.mark.parametrize("positions", ["absolute", "rebased"])
+def test_a_session_moved_away_and_back_refines_bit_identically(positions):
+    refiner = from_model(build_model("tiny"))
+    config = SessionConfig(positions=positions, block_size=2, kv_max_frames=5)
+    latents, embeds = make_inputs(frames=15, seed=3)
+    uninterrupted = RefinerSession(refiner, config).push(latents, embeds, flush=True)
+
+    session = RefinerSession(refiner, config)
+    got = session.push(latents[:, :, :8], embeds)
+    old = _owned(session)  # kept alive, so that no new tensor can be allocated where one of them was
+    # On a CPU "away" is the same device: copy=True makes the move real, so nothing can be read from the old tensors.
+    assert move_session(session, torch.device("cpu"), copy=True) is None
+    assert not {t.data_ptr() for t in old} & {t.data_ptr() for t in _owned(session)}, "every tensor was moved"
+    assert session._prepared is None
+    move_session(session, refiner.device, copy=True)
+    got += session.push(latents[:, :, 8:], flush=True)
+    assert len(got) == len(uninterrupted)
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(got, uninterrupted))
+
+
+def test_a_session_with_a_rollback_point_open_is_never_moved():
+    refiner = from_model(build_model("tiny"))
+    session = RefinerSession(refiner, SessionConfig(block_size=2))
+    latents, embeds = make_inputs(frames=4)
+    session.push(latents, embeds)
+    mark = session.checkpoint()
+    with pytest.raises(RuntimeError, match="rollback point"):
+        move_session(session, torch.device("cpu"))
+    session.release(mark)
