@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stream_parser(commands)
     add_sessions_parser(commands)
+    from app.cli_plan import add_plan_parser
+
+    add_plan_parser(commands)
     return parser
 
 
@@ -73,6 +76,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from app.serve import serve_command
 
         return serve_command(args)
+    if args.command == "plan":
+        from app.cli_plan import plan_command
+
+        return plan_command(args)
     if args.command in ("stream", "sessions"):
         from app import cli_remote
 
