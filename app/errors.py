@@ -78,6 +78,8 @@ ERRORS: dict[str, ErrorKind] = {
     "engine_busy": ErrorKind(503, retry_after=True),
     # Request bodies in flight over max_inflight_body_bytes (app.guards).
     "server_busy": ErrorKind(503, retry_after=True),
+    # A new realtime session the engine's measured cost says it cannot keep up with (admission: realtime).
+    "over_capacity": ErrorKind(503, retry_after=True),
     # 500: a bug or a device failure; the session was restored, but the stream is closed to be safe.
     "internal_error": ErrorKind(500, ws_close=WS_INTERNAL_ERROR),
 }

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from models import Prompt, Refiner, RefinerSession, SessionConfig
 
 from .delivery import Deliveries
+from . import realtime
 from .engine import EngineSession
 from .errors import ApiError
 from .outputs import Outputs
@@ -95,13 +96,15 @@ class SessionHandle:
             "streaming": self.streaming,
             "outputs": list(self.outputs.kinds),
             "watchers": len(self.watchers),
+            "realtime": self.engine_session.pacing is not None,
+            "late_blocks": realtime.status(self.engine_session)["late_blocks"],
         }
 
     def describe(self) -> dict[str, Any]:
         state = self.session.state
         return {
             "session_id": self.id,
-            "config": {**self.config.to_dict(), **self.outputs.to_dict()},
+            "config": {**self.config.to_dict(), **self.outputs.to_dict(), **realtime.flags_of(self)},
             "frames_received": state.frames_received,
             "frames_returned": state.frames_returned,
             "pending_frames": state.pending_frames,
@@ -114,6 +117,8 @@ class SessionHandle:
             # everything together: what the session holds.
             **self.engine_session.stages.status(),
             "cache_bytes": self.cache_bytes,
+            # A realtime session's deadlines: blocks committed late, the last and worst lateness (s; < 0: early).
+            **realtime.status(self.engine_session),
             "watchers": len(self.watchers),
             "pending_bytes": state.pending_bytes,
             "streaming": self.streaming,

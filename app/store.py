@@ -33,6 +33,7 @@ from .engine_errors import Draining
 from .errors import ApiError
 from .metrics import Metrics
 from .outputs import Outputs
+from .realtime import Admission
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
@@ -89,6 +90,8 @@ class SessionStore:
         # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
         self.draining = False
         self._adopting: dict[str, asyncio.Lock] = {}
+        # Real-time admission (setting ``admission``): by the engine's measured cost per row (app.realtime).
+        self.realtime = Admission(settings, engine.pacer, self.registry.handles, refiner)
 
     @property
     def snapshot_folder(self) -> Path | None:
@@ -96,17 +99,23 @@ class SessionStore:
         return None if folder is None else Path(folder).expanduser()
 
     # --- admission -----------------------------------------------------------------------------------------
-    def admit(self) -> None:
+    def admit(self, realtime: SessionConfig | None = None) -> None:
         """Room for one more session (or clip), or ApiError 503 too_many_sessions. A count today
-        (``max_sessions``); a memory budget (bytes held by the sessions) is the next check to add here."""
+        (``max_sessions``); a memory budget (bytes held by the sessions) is the next check to add here. A new
+        real-time session (``realtime``: its config) must also fit the engine's time (503 over_capacity)."""
         self.registry.require_capacity()
+        self.realtime.check(realtime)
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
-               session_id: str | None = None) -> SessionHandle:
-        """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id."""
-        self.admit()
-        return self.registry.adopt(session_id or uuid.uuid4().hex, RefinerSession(refiner, config, prompt),
-                                   outputs=outputs)
+               session_id: str | None = None, realtime: bool = False) -> SessionHandle:
+        """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id;
+        ``realtime``: its blocks have deadlines (app.realtime)."""
+        self.admit(config if realtime else None)
+        handle = self.registry.adopt(session_id or uuid.uuid4().hex, RefinerSession(refiner, config, prompt),
+                                     outputs=outputs)
+        if realtime:
+            handle.engine_session.pacing = self.realtime.pacing(config)
+        return handle
 
     @contextlib.contextmanager
     def clip(self) -> Iterator[None]:

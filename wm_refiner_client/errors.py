@@ -224,6 +224,13 @@ class ServerBusyError(ServiceUnavailableError):
     code = "server_busy"
 
 
+class OverCapacityError(ServiceUnavailableError):
+    """A new realtime session was refused: by the server's measured cost it could not keep up with it and the
+    realtime sessions it holds (admission: realtime). Retry later, elsewhere, or without realtime."""
+
+    code = "over_capacity"
+
+
 class RequestTimeoutError(APIError):
     """The server's HTTP layer closed a request whose headers or body came too slowly (408)."""
 
@@ -246,7 +253,7 @@ ERROR_CLASSES: dict[str, type[APIError]] = {
         ResumeUnavailableError, SessionEvictedError, PayloadTooLargeCodeError, TooManyFramesError,
         PromptTooLongError, UnsupportedMediaTypeError, InvalidInputError, InvalidConfigError, InvalidRequestError,
         InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError, ServerBusyError,
-        RequestTimeoutError, HeadersTooLargeError,
+        OverCapacityError, RequestTimeoutError, HeadersTooLargeError,
     )
 }
 _BY_STATUS: dict[int, type[APIError]] = {
@@ -259,7 +266,8 @@ _BY_STATUS: dict[int, type[APIError]] = {
 }
 
 # Codes after which the server will take the same request again (the request changed nothing).
-RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy"})
+RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy",
+                             "over_capacity"})
 
 
 def error_from(status: int, body: Any, retry_after: float | None = None) -> APIError:
