@@ -1,4 +1,5 @@
-"""Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service),
+"""Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service), ``plan``
+(a capacity plan, no weights: ``app.cli_plan``),
 ``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli_remote``). Errors go to
 stderr with a non-zero exit status; progress bars go to stderr only when it is a terminal. The benchmarks are not a
 service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks)."""
