@@ -43,7 +43,7 @@ def add_plan_parser(commands) -> None:
 
 def plan_command(args: argparse.Namespace) -> int:
     from app.settings import Settings, load_settings
-    from models.plan import Gpu, Stream, make_plan, parse_bytes, parse_dtype, read_config, released_config, render
+    from models.plan import Stream, make_plan, parse_bytes, parse_dtype, read_config, released_config, render
 
     settings = load_settings(args.config) if args.config else Settings()
     if args.model:

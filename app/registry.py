@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from models import Prompt, Refiner, RefinerSession, SessionConfig
 
-from .delivery import Deliveries
 from . import realtime
+from .delivery import Deliveries
 from .engine import EngineSession
 from .errors import ApiError
 from .outputs import Outputs

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 from models import RefinerSession, SessionConfig
 from wm_refiner_client import spec
 
+from . import realtime
 from .codec import PROMPT_EMBEDS, PROMPT_MASK, decode
 from .delivery import Deliveries, UnitCopies
 from .deps import check_config_limits, check_payload
-from . import realtime
 from .engine import EngineSession, Work
 from .errors import ApiError
 from .outputs import HostUnit, Outputs
