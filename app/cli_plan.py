@@ -18,6 +18,8 @@ def add_plan_parser(commands) -> None:
     source.add_argument("--model", help="refiner folder (or its config.json); only config.json is read")
     source.add_argument("--config", help="settings YAML (configs/sana-wm.yaml): its model folder's config.json, else "
                                          "the released refiner's architecture; its dtype, geometry and defaults")
+    plan.add_argument("--vae", help="an LTX-2 VAE folder (or its config.json) for sessions with video outputs: "
+                                    "adds its decoder state per session (default: the settings' vae, if any)")
     plan.add_argument("--height", type=int, help="pixels (default: the settings' warm-up geometry, else 704)")
     plan.add_argument("--width", type=int, help="pixels (default: the settings' warm-up geometry, else 1280)")
     plan.add_argument("--fps", type=float, help="pixel frames per second (default: the settings' default_fps)")
@@ -68,10 +70,18 @@ def plan_command(args: argparse.Namespace) -> int:
         batch=args.batch, prompt_tokens=args.prompt_tokens,
         positions=args.positions or settings.default_positions,
     )
+    vae = args.vae or (settings.vae if settings.vae and (Path(settings.vae) / "config.json").is_file() else None)
+    vae_config = None
+    if vae:
+        file = Path(vae) / "config.json" if Path(vae).is_dir() else Path(vae)
+        if not file.is_file():
+            raise FileNotFoundError(f"--vae {vae!r}: no config.json there; pass an AutoencoderKLLTX2Video folder")
+        vae_config = json.loads(file.read_text())
     dtype_name = args.dtype or (settings.dtype if settings.dtype != "auto" else "bf16")
     gpus = _gpus(args.gpu_memory, args.tflops, parse_bytes)
     plan = make_plan(config, stream, parse_dtype(dtype_name), gpus, source=source,
-                     batch_rows=args.batch_rows or settings.max_batch_rows, reserve_bytes=parse_bytes(args.reserve))
+                     batch_rows=args.batch_rows or settings.max_batch_rows, reserve_bytes=parse_bytes(args.reserve),
+                     vae_config=vae_config)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
     return 0
 

@@ -182,6 +182,32 @@ def session_bytes(model, stream: Stream, tokens_per_frame: int, dtype: torch.dty
     return parts
 
 
+def decoder_state_bytes(vae_config: dict[str, Any], stream: Stream, latent_hw: tuple[int, int],
+                        dtype: torch.dtype) -> dict[str, int]:
+    """A video session's streaming-decoder state (``models.vae``), measured by streaming blocks through the VAE's
+    decoder built on ``meta`` (shapes only): the largest state over the look-ahead plus four blocks, and the VAE's
+    own weights."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    from .vae import StreamingDecoder
+
+    arguments = {k: v for k, v in vae_config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        vae = AutoencoderKLLTX2Video.from_config(arguments).to(dtype)
+    decoder = StreamingDecoder(vae)
+    channels = int(vae.config.latent_channels)
+    state, largest, pushed = decoder.new_state(), 0, 0
+    while pushed < decoder.lookahead + 4 * stream.block_size + stream.sink_frames:
+        frames = stream.sink_frames if pushed == 0 else stream.block_size
+        latents = torch.empty(stream.batch, channels, frames, *latent_hw, device="meta")
+        state, _ = decoder.push(state, latents)
+        largest = max(largest, state.nbytes)
+        pushed += frames
+    element = torch.empty((), dtype=dtype).element_size()
+    return {"decoder_state": largest, "vae_weights": sum(p.numel() for p in vae.parameters()) * element,
+            "lookahead_latent_frames": decoder.lookahead}
+
+
 def weight_bytes(model, dtype: torch.dtype) -> dict[str, int]:
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(p.numel() for p in model.parameters())
@@ -282,14 +308,23 @@ def workspace_bytes(model, stream: Stream, tokens_per_frame: int, dtype: torch.d
 
 
 def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: list[Gpu], *, source: str = "",
-              batch_rows: int = 8, reserve_bytes: int = 2 * GiB, model=None) -> Plan:
+              batch_rows: int = 8, reserve_bytes: int = 2 * GiB, model=None,
+              vae_config: dict[str, Any] | None = None) -> Plan:
     """The plan for ``stream`` on each of ``gpus``. ``reserve_bytes``: kept free besides the weights and the
-    workspace (CUDA context, allocator slack). ``model``: an already built (meta) model for ``config``."""
+    workspace (CUDA context, allocator slack). ``model``: an already built (meta) model for ``config``.
+    ``vae_config``: a VAE's config.json, for sessions with video outputs (its decoder state per session, its
+    weights)."""
     model = meta_model(config) if model is None else model
     geometry = latent_geometry(config, stream)
     tokens = geometry.tokens_per_frame
     weights = weight_bytes(model, dtype)
     session = session_bytes(model, stream, tokens, dtype)
+    if vae_config is not None:
+        video = decoder_state_bytes(vae_config, stream, (geometry.latent_height, geometry.latent_width), dtype)
+        session["video_decoder_state"] = video["decoder_state"]
+        session["total"] += video["decoder_state"]
+        weights["vae_bytes"] = video["vae_weights"]
+        weights["bytes"] += video["vae_weights"]
     workspace = workspace_bytes(model, stream, tokens, dtype, batch_rows)
     queries = stream.block_size * tokens
     keys = (stream.kv_max_frames + stream.block_size) * tokens  # a steady block: sink + full history + itself
@@ -351,10 +386,12 @@ def render(plan: Plan) -> str:
         f"1 commit per block, batch {s['batch']}, prompt {s['prompt_tokens']} tokens, {s['positions']} positions, "
         f"{plan.dtype}",
         f"weights: {plan.weights['parameters'] / 1e9:.2f} B parameters ({plan.weights['video_parameters'] / 1e9:.2f} B "
-        f"on the video path) = {_gib(plan.weights['bytes'])}",
+        f"on the video path){' + the VAE' if 'vae_bytes' in plan.weights else ''} = {_gib(plan.weights['bytes'])}",
         f"per session: {_gib(plan.session['total'])} = KV window {_gib(plan.session['kv_window'])} + sink keys "
         f"{_gib(plan.session['kv_sink_keys'])} + rebased history keys {_gib(plan.session['kv_rebased_history_keys'])} "
-        f"+ prompt {_gib(plan.session['prompt'])}",
+        f"+ prompt {_gib(plan.session['prompt'])}"
+        + (f" + video decoder state {_gib(plan.session['video_decoder_state'])}" if "video_decoder_state" in
+           plan.session else " (latents only: --vae DIR adds a video session's decoder state)"),
         f"workspace (one call's activations, estimate): {_gib(plan.workspace_bytes)}",
         f"FLOPs per forward ({g['block_tokens']} queries over {g['window_tokens']} keys): {_tf(forward['total'])} = "
         f"projections {_tf(forward['projections'])} + attention {_tf(forward['attention'])} + feed-forward "

@@ -129,3 +129,24 @@ def test_the_released_refiner_is_planned_without_weights():
     assert plan["block_seconds"] == 1.5
     assert [g["name"] for g in plan["gpus"]] == ["H100", "H200", "B200"]
     assert all(g["sessions_by_compute"] >= 1 for g in plan["gpus"])
+
+
+def test_the_video_decoder_state_equals_a_real_decoders_over_the_same_blocks():
+    """The plan streams blocks through the VAE's decoder built on meta; a real tiny VAE streaming the same blocks
+    holds exactly as many bytes at its largest."""
+    from models.checkpoints import build_vae
+    from models.vae import StreamingDecoder
+
+    vae = build_vae("tiny-vae")
+    stream = Stream(height=4 * 32, width=3 * 32, block_size=2, kv_max_frames=6)
+    plan = make_plan(_config("tiny"), stream, torch.float32, [Gpu(GB, None)], vae_config=dict(vae.config))
+    decoder = StreamingDecoder(vae)
+    state, largest, pushed = decoder.new_state(), 0, 0
+    generator = torch.Generator().manual_seed(0)
+    while pushed < decoder.lookahead + 4 * 2 + 1:
+        frames = 1 if pushed == 0 else 2
+        state, _ = decoder.push(state, torch.randn(1, 128, frames, 4, 3, generator=generator))
+        largest, pushed = max(largest, state.nbytes), pushed + frames
+    assert largest > 0 and plan.session["video_decoder_state"] == largest
+    assert plan.session["total"] == plan.session["kv_total"] + plan.session["prompt"] + largest
+    assert plan.weights["vae_bytes"] == sum(p.numel() for p in vae.parameters()) * 4
