@@ -154,6 +154,13 @@ class SessionDescription(BaseModel):
     history_frames: int
     next_seq: int
     kv_cache_bytes: int
+    late_blocks: int | None = Field(
+        default=None, description="realtime sessions: blocks committed after their deadline (the arrival of their "
+        "last input frame + their playback time); null for other sessions")
+    paced_blocks: int | None = Field(default=None, description="realtime sessions: blocks whose deadline was tracked")
+    last_lateness_s: float | None = Field(
+        default=None, description="realtime sessions: seconds the last block was past its deadline (< 0: early)")
+    worst_lateness_s: float | None = Field(default=None, description="realtime sessions: the most, so far")
     created_at: str
     last_active_at: str
 
