@@ -1,6 +1,6 @@
 """``python -m bench realtime``: how many real-time sessions a server keeps on time, batching on and off.
 
-A server (``python -m app serve``, a real process, one mode at a time so the two never share the CPU) serves random
+A server per mode (``python -m app serve``, real processes, side by side; phases interleaved) serves random
 ``medium`` refiner sessions created with ``realtime: true`` at the stream's ``fps``. Each client is a
 ``wm_refiner_client.AsyncClient`` stream paced like a live generator: it sends one block (``block_size`` latent
 frames) every block playback time (``block_size x 8 / fps`` seconds: 1.5 s at 16 fps), open loop, whatever the
@@ -10,8 +10,9 @@ its window (untimed, its late blocks not counted); the phase's late blocks are t
 Each client also times its blocks: a unit received later than its frames' send + the playback time is late at the
 client (that adds the response's encoding and the socket to the server's figure).
 
-A phase with k sessions holds when none of its blocks was late. Phases run k = 1, 2, ... until two in a row fail
-(or ``--max-sessions``). The server's measured cost per row (``/v1/info`` -> ``engine.realtime``) is reported too,
+A phase with k sessions holds when none of its blocks was late. Phases run k = 1, 2, ..., each k on one server
+then the other (the order alternating), so a busy spell of a shared machine falls on both modes; a mode stops after
+two failed phases in a row (or at ``--max-sessions``). Each phase records the machine's load average. The server's measured cost per row (``/v1/info`` -> ``engine.realtime``) is reported too,
 with what ``admission: realtime`` would admit by it at ``admission_max_load`` 0.9. The benchmark reports; it never
 asserts.
 """
@@ -88,41 +89,37 @@ async def _state(http: httpx.AsyncClient, session_id: str) -> dict[str, Any]:
     return (await http.get(f"/v1/sessions/{session_id}")).json()
 
 
-async def _measure(base_url: str, max_sessions: int, blocks: int, height: int, width: int, caption_channels: int,
-                   fps: float) -> dict[str, Any]:
+async def _phase(base_url: str, count: int, blocks: int, height: int, width: int, caption_channels: int,
+                 fps: float) -> dict[str, Any]:
+    """``count`` fresh realtime sessions: fill their windows, then ``blocks`` paced blocks each; deleted after."""
     period = SessionConfig().block_size * TEMPORAL / fps
-    phases = []
-    failures_in_a_row = 0
+    clients = [Paced(base_url, i, height, width, caption_channels, fps) for i in range(count)]
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
-        for count in range(1, max_sessions + 1):
-            clients = [Paced(base_url, i, height, width, caption_channels, fps) for i in range(count)]
-            try:
-                for client in clients:
-                    await client.stream.open()
-                await asyncio.gather(*(client.fill() for client in clients))
-                before = {c.stream.session_id: (await _state(http, c.stream.session_id))["late_blocks"] for c in clients}
-                began = time.perf_counter()
-                seen = await asyncio.gather(*(c.paced(blocks, period, i * period / count)
-                                              for i, c in enumerate(clients)))
-                seconds = time.perf_counter() - began
-                after = [await _state(http, c.stream.session_id) for c in clients]
-            finally:
-                await asyncio.gather(*(c.stream.close() for c in clients), return_exceptions=True)
-                for client in clients:
-                    if client.stream.session_id:
-                        await http.delete(f"/v1/sessions/{client.stream.session_id}")
-            late = sum(s["late_blocks"] - before[s["session_id"]] for s in after)
-            client_side = [x for per_client in seen for x in per_client]
-            worst = max(client_side)
-            phases.append({"sessions": count, "blocks": count * blocks, "late_blocks": late,
-                           "client_late_blocks": sum(x > 0 for x in client_side),
-                           "client_worst_lateness_s": worst, "seconds": seconds})
-            print(f"  {count} session(s): {late} of {count * blocks} blocks late (server), worst lateness at the "
-                  f"client {worst:+.3f} s", file=sys.stderr)
-            failures_in_a_row = failures_in_a_row + 1 if late else 0
-            if failures_in_a_row >= 2:
-                break
+        try:
+            for client in clients:
+                await client.stream.open()
+            await asyncio.gather(*(client.fill() for client in clients))
+            before = {c.stream.session_id: (await _state(http, c.stream.session_id))["late_blocks"] for c in clients}
+            began = time.perf_counter()
+            seen = await asyncio.gather(*(c.paced(blocks, period, i * period / count) for i, c in enumerate(clients)))
+            seconds = time.perf_counter() - began
+            after = [await _state(http, c.stream.session_id) for c in clients]
+        finally:
+            await asyncio.gather(*(c.stream.close() for c in clients), return_exceptions=True)
+            for client in clients:
+                if client.stream.session_id:
+                    await http.delete(f"/v1/sessions/{client.stream.session_id}")
+    late = sum(s["late_blocks"] - before[s["session_id"]] for s in after)
+    client_side = [x for per_client in seen for x in per_client]
+    return {"sessions": count, "blocks": count * blocks, "late_blocks": late,
+            "client_late_blocks": sum(x > 0 for x in client_side), "client_worst_lateness_s": max(client_side),
+            "seconds": seconds, "load_average": _load_average()}
+
+
+async def _summary(base_url: str, phases: list[dict[str, Any]], height: int, width: int, fps: float) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         info = (await http.get("/v1/info")).json()["engine"]
+    period = SessionConfig().block_size * TEMPORAL / fps
     held = [p["sessions"] for p in phases if p["late_blocks"] == 0]
     tokens = SessionConfig().block_size * height * width
     per_row = info["realtime"]["seconds_per_row_by_tokens"].get(str(tokens))
@@ -137,25 +134,53 @@ async def _measure(base_url: str, max_sessions: int, blocks: int, height: int, w
     }
 
 
+def _load_average() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_realtime(preset: str, height: int, width: int, fps: float, blocks: int, max_sessions: int,
                  modes: list[str], threads: int | None) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    """Both servers run side by side; for k = 1, 2, ... each mode's phase of k sessions runs in turn (the order
+    alternating with k), so a busy spell of a shared machine falls on both. A mode stops after two failed phases in
+    a row."""
     started = time.perf_counter()
+    caption_channels = PRESETS[preset]["caption_channels"]
+    phases: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="wm-realtime-") as tmp:
         folder = write_checkpoint(Path(tmp) / preset, preset=preset)
-        for mode in modes:
-            print(f"{mode}:", file=sys.stderr)
-            server = ServerProcess(
-                free_port(), Path(tmp) / "cache", None, Path(tmp) / f"{mode}.log", threads=threads,
-                model=str(folder), log_level="warning", max_sessions=max(16, max_sessions),
-                warmup_height=height, warmup_width=width, warmup_prompt_tokens=PROMPT_TOKENS,
-                batching=mode == "batching", max_batch_rows=max(8, max_sessions),
-                engine_queue_depth=max(64, 8 * max_sessions),
-            ).start(ready_timeout=600)
-            try:
-                results[mode] = asyncio.run(_measure(server.base_url, max_sessions, blocks, height, width,
-                                                     PRESETS[preset]["caption_channels"], fps))
-            finally:
+        servers: dict[str, ServerProcess] = {}
+        try:
+            for mode in modes:
+                servers[mode] = ServerProcess(
+                    free_port(), Path(tmp) / "cache", None, Path(tmp) / f"{mode}.log", threads=threads,
+                    model=str(folder), log_level="warning", max_sessions=max(16, max_sessions),
+                    warmup_height=height, warmup_width=width, warmup_prompt_tokens=PROMPT_TOKENS,
+                    batching=mode == "batching", max_batch_rows=max(8, max_sessions),
+                    engine_queue_depth=max(64, 8 * max_sessions),
+                ).start(ready_timeout=1200)
+            failures = {mode: 0 for mode in modes}
+            for count in range(1, max_sessions + 1):
+                order = modes if count % 2 else modes[::-1]
+                for mode in order:
+                    if failures[mode] >= 2:
+                        continue
+                    phase = asyncio.run(_phase(servers[mode].base_url, count, blocks, height, width,
+                                               caption_channels, fps))
+                    phases[mode].append(phase)
+                    failures[mode] = failures[mode] + 1 if phase["late_blocks"] else 0
+                    print(f"  {mode}, {count} session(s): {phase['late_blocks']} of {phase['blocks']} blocks late "
+                          f"(server), worst lateness at the client {phase['client_worst_lateness_s']:+.3f} s, load "
+                          f"average {phase['load_average']}", file=sys.stderr)
+                if all(failures[mode] >= 2 for mode in modes):
+                    break
+            for mode in modes:
+                results[mode] = asyncio.run(_summary(servers[mode].base_url, phases[mode], height, width, fps))
+        finally:
+            for server in servers.values():
                 server.kill()
     return {
         "command": (f"python -m bench realtime --preset {preset} --height {height} --width {width} --fps {fps:g} "
@@ -190,14 +215,14 @@ def format_realtime(report: dict[str, Any]) -> str:
         f"`{report['command']}` ({report['elapsed_s']:.0f} s; a block plays {report['block_seconds']:g} s)",
         "",
         "| server | sessions | blocks | late (server's count) | late at the client | worst lateness at the client "
-        "| holds |",
-        "|---|---|---|---|---|---|---|",
+        "| load average | holds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode, result in report["modes"].items():
         for phase in result["phases"]:
             lines.append(f"| {mode} | {phase['sessions']} | {phase['blocks']} | {phase['late_blocks']} | "
                          f"{phase['client_late_blocks']} | {phase['client_worst_lateness_s']:+.3f} s | "
-                         f"{'yes' if phase['late_blocks'] == 0 else 'no'} |")
+                         f"{phase['load_average']} | {'yes' if phase['late_blocks'] == 0 else 'no'} |")
     lines.append("")
     for mode, result in report["modes"].items():
         admit = result["admission_would_admit"]
