@@ -1,4 +1,5 @@
-"""Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service),
+"""Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service), ``plan``
+(a capacity plan, no weights: ``app.cli_plan``),
 ``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli_remote``). Errors go to
 stderr with a non-zero exit status; progress bars go to stderr only when it is a terminal. The benchmarks are not a
 service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks)."""
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stream_parser(commands)
     add_sessions_parser(commands)
+    from app.cli_plan import add_plan_parser
+
+    add_plan_parser(commands)
     return parser
 
 
@@ -73,6 +77,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from app.serve import serve_command
 
         return serve_command(args)
+    if args.command == "plan":
+        from app.cli_plan import plan_command
+
+        return plan_command(args)
     if args.command in ("stream", "sessions"):
         from app import cli_remote
 

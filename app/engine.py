@@ -64,6 +64,7 @@ from models.step import RowForward, run_isolated
 
 from .engine_errors import Draining, EngineBusy, EngineError, OutputFailed
 from .metrics import Metrics
+from .realtime import Pacer, Pacing
 from .scheduler import ModelCall, Ready, Scheduler
 from .stages import OutputFailure, OutUnit, SessionStages, latents_only
 
@@ -92,6 +93,8 @@ class EngineSession:
     pending_outputs: deque = field(default_factory=deque)
     # Guarded by the engine's lock: work submitted and not yet settled.
     queued: int = 0
+    # A real-time session's deadlines and late blocks (app.realtime); None when it is not real time.
+    pacing: Pacing | None = None
 
 
 @dataclass(eq=False)
@@ -183,6 +186,8 @@ class Engine:
         self._stopping = False
         # Engine thread only: the policy (which forwards form a call, which output steps run); see app.scheduler.
         self.scheduler = Scheduler(max_batch_rows, batching)
+        # Real-time sessions' deadlines and the measured cost per row that admission reads (app.realtime).
+        self.pacer = Pacer(on_late=lambda _: metrics.late_blocks.inc(), on_paced=lambda _: metrics.paced_blocks.inc())
         self._thread: threading.Thread | None = None
 
     # --- event-loop side ---------------------------------------------------------------------------------
@@ -329,6 +334,8 @@ class Engine:
         return BatchResult(batch, tuple(outcomes), seconds)
 
     def commit(self, result: BatchResult) -> None:
+        if result.batch.members and not any(isinstance(o, Exception) for o in result.outcomes):
+            self.pacer.observed_call(result.batch.members[0].forward.group[0], result.batch.rows, result.seconds)
         for member, outcome in zip(result.batch.members, result.outcomes):
             target = member.target
             work = target.work[0]
@@ -461,6 +468,7 @@ class Engine:
             return False
         work.started = True
         work.frames_in = chunk.frames
+        self.pacer.arrived(target.pacing, session.state.frames_received, work.submitted_at)
         # Release the request's tensors: the session holds its own (device) copy now.
         work.latents = work.prompt_embeds = work.prompt_attention_mask = None
         return True
@@ -473,6 +481,7 @@ class Engine:
         except Exception as exc:
             self._fail(work, exc)
             return
+        self.pacer.committed(target.pacing, unit.kind, unit.frame_start, unit.frame_end)
         state = target.session.state
         self._queue_output(target, unit, final=state.flushed and state.pending_frames == 0)
 

@@ -84,6 +84,8 @@ ERRORS: dict[str, ErrorKind] = {
     # A session's bytes (known at its first chunk) do not fit device_memory_budget, even after idle sessions were
     # parked (app.parking); refused before anything of it was allocated.
     "insufficient_memory": ErrorKind(503, retry_after=True),
+    # A new realtime session the engine's measured cost says it cannot keep up with (admission: realtime).
+    "over_capacity": ErrorKind(503, retry_after=True),
     # 500: a bug or a device failure; the session was restored, but the stream is closed to be safe.
     "internal_error": ErrorKind(500, ws_close=WS_INTERNAL_ERROR),
 }

@@ -68,6 +68,14 @@ class Metrics:
         self.engine_queue_depth = Gauge(
             "refiner_engine_queue_depth", "Jobs submitted to the engine and not finished", registry=r
         )
+        self.late_blocks = Counter(
+            "refiner_late_blocks",
+            "Blocks of real-time sessions committed after their deadline (last input frame's arrival + the block's "
+            "playback time)", registry=r,
+        )
+        self.paced_blocks = Counter(
+            "refiner_paced_blocks", "Blocks of real-time sessions whose deadline was tracked", registry=r
+        )
         self.rejected_requests = Counter(
             "refiner_rejected_requests", "Requests and messages refused, by error code", ["reason"], registry=r
         )

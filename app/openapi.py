@@ -47,6 +47,8 @@ def value_annotation(field: spec.SessionField, bounds: bool = True) -> Any:
         return Annotated[list[Literal[field.choices]], Field(min_length=field.min_items, max_length=field.max_items)]
     if field.kind == spec.LOOKAHEAD:
         return Literal[spec.EXACT] | Annotated[int, Field(**lower, **upper)]
+    if field.kind == spec.BOOLEAN:
+        return bool
     raise AssertionError(f"no pydantic type for field kind {field.kind!r}")
 
 
@@ -162,6 +164,13 @@ class SessionDescription(BaseModel):
     history_frames: int
     next_seq: int
     kv_cache_bytes: int
+    late_blocks: int | None = Field(
+        default=None, description="realtime sessions: blocks committed after their deadline (the arrival of their "
+        "last input frame + their playback time); null for other sessions")
+    paced_blocks: int | None = Field(default=None, description="realtime sessions: blocks whose deadline was tracked")
+    last_lateness_s: float | None = Field(
+        default=None, description="realtime sessions: seconds the last block was past its deadline (< 0: early)")
+    worst_lateness_s: float | None = Field(default=None, description="realtime sessions: the most, so far")
     created_at: str
     last_active_at: str
     state: Literal["active", "parked", "spilled"] = Field(description="where its tensors are (api.md)")

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from models import Prompt, Refiner, RefinerSession, SessionConfig
 
+from . import realtime
 from .delivery import Deliveries
 from .engine import EngineSession
 from .errors import ApiError
@@ -109,13 +110,15 @@ class SessionHandle:
             "watchers": len(self.watchers),
             "state": self.memory_state,
             "bytes": {**{k: v for k, v in handle_bytes(self).items() if k != "parts"}, "disk": 0},
+            "realtime": self.engine_session.pacing is not None,
+            "late_blocks": realtime.status(self.engine_session)["late_blocks"],
         }
 
     def describe(self) -> dict[str, Any]:
         state = self.session.state
         return {
             "session_id": self.id,
-            "config": {**self.config.to_dict(), **self.outputs.to_dict()},
+            "config": {**self.config.to_dict(), **self.outputs.to_dict(), **realtime.flags_of(self)},
             "frames_received": state.frames_received,
             "frames_returned": state.frames_returned,
             "pending_frames": state.pending_frames,
@@ -128,6 +131,8 @@ class SessionHandle:
             # everything together: what the session holds.
             **self.engine_session.stages.status(),
             "cache_bytes": self.cache_bytes,
+            # A realtime session's deadlines: blocks committed late, the last and worst lateness (s; < 0: early).
+            **realtime.status(self.engine_session),
             "watchers": len(self.watchers),
             "pending_bytes": state.pending_bytes,
             "streaming": self.streaming,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 from models import RefinerSession, SessionConfig
 from wm_refiner_client import spec
 
+from . import realtime
 from .codec import PROMPT_EMBEDS, PROMPT_MASK, decode
 from .delivery import Deliveries, UnitCopies
 from .deps import check_config_limits, check_payload
@@ -72,9 +73,12 @@ class SessionOps:
         """A new session from the fields a client set (read after the readiness check)."""
         services = self.services
         services.require_ready()
-        config, outputs = self.resolve_config(await read_fields())
-        handle = self.store.create(services.require_model(), config, services.default_prompt, outputs)
-        return {"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict()}}
+        fields = await read_fields()
+        flags = realtime.take_flags(fields)
+        config, outputs = self.resolve_config(fields)
+        handle = self.store.create(services.require_model(), config, services.default_prompt, outputs,
+                                   realtime=flags["realtime"])
+        return {"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict(), **flags}}
 
     async def put(self, session_id: str, read_fields: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[dict[str, Any], bool]:
         """A session under the client's id; (its description, created). The same id and config again is a safe
@@ -85,20 +89,22 @@ class SessionOps:
             spec.check_session_id(session_id)
         except ValueError as exc:
             raise ApiError("invalid_request", str(exc)) from None
-        config, outputs = self.resolve_config(await read_fields())
-        body = {"session_id": session_id, "config": {**config.to_dict(), **outputs.to_dict()}}
+        fields = await read_fields()
+        flags = realtime.take_flags(fields)
+        config, outputs = self.resolve_config(fields)
+        body = {"session_id": session_id, "config": {**config.to_dict(), **outputs.to_dict(), **flags}}
         existing = await self._existing(session_id)
         if existing is not None:
-            if existing.config == config and existing.outputs == outputs:
+            if existing.config == config and existing.outputs == outputs and realtime.flags_of(existing) == flags:
                 return body, False
             raise ApiError(
                 "session_exists",
                 f"session {session_id} already exists with another config "
-                f"({_differences(existing, config, outputs)}); PUT it with the same config to get it again, or "
-                "choose another id",
+                f"({_differences(existing, config, outputs, flags)}); PUT it with the same config to get it again, "
+                "or choose another id",
             )
         handle = self.store.create(services.require_model(), config, services.default_prompt, outputs,
-                                   session_id=session_id)
+                                   session_id=session_id, realtime=flags["realtime"])
         return {**body, "session_id": handle.id}, True
 
     async def _existing(self, session_id: str) -> SessionHandle | None:
@@ -542,7 +548,7 @@ def parse_resume_from(value: str | None) -> int | None:
     return number
 
 
-def _differences(existing: SessionHandle, config: SessionConfig, outputs: Outputs) -> str:
-    have = {**existing.config.to_dict(), **existing.outputs.to_dict()}
-    want = {**config.to_dict(), **outputs.to_dict()}
+def _differences(existing: SessionHandle, config: SessionConfig, outputs: Outputs, flags: dict[str, Any]) -> str:
+    have = {**existing.config.to_dict(), **existing.outputs.to_dict(), **realtime.flags_of(existing)}
+    want = {**config.to_dict(), **outputs.to_dict(), **flags}
     return ", ".join(f"{name}: {have[name]!r} there, {want[name]!r} asked" for name in want if have[name] != want[name])

@@ -196,6 +196,17 @@ class Settings(_SessionDefaults):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         default="inductor", description="torch.compile backend of compile_step (the others are for debugging)"
     )
+    admission: Literal["none", "realtime"] = Field(
+        default="none",
+        description="realtime: refuse a new realtime session (503 over_capacity) when, by the engine's measured "
+        "cost per row, the realtime sessions held plus it would need more than admission_max_load of the engine's "
+        "time; none: admit by count only",
+    )
+    admission_max_load: PositiveFloat = Field(
+        default=0.9,
+        description="with admission: realtime, the share of the engine's time realtime sessions may need (seconds "
+        "of model time per second of video, summed)",
+    )
     ws_outbound_queue: PositiveInt = 8
     watch_queue_units: PositiveInt = Field(
         default=8, description="units a watcher may fall behind before it loses some (it is told how many)"

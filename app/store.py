@@ -38,6 +38,7 @@ from .leases import Lease, LeaseHeld, LeaseLost
 from .metrics import Metrics
 from .outputs import Outputs
 from .parking import Parking
+from .realtime import Admission
 from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
@@ -99,6 +100,8 @@ class SessionStore:
         self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
         # Bytes: accounting, admission by bytes, park / spill / page-in (app.parking).
         self.parking = Parking(self)
+        # Real-time admission (setting ``admission``): by the engine's measured cost per row (app.realtime).
+        self.realtime = Admission(settings, engine.pacer, self.registry.handles, refiner)
 
     @property
     def checkpointing(self) -> bool:
@@ -111,12 +114,14 @@ class SessionStore:
         return None if folder is None else Path(folder).expanduser()
 
     # --- admission -----------------------------------------------------------------------------------------
-    def admit(self, need_bytes: int = 0, what: str = "a new session") -> None:
+    def admit(self, need_bytes: int = 0, what: str = "a new session", realtime: SessionConfig | None = None) -> None:
         """Room for one more session (or clip): ApiError 503 too_many_sessions past ``max_sessions``, 503
         insufficient_memory when ``need_bytes`` more device bytes do not fit ``device_memory_budget``. A new
-        session's bytes are unknown until its first chunk (``prepare``), so they are checked there."""
+        session's bytes are unknown until its first chunk (``prepare``), so they are checked there. A new
+        real-time session (``realtime``: its config) must also fit the engine's time (503 over_capacity)."""
         self.registry.require_capacity()
         self.parking.require(need_bytes, what)
+        self.realtime.check(realtime)
 
     async def prepare(self, handle: SessionHandle, shape: tuple[int, ...] | None) -> None:
         """Right before work of ``handle`` (frames shaped ``shape``, or None) goes to the engine, within its turn:
@@ -128,13 +133,16 @@ class SessionStore:
             await self.parking.reserve(handle, shape)
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
-               session_id: str | None = None) -> SessionHandle:
-        """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id."""
-        self.admit()
+               session_id: str | None = None, realtime: bool = False) -> SessionHandle:
+        """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id;
+        ``realtime``: its blocks have deadlines (app.realtime)."""
+        self.admit(realtime=config if realtime else None)
         handle = self.registry.adopt(session_id or uuid.uuid4().hex, RefinerSession(refiner, config, prompt),
                                      outputs=outputs)
         if self.checkpointing:
             handle.durable_frames = 0  # nothing survives a crash until its first checkpoint
+        if realtime:
+            handle.engine_session.pacing = self.realtime.pacing(config)
         return handle
 
     @contextlib.contextmanager

@@ -8,6 +8,7 @@
     python -m bench invariance     what batch invariance by construction costs (per-row time embedding, probe)
     python -m bench checkpoint     crash checkpoints: block latency with and without, bytes per checkpoint
     python -m bench park   [...]   page-in latency of parked and spilled sessions, and their sizes
+    python -m bench realtime [...] paced realtime sessions: how many each server mode keeps with no late block
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.park import main as park_main
 
         return park_main(rest)
+    if command == "realtime":
+        from bench.realtime import main as realtime_main
+
+        return realtime_main(rest)
     if command == "decode":
         from bench.decode import main as decode_main
 

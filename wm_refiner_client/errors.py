@@ -238,6 +238,13 @@ class InsufficientMemoryError(ServiceUnavailableError):
     code = "insufficient_memory"
 
 
+class OverCapacityError(ServiceUnavailableError):
+    """A new realtime session was refused: by the server's measured cost it could not keep up with it and the
+    realtime sessions it holds (admission: realtime). Retry later, elsewhere, or without realtime."""
+
+    code = "over_capacity"
+
+
 class RequestTimeoutError(APIError):
     """The server's HTTP layer closed a request whose headers or body came too slowly (408)."""
 
@@ -260,7 +267,7 @@ ERROR_CLASSES: dict[str, type[APIError]] = {
         ResumeUnavailableError, SessionEvictedError, PayloadTooLargeCodeError, TooManyFramesError,
         PromptTooLongError, UnsupportedMediaTypeError, InvalidInputError, InvalidConfigError, InvalidRequestError,
         InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError, ServerBusyError,
-        SessionMovedError, InsufficientMemoryError, RequestTimeoutError, HeadersTooLargeError,
+        SessionMovedError, InsufficientMemoryError, OverCapacityError, RequestTimeoutError, HeadersTooLargeError,
     )
 }
 _BY_STATUS: dict[int, type[APIError]] = {
@@ -274,7 +281,8 @@ _BY_STATUS: dict[int, type[APIError]] = {
 
 # Codes after which the server will take the same request again (the request changed nothing).
 RETRYABLE_CODES = frozenset({"not_ready", "draining", "too_many_sessions", "engine_busy", "server_busy",
-                             "session_moved", "insufficient_memory"})
+                             "session_moved", "insufficient_memory",
+                             "over_capacity"})
 
 
 def error_from(status: int, body: Any, retry_after: float | None = None) -> APIError:

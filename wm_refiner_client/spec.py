@@ -38,9 +38,11 @@ CHOICE = "choice"  # one of ``choices``
 NUMBERS = "numbers"  # a list of numbers; text: comma-separated
 CHOICES = "choices"  # a list of distinct ``choices``; text: comma-separated
 LOOKAHEAD = "lookahead"  # "exact" or an integer in [minimum, maximum]; text: "exact" or digits
+BOOLEAN = "boolean"  # a JSON true or false; text: true or false
 
 CONFIG = "config"  # the model's config (models.config.SessionConfig)
 OUTPUTS = "outputs"  # what the session's units carry (app.outputs.Outputs)
+FLAGS = "flags"  # how the service treats the session (app.realtime), neither the model's nor the outputs'
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class SessionField:
             return {"type": "number", **bounds}
         if self.kind == CHOICE:
             return {"type": "string", "enum": list(self.choices)}
+        if self.kind == BOOLEAN:
+            return {"type": "boolean"}
         items = {"type": "number", **bounds} if self.kind == NUMBERS else {"type": "string", "enum": list(self.choices)}
         if self.kind in (NUMBERS, CHOICES):
             schema: dict[str, Any] = {"type": "array", "items": items}
@@ -111,6 +115,10 @@ class SessionField:
                 raise ValueError(f"{self.name} must be a number such as {self.default!r}, got {text!r}") from None
         if self.kind == CHOICE:
             return text
+        if self.kind == BOOLEAN:
+            if text not in ("true", "false"):
+                raise ValueError(f"{self.name} must be true or false, got {text!r}")
+            return text == "true"
         if self.kind == NUMBERS:
             try:
                 return [float(part) for part in text.split(",")]
@@ -160,11 +168,15 @@ FIELDS: tuple[SessionField, ...] = (
                  part=OUTPUTS, choices=("uint8", "float32")),
     SessionField("video_lookahead", LOOKAHEAD, EXACT, "'exact' (equal to the whole-clip decode) or N latent frames "
                  "of look-ahead", part=OUTPUTS, minimum=0, maximum=FRAMES_MAX),
+    SessionField("realtime", BOOLEAN, False, "the client plays the stream at fps as it arrives: each block has a "
+                 "deadline (late_blocks counts the missed ones) and, with the server's admission: realtime, the "
+                 "session is only admitted if the engine can keep up", part=FLAGS, in_query=False),
 )
 BY_NAME: dict[str, SessionField] = {f.name: f for f in FIELDS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 CONFIG_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.part == CONFIG)
 OUTPUT_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.part == OUTPUTS)
+FLAG_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.part == FLAGS)
 QUERY_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.in_query)
 
 

@@ -66,6 +66,8 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             # Measured during the warm-up: a session's bytes do not depend on the sessions sharing its forwards.
             "batch_invariant": services.batch_invariant,
             "batch_probe": services.batch_probe,
+            # Real-time admission: the setting, the measured seconds per row, the load of the realtime sessions.
+            "realtime": services.store.realtime.figures(),
         },
         "limits": {
             **services.settings.limits(),

@@ -182,3 +182,29 @@ def test_with_an_api_key_the_page_lists_and_watches_once_the_key_is_entered(make
         browser.refresh()
         wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, row), "the session listed after a reload")
         assert browser.find_element(By.ID, "api-key").get_attribute("value") == KEY
+
+
+def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, browser):
+    """A realtime session whose engine clock runs 30 s behind (every block late): its line in the list and the
+    stats' counter show its late blocks; a session that is not real time shows none."""
+    from selenium.webdriver.common.by import By
+
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        pacer = server.services.engine.pacer
+        real_clock = pacer.clock
+        pacer.clock = lambda: real_clock() + 30.0
+        plain = http.post("/v1/sessions", json={}).json()["session_id"]
+        created = http.post("/v1/sessions", json={"realtime": True, "outputs": ["video"]})
+        assert created.status_code == 201, created.text
+        session_id, config = created.json()["session_id"], created.json()["config"]
+        stream_clip(http, session_id, config, 7)  # sink + 2 blocks
+        assert http.get(f"/v1/sessions/{session_id}").json()["late_blocks"] == 2
+
+        browser.get(f"{server.base_url}/view?session={session_id}")
+        row = lambda sid: browser.find_element(By.CSS_SELECTOR, f'#sessions li[data-session-id="{sid}"]').text
+        wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, f'#sessions li[data-session-id="{plain}"]'),
+                   "both sessions listed")
+        wait_until(lambda: "late 2" in row(session_id), "the list line to show 2 late blocks")
+        assert "late" not in row(plain)
+        wait_until(lambda: browser.find_element(By.ID, "late-blocks").text == "2", "the stats counter to show 2")

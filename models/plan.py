@@ -1,0 +1,414 @@
+"""A capacity plan for a refiner on hardware this process does not have: bytes and FLOPs, nothing run.
+
+The refiner is built from its ``config.json`` on the ``meta`` device (shapes, no storage), so the plan for the released
+48-layer refiner costs a second and no memory. From it and a stream's geometry the plan derives:
+
+- **weights**: every parameter the checkpoint loads (the audio branch too: diffusers keeps it so checkpoints
+  round-trip, and ``load_refiner`` holds it in memory) at the serving dtype;
+- **per session**: the KV window exactly as ``models.kv.SessionKV`` allocates it (built on ``meta`` here, so the
+  figure follows kv.py), plus the prepared prompt (caption-projected embeds, once per prompt);
+- **FLOPs** of one forward and of one steady-state block, counted from the modules' shapes (2 per multiply-add;
+  elementwise work -- norms, RoPE, softmax, GELU, modulation -- left out as GEMM counts do), split into
+  projections, attention and feed-forward;
+- **sessions per GPU** by memory (what is left after the weights and a workspace) and by compute at the stream's
+  real-time rate (``block FLOPs / block playback seconds`` against a sustained TFLOP/s the caller states).
+
+Latent geometry comes from the transformer config's ``vae_scale_factors`` (temporal, height, width: (8, 32, 32)
+for LTX-2): a latent frame is ``temporal`` pixel frames, ``pixels / spatial`` latents per side, one token per latent
+(patch size 1, which ``models.loading.check_config`` requires). A steady block of ``block_size`` latent frames plays
+for ``block_size * temporal / fps`` seconds (``fps`` counts pixel frames, as the session's ``fps`` does).
+
+What the service does per forward (``models.step``) is what is counted: the timestep embedding once per row (not
+per token), the prompt's caption projection once per prompt (reported apart), cross-attention K/V per forward.
+
+Plain arithmetic and torch's ``meta`` device: no web code, no weights, no device memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import InvalidConfigError, ModelLoadError
+from .kv import SessionKV, WindowLayout
+from .loading import check_config
+
+GiB = 1024**3
+GB = 1000**3
+DTYPE_NAMES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPE_NAMES)}") from None
+
+
+def parse_bytes(text: str) -> int:
+    """``141GiB``, ``80GB``, ``192e9`` or a plain byte count; ValueError saying what to write."""
+    units = {"tib": 1024**4, "gib": GiB, "mib": 1024**2, "kib": 1024, "tb": 1000**4, "gb": GB, "mb": 1000**2,
+             "kb": 1000, "b": 1}
+    raw = text.strip().lower()
+    for suffix, scale in units.items():
+        if raw.endswith(suffix):
+            number, multiplier = raw[: -len(suffix)], scale
+            break
+    else:
+        number, multiplier = raw, 1
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size; write e.g. 141GiB, 80GB or a byte count") from None
+    if value <= 0:
+        raise ValueError(f"{text!r}: a memory size must be positive")
+    return int(value * multiplier)
+
+
+# --- the model, without weights -----------------------------------------------------------------------------------
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A refiner's ``config.json`` (a model folder or the file itself), checked as ``load_refiner`` checks it."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ModelLoadError(f"{str(file)!r} does not exist; pass a refiner folder (with config.json) or its config.json")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{file}: not valid JSON ({exc})") from None
+    check_config(config, str(file))
+    return config
+
+
+def released_config() -> dict[str, Any]:
+    """The released SANA-WM refiner's architecture: diffusers' defaults for the class, which are LTX-2's video
+    transformer (48 layers, 32 x 128 heads, caption 3840, cross-attention 4096). Used when no config.json is at hand."""
+    return {"_class_name": "SanaWMLTX2RefinerTransformer3DModel"}
+
+
+def meta_model(config: dict[str, Any]):
+    """The refiner with every tensor on the ``meta`` device: its modules and shapes, no storage."""
+    from diffusers import SanaWMLTX2RefinerTransformer3DModel
+
+    arguments = {k: v for k, v in config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        return SanaWMLTX2RefinerTransformer3DModel.from_config(arguments)
+
+
+# --- the stream --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stream:
+    """What one session asks for. ``height``/``width`` are pixels; ``fps`` pixel frames per second."""
+
+    height: int = 704
+    width: int = 1280
+    fps: float = 16.0
+    sink_frames: int = 1
+    block_size: int = 3
+    kv_max_frames: int = 11
+    steps: int = 3  # denoising forwards per block (len(sigmas) - 1); one commit forward follows
+    batch: int = 1
+    prompt_tokens: int = 300
+    positions: str = "absolute"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.height < 1 or self.width < 1:
+            problems.append(f"height and width must be positive pixels, got {self.height}x{self.width}")
+        if self.fps <= 0:
+            problems.append(f"fps must be positive, got {self.fps}")
+        if self.sink_frames < 1 or self.block_size < 1 or self.steps < 1 or self.batch < 1 or self.prompt_tokens < 1:
+            problems.append("sink_frames, block_size, steps, batch and prompt_tokens must be at least 1")
+        if self.kv_max_frames < self.sink_frames + self.block_size:
+            problems.append(f"kv_max_frames ({self.kv_max_frames}) must be at least sink_frames + block_size "
+                            f"({self.sink_frames + self.block_size})")
+        if self.positions not in ("absolute", "rebased"):
+            problems.append(f"positions must be 'absolute' or 'rebased', got {self.positions!r}")
+        if problems:
+            raise InvalidConfigError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    latent_height: int
+    latent_width: int
+    temporal: int  # pixel frames per latent frame
+    spatial: tuple[int, int]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.latent_height * self.latent_width
+
+
+def latent_geometry(config: dict[str, Any], stream: Stream) -> Geometry:
+    temporal, down_h, down_w = (int(v) for v in config.get("vae_scale_factors", (8, 32, 32)))
+    if stream.height % down_h or stream.width % down_w:
+        raise InvalidConfigError(
+            f"{stream.width}x{stream.height} pixels is not a multiple of the VAE's {down_w}x{down_h} compression; "
+            f"use e.g. {stream.width // down_w * down_w}x{stream.height // down_h * down_h}"
+        )
+    return Geometry(stream.height // down_h, stream.width // down_w, temporal, (down_h, down_w))
+
+
+# --- bytes ---------------------------------------------------------------------------------------------------------
+def session_bytes(model, stream: Stream, tokens_per_frame: int, dtype: torch.dtype) -> dict[str, int]:
+    """What one session holds on the device once its window is allocated: the KV window as ``SessionKV`` allocates
+    it (window with its block slot, the sink's pre-RoPE keys, with rebased positions the history's too), and the
+    prepared prompt (B, L, D) cross-attention reads."""
+    layout = WindowLayout(stream.sink_frames, stream.kv_max_frames - stream.sink_frames, stream.block_size,
+                          tokens_per_frame)
+    inner = int(model.config.num_attention_heads * model.config.attention_head_dim)
+    kv = SessionKV(len(model.transformer_blocks), stream.batch, layout, inner, dtype, torch.device("meta"),
+                   rebased=stream.positions == "rebased")
+    element = torch.empty((), dtype=dtype).element_size()
+    parts = {
+        "kv_window": kv.window.nbytes,
+        "kv_sink_keys": kv.sink_key.nbytes,
+        "kv_rebased_history_keys": 0 if kv.history_key is None else kv.history_key.nbytes,
+        "prompt": stream.batch * stream.prompt_tokens * inner * element,
+    }
+    parts["kv_total"] = kv.nbytes
+    parts["total"] = kv.nbytes + parts["prompt"]
+    return parts
+
+
+def decoder_state_bytes(vae_config: dict[str, Any], stream: Stream, latent_hw: tuple[int, int],
+                        dtype: torch.dtype) -> dict[str, int]:
+    """A video session's streaming-decoder state (``models.vae``), measured by streaming blocks through the VAE's
+    decoder built on ``meta`` (shapes only): the largest state over the look-ahead plus four blocks, and the VAE's
+    own weights."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    from .vae import StreamingDecoder
+
+    arguments = {k: v for k, v in vae_config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        vae = AutoencoderKLLTX2Video.from_config(arguments).to(dtype)
+    decoder = StreamingDecoder(vae)
+    channels = int(vae.config.latent_channels)
+    state, largest, pushed = decoder.new_state(), 0, 0
+    while pushed < decoder.lookahead + 4 * stream.block_size + stream.sink_frames:
+        frames = stream.sink_frames if pushed == 0 else stream.block_size
+        latents = torch.empty(stream.batch, channels, frames, *latent_hw, device="meta")
+        state, _ = decoder.push(state, latents)
+        largest = max(largest, state.nbytes)
+        pushed += frames
+    element = torch.empty((), dtype=dtype).element_size()
+    return {"decoder_state": largest, "vae_weights": sum(p.numel() for p in vae.parameters()) * element,
+            "lookahead_latent_frames": decoder.lookahead}
+
+
+def weight_bytes(model, dtype: torch.dtype) -> dict[str, int]:
+    element = torch.empty((), dtype=dtype).element_size()
+    total = sum(p.numel() for p in model.parameters())
+    audio = sum(p.numel() for name, p in model.named_parameters() if "audio" in name or "av_cross" in name)
+    return {"parameters": total, "video_parameters": total - audio, "bytes": total * element}
+
+
+# --- FLOPs ---------------------------------------------------------------------------------------------------------
+def _linear(module, rows: int) -> int:
+    return 2 * rows * module.in_features * module.out_features
+
+
+def forward_flops(model, batch: int, queries: int, keys: int, prompt_tokens: int) -> dict[str, int]:
+    """FLOPs of one service forward (``models.step``) of ``batch`` rows over ``queries`` tokens each, whose
+    self-attention sees ``keys`` tokens (the window up to and including the block)."""
+    n = batch * queries
+    emb = model.time_embed.emb.timestep_embedder
+    parts = {
+        "proj_in_out": _linear(model.proj_in, n) + _linear(model.proj_out, n),
+        "time_embedding": sum(_linear(lin, batch) for lin in (emb.linear_1, emb.linear_2, model.time_embed.linear)),
+        "self_attn_projections": 0,  # q, k, v, out (and gate logits) of attn1
+        "self_attn_scores": 0,  # Q K^T and A V over the window
+        "cross_attn_projections": 0,  # q, out of attn2 over the block; k, v over the prompt
+        "cross_attn_scores": 0,
+        "feed_forward": 0,
+    }
+    for block in model.transformer_blocks:
+        a1, a2 = block.attn1, block.attn2
+        parts["self_attn_projections"] += sum(_linear(x, n) for x in (a1.to_q, a1.to_k, a1.to_v, a1.to_out[0]))
+        parts["cross_attn_projections"] += _linear(a2.to_q, n) + _linear(a2.to_out[0], n)
+        for attn in (a1, a2):
+            if attn.to_gate_logits is not None:
+                key = "self_attn_projections" if attn is a1 else "cross_attn_projections"
+                parts[key] += _linear(attn.to_gate_logits, n)
+        parts["cross_attn_projections"] += _linear(a2.to_k, batch * prompt_tokens) + _linear(a2.to_v, batch * prompt_tokens)
+        parts["self_attn_scores"] += 2 * 2 * n * keys * a1.inner_dim
+        parts["cross_attn_scores"] += 2 * 2 * n * prompt_tokens * a2.inner_dim
+        parts["feed_forward"] += _linear(block.ff.net[0].proj, n) + _linear(block.ff.net[2], n)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def prompt_flops(model, batch: int, prompt_tokens: int) -> int:
+    """The caption projection, once per prompt (a session's first chunk, or a new prompt)."""
+    caption = model.caption_projection
+    return _linear(caption.linear_1, batch * prompt_tokens) + _linear(caption.linear_2, batch * prompt_tokens)
+
+
+def summarize(parts: dict[str, int]) -> dict[str, int]:
+    """The split the plan prints: projections (every GEMM on tokens but the FF), attention (scores and AV), FF."""
+    return {
+        "projections": parts["proj_in_out"] + parts["time_embedding"] + parts["self_attn_projections"]
+        + parts["cross_attn_projections"],
+        "attention": parts["self_attn_scores"] + parts["cross_attn_scores"],
+        "feed_forward": parts["feed_forward"],
+        "total": parts["total"],
+    }
+
+
+# --- the plan ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Gpu:
+    memory_bytes: int
+    tflops: float | None  # sustained TFLOP/s the caller expects of the refiner's forwards on it
+    name: str = ""
+
+
+@dataclass
+class Plan:
+    source: str
+    dtype: str
+    stream: dict[str, Any]
+    geometry: dict[str, Any]
+    weights: dict[str, int]
+    session: dict[str, int]
+    workspace_bytes: int
+    flops_forward: dict[str, int]
+    flops_block: dict[str, int]
+    flops_sink: int
+    flops_prompt: int
+    block_seconds: float
+    flops_per_second_per_session: float
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def workspace_bytes(model, stream: Stream, tokens_per_frame: int, dtype: torch.dtype, batch_rows: int) -> int:
+    """A rough bound on one model call's activations: the FF's hidden tensor and its GELU output (2 x 4D wide) and
+    about eight D-wide tensors (input, norms, q, k, v, attention output, residuals) for ``batch_rows`` rows of a
+    block. Attention scores are not materialized (fused SDPA). An estimate, stated as such."""
+    element = torch.empty((), dtype=dtype).element_size()
+    inner = int(model.config.num_attention_heads * model.config.attention_head_dim)
+    ffn = model.transformer_blocks[0].ff.net[0].proj.out_features
+    tokens = batch_rows * stream.block_size * tokens_per_frame
+    return tokens * (2 * ffn + 8 * inner) * element
+
+
+def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: list[Gpu], *, source: str = "",
+              batch_rows: int = 8, reserve_bytes: int = 2 * GiB, model=None,
+              vae_config: dict[str, Any] | None = None) -> Plan:
+    """The plan for ``stream`` on each of ``gpus``. ``reserve_bytes``: kept free besides the weights and the
+    workspace (CUDA context, allocator slack). ``model``: an already built (meta) model for ``config``.
+    ``vae_config``: a VAE's config.json, for sessions with video outputs (its decoder state per session, its
+    weights)."""
+    model = meta_model(config) if model is None else model
+    geometry = latent_geometry(config, stream)
+    tokens = geometry.tokens_per_frame
+    weights = weight_bytes(model, dtype)
+    session = session_bytes(model, stream, tokens, dtype)
+    if vae_config is not None:
+        video = decoder_state_bytes(vae_config, stream, (geometry.latent_height, geometry.latent_width), dtype)
+        session["video_decoder_state"] = video["decoder_state"]
+        session["total"] += video["decoder_state"]
+        weights["vae_bytes"] = video["vae_weights"]
+        weights["bytes"] += video["vae_weights"]
+    workspace = workspace_bytes(model, stream, tokens, dtype, batch_rows)
+    queries = stream.block_size * tokens
+    keys = (stream.kv_max_frames + stream.block_size) * tokens  # a steady block: sink + full history + itself
+    forward = forward_flops(model, stream.batch, queries, keys, stream.prompt_tokens)
+    block = {name: value * (stream.steps + 1) for name, value in forward.items()}
+    sink_tokens = stream.sink_frames * tokens
+    sink = forward_flops(model, stream.batch, sink_tokens, sink_tokens, stream.prompt_tokens)["total"]
+    block_seconds = stream.block_size * geometry.temporal / stream.fps
+    per_session = block["total"] / block_seconds
+    rows = []
+    for gpu in gpus:
+        free = gpu.memory_bytes - weights["bytes"] - workspace - reserve_bytes
+        by_memory = max(free // session["total"], 0)
+        row: dict[str, Any] = {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "free_for_sessions_bytes": free,
+                               "sessions_by_memory": int(by_memory), "tflops": gpu.tflops}
+        if gpu.tflops is not None:
+            sustained = gpu.tflops * 1e12
+            row["block_compute_seconds"] = block["total"] / sustained
+            row["sessions_by_compute"] = int(sustained // per_session)
+            row["sessions"] = min(row["sessions_by_compute"], row["sessions_by_memory"])
+        rows.append(row)
+    return Plan(
+        source=source,
+        dtype=str(dtype).removeprefix("torch."),
+        stream=asdict(stream),
+        geometry={"latent_height": geometry.latent_height, "latent_width": geometry.latent_width,
+                  "tokens_per_frame": tokens, "pixel_frames_per_latent_frame": geometry.temporal,
+                  "block_tokens": queries, "window_tokens": keys},
+        weights=weights,
+        session=session,
+        workspace_bytes=workspace,
+        flops_forward=forward,
+        flops_block=block,
+        flops_sink=sink,
+        flops_prompt=prompt_flops(model, stream.batch, stream.prompt_tokens),
+        block_seconds=block_seconds,
+        flops_per_second_per_session=per_session,
+        gpus=rows,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 1024**2:.1f} MiB"
+
+
+def _tf(n: float) -> str:
+    return f"{n / 1e12:.2f} TFLOP"
+
+
+def render(plan: Plan) -> str:
+    """The plan as text for a terminal."""
+    s, g = plan.stream, plan.geometry
+    forward, block = summarize(plan.flops_forward), summarize(plan.flops_block)
+    lines = [
+        f"capacity plan (arithmetic, not a measurement): {plan.source}",
+        f"stream: {s['width']}x{s['height']} px at {s['fps']:g} fps -> {g['latent_width']}x{g['latent_height']} latents "
+        f"({g['tokens_per_frame']} tokens/frame, {g['pixel_frames_per_latent_frame']} pixel frames per latent frame); "
+        f"sink {s['sink_frames']}, block {s['block_size']}, kv_max_frames {s['kv_max_frames']}, {s['steps']} steps + "
+        f"1 commit per block, batch {s['batch']}, prompt {s['prompt_tokens']} tokens, {s['positions']} positions, "
+        f"{plan.dtype}",
+        f"weights: {plan.weights['parameters'] / 1e9:.2f} B parameters ({plan.weights['video_parameters'] / 1e9:.2f} B "
+        f"on the video path){' + the VAE' if 'vae_bytes' in plan.weights else ''} = {_gib(plan.weights['bytes'])}",
+        f"per session: {_gib(plan.session['total'])} = KV window {_gib(plan.session['kv_window'])} + sink keys "
+        f"{_gib(plan.session['kv_sink_keys'])} + rebased history keys {_gib(plan.session['kv_rebased_history_keys'])} "
+        f"+ prompt {_gib(plan.session['prompt'])}"
+        + (f" + video decoder state {_gib(plan.session['video_decoder_state'])}" if "video_decoder_state" in
+           plan.session else " (latents only: --vae DIR adds a video session's decoder state)"),
+        f"workspace (one call's activations, estimate): {_gib(plan.workspace_bytes)}",
+        f"FLOPs per forward ({g['block_tokens']} queries over {g['window_tokens']} keys): {_tf(forward['total'])} = "
+        f"projections {_tf(forward['projections'])} + attention {_tf(forward['attention'])} + feed-forward "
+        f"{_tf(forward['feed_forward'])}",
+        f"FLOPs per block ({s['steps'] + 1} forwards): {_tf(block['total'])}; plays for {plan.block_seconds:g} s -> "
+        f"{plan.flops_per_second_per_session / 1e12:.1f} TFLOP/s per real-time session; sink capture "
+        f"{_tf(plan.flops_sink)} once, caption projection {_tf(plan.flops_prompt)} per prompt",
+        "",
+        f"{'GPU':<10} {'memory':>11} {'sessions by memory':>19} {'TFLOP/s':>8} {'block compute':>14} "
+        f"{'sessions by compute':>20} {'sessions':>9}",
+    ]
+    for row in plan.gpus:
+        name = row["name"] or "-"
+        if row["tflops"] is None:
+            compute = f"{'-':>8} {'-':>14} {'-':>20} {row['sessions_by_memory']:>9}"
+        else:
+            compute = (f"{row['tflops']:>8g} {row['block_compute_seconds']:>13.2f}s "
+                       f"{row['sessions_by_compute']:>20} {row['sessions']:>9}")
+        lines.append(f"{name:<10} {row['memory_bytes'] / GB:>8.0f} GB {row['sessions_by_memory']:>19} {compute}")
+    return "\n".join(lines)
