@@ -19,6 +19,7 @@ the session, the content type, then the body) stays the one the API documents.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
@@ -410,7 +411,9 @@ class StreamSession:
         previous = self.previous
         if previous is not None and previous is not connection:
             previous.abandon()
-            await asyncio.wait({asyncio.ensure_future(previous.closed())}, timeout=timeout)
+            # wait_for, not wait: on a timeout the wait is cancelled rather than left running unreferenced.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(previous.closed(), timeout=timeout)
         if handle.stream is not connection:
             raise StreamTakenOver()
         jobs = list(handle.stream_jobs)
