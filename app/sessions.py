@@ -24,9 +24,10 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from models import RefinerSession, SessionConfig
+from models.session import check_finite
 from wm_refiner_client import spec
 
-from .codec import PROMPT_EMBEDS, PROMPT_MASK, decode
+from .codec import LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
 from .delivery import Deliveries, UnitCopies
 from .deps import check_config_limits, check_payload
 from .engine import EngineSession, Work
@@ -167,6 +168,7 @@ class SessionOps:
             tensors = decode(await read_payload())
             latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
                                     services.require_model().info.in_channels)
+            await scan_finite(tensors)
             # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
             # retry of its seq gets the stored response instead of appending the frames twice.
             chunk = asyncio.ensure_future(self._chunk(handle, seq, flush, tensors, latents, received))
@@ -182,7 +184,7 @@ class SessionOps:
             if chunks.is_repeat(seq):
                 return await encoder.run(chunks.stored_response), True
             work = Work(handle.engine_session, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK),
-                        flush=flush, atomic=True)
+                        flush=flush, atomic=True, finite_checked=True)
             result = await services.engine.run(work)
             # Counted before anything else runs on the loop: a drain must never find the session advanced and the
             # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
@@ -211,6 +213,7 @@ class SessionOps:
         tensors = decode(await read_payload())
         latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames",
                                 services.require_model().info.in_channels)
+        await scan_finite(tensors)
         if PROMPT_EMBEDS not in tensors and services.default_prompt is None:
             raise ApiError(
                 "missing_input",
@@ -222,7 +225,7 @@ class SessionOps:
             target = EngineSession(session=session, name="one-shot clip",
                                    stages=services.stages.for_session(wanted, config))
             work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True,
-                        one_shot=True)
+                        one_shot=True, finite_checked=True)
             try:
                 result = await services.engine.run(work)
             except asyncio.CancelledError:
@@ -451,8 +454,14 @@ class StreamSession:
         tensors = decode(data)
         latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
                                 services.require_model().info.in_channels)
+        await scan_finite(tensors)
         services.require_ready()
         await self._run(latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), False, received)
+
+    @property
+    def frames_received(self) -> int:
+        """The frames the session holds (a client resends from here after an error that dropped frames)."""
+        return self.handle.session.state.frames_received
 
     async def flush(self) -> int:
         """The client's flush: the pending frames refined as a final block (once; a second flush just repeats
@@ -488,18 +497,27 @@ class StreamSession:
         every unit it committed is handed to the session's deliveries (again, if a hand-over failed)."""
         services, handle = self.ops.services, self.handle
         async with handle.chunks.turn(self.ops.settings.session_queue_depth):
-            work = Work(handle.engine_session, latents, embeds, mask, flush=flush,
+            work = Work(handle.engine_session, latents, embeds, mask, flush=flush, finite_checked=True,
                         on_unit=handle.deliveries.hand_over(received))
             try:
                 await services.engine.run(work)
             finally:
-                if work.started:
+                # A message whose block refined to NaN/Inf and was rolled back never happened (engine, _fail).
+                if work.started and not work.rolled_back:
                     handle.chunks.accept_message()
                     services.metrics.frames_in.inc(work.frames_in)
                 for unit in work.units:
                     handle.deliveries.push(unit, None, received)
-            if work.started:
+            if work.started and not work.rolled_back:
                 await self.ops.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
+
+
+async def scan_finite(tensors: dict[str, Any]) -> None:
+    """The chunk's NaN/Inf scan, before it is submitted: on a worker thread, so that neither the event loop nor
+    the engine thread (other sessions' forwards) waits for a scan of a large chunk. Same error as the session's
+    own check (invalid_input, naming the tensor and the count)."""
+    floats = {name: tensors.get(name) for name in (LATENTS, PROMPT_EMBEDS, PROMPT_MASK)}
+    await asyncio.to_thread(check_finite, floats)
 
 
 def parse_resume_from(value: str | None) -> int | None:

@@ -30,7 +30,7 @@ from fastapi import APIRouter
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from models.errors import RefinerError
+from models.errors import NonFiniteOutputError, RefinerError
 
 from ..auth import select_subprotocol
 from ..errors import (
@@ -263,6 +263,9 @@ class StreamConnection:
             # resends from frames_received.
             busy = from_exception(exc).kind == "engine_busy"
             self._report(exc, close_code=WS_TRY_AGAIN_LATER if busy else None)
+        except NonFiniteOutputError as exc:
+            # The session dropped frames it could not refine (app.engine, _drop_unrefined): where to resend from.
+            self._report(exc, extra={"frames_received": self.session.frames_received})
         except RefinerError as exc:
             self._report(exc)
         except Exception as exc:
@@ -314,10 +317,10 @@ class StreamConnection:
         self.events_waiting += 1
         self.outbox.put_nowait(("text", json.dumps(event)))
 
-    def _report(self, exc: BaseException, close_code: int | None = None) -> None:
+    def _report(self, exc: BaseException, close_code: int | None = None, extra: dict[str, Any] | None = None) -> None:
         error = from_exception(exc)
         self.services.reject(error)
-        self._send_text({"type": "error", **error.envelope()})
+        self._send_text({"type": "error", **error.envelope(), **(extra or {})})
         code = close_code or error.spec.ws_close
         if error.kind == "draining" and self.services.draining:
             # The drain closes every stream itself once the sessions are saved, with the code that says whether
