@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from .conftest import make_clip, payload, read_latents, running_app, session_state
+from .conftest import make_clip, payload, read_latents, running_app, session_state, wait_until
 
 
 # --- item 6: a poisoned stream message ------------------------------------------------------------------------
@@ -105,3 +105,198 @@ def test_poisoned_frames_pending_from_an_earlier_message_are_dropped_not_kept(ma
             ws.send_bytes(payload(latents[:, :, 4:]))
             units += _flush(ws, 10)
     assert torch.equal(torch.cat(units, dim=2), expected_clip(refiner, latents, embeds, mask))
+
+
+def test_the_nan_scan_runs_before_the_engine_so_a_busy_engine_does_not_delay_the_refusal(make_settings):
+    """A chunk holding NaN is refused with the session's own error while the engine thread is busy with other
+    work: the scan runs before submitting, not on the engine thread ahead of other sessions' forwards."""
+    import threading
+    import time
+
+    from .conftest import OCTET, EngineHold
+
+    latents, embeds, mask = make_clip(frames=4)
+    bad = latents.clone()
+    bad[0, 0, 0, 0, 0] = float("nan")
+    with running_app(make_settings()) as client:
+        services = client.app.state.services
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        hold = EngineHold()
+        held = client.portal.start_task_soon(lambda: services.engine.call(hold))
+        hold.wait_started()
+        # Released late, so a refusal that waited for the engine is seen to have waited.
+        timer = threading.Timer(8.0, hold.release.set)
+        timer.start()
+        try:
+            started = time.monotonic()
+            refused = client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(bad, embeds, mask),
+                                  headers=OCTET)
+            http_s = time.monotonic() - started
+            with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+                started = time.monotonic()
+                ws.send_bytes(payload(bad, embeds, mask))
+                event = _event(ws)
+                ws_s = time.monotonic() - started
+        finally:
+            hold.release.set()
+            timer.cancel()
+        held.result(10)
+        assert refused.status_code == 422, refused.text
+        message = "latents holds 1 NaN or Inf values; send finite numbers only"
+        assert refused.json()["error"] == {**refused.json()["error"], "code": "invalid_input", "message": message}
+        assert event["error"]["code"] == "invalid_input" and event["error"]["message"] == message, event
+        assert http_s < 4.0 and ws_s < 4.0, (http_s, ws_s)
+
+
+# --- item 7: protocol details on a real server (uvicorn) ------------------------------------------------------
+import base64  # noqa: E402
+import logging  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+from .conftest import DEADLINE_S, LiveServer  # noqa: E402
+
+KEY = "wm>>>???key"  # base64 holds '+' and '/': the browser sends it as base64url
+
+
+class _Records(logging.Handler):
+    """What uvicorn logs (its loggers do not propagate to the root, so caplog would see nothing)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def errors(self) -> list[str]:
+        return [f"{r.levelname} {r.getMessage()}" for r in self.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.fixture
+def uvicorn_log():
+    """Attach with ``uvicorn_log.attach()`` once the server runs: uvicorn's logging config replaces the handlers
+    of its loggers when it starts."""
+    handler = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "app")]
+    handler.attach = lambda: [logger.addHandler(handler) for logger in loggers]
+    try:
+        yield handler
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def _settled(server) -> None:
+    """Every connection's ASGI task has returned (uvicorn logs a bad handshake when it does)."""
+    wait_until(lambda: not server.server.server_state.tasks, "the server's connection tasks to end")
+
+
+def _handshake(server, path: str, headers: dict[str, str] | None = None, extra: bytes = b"") -> tuple[socket.socket, bytes]:
+    """A raw WebSocket handshake; returns the socket and the response head (b'' when none came)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    lines = [f"GET {path} HTTP/1.1", "Host: x", "Upgrade: websocket", "Connection: Upgrade",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version: 13",
+             *(f"{name}: {value}" for name, value in (headers or {}).items())]
+    sock.sendall("\r\n".join(lines).encode() + b"\r\n" + extra + b"\r\n")
+    head = b""
+    try:
+        while b"\r\n\r\n" not in head:
+            part = sock.recv(65536)
+            if not part:
+                break
+            head += part
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return sock, head
+
+
+def _masked(opcode: int, data: bytes) -> bytes:
+    mask = b"\x01\x02\x03\x04"
+    assert len(data) < 126
+    return bytes([0x80 | opcode, 0x80 | len(data)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+def _close_code(sock: socket.socket) -> int:
+    """The code of the close frame the server sends next (skipping other frames)."""
+    data = b""
+    while True:
+        while len(data) < 2:
+            part = sock.recv(65536)
+            assert part, "the server closed the connection without a close frame"
+            data += part
+        length = data[1] & 0x7F
+        header = 2 + (2 if length == 126 else 8 if length == 127 else 0)
+        while len(data) < header:
+            data += sock.recv(65536)
+        if length >= 126:
+            length = struct.unpack("!H" if length == 126 else "!Q", data[2:header])[0]
+        while len(data) < header + length:
+            data += sock.recv(65536)
+        opcode, body, data = data[0] & 0x0F, data[header : header + length], data[header + length :]
+        if opcode == 0x8:
+            return struct.unpack("!H", body[:2])[0]
+
+
+def test_refused_handshakes_are_answered_and_logged_without_an_error(make_settings, uvicorn_log):
+    """A 401, a 404 and a 409 at the handshake: the status reaches the client and nothing is logged as an ERROR
+    (uvicorn logged 'ASGI callable returned without completing handshake' for each)."""
+    with LiveServer(make_settings(api_key=KEY)) as server:
+        uvicorn_log.attach()
+        auth = {"Authorization": f"Bearer {KEY}"}
+        session_id = httpx.post(f"{server.base_url}/v1/sessions", headers=auth).json()["session_id"]
+        statuses = []
+        for path, headers in ((f"/v1/sessions/{session_id}/stream", {}),
+                              (f"/v1/sessions/{session_id}/watch", {}),
+                              ("/v1/sessions/no-such-session/stream", auth),
+                              ("/v1/sessions/no-such-session/watch", auth)):
+            sock, head = _handshake(server, path, headers)
+            sock.close()
+            statuses.append(head.split(b" ", 2)[1] if head else b"nothing")
+        assert statuses == [b"401", b"401", b"404", b"404"]
+        _settled(server)
+        assert sum('"WebSocket /v1/sessions/' in r.getMessage() for r in uvicorn_log.records) == 4
+    assert uvicorn_log.errors() == []
+
+
+def test_a_text_message_that_is_not_utf8_is_closed_with_1007_without_a_traceback(make_settings, uvicorn_log):
+    with LiveServer(make_settings()) as server:
+        uvicorn_log.attach()
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream")
+        assert head.startswith(b"HTTP/1.1 101"), head
+        sock.sendall(_masked(0x1, b'{"type": "\xff\xfe"}'))
+        assert _close_code(sock) == 1007
+        sock.close()
+        # The session is untouched and takes a stream again (the dropped client may reattach).
+        wait_until(lambda: not server.services.registry.get(session_id).streaming, "the stream to end")
+        _settled(server)
+    assert uvicorn_log.errors() == []
+    assert any("not valid UTF-8" in r.getMessage() for r in uvicorn_log.records)
+
+
+def test_a_handshake_with_a_header_line_over_websockets_limit_gets_431(make_settings, uvicorn_log):
+    """httptools takes the head (under max_header_bytes); websockets' own parser refuses a line over 8192 bytes.
+    Its 431 must reach the client, which otherwise waits for an answer forever."""
+    with LiveServer(make_settings()) as server:
+        uvicorn_log.attach()
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream", extra=b"X-Big: " + b"a" * 8200 + b"\r\n")
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 431"), head
+        # A handshake under the limit still opens.
+        sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream", extra=b"X-Big: " + b"a" * 8000 + b"\r\n")
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 101"), head
+        _settled(server)
+    assert uvicorn_log.errors() == []
+
+
+def test_the_watch_pool_belongs_to_the_app_and_is_shut_down_with_it(make_settings):
+    with running_app(make_settings()) as first, running_app(make_settings()) as second:
+        pools = first.app.state.services.watch_pool, second.app.state.services.watch_pool
+        assert pools[0] is not pools[1]
+    assert all(pool._shutdown for pool in pools)
