@@ -5,6 +5,7 @@ subprotocol selection from a real browser, the watch route's pool)."""
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -300,3 +301,71 @@ def test_the_watch_pool_belongs_to_the_app_and_is_shut_down_with_it(make_setting
         pools = first.app.state.services.watch_pool, second.app.state.services.watch_pool
         assert pools[0] is not pools[1]
     assert all(pool._shutdown for pool in pools)
+
+
+# --- item 7d: a browser offering only the key's subprotocol -----------------------------------------------------
+_CHROMIUM, _CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+_OPEN_SOCKET = """
+const [url, protocols, send] = arguments;
+window.wsLog = {protocol: null, events: [], binary: 0, closed: null, failed: false};
+const ws = new WebSocket(url, protocols);
+ws.binaryType = "arraybuffer";
+ws.onopen = () => { window.wsLog.protocol = ws.protocol; if (send) ws.send(send); };
+ws.onmessage = (m) => { if (typeof m.data === "string") window.wsLog.events.push(JSON.parse(m.data));
+                        else window.wsLog.binary += 1; };
+ws.onerror = () => { window.wsLog.failed = true; };
+ws.onclose = (e) => { window.wsLog.closed = e.code; };
+"""
+
+
+@pytest.mark.skipif(not (os.path.exists(_CHROMIUM) and os.path.exists(_CHROMEDRIVER)),
+                    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+def test_a_browser_offering_only_the_key_subprotocol_opens_the_stream_and_the_watch(make_settings):
+    """Chromium fails a WebSocket whose 101 names none of the subprotocols it offered: with only
+    ``wm-refiner.bearer.<key>`` offered, both routes must answer with it, and the sockets get their events."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = _CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking"):
+        options.add_argument(flag)
+    bearer = "wm-refiner.bearer." + base64.urlsafe_b64encode(KEY.encode()).decode().rstrip("=")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    latents, embeds, mask = make_clip(frames=4)
+    with LiveServer(make_settings(api_key=KEY)) as server:
+        browser = webdriver.Chrome(options=options, service=Service(_CHROMEDRIVER))
+        try:
+            browser.get(f"{server.base_url}/health")
+            log = lambda: browser.execute_script("return window.wsLog")  # noqa: E731
+            watched = httpx.post(f"{server.base_url}/v1/sessions", headers=auth).json()["session_id"]
+            browser.execute_script(_OPEN_SOCKET, f"{server.ws_url}/v1/sessions/{watched}/watch", [bearer], None)
+            wait_until(lambda: log()["protocol"] is not None or log()["closed"] is not None, "the watch to open")
+            assert log()["protocol"] == bearer, log()
+            response = httpx.post(f"{server.base_url}/v1/sessions/{watched}/chunks?seq=0&flush=true",
+                                  content=payload(latents, embeds, mask),
+                                  headers={**auth, "content-type": "application/octet-stream"}, timeout=DEADLINE_S)
+            assert response.status_code == 200, response.text
+            wait_until(lambda: log()["closed"] is not None, "the watch to end")
+            watch = log()
+            assert not watch["failed"] and watch["closed"] == 1000, watch
+            assert watch["events"][-1] == {"type": "done", "frames": 4} and watch["binary"] >= 2, watch
+
+            streamed = httpx.post(f"{server.base_url}/v1/sessions", headers=auth).json()["session_id"]
+            browser.execute_script(_OPEN_SOCKET, f"{server.ws_url}/v1/sessions/{streamed}/stream", [bearer],
+                                   '{"type": "flush"}')
+            wait_until(lambda: log()["closed"] is not None, "the stream to end")
+            stream = log()
+            assert stream["protocol"] == bearer and not stream["failed"], stream
+            assert stream["events"] == [{"type": "done", "frames": 0}] and stream["closed"] == 1000, stream
+
+            # Offered beside the plain subprotocol, the key is not echoed back.
+            other = httpx.post(f"{server.base_url}/v1/sessions", headers=auth).json()["session_id"]
+            browser.execute_script(_OPEN_SOCKET, f"{server.ws_url}/v1/sessions/{other}/stream",
+                                   ["wm-refiner", bearer], '{"type": "flush"}')
+            wait_until(lambda: log()["closed"] is not None, "the second stream to end")
+            assert log()["protocol"] == "wm-refiner" and log()["events"] == [{"type": "done", "frames": 0}], log()
+        finally:
+            browser.quit()
