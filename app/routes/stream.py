@@ -287,6 +287,9 @@ class StreamConnection:
             return
         try:
             frames = await self.session.flush()
+        except NonFiniteOutputError as exc:  # the final block: its frames were dropped, as for a chunk
+            self._report(exc, extra={"frames_received": self.session.frames_received})
+            return
         except Exception as exc:
             self._report(exc)
             return

@@ -60,7 +60,9 @@ def test_a_stream_message_that_refines_to_non_finite_values_is_refused_and_rolle
         with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
             ws.send_bytes(payload(latents[:, :, :4], embeds, mask))
             units = _units_until(ws, 4)
-            before = session_state(client, session_id)
+            # Its units can arrive before the message is counted (next_seq) and checkpointed.
+            before = wait_until(lambda: (lambda state: state["next_seq"] == 1 and state)(
+                session_state(client, session_id)), "the first message to be counted")
 
             ws.send_bytes(payload(_poisoned(latents[:, :, 4:7])))
             error = _event(ws)["error"]
@@ -105,6 +107,28 @@ def test_poisoned_frames_pending_from_an_earlier_message_are_dropped_not_kept(ma
 
             ws.send_bytes(payload(latents[:, :, 4:]))
             units += _flush(ws, 10)
+    assert torch.equal(torch.cat(units, dim=2), expected_clip(refiner, latents, embeds, mask))
+
+
+def test_a_flush_whose_final_block_refines_to_non_finite_values_leaves_the_stream_open(make_settings, refiner):
+    """The poisoned frames wait for the flush (too few for a block): the flush fails, drops them and does not
+    flush the session; the client resends good frames and flushes again."""
+    from .conftest import expected_clip
+
+    latents, embeds, mask = make_clip(frames=6, seed=5)
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+            ws.send_bytes(payload(latents[:, :, :4], embeds, mask))
+            units = _units_until(ws, 4)
+            ws.send_bytes(payload(_poisoned(latents[:, :, 4:])))
+            ws.send_text('{"type": "flush"}')
+            event = _event(ws)
+            assert event["error"]["code"] == "invalid_input" and event["frames_received"] == 4, event
+            state = session_state(client, session_id)
+            assert (state["frames_received"], state["flushed"]) == (4, False)
+            ws.send_bytes(payload(latents[:, :, 4:]))
+            units += _flush(ws, 6)
     assert torch.equal(torch.cat(units, dim=2), expected_clip(refiner, latents, embeds, mask))
 
 
