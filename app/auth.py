@@ -37,7 +37,7 @@ def select_subprotocol(offered: Iterable[str]) -> str | None:
     if PLAIN_SUBPROTOCOL in offered:
         return PLAIN_SUBPROTOCOL
     for protocol in offered:
-        if _subprotocol_key(protocol.encode("latin-1")) is not None:
+        if _subprotocol_key(protocol.encode("latin-1", "replace")) is not None:
             return protocol
     return None
 _BASE64URL = re.compile(rb"[A-Za-z0-9_-]+")

@@ -393,3 +393,15 @@ def test_a_browser_offering_only_the_key_subprotocol_opens_the_stream_and_the_wa
             assert log()["protocol"] == "wm-refiner" and log()["events"] == [{"type": "done", "frames": 0}], log()
         finally:
             browser.quit()
+
+
+def test_the_subprotocol_selected_is_one_the_client_offered():
+    from app.auth import select_subprotocol
+
+    bearer = "wm-refiner.bearer." + base64.urlsafe_b64encode(KEY.encode()).decode().rstrip("=")
+    assert select_subprotocol(["wm-refiner", bearer]) == "wm-refiner"  # the key is not echoed when avoidable
+    assert select_subprotocol([bearer, "wm-refiner"]) == "wm-refiner"
+    assert select_subprotocol(["chat", bearer]) == bearer
+    # Nothing of ours offered (or a malformed key): no subprotocol, as before.
+    assert select_subprotocol([]) is None
+    assert select_subprotocol(["chat", "wm-refiner.bearer.", "wm-refiner.bearer.a", "wm-refiner.bearer.\u00e9"]) is None
