@@ -24,7 +24,8 @@ committed: nobody waits for a batch to fill. With batching off every model call 
 Failure: a forward that fails drops its session's block in flight (nothing committed changes). *Atomic* work
 (an HTTP chunk, a clip) is all or nothing: the session returns to its checkpoint from before the work. Other
 work (a WebSocket message) keeps the blocks it committed and its frames stay pending, so the next message
-retries the block.
+retries the block; unless the block refined to NaN/Inf, which retrying would only repeat: then the frames not yet
+refined are dropped (``_drop_unrefined``).
 
 Outputs: each committed unit goes through the session's output stages (``app.stages``: latents, video, ...),
 which the engine runs without knowing their kinds, and is handed on as an ``OutUnit`` (the unit and each stage's
@@ -122,12 +123,11 @@ class Work:
     units: list[OutUnit] = field(default_factory=list)
     hand_over_failed: bool = False
     frames_in: int = 0
-    # Non-atomic work: the session's state before its chunk was appended, and what a block that refined to
-    # NaN/Inf made it drop (``_drop_unrefined``): ``rolled_back`` when nothing of it or before it was dropped
-    # but its own frames (the session is as if it never came), else ``dropped`` frames [start, end).
+    # Non-atomic work: the session's state before its chunk was appended, and whether a block that refined to
+    # NaN/Inf made the session drop exactly this work's frames, nothing else (``_drop_unrefined``): then the
+    # session is as if the work never came.
     base: SessionState | None = None
     rolled_back: bool = False
-    dropped: tuple[int, int] | None = None
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -546,7 +546,6 @@ class Engine:
         if source is base and base.pending_frames == 0:
             work.rolled_back = True
             return NonFiniteOutputError(f"{error}; this message was not taken: the session is as before it")
-        work.dropped = (restored.frames_received, state.frames_received)
         return NonFiniteOutputError(
             f"{error}; frames [{restored.frames_received}, {state.frames_received}) were dropped (every frame not "
             f"yet refined, including earlier messages' frames waiting for a full block): the session has "
