@@ -150,7 +150,7 @@ def test_the_nan_scan_runs_before_the_engine_so_a_busy_engine_does_not_delay_the
         held = client.portal.start_task_soon(lambda: services.engine.call(hold))
         hold.wait_started()
         # Released late, so a refusal that waited for the engine is seen to have waited.
-        timer = threading.Timer(8.0, hold.release.set)
+        timer = threading.Timer(30.0, hold.release.set)
         timer.start()
         try:
             started = time.monotonic()
@@ -170,7 +170,7 @@ def test_the_nan_scan_runs_before_the_engine_so_a_busy_engine_does_not_delay_the
         message = "latents holds 1 NaN or Inf values; send finite numbers only"
         assert refused.json()["error"] == {"code": "invalid_input", "message": message}
         assert event["error"]["code"] == "invalid_input" and event["error"]["message"] == message, event
-        assert http_s < 4.0 and ws_s < 4.0, (http_s, ws_s)
+        assert http_s < 15.0 and ws_s < 15.0, (http_s, ws_s)
 
 
 # --- item 7: protocol details on a real server (uvicorn) ------------------------------------------------------
