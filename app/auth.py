@@ -8,8 +8,10 @@ string (URLs end up in logs), and compared in constant time.
 A browser cannot set headers on a WebSocket, only subprotocols (``new WebSocket(url, protocols)``; the view page,
 app/routes/view.py, does so): on a WebSocket handshake, a ``Sec-WebSocket-Protocol`` entry
 ``wm-refiner.bearer.<key as base64url, no padding>`` is the same credential as the header. Base64url because a
-subprotocol is an HTTP token (no spaces, no ``=``). The routes a browser uses accept with the plain ``wm-refiner``
-subprotocol, so the key is never echoed back.
+subprotocol is an HTTP token (no spaces, no ``=``). A browser fails the connection unless the 101 names one of the
+subprotocols it offered, so every WebSocket route accepts with ``select_subprotocol``: the plain ``wm-refiner``
+when offered (the key is then never echoed back), else the ``wm-refiner.bearer.*`` entry the client sent (echoing
+it tells the client nothing it did not have).
 """
 
 from __future__ import annotations
@@ -24,6 +26,20 @@ from .errors import ApiError, WS_POLICY_VIOLATION
 
 # The subprotocol that carries the key on a browser's WebSocket handshake, followed by the key in base64url.
 BEARER_SUBPROTOCOL = b"wm-refiner.bearer."
+# The plain subprotocol the view page offers beside the key.
+PLAIN_SUBPROTOCOL = "wm-refiner"
+
+
+def select_subprotocol(offered: Iterable[str]) -> str | None:
+    """The subprotocol to accept a WebSocket with, among those the client offered (the handshake's
+    ``Sec-WebSocket-Protocol``): ``wm-refiner``, else the first well-formed ``wm-refiner.bearer.*``, else none."""
+    offered = list(offered)
+    if PLAIN_SUBPROTOCOL in offered:
+        return PLAIN_SUBPROTOCOL
+    for protocol in offered:
+        if _subprotocol_key(protocol.encode("latin-1", "replace")) is not None:
+            return protocol
+    return None
 _BASE64URL = re.compile(rb"[A-Za-z0-9_-]+")
 
 

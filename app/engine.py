@@ -24,7 +24,8 @@ committed: nobody waits for a batch to fill. With batching off every model call 
 Failure: a forward that fails drops its session's block in flight (nothing committed changes). *Atomic* work
 (an HTTP chunk, a clip) is all or nothing: the session returns to its checkpoint from before the work. Other
 work (a WebSocket message) keeps the blocks it committed and its frames stay pending, so the next message
-retries the block.
+retries the block; unless the block refined to NaN/Inf, which retrying would only repeat: then the frames not yet
+refined are dropped (``_drop_unrefined``).
 
 Outputs: each committed unit goes through the session's output stages (``app.stages``: latents, video, ...),
 which the engine runs without knowing their kinds, and is handed on as an ``OutUnit`` (the unit and each stage's
@@ -49,6 +50,7 @@ what was committed, and every committed unit has been handed on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -59,6 +61,7 @@ from typing import Any, Callable
 import torch
 
 from models.clip import check_clip_length
+from models.errors import NonFiniteOutputError
 from models.session import BlockRun, RefinerSession, SessionCheckpoint, SessionState, Unit
 from models.step import RowForward, run_isolated
 
@@ -113,6 +116,9 @@ class Work:
     flush: bool = False
     atomic: bool = False
     one_shot: bool = False  # a whole clip (/v1/refine): must have more frames than the sink
+    # The service scanned the tensors for NaN/Inf before submitting (``models.session.check_finite``), so the
+    # engine thread does not hold up other sessions' forwards with that scan.
+    finite_checked: bool = False
     on_unit: Callable[[OutUnit], None] | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     # Engine-side progress; ``started`` means the chunk was checked and appended (accepted).
@@ -120,6 +126,11 @@ class Work:
     units: list[OutUnit] = field(default_factory=list)
     hand_over_failed: bool = False
     frames_in: int = 0
+    # Non-atomic work: the session's state before its chunk was appended, and whether a block that refined to
+    # NaN/Inf made the session drop exactly this work's frames, nothing else (``_drop_unrefined``): then the
+    # session is as if the work never came.
+    base: SessionState | None = None
+    rolled_back: bool = False
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -461,7 +472,10 @@ class Engine:
                 latents = session.empty_latents()
             if work.one_shot:
                 check_clip_length(latents, session.config)
-            chunk = session.check(latents, work.prompt_embeds, work.prompt_attention_mask)
+            chunk = session.check(latents, work.prompt_embeds, work.prompt_attention_mask,
+                                  finite_checked=work.finite_checked)
+            if not work.atomic and not work.one_shot:
+                work.base = session.state
             session.append(chunk, flush=work.flush)
         except Exception as exc:
             self._fail(work, exc)
@@ -508,6 +522,8 @@ class Engine:
     def _fail(self, work: Work, error: BaseException) -> None:
         target = work.target
         target.run = target.forward = None  # a block in flight never reaches the session
+        if isinstance(error, NonFiniteOutputError) and work.base is not None:
+            error = self._drop_unrefined(work, error)
         if work.atomic and target.checkpoint is not None:
             self._drop_outputs(target)
             target.session.rollback(target.checkpoint)
@@ -519,6 +535,31 @@ class Engine:
             if not (target.work and target.work[0] is work):
                 return  # an output step failed meanwhile and settled the work
         self._settle(work, error=error)
+
+    def _drop_unrefined(self, work: Work, error: NonFiniteOutputError) -> NonFiniteOutputError:
+        """A block of non-atomic work (a stream message) refined to NaN/Inf: drop every frame not yet refined.
+
+        Kept pending, those frames would fail every later block the same way (the next message "retries" them).
+        Dropping only this message's frames is not enough either: the block may hold frames of an earlier
+        message too short to make a block on its own, and either could be the one that overflows. Nothing in
+        the KV cache or the output stages changes (the block was never committed). When the session had nothing
+        pending before this message and none of its blocks were committed, it is exactly as if the message never
+        came (``rolled_back``); otherwise the error says which frames to send again."""
+        session, base = work.target.session, work.base
+        state = session.state
+        # Blocks committed meanwhile were refined with the current prompt; otherwise the one from before.
+        source = base if state.frames_returned == base.frames_returned else state
+        restored = dataclasses.replace(source, frames_received=state.frames_returned, pending=None, flushed=False)
+        session.load(restored, session.kv)
+        work.frames_in = max(0, restored.frames_received - base.frames_received)
+        if source is base and base.pending_frames == 0:
+            work.rolled_back = True
+            return NonFiniteOutputError(f"{error}; this message was not taken: the session is as before it")
+        return NonFiniteOutputError(
+            f"{error}; frames [{restored.frames_received}, {state.frames_received}) were dropped (every frame not "
+            f"yet refined, including earlier messages' frames waiting for a full block): the session has "
+            f"{restored.frames_received} frames, send again from frame {restored.frames_received}"
+        )
 
     def _settle(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
         target = work.target

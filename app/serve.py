@@ -17,6 +17,7 @@ from .guards import BodyBudget, GuardedHttpToolsProtocol
 from .main import create_app
 from .services import Services, ensure_embedded_model
 from .settings import Settings, load_settings
+from .ws_protocol import GuardedWebSocketProtocol
 
 log = logging.getLogger("app")
 
@@ -44,6 +45,8 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
     http = GuardedHttpToolsProtocol.configure(settings.max_header_bytes, settings.request_header_timeout_s,
                                               settings.request_body_timeout_s)
     uvicorn_options.setdefault("http", http)
+    # Refused handshakes answered and logged as such, invalid UTF-8 closed quietly with 1007 (app.ws_protocol).
+    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol)
     config = uvicorn.Config(
         guarded,
         host=settings.host,

@@ -22,6 +22,7 @@ import math
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -59,6 +60,8 @@ class Services:
         self.settings = settings
         self.metrics = Metrics()
         self.encoder = Encoder(self.metrics, settings.response_dtype)
+        # Encodes units in the selections watchers ask for (app.routes.watch), apart from the producers' encoder.
+        self.watch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="watch-encoder")
         self.engine = Engine(
             self.metrics,
             settings.engine_queue_depth,
@@ -282,6 +285,7 @@ class Services:
             task.cancel()
         await asyncio.to_thread(self.engine.stop)
         self.encoder.close()
+        self.watch_pool.shutdown(wait=False, cancel_futures=True)
 
     async def stop(self) -> None:
         await self.drain()
@@ -290,6 +294,7 @@ class Services:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.engine.stop)
         self.encoder.close()
+        self.watch_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def warmup_work(refiner: Refiner, settings: Settings, stages: OutputStages | None = None) -> Work:

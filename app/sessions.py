@@ -19,14 +19,16 @@ the session, the content type, then the body) stays the one the API documents.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from models import RefinerSession, SessionConfig
+from models.session import check_finite
 from wm_refiner_client import spec
 
 from . import realtime
-from .codec import PROMPT_EMBEDS, PROMPT_MASK, decode
+from .codec import LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
 from .delivery import Deliveries, UnitCopies
 from .deps import check_config_limits, check_payload
 from .engine import EngineSession, Work
@@ -181,6 +183,7 @@ class SessionOps:
             tensors = decode(await read_payload())
             latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
                                     services.require_model().info.in_channels)
+            await scan_finite(tensors)
             # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
             # retry of its seq gets the stored response instead of appending the frames twice.
             chunk = asyncio.ensure_future(self._chunk(handle, seq, flush, tensors, latents, received))
@@ -197,7 +200,7 @@ class SessionOps:
                 return await encoder.run(chunks.stored_response), True
             await self.store.prepare(handle, tuple(latents.shape))  # parked: back; first chunk: its bytes admitted
             work = Work(handle.engine_session, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK),
-                        flush=flush, atomic=True)
+                        flush=flush, atomic=True, finite_checked=True)
             result = await services.engine.run(work)
             # Counted before anything else runs on the loop: a drain must never find the session advanced and the
             # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
@@ -227,6 +230,7 @@ class SessionOps:
         tensors = decode(await read_payload())
         latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames",
                                 services.require_model().info.in_channels)
+        await scan_finite(tensors)
         if PROMPT_EMBEDS not in tensors and services.default_prompt is None:
             raise ApiError(
                 "missing_input",
@@ -248,7 +252,8 @@ class SessionOps:
         services = self.services
         session = RefinerSession(services.require_model(), config, services.default_prompt)
         target = EngineSession(session=session, name="one-shot clip", stages=services.stages.for_session(wanted, config))
-        work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True, one_shot=True)
+        work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True, one_shot=True,
+                    finite_checked=True)
         try:
             return await services.engine.run(work)
         except asyncio.CancelledError:
@@ -436,7 +441,9 @@ class StreamSession:
         previous = self.previous
         if previous is not None and previous is not connection:
             previous.abandon()
-            await asyncio.wait({asyncio.ensure_future(previous.closed())}, timeout=timeout)
+            # wait_for, not wait: on a timeout the wait is cancelled rather than left running unreferenced.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(previous.closed(), timeout=timeout)
         if handle.stream is not connection:
             raise StreamTakenOver()
         jobs = list(handle.stream_jobs)
@@ -475,8 +482,14 @@ class StreamSession:
         tensors = decode(data)
         latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
                                 services.require_model().info.in_channels)
+        await scan_finite(tensors)
         services.require_ready()
         await self._run(latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), False, received)
+
+    @property
+    def frames_received(self) -> int:
+        """The frames the session holds (a client resends from here after an error that dropped frames)."""
+        return self.handle.session.state.frames_received
 
     async def flush(self) -> int:
         """The client's flush: the pending frames refined as a final block (once; a second flush just repeats
@@ -513,17 +526,18 @@ class StreamSession:
         services, handle = self.ops.services, self.handle
         async with handle.chunks.turn(self.ops.settings.session_queue_depth):
             await self.ops.store.prepare(handle, None if latents is None else tuple(latents.shape))
-            work = Work(handle.engine_session, latents, embeds, mask, flush=flush,
+            work = Work(handle.engine_session, latents, embeds, mask, flush=flush, finite_checked=True,
                         on_unit=handle.deliveries.hand_over(received))
             try:
                 await services.engine.run(work)
             finally:
-                if work.started:
+                # A message whose block refined to NaN/Inf and was rolled back never happened (engine, _fail).
+                if work.started and not work.rolled_back:
                     handle.chunks.accept_message()
                     services.metrics.frames_in.inc(work.frames_in)
                 for unit in work.units:
                     handle.deliveries.push(unit, None, received)
-            if work.started:
+            if work.started and not work.rolled_back:
                 await self.ops.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
 
 
@@ -531,6 +545,21 @@ def durable_metadata(handle: SessionHandle) -> dict[str, str]:
     """What a unit or a response says of the session's last checkpoint: the input frames it covers (a client keeps
     what it may have to resend until then). Nothing when this server writes no checkpoints."""
     return {} if handle.durable_frames is None else {"durable_frames": str(handle.durable_frames)}
+
+
+async def scan_finite(tensors: dict[str, Any]) -> None:
+    """The chunk's NaN/Inf scan, before it is submitted: on a worker thread, so that neither the event loop nor
+    the engine thread (other sessions' forwards) waits for a scan of a large chunk. Same error as the session's
+    own check (invalid_input, naming the tensor and the count)."""
+    floats = {name: tensors.get(name) for name in (LATENTS, PROMPT_EMBEDS, PROMPT_MASK)}
+    if sum(tensor.nbytes for tensor in floats.values() if tensor is not None) <= _INLINE_SCAN_BYTES:
+        check_finite(floats)  # microseconds: cheaper than the hop to a thread
+    else:
+        await asyncio.to_thread(check_finite, floats)
+
+
+# Chunks up to this size are scanned on the event loop (a 256 KiB isfinite takes tens of microseconds).
+_INLINE_SCAN_BYTES = 256 * 1024
 
 
 def parse_resume_from(value: str | None) -> int | None:

@@ -219,8 +219,11 @@ class RefinerSession:
         latents: torch.Tensor | None,
         prompt_embeds: torch.Tensor | None = None,
         prompt_attention_mask: torch.Tensor | None = None,
+        finite_checked: bool = False,
     ) -> Chunk:
-        """Validate a chunk against this session and cast it to the model; raises, never changes the session."""
+        """Validate a chunk against this session and cast it to the model; raises, never changes the session.
+        ``finite_checked``: the caller already ran ``check_finite`` on the tensors (a server does so before it
+        queues the chunk, so that scan never holds up the thread running the model)."""
         state = self._state
         if state.flushed:
             raise StreamClosedError(
@@ -251,11 +254,12 @@ class RefinerSession:
                 f"({expected.batch}, {expected.channels}, {expected.height}, {expected.width}); every chunk "
                 "of a session must share batch, channels, height and width"
             )
-        _check_finite("latents", latents)
+        if not finite_checked:
+            _check_finite("latents", latents)
 
         prompt = None
         if prompt_embeds is not None:
-            prompt = check_prompt(self.refiner, prompt_embeds, prompt_attention_mask, batch)
+            prompt = check_prompt(self.refiner, prompt_embeds, prompt_attention_mask, batch, finite_checked)
         elif prompt_attention_mask is not None:
             raise MissingInputError("prompt_attention_mask was sent without prompt_embeds; send both or neither")
         elif state.prompt is not None and state.prompt.embeds.shape[0] != batch:
@@ -518,7 +522,8 @@ class RefinerSession:
         return (x.to(math) + self._schedule.deltas[step] * flow).to(dtype)
 
 
-def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | None, batch: int) -> Prompt:
+def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | None, batch: int,
+                 finite_checked: bool = False) -> Prompt:
     """Validate prompt conditioning for ``batch`` streams and cast it to the model: embeds (B, L, caption_channels),
     mask (B, L) of any dtype (nonzero = attend; absent = all ones)."""
     info = refiner.info
@@ -530,7 +535,8 @@ def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | No
     length = int(embeds.shape[1])
     if length < 1:
         raise InvalidInputError("prompt_embeds has no tokens (L = 0); send at least one")
-    _check_finite("prompt_embeds", embeds)
+    if not finite_checked:
+        _check_finite("prompt_embeds", embeds)
     device, dtype = refiner.device, refiner.dtype
     if mask is None:
         # A missing mask means "attend to every token": the reference passes an all-ones mask then.
@@ -541,7 +547,7 @@ def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | No
             raise InvalidInputError(
                 f"prompt_attention_mask must be shaped (B, L) = ({batch}, {length}), got {tuple(mask.shape)}"
             )
-        if mask.is_floating_point():
+        if mask.is_floating_point() and not finite_checked:
             _check_finite("prompt_attention_mask", mask)
         mask_values = (mask != 0).to(device=device, dtype=dtype)
     return Prompt(embeds=embeds.to(device=device, dtype=dtype), mask=mask_values)
@@ -564,6 +570,13 @@ def _check_tensor(name: str, tensor, dtypes: tuple[torch.dtype, ...]) -> None:
     if tensor.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise InvalidInputError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; send one of {allowed}")
+
+
+def check_finite(tensors: dict[str, torch.Tensor | None]) -> None:
+    """The NaN/Inf scan of a chunk's floating-point tensors (by name), as ``RefinerSession.check`` runs it."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            _check_finite(name, tensor)
 
 
 def _check_finite(name: str, tensor: torch.Tensor) -> None:

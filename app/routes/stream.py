@@ -30,8 +30,9 @@ from fastapi import APIRouter
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from models.errors import RefinerError
+from models.errors import NonFiniteOutputError, RefinerError
 
+from ..auth import select_subprotocol
 from ..errors import (
     WS_INTERNAL_ERROR,
     WS_MESSAGE_TOO_BIG,
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["sessions"])
 
 _STOP = object()
+# Tasks nobody awaits (a best-effort close): the event loop holds tasks only weakly, so one could be collected
+# before it ran; each stays here until it is done.
+_BACKGROUND: set[asyncio.Task] = set()
 # Close reasons must fit a control frame (123 bytes).
 _MAX_REASON = 120
 
@@ -69,7 +73,7 @@ async def stream(websocket: WebSocket, session_id: str) -> None:
     # Claimed before the first await, so two connections racing for one session cannot both pass the check.
     connection.claim()
     try:
-        await websocket.accept()
+        await websocket.accept(subprotocol=subprotocol(websocket))
     except BaseException:
         connection.release()
         raise
@@ -83,16 +87,21 @@ async def deny(websocket: WebSocket, error: ApiError, services: Services) -> Non
         headers = error.headers(services.settings.retry_after_s)
         await websocket.send_denial_response(JSONResponse(error.envelope(), status_code=error.status, headers=headers))
         return
-    await websocket.accept()
+    await websocket.accept(subprotocol=subprotocol(websocket))
     await websocket.send_text(json.dumps({"type": "error", **error.envelope()}))
     await websocket.close(error.spec.ws_close or WS_POLICY_VIOLATION, error.message[:_MAX_REASON])
+
+
+def subprotocol(websocket: WebSocket) -> str | None:
+    """What to accept with: a browser fails a connection whose 101 names none of the subprotocols it offered."""
+    return select_subprotocol(websocket.scope.get("subprotocols") or [])
 
 
 async def refuse(websocket: WebSocket, error: ApiError, services: Services) -> None:
     """Accept, explain with an error event, close: for resume errors, which a client handles in-band (many
     WebSocket clients cannot read a refused handshake's body)."""
     services.reject(error)
-    await websocket.accept()
+    await websocket.accept(subprotocol=subprotocol(websocket))
     await websocket.send_text(json.dumps({"type": "error", **error.envelope()}))
     await websocket.close(error.spec.ws_close or WS_POLICY_VIOLATION, error.message[:_MAX_REASON])
 
@@ -144,9 +153,10 @@ class StreamConnection:
                 self._reader = asyncio.create_task(self._read_loop(), name=f"ws-reader {self.session_id}")
                 # wait() rather than await: the writer cancels the reader after a close it initiated.
                 await asyncio.wait({self._reader})
-                # Units of the messages already handed over are still being encoded: they go out before the end.
-                await asyncio.wait({asyncio.ensure_future(self.session.settle())},
-                                   timeout=self.settings.drain_timeout_s)
+                # Units of the messages already handed over are still being encoded: they go out before the end
+                # (a failed or late hand-over is the session's: its units stay retained for a resume).
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.session.settle(), timeout=self.settings.drain_timeout_s)
             self.outbox.put_nowait(_STOP)
             await asyncio.wait({self._writer}, timeout=self.settings.drain_timeout_s)
         finally:
@@ -196,7 +206,7 @@ class StreamConnection:
                 task.cancel()
         self.room.set()
         # Best effort: a live peer learns why; a dead one costs nothing (bounded, off the reattach path).
-        asyncio.ensure_future(self._close_quietly(WS_POLICY_VIOLATION, "another connection resumed this session"))
+        _keep(self._close_quietly(WS_POLICY_VIOLATION, "another connection resumed this session"))
 
     async def _close_quietly(self, code: int, reason: str) -> None:
         with contextlib.suppress(Exception):
@@ -253,6 +263,9 @@ class StreamConnection:
             # resends from frames_received.
             busy = from_exception(exc).kind in ("engine_busy", "insufficient_memory")
             self._report(exc, close_code=WS_TRY_AGAIN_LATER if busy else None)
+        except NonFiniteOutputError as exc:
+            # The session dropped frames it could not refine (app.engine, _drop_unrefined): where to resend from.
+            self._report(exc, extra={"frames_received": self.session.frames_received})
         except RefinerError as exc:
             self._report(exc)
         except Exception as exc:
@@ -274,6 +287,9 @@ class StreamConnection:
             return
         try:
             frames = await self.session.flush()
+        except NonFiniteOutputError as exc:  # the final block: its frames were dropped, as for a chunk
+            self._report(exc, extra={"frames_received": self.session.frames_received})
+            return
         except Exception as exc:
             self._report(exc)
             return
@@ -304,10 +320,10 @@ class StreamConnection:
         self.events_waiting += 1
         self.outbox.put_nowait(("text", json.dumps(event)))
 
-    def _report(self, exc: BaseException, close_code: int | None = None) -> None:
+    def _report(self, exc: BaseException, close_code: int | None = None, extra: dict[str, Any] | None = None) -> None:
         error = from_exception(exc)
         self.services.reject(error)
-        self._send_text({"type": "error", **error.envelope()})
+        self._send_text({"type": "error", **error.envelope(), **(extra or {})})
         code = close_code or error.spec.ws_close
         if error.kind == "draining" and self.services.draining:
             # The drain closes every stream itself once the sessions are saved, with the code that says whether
@@ -367,3 +383,10 @@ class StreamConnection:
                 if self._reader is not None:
                     self._reader.cancel()
                 return
+
+
+def _keep(coroutine) -> asyncio.Task:
+    task = asyncio.ensure_future(coroutine)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task

@@ -13,7 +13,8 @@ session ends it with an error event) and cannot send chunks: a message from it i
 and otherwise ignored.
 
 Browsers cannot set headers on a WebSocket: with an API key, the page offers the subprotocol
-``wm-refiner.bearer.<base64url key>`` (app.auth); the route accepts with ``wm-refiner`` when offered.
+``wm-refiner.bearer.<base64url key>`` (app.auth); the route accepts with one of the subprotocols offered
+(``app.auth.select_subprotocol``), without which a browser fails the connection.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import APIRouter
@@ -35,15 +35,12 @@ from ..errors import WS_NORMAL, ApiError
 from ..outputs import HostUnit, Outputs
 from ..resume import SentUnit
 from ..services import Services
-from .stream import deny
+from .stream import deny, subprotocol
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["sessions"])
 
-SUBPROTOCOL = "wm-refiner"
 _MAX_REASON = 120
-# Encodes units in the selections watchers ask for, apart from the producers' encoder.
-_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="watch-encoder")
 
 
 @router.websocket("/v1/sessions/{session_id}/watch")
@@ -57,8 +54,7 @@ async def watch(websocket: WebSocket, session_id: str) -> None:
         await deny(websocket, error, services)
         return
     try:
-        offered = websocket.scope.get("subprotocols") or []
-        await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+        await websocket.accept(subprotocol=subprotocol(websocket))
         await watcher.run()
     finally:
         services.sessions.unwatch(watcher)
@@ -189,7 +185,7 @@ class Watcher:
                 host = unit.wait() if isinstance(unit, UnitCopies) else unit
                 return encoder.unit_bytes(host, self.outputs, received)
 
-            data = await asyncio.get_running_loop().run_in_executor(_POOL, build)
+            data = await asyncio.get_running_loop().run_in_executor(self.services.watch_pool, build)
         await self.websocket.send_bytes(data)
         described = unit.unit if isinstance(unit, UnitCopies) else unit  # both say kind and frames
         if described.kind == "block":
