@@ -87,9 +87,10 @@ def _report_errors(run) -> int:
         from wm_refiner_client import WmRefinerError
 
         refiner_errors = sys.modules.get("models.errors")  # not loaded: the error cannot be one of them
+        serve = sys.modules.get("app.serve")
         known = isinstance(exc, WmRefinerError) or (
             refiner_errors is not None and isinstance(exc, refiner_errors.RefinerError)
-        )
+        ) or (serve is not None and isinstance(exc, serve.StartUpError))
         kind = "error" if known else f"error ({type(exc).__name__})"
         print(f"{kind}: {exc}", file=sys.stderr)
         return 2
