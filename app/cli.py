@@ -83,6 +83,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _report_errors(run) -> int:
     try:
         return run()
+    except KeyboardInterrupt:  # Ctrl-C where no command handles it: one line, the shell's status for it
+        print("interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:  # the CLI's contract: one clear line on stderr, non-zero exit
         from wm_refiner_client import WmRefinerError
 
