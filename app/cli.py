@@ -1,7 +1,11 @@
 """Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service),
 ``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli_remote``). Errors go to
 stderr with a non-zero exit status; progress bars go to stderr only when it is a terminal. The benchmarks are not a
-service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks)."""
+service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks).
+
+Exit statuses: 0 done; 2 refused (a bad flag, input or server answer, a port in use: one ``error: ...`` line on
+stderr saying what to give instead); 130 interrupted by Ctrl-C (``stream`` first writes what it received and says
+how to continue); ``serve`` 3 when the model passed every check but failed to load (uvicorn's start-up failure)."""
 
 from __future__ import annotations
 
