@@ -157,9 +157,11 @@ def check_model_folder(folder: Path) -> None:
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
     """The listening address taken before the model is loaded, so a busy port is known in a second, not after the
-    load and the warm-up; not yet listening (a client that connects meanwhile is refused, as with no server, rather
-    than left waiting in the backlog). Every address ``host`` resolves to, as uvicorn would bind them.
-    PortInUseError naming the address and what to do otherwise."""
+    load and the warm-up. Listening at once, because with SO_REUSEADDR (needed to restart over connections in
+    TIME_WAIT) Linux lets a second socket bind a port that is bound but not listening: two servers started together
+    would both pass and one fail after its load. A client connecting during the load waits in the backlog until the
+    server is up. Every address ``host`` resolves to, as uvicorn would bind them. PortInUseError naming the address
+    and what to do otherwise."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -175,6 +177,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 sock.bind(address)
+                sock.listen(2048)  # uvicorn's default backlog
             except OSError as exc:
                 shown = f"[{address[0]}]:{address[1]}" if family == socket.AF_INET6 else f"{address[0]}:{address[1]}"
                 if exc.errno == errno.EADDRINUSE:
