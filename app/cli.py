@@ -5,7 +5,7 @@ service command: they are ``python -m bench``, from a checkout (the service must
 
 Exit statuses: 0 done; 2 refused (a bad flag, input or server answer, a port in use: one ``error: ...`` line on
 stderr saying what to give instead); 130 interrupted by Ctrl-C (``stream`` first writes what it received and says
-how to continue); ``serve`` 3 when the model passed every check but failed to load (uvicorn's start-up failure)."""
+how to continue); ``serve`` 3 when its start-up failed for another reason than what it was given (uvicorn's, traceback in the log)."""
 
 from __future__ import annotations
 

@@ -202,6 +202,32 @@ def embedded_defaults(settings: Settings) -> Settings:
     return settings.model_copy(update={"snapshot_dir": Path(settings.cache_dir).expanduser() / "snapshots"})
 
 
+class LoadFailure(logging.Filter):
+    """A model, VAE or default prompt that passed the checks above but failed to load in the app's start-up: the
+    command reports it as one line (exit 2), so uvicorn's traceback of it and its "startup failed" are left out of
+    the log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: ModelLoadError | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.error is None or record.levelno < logging.ERROR
+
+    def watch(self, services: Services) -> None:
+        start = services.start
+
+        async def start_or_record() -> None:
+            try:
+                await start()
+            except ModelLoadError as exc:
+                self.error = exc
+                raise
+
+        services.start = start_or_record  # the app's lifespan calls it
+        logging.getLogger("uvicorn.error").addFilter(self)
+
+
 def serve_command(args: argparse.Namespace) -> int:
     settings = embedded_defaults(settings_from_args(args))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -214,7 +240,14 @@ def serve_command(args: argparse.Namespace) -> int:
         if settings.snapshot_dir is not None:
             log.info("sessions are saved to %s on shutdown and adopted from there", settings.snapshot_dir)
         server = build_server(settings)
-        asyncio.run(server.serve(sockets=sockets))
+        failure = LoadFailure()
+        failure.watch(server.services)
+        try:
+            asyncio.run(server.serve(sockets=sockets))
+        except SystemExit:  # uvicorn's exit after a failed start-up
+            if failure.error is not None:
+                raise StartUpError(str(failure.error)) from None
+            raise
     finally:
         for sock in sockets:
             sock.close()

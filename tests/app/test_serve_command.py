@@ -165,3 +165,19 @@ def test_the_embedded_default_keeps_sessions_across_a_restart(tmp_path):
         assert np.array_equal(np.concatenate([head.latents, tail.latents], axis=2), expected)
     finally:
         second.terminate()
+
+
+def test_a_start_up_file_that_fails_to_load_is_an_error_line_not_a_traceback(tmp_path, checkpoint_dir):
+    """What only the load itself finds (here a default prompt that is not safetensors) ends the start-up with
+    the loader's one-line message and exit 2, without uvicorn's traceback."""
+    prompt = tmp_path / "prompt.safetensors"
+    prompt.write_bytes(b"not safetensors")
+    env = {**_serve_env(tmp_path), "WM_REFINER_DEFAULT_PROMPT": str(prompt), "WM_REFINER_WARMUP": "false"}
+    done = subprocess.run([sys.executable, "-m", "app", "serve", "--port", str(free_port()), "--model",
+                           str(checkpoint_dir), "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output and "startup failed" not in output, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("error: default_prompt") and "not a readable safetensors file" in last, output
