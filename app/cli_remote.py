@@ -125,6 +125,15 @@ def stream_command(args: argparse.Namespace) -> int:
         video = VideoFile(Path(args.video), float(session.config.get("fps", 16.0))) if args.video else None
         units = []
         interrupted = False
+        again = "the same command" if args.session_id else f"this command with --session-id {session.id}"
+        within = f" within {grace:g} s (the server's ws_reattach_grace_s)" if isinstance(grace, (int, float)) else ""
+
+        def write(complete: bool) -> np.ndarray:
+            refined = np.concatenate([kept, *(unit.latents.astype(np.float32) for unit in units)], axis=2)
+            write_latents(output, refined, {OUTPUT_SESSION: session.id, OUTPUT_INPUT: digest,
+                                            OUTPUT_COMPLETE: "true" if complete else "false"})
+            return refined  # (B, C, T, H, W)
+
         try:
             for unit in stream:
                 units.append(unit)
@@ -138,18 +147,19 @@ def stream_command(args: argparse.Namespace) -> int:
                 f"{args.output} lacks refined frames from {kept.shape[2]} on that session {session.id} returned to an "
                 f"earlier run and no longer keeps ({exc.message}); put that run's output back, or start over with a "
                 "new --session-id", status=exc.status) from None
+        except Exception:
+            if units:  # what came back is kept for a rerun (the error itself is app.cli's line)
+                refined = write(complete=False)
+                print(f"wrote refined frames [0, {refined.shape[2]}) of {total} to {args.output}; once the cause "
+                      f"below is fixed, run {again}{within} to continue session {session.id}", file=sys.stderr)
+            raise
         finally:
             stream.close()
             progress.close()
             if video is not None:
                 video.close()
-    refined = np.concatenate([kept, *(unit.latents.astype(np.float32) for unit in units)], axis=2)  # (B, C, T, H, W)
-    complete = not interrupted
-    write_latents(output, refined, {OUTPUT_SESSION: session.id, OUTPUT_INPUT: digest,
-                                    OUTPUT_COMPLETE: "true" if complete else "false"})
+    refined = write(complete=not interrupted)
     if interrupted:
-        again = "the same command" if args.session_id else f"this command with --session-id {session.id}"
-        within = f" within {grace:g} s (the server's ws_reattach_grace_s)" if isinstance(grace, (int, float)) else ""
         print(f"interrupted: wrote refined frames [0, {refined.shape[2]}) of {total} to {args.output}; run {again}"
               f"{within} to continue session {session.id}", file=sys.stderr)
         return INTERRUPTED
