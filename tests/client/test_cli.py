@@ -251,6 +251,42 @@ def test_ctrl_c_writes_what_was_received_and_a_rerun_continues_to_the_whole_clip
     assert "lacks refined frames from 0" in lost.stderr and "--session-id" in lost.stderr
 
 
+def test_a_stream_that_fails_mid_way_keeps_the_frames_received(server, tmp_path):
+    """The session is deleted under a running ``stream``: the error is the last line (exit 2), and the frames that
+    came back before it are in the output file, with a line saying so."""
+    import time
+
+    source = write_clip(tmp_path / "in.safetensors")
+    output = tmp_path / "out.safetensors"
+    child = start_cli("stream", "--server", server.base_url, "--input", str(source), "--output", str(output),
+                      "--chunk-frames", "2", "--session-id", "deleted-mid-run", "--rate", "6")
+    try:
+        with Client(server.base_url) as client:
+            deadline = time.monotonic() + TIMEOUT_S
+            while time.monotonic() < deadline:
+                assert child.poll() is None, child.communicate()
+                try:
+                    if client.get_session("deleted-mid-run").frames_returned >= 4:
+                        break
+                except Exception:  # not created yet
+                    pass
+                time.sleep(0.05)
+            time.sleep(1.0)
+            client.delete_session("deleted-mid-run")
+            expected = client.refine(LATENTS, PROMPT, MASK).latents
+        _, err = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 2, err
+    wrote, error = err.strip().splitlines()[-2:]
+    assert error.startswith("error") and "Traceback" not in err, err
+    kept = int(re.match(r"wrote refined frames \[0, (\d+)\) of 24 to ", wrote).group(1))
+    assert 1 <= kept < 24
+    assert np.array_equal(load_file(str(output))["latents"], expected[:, :, :kept])
+
+
 def test_a_rerun_with_another_config_or_input_is_one_line_saying_what_differs(server, tmp_path):
     source = write_clip(tmp_path / "in.safetensors")
     output = tmp_path / "out.safetensors"
