@@ -9,6 +9,10 @@ in bounded time, never answered after holding what it sent:
 - bodies held open by many connections (the next must get 503 + Retry-After at once);
 - a chunk of finite but huge latents (3e38: must get 422, never 200 with NaN).
 
+WebSocket floods from a client that never reads (issue 16 item 1): one-byte text frames and invalid 3-byte binary
+frames on a stream, text frames on a watch, each for ``--flood-s`` seconds: ``/health`` must keep answering within
+2 s (before the fix a flood made it take 2-3.6 s; it is ~0.05 s on an idle machine), and (without ``--url``, where the server's queues can be looked at) no queue may grow past its limit.
+
 Without ``--url`` (they need a server whose snapshot folder and peers this tool controls), also items 2 and 3:
 
 - snapshot files whose metadata lies (a geometry of [2, 128, 256, 256], a window of 1500 frames with 200 steps):
@@ -124,6 +128,63 @@ def run(url: str, api_key: str | None, deadline: float, body_bytes: int) -> list
     poisoned = http.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=body,
                          headers={"content-type": "application/octet-stream"})
     results.append(("huge finite latents", poisoned.status_code == 422, f"{poisoned.status_code}"))
+    http.close()
+    return results
+
+
+def websocket_floods(url: str, api_key: str | None, deadline: float, seconds: float,
+                     services=None) -> list[tuple[str, bool, str]]:
+    """Issue 16 item 1: a client that floods a stream (text, invalid binary) or a watch and never reads must meet
+    the same bound as chunks do: ``ws_outbound_queue`` (watch: one pending refusal), the server then stops reading
+    it and TCP pushes back. ``services`` (a server in this process): its connections' queues are watched too."""
+    from websockets.sync.client import connect
+
+    parsed = urlparse(url)
+    ws_base = f"ws://{parsed.hostname}:{parsed.port or 80}"
+    http = httpx.Client(base_url=url, headers=_auth(api_key), timeout=deadline)
+    limit = None if services is None else services.settings.ws_outbound_queue
+    results = []
+    for name, route, message in (("stream flood of text frames", "stream", "x"),
+                                 ("stream flood of invalid binary frames", "stream", b"\x00\x01\x02"),
+                                 ("watch flood of text frames", "watch", "x")):
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        raw = socket.create_connection((parsed.hostname, parsed.port or 80), timeout=deadline)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that does not read
+        flood = connect(f"{ws_base}/v1/sessions/{session_id}/{route}", sock=raw, open_timeout=deadline,
+                        additional_headers=_auth(api_key), max_queue=1, ping_interval=None, compression=None)
+        stop, sent = threading.Event(), [0]
+
+        def send_until_stopped() -> None:
+            try:
+                while not stop.is_set():
+                    flood.send(message)
+                    sent[0] += 1
+            except Exception:  # the server closed it: as good as a bound
+                pass
+
+        sender = threading.Thread(target=send_until_stopped, daemon=True)
+        sender.start()
+        slowest, deepest, until = 0.0, 0, time.monotonic() + seconds
+        while time.monotonic() < until:
+            started = time.monotonic()
+            try:
+                http.get("/health", timeout=deadline)
+            except httpx.HTTPError:
+                slowest = deadline
+            slowest = max(slowest, time.monotonic() - started)
+            if services is not None:
+                for connection in list(services.store.connections):
+                    queue = getattr(connection, "outbox", None)
+                    depth = queue.qsize() if queue is not None else len(getattr(connection, "queue", ()))
+                    deepest = max(deepest, depth)
+            time.sleep(0.05)
+        stop.set()
+        raw.close()
+        sender.join(deadline)
+        bounded = limit is None or deepest <= limit + 2
+        results.append((name, slowest < 2.0 and bounded,
+                        f"{sent[0]} messages sent, /health within {slowest:.2f} s"
+                        + ("" if limit is None else f", deepest queue {deepest} (ws_outbound_queue {limit})")))
     http.close()
     return results
 
@@ -261,9 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=20.0, help="seconds any one case may take")
     parser.add_argument("--body-bytes", type=int, default=1024 * 1024,
                         help="size of each held body (the server's max_body_bytes or less)")
+    parser.add_argument("--flood-s", type=float, default=3.0, help="seconds each WebSocket flood lasts")
     args = parser.parse_args(argv)
     if args.url:
         results = run(args.url, args.api_key, args.deadline, args.body_bytes)
+        results += websocket_floods(args.url, args.api_key, args.deadline, args.flood_s)
     else:
         import tempfile
 
@@ -276,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                                 request_body_timeout_s=3.0, api_key=args.api_key)
             with ThreadServer(settings) as server:
                 results = run(server.base_url, args.api_key, args.deadline, args.body_bytes)
+                results += websocket_floods(server.base_url, args.api_key, args.deadline, args.flood_s,
+                                            server.services)
             results += lying_snapshots(settings, Path(cache) / "snapshots", args.deadline)
             results += misbehaving_peers(settings, args.deadline)
     for name, ok, detail in results:
