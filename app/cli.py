@@ -2,7 +2,11 @@
 (a capacity plan, no weights: ``app.cli_plan``),
 ``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli_remote``). Errors go to
 stderr with a non-zero exit status; progress bars go to stderr only when it is a terminal. The benchmarks are not a
-service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks)."""
+service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks).
+
+Exit statuses: 0 done; 2 refused (a bad flag, input or server answer, a port in use: one ``error: ...`` line on
+stderr saying what to give instead); 130 interrupted by Ctrl-C (``stream`` first writes what it received and says
+how to continue); ``serve`` 3 when its start-up failed for another reason than what it was given (uvicorn's, traceback in the log)."""
 
 from __future__ import annotations
 
@@ -91,13 +95,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _report_errors(run) -> int:
     try:
         return run()
+    except KeyboardInterrupt:  # Ctrl-C where no command handles it: one line, the shell's status for it
+        print("interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:  # the CLI's contract: one clear line on stderr, non-zero exit
         from wm_refiner_client import WmRefinerError
 
         refiner_errors = sys.modules.get("models.errors")  # not loaded: the error cannot be one of them
+        serve = sys.modules.get("app.serve")
         known = isinstance(exc, WmRefinerError) or (
             refiner_errors is not None and isinstance(exc, refiner_errors.RefinerError)
-        )
+        ) or (serve is not None and isinstance(exc, serve.StartUpError))
         kind = "error" if known else f"error ({type(exc).__name__})"
         print(f"{kind}: {exc}", file=sys.stderr)
         return 2

@@ -64,7 +64,8 @@ def add_stream_parser(commands) -> None:
     stream.add_argument("--output", required=True, help="safetensors to write the refined latents to (float32)")
     stream.add_argument("--chunk-frames", type=int, default=3, help="latent frames per message (default 3)")
     stream.add_argument("--video", help="also write the decoded video (row 0) to this .mp4 (the server needs a vae)")
-    stream.add_argument("--session-id", help="name the session (PUT): rerunning with the same id continues it")
+    stream.add_argument("--session-id", help="name the session (PUT): rerunning with the same id and --input continues it "
+                        "(after Ctrl-C, a crash, a lost connection), keeping the frames --output already holds")
     stream.add_argument("--rate", type=float, default=0.0,
                         help="send at most this many latent frames per second, as a live source would (0: at once)")
     add_session_flags(stream)
@@ -78,8 +79,18 @@ def add_sessions_parser(commands) -> None:
 
 
 # --- stream ---------------------------------------------------------------------------------------------------------
+# The output file says whose frames it holds, so that a rerun can tell its own partial output from another file.
+OUTPUT_SESSION, OUTPUT_INPUT, OUTPUT_COMPLETE = "wm_refiner.session_id", "wm_refiner.input_sha256", "wm_refiner.complete"
+INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+
+
 def stream_command(args: argparse.Namespace) -> int:
-    from wm_refiner_client import Client, concat
+    """One clip through a running server. Rerun with the same ``--session-id`` (after Ctrl-C, a crash, a lost
+    network), it continues: the input frames the session has are not sent again, the output file's frames are kept
+    and the server's units from there on are added (replayed from its retained units when the interrupted run
+    never got them), and the file is rewritten whole, so it ends as one uninterrupted run's (docs/client.md)."""
+    from wm_refiner_client import Client, ResumeUnavailableError
+    from wm_refiner_client.client import Session
 
     if args.chunk_frames < 1:
         raise ValueError(f"--chunk-frames must be >= 1, got {args.chunk_frames}")
@@ -96,31 +107,132 @@ def stream_command(args: argparse.Namespace) -> int:
                              f"{config['video_format']})")
     latents, prompt, mask = read_clip(Path(args.input))
     total = int(latents.shape[2])
+    digest = clip_digest(latents, prompt, mask)
+    output = Path(args.output)
     with Client(args.server, args.api_key) as client:
+        # PUT: a session of that id with another config is refused, naming the fields that differ.
         session = client.session(args.session_id, **config) if args.session_id else client.create_session(**config)
-        already = session.frames_returned
-        if already:
-            raise ValueError(f"session {session.id} has already returned {already} frames; use a new --session-id")
-        stream = session.stream(paced(latents, args.chunk_frames, args.rate), prompt=prompt, prompt_mask=mask)
+        state = session.state()
+        kept = continue_from(output, session.id, digest, state, latents, args)
+        if kept.shape[2] == total and state.flushed:
+            print(f"session {session.id} is complete: {args.output} already holds its {total} refined frames")
+            return 0
+        grace = client.info().get("limits", {}).get("ws_reattach_grace_s")
+        handle = Session(client, session.id, session.config, frames_returned=int(kept.shape[2]))
+        stream = handle.stream(paced(latents, args.chunk_frames, args.rate, skip=state.frames_received),
+                               prompt=prompt, prompt_mask=mask, from_session_start=True)
         progress = Progress(total, stream.stats)
         video = VideoFile(Path(args.video), float(session.config.get("fps", 16.0))) if args.video else None
         units = []
+        interrupted = False
+        again = "the same command" if args.session_id else f"this command with --session-id {session.id}"
+        within = f" within {grace:g} s (the server's ws_reattach_grace_s)" if isinstance(grace, (int, float)) else ""
+
+        def write(complete: bool) -> np.ndarray:
+            refined = np.concatenate([kept, *(unit.latents.astype(np.float32) for unit in units)], axis=2)
+            write_latents(output, refined, {OUTPUT_SESSION: session.id, OUTPUT_INPUT: digest,
+                                            OUTPUT_COMPLETE: "true" if complete else "false"})
+            return refined  # (B, C, T, H, W)
+
         try:
             for unit in stream:
                 units.append(unit)
                 if video is not None and unit.video is not None:
                     video.write(unit.video[0])  # (F, H_px, W_px, 3), row 0
                 progress.update()
+        except KeyboardInterrupt:
+            interrupted = True
+        except ResumeUnavailableError as exc:
+            raise ResumeUnavailableError(
+                f"{args.output} lacks refined frames from {kept.shape[2]} on that session {session.id} returned to an "
+                f"earlier run and no longer keeps ({exc.message}); put that run's output back, or start over with a "
+                "new --session-id", status=exc.status) from None
+        except Exception:
+            if units:  # what came back is kept for a rerun (the error itself is app.cli's line)
+                refined = write(complete=False)
+                print(f"wrote refined frames [0, {refined.shape[2]}) of {total} to {args.output}; once the cause "
+                      f"below is fixed, run {again}{within} to continue session {session.id}", file=sys.stderr)
+            raise
         finally:
+            stream.close()
             progress.close()
             if video is not None:
                 video.close()
-    refined = concat(units).astype(np.float32)  # (B, C, T, H, W)
-    write_latents(Path(args.output), refined)
+    refined = write(complete=not interrupted)
+    if interrupted:
+        print(f"interrupted: wrote refined frames [0, {refined.shape[2]}) of {total} to {args.output}; run {again}"
+              f"{within} to continue session {session.id}", file=sys.stderr)
+        return INTERRUPTED
     stats = stream.stats
     print(f"refined {refined.shape[2]} frames in {stats.units} units -> {args.output} (session {session.id}, "
           f"{stats.reconnects} reconnects)" + (f"; {video.frames} video frames -> {args.video}" if video else ""))
     return 0
+
+
+def clip_digest(latents, prompt, mask) -> str:
+    """sha256 of a clip's tensors (dtypes, shapes and bytes): a rerun continues only the same clip."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for tensor in (latents, prompt, mask):
+        if tensor is None:
+            digest.update(b"none;")
+            continue
+        digest.update(f"{tensor.dtype}{tuple(tensor.shape)};".encode())
+        if isinstance(tensor, np.ndarray):
+            digest.update(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data)
+        else:  # a torch tensor (bfloat16, which numpy lacks)
+            import torch
+
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def continue_from(output: Path, session_id: str, digest: str, state, latents, args) -> np.ndarray:
+    """The refined frames (B, C, K, H, W) a rerun keeps: those ``output`` holds when an earlier run of this clip in
+    this session wrote it (else none, and the server sends them again). ValueError when the session cannot be
+    this clip's, or ``output`` is this session's from another clip."""
+    batch, channels, total, height, width = (int(n) for n in latents.shape)
+    none = np.zeros((batch, channels, 0, height, width), np.float32)
+    received = state.frames_received
+    if received > total:
+        raise ValueError(f"session {session_id} has {received} input frames, more than the {total} of {args.input}: "
+                         "it was streamed from another clip; pass that clip, or a new --session-id")
+    if state.flushed and received != total:
+        raise ValueError(f"session {session_id} was flushed after {received} input frames, but {args.input} has "
+                         f"{total}: it was streamed from another clip; pass that clip, or a new --session-id")
+    if not received:
+        return none
+    if args.video:
+        raise ValueError(f"session {session_id} already has {received} input frames, but --video writes a clip's "
+                         "whole video in one run; continue without --video (the latents), or start over with a new "
+                         "--session-id")
+    previous = read_output(output)
+    if previous is None or previous[1].get(OUTPUT_SESSION) != session_id:
+        return none
+    refined, metadata = previous
+    if metadata.get(OUTPUT_INPUT) != digest:
+        raise ValueError(f"{output} holds session {session_id}'s frames of another input than {args.input}; pass "
+                         "the same --input to continue it, or a new --session-id")
+    if refined.shape[:2] != (batch, channels) or refined.shape[3:] != (height, width) or refined.shape[2] > total:
+        return none  # not a partial output of this clip after all: the server sends every frame again
+    return refined.astype(np.float32, copy=False)
+
+
+def read_output(path: Path) -> tuple[np.ndarray, dict[str, str]] | None:
+    """The latents and metadata of an earlier run's output, or None when there is no such file (or it is not one)."""
+    if not path.is_file():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="np") as file:
+            metadata = file.metadata() or {}
+            if OUTPUT_SESSION not in metadata or "latents" not in file.keys():
+                return None
+            return file.get_tensor("latents"), metadata
+    except Exception:  # unreadable or not safetensors: not ours, and --output overwrites it as a first run does
+        return None
 
 
 def read_clip(path: Path) -> tuple[Any, Any, Any]:
@@ -146,22 +258,31 @@ def read_clip(path: Path) -> tuple[Any, Any, Any]:
     return tensors["latents"], tensors["prompt_embeds"], tensors.get("prompt_attention_mask")
 
 
-def paced(latents, chunk_frames: int, rate: float):
-    """The clip in messages of ``chunk_frames``, no faster than ``rate`` latent frames per second (0: at once)."""
+def paced(latents, chunk_frames: int, rate: float, skip: int = 0):
+    """The clip in messages of ``chunk_frames``, no faster than ``rate`` latent frames per second (0: at once);
+    the first ``skip`` frames (the session has them: the stream skips them) without waiting."""
     start = time.monotonic()
     for first in range(0, int(latents.shape[2]), chunk_frames):
-        if rate > 0:
-            delay = start + first / rate - time.monotonic()
+        if rate > 0 and first >= skip:
+            delay = start + (first - skip) / rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
         yield latents[:, :, first : first + chunk_frames]  # (B, C, n, H, W)
 
 
-def write_latents(path: Path, latents: np.ndarray) -> None:
+def write_latents(path: Path, latents: np.ndarray, metadata: dict[str, str] | None = None) -> None:
+    """Written beside and renamed over ``path``: an interrupted write leaves the previous file whole."""
+    import os
+
     from safetensors.numpy import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"latents": np.ascontiguousarray(latents)}, str(path))
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file({"latents": np.ascontiguousarray(latents)}, str(partial), metadata=metadata)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 class Progress:

@@ -228,6 +228,11 @@ class Settings(_SessionDefaults):
         description="where drain (and checkpoints) write sessions and any replica adopts them on their next "
         "request; share it between replicas; unset: none",
     )
+    embedded_snapshots: bool = Field(
+        default=True,
+        description="with the embedded tiny refiner (no model) and no snapshot_dir: save sessions under "
+        "cache_dir/snapshots, so `python -m app serve` keeps them across restarts; false: no snapshots",
+    )
     checkpoint_every_blocks: int = Field(
         default=0, ge=0,
         description="write a session's crash checkpoint to snapshot_dir every this many refined blocks; 0: off",

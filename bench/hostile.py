@@ -16,15 +16,31 @@ in bounded time, never answered after holding what it sent:
 
 (The server's log is not visible from here: tests/app/test_hardening_ws.py checks that none of these logs an ERROR.)
 
+WebSocket floods from a client that never reads (issue 16 item 1): one-byte text frames and invalid 3-byte binary
+frames on a stream, text frames on a watch, each for ``--flood-s`` seconds: ``/health`` must keep answering within
+2 s (before the fix a flood made it take 2-3.6 s; it is ~0.05 s on an idle machine), and (without ``--url``, where the server's queues can be looked at) no queue may grow past its limit.
+
+Without ``--url`` (they need a server whose snapshot folder and peers this tool controls), also items 2 and 3:
+
+- snapshot files whose metadata lies (a geometry of [2, 128, 256, 256], a window of 1500 frames with 200 steps):
+  each refused (404, set aside as ``.corrupt``) without the process growing, the genuine one still adopted;
+- a deployment listing whose peers misbehave (one trickles its body, one never ends its cursor, one sends an entry
+  without a session id, one a page of 200,000 entries): answered within its deadline, each named unreachable.
+
 Prints one line per case and exits non-zero when any fails. Every wait has a deadline (``--deadline``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
+import threading
 import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -232,6 +248,189 @@ def websocket_cases(url: str, address, api_key: str | None, http: httpx.Client,
     return results
 
 
+def websocket_floods(url: str, api_key: str | None, deadline: float, seconds: float,
+                     services=None) -> list[tuple[str, bool, str]]:
+    """Issue 16 item 1: a client that floods a stream (text, invalid binary) or a watch and never reads must meet
+    the same bound as chunks do: ``ws_outbound_queue`` (watch: one pending refusal), the server then stops reading
+    it and TCP pushes back. ``services`` (a server in this process): its connections' queues are watched too."""
+    from websockets.sync.client import connect
+
+    parsed = urlparse(url)
+    ws_base = f"ws://{parsed.hostname}:{parsed.port or 80}"
+    http = httpx.Client(base_url=url, headers=_auth(api_key), timeout=deadline)
+    limit = None if services is None else services.settings.ws_outbound_queue
+    results = []
+    for name, route, message in (("stream flood of text frames", "stream", "x"),
+                                 ("stream flood of invalid binary frames", "stream", b"\x00\x01\x02"),
+                                 ("watch flood of text frames", "watch", "x")):
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        raw = socket.create_connection((parsed.hostname, parsed.port or 80), timeout=deadline)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that does not read
+        flood = connect(f"{ws_base}/v1/sessions/{session_id}/{route}", sock=raw, open_timeout=deadline,
+                        additional_headers=_auth(api_key), max_queue=1, ping_interval=None, compression=None)
+        stop, sent = threading.Event(), [0]
+
+        def send_until_stopped() -> None:
+            try:
+                while not stop.is_set():
+                    flood.send(message)
+                    sent[0] += 1
+            except Exception:  # the server closed it: as good as a bound
+                pass
+
+        sender = threading.Thread(target=send_until_stopped, daemon=True)
+        sender.start()
+        slowest, deepest, until = 0.0, 0, time.monotonic() + seconds
+        while time.monotonic() < until:
+            started = time.monotonic()
+            try:
+                http.get("/health", timeout=deadline)
+            except httpx.HTTPError:
+                slowest = deadline
+            slowest = max(slowest, time.monotonic() - started)
+            if services is not None:
+                for connection in list(services.store.connections):
+                    queue = getattr(connection, "outbox", None)
+                    depth = queue.qsize() if queue is not None else len(getattr(connection, "queue", ()))
+                    deepest = max(deepest, depth)
+            time.sleep(0.05)
+        stop.set()
+        raw.close()
+        sender.join(deadline)
+        bounded = limit is None or deepest <= limit + 2
+        results.append((name, slowest < 2.0 and bounded,
+                        f"{sent[0]} messages sent, /health within {slowest:.2f} s"
+                        + ("" if limit is None else f", deepest queue {deepest} (ws_outbound_queue {limit})")))
+    http.close()
+    return results
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0  # not Linux: the growth check passes vacuously, the refusals are still checked
+
+
+def lying_snapshots(settings, folder: Path, deadline: float) -> list[tuple[str, bool, str]]:
+    """Issue 16 item 2: a genuine drain snapshot, and copies of it whose metadata declares a huge geometry or a
+    window and step count past the server's limits; a server on the folder must refuse the liars (404, moved
+    aside) before allocating what they declare, and still adopt the genuine one."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save, save_file
+
+    from bench.live import ThreadServer
+
+    settings = settings.model_copy(update={"snapshot_dir": folder})
+    latents = torch.randn(1, 128, 8, 4, 4)
+    with ThreadServer(settings) as server, httpx.Client(base_url=server.base_url, timeout=deadline,
+                                                         headers=_auth(settings.api_key)) as http:
+        genuine = http.post("/v1/sessions").json()["session_id"]
+        http.post(f"/v1/sessions/{genuine}/chunks?seq=0", content=save({"latents": latents,
+                  "prompt_embeds": torch.randn(1, 6, 32)}), headers={"content-type": "application/octet-stream"})
+    saved = folder / f"{genuine}.session.safetensors"
+    tensors = load_file(str(saved))
+    with safe_open(str(saved), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+
+    def lie(session_id: str, field: str, edit) -> str:
+        changed = dict(metadata)
+        app = json.loads(changed["app"])
+        app["session_id"] = session_id
+        changed["app"] = json.dumps(app)
+        value = json.loads(changed[field])
+        edit(value)
+        changed[field] = json.dumps(value)
+        save_file(tensors, str(folder / f"{session_id}.session.safetensors"), metadata=changed)
+        return session_id
+
+    liars = [lie(f"hostilegeom{i}", "state", lambda state: state.update(geometry=[2, 128, 256, 256]))
+             for i in range(3)]
+    liars.append(lie("hostilewindow", "config", lambda config: config.update(
+        kv_max_frames=1000, block_size=500, sigmas=[1.0 - i / 200 for i in range(201)])))
+    with ThreadServer(settings) as server, httpx.Client(base_url=server.base_url, timeout=deadline,
+                                                         headers=_auth(settings.api_key)) as http:
+        before, started = _rss_mib(), time.monotonic()
+        statuses = [http.get(f"/v1/sessions/{session_id}").status_code for session_id in liars]
+        took, grown = time.monotonic() - started, _rss_mib() - before
+        adopted = http.get(f"/v1/sessions/{genuine}").status_code
+    set_aside = all((folder / f"{session_id}.session.safetensors.corrupt").is_file() for session_id in liars)
+    return [
+        ("lying snapshot metadata", statuses == [404] * len(liars) and set_aside and grown < 150 and took < deadline,
+         f"answers {statuses}, set aside: {set_aside}, RSS +{grown:.0f} MiB, {took:.1f} s"),
+        ("genuine snapshot beside them", adopted == 200, f"{adopted}"),
+    ]
+
+
+class _Peer(BaseHTTPRequestHandler):
+    """A replica answering ``GET /v1/sessions`` as ``self.server.mode`` says."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        mode = self.server.mode
+        self.server.requests += 1
+        if mode == "trickle":
+            body = b'{"sessions": [], "next": null}'
+        elif mode == "endless":
+            body = json.dumps({"sessions": [], "next": uuid.uuid4().hex}).encode()
+        elif mode == "no-id":
+            body = b'{"sessions": [{"created_at": "2026-01-01T00:00:00+00:00"}], "next": null}'
+        else:  # huge
+            entry = {"created_at": "2026-01-01T00:00:00+00:00", "frames_received": 0, "frames_returned": 0,
+                     "flushed": False}
+            body = json.dumps({"sessions": [{**entry, "session_id": f"s{i:015d}"} for i in range(200_000)],
+                               "next": None}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        try:
+            if mode != "trickle":
+                self.wfile.write(body)
+                return
+            for byte in body:  # one byte every 0.5 s: each read is quick, the whole takes 15 s
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.5)
+        except OSError:
+            return
+
+
+def misbehaving_peers(settings, deadline: float) -> list[tuple[str, bool, str]]:
+    """Issue 16 item 3: ``GET /v1/sessions`` across peers that trickle, never end their cursor, send an entry with
+    no id, or a page of 200,000 entries: answered 200 within the listing's deadline, each of them unreachable."""
+    from bench.live import ThreadServer
+
+    peers = {}
+    for mode in ("trickle", "endless", "no-id", "huge"):
+        peer = ThreadingHTTPServer(("127.0.0.1", 0), _Peer)
+        peer.daemon_threads, peer.mode, peer.requests = True, mode, 0
+        threading.Thread(target=peer.serve_forever, daemon=True).start()
+        peers[mode] = peer
+    urls = {mode: f"http://127.0.0.1:{peer.server_address[1]}" for mode, peer in peers.items()}
+    try:
+        with ThreadServer(settings.model_copy(update={"peers": ",".join(urls.values())})) as server, \
+                httpx.Client(base_url=server.base_url, timeout=deadline, headers=_auth(settings.api_key)) as http:
+            started = time.monotonic()
+            reply = http.get("/v1/sessions")
+            took = time.monotonic() - started
+    finally:
+        for peer in peers.values():
+            peer.shutdown()
+            peer.server_close()
+    unreachable = set(reply.json().get("unreachable", [])) if reply.status_code == 200 else set()
+    ok = reply.status_code == 200 and unreachable == set(urls.values()) and took < 8 and peers["endless"].requests <= 64
+    return [("misbehaving peers", ok, f"{reply.status_code} in {took:.1f} s, {len(unreachable)} of {len(urls)} "
+                                      f"unreachable, {peers['endless'].requests} requests to the endless cursor")]
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server; default: one started here with small limits")
@@ -239,9 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=20.0, help="seconds any one case may take")
     parser.add_argument("--body-bytes", type=int, default=1024 * 1024,
                         help="size of each held body (the server's max_body_bytes or less)")
+    parser.add_argument("--flood-s", type=float, default=3.0, help="seconds each WebSocket flood lasts")
     args = parser.parse_args(argv)
     if args.url:
         results = run(args.url, args.api_key, args.deadline, args.body_bytes)
+        results += websocket_floods(args.url, args.api_key, args.deadline, args.flood_s)
     else:
         import tempfile
 
@@ -254,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
                                 request_body_timeout_s=3.0, api_key=args.api_key)
             with ThreadServer(settings) as server:
                 results = run(server.base_url, args.api_key, args.deadline, args.body_bytes)
+                results += websocket_floods(server.base_url, args.api_key, args.deadline, args.flood_s,
+                                            server.services)
+            results += lying_snapshots(settings, Path(cache) / "snapshots", args.deadline)
+            results += misbehaving_peers(settings, args.deadline)
     for name, ok, detail in results:
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
     return 0 if all(ok for _, ok, _ in results) else 1

@@ -220,9 +220,9 @@ class AsyncSession:
             self._video_frames_returned = max(self._video_frames_returned, unit.video_frame_end)
 
     def stream(self, chunks: Iterable[Any] | AsyncIterable[Any], *, prompt: Array | None = None,
-               prompt_mask: Array | None = None) -> AsyncStream:
+               prompt_mask: Array | None = None, from_session_start: bool = False) -> AsyncStream:
         """Stream ``chunks`` over the WebSocket (see ``Session.stream``); ``async for`` over the units."""
-        return AsyncStream(self, chunks, prompt, prompt_mask)
+        return AsyncStream(self, chunks, prompt, prompt_mask, from_session_start)
 
     async def watch(self, outputs: str | Iterable[str] | None = None) -> AsyncIterator[Unit | BlockEvent | DroppedEvent]:
         """``WS /v1/sessions/{id}/watch`` (see ``Session.watch``)."""
@@ -261,14 +261,14 @@ class AsyncStream(AsyncIterator[Unit]):
     """The units of one ``AsyncSession.stream(...)`` (see ``Stream``); ``await stream.aclose()`` stops it."""
 
     def __init__(self, session: AsyncSession, chunks: Iterable[Any] | AsyncIterable[Any], prompt: Array | None,
-                 prompt_mask: Array | None):
+                 prompt_mask: Array | None, from_session_start: bool = False):
         self.session = session
         self.stats = StreamStats()
         self._protocol = StreamProtocol(
             session.id, session.config, session.client.retry, prompt=prompt, prompt_mask=prompt_mask,
             frames_returned=session._frames_returned, video_frames_returned=session._video_frames_returned,
             known_replica=session.replica, return_tensors=session.client.return_tensors, on_unit=session._note,
-            stats=self.stats,
+            stats=self.stats, from_session_start=from_session_start,
         )
         chunk_iterator = chunks.__aiter__() if hasattr(chunks, "__aiter__") else _aiter(chunks)
         self._units = self._run(_AsyncFeed(chunk_iterator))

@@ -308,16 +308,21 @@ class Session:
             self._video_frames_returned = max(self._video_frames_returned, unit.video_frame_end)
 
     # --- the WebSocket -----------------------------------------------------------------------------------------
-    def stream(self, chunks: Iterable[Any], *, prompt: Array | None = None,
-               prompt_mask: Array | None = None) -> Stream:
+    def stream(self, chunks: Iterable[Any], *, prompt: Array | None = None, prompt_mask: Array | None = None,
+               from_session_start: bool = False) -> Stream:
         """Stream ``chunks`` over the WebSocket and iterate over the refined units as they arrive; the stream is
         flushed once ``chunks`` is exhausted (so the last unit is the final short block).
 
         ``chunks``: latents arrays (B, C, t, H, W) in any split, or ``Chunk``/dicts carrying a prompt switch;
         ``prompt``/``prompt_mask`` go with the first chunk. A dropped connection, a server restart (close 1012)
         or a busy server is absorbed: the client reconnects with ``?resume_from=<frames received>``, resends from
-        the server's ``frames_received``, and yields every frame exactly once, in order."""
-        return Stream(self, chunks, prompt, prompt_mask)
+        the server's ``frames_received``, and yields every frame exactly once, in order.
+
+        ``from_session_start``: ``chunks`` are the session's input from its frame 0 (the same clip again, to
+        continue an interrupted run): the frames the server already has are skipped, the rest sent. Units start
+        after the frames this handle has (``frames_returned``; a handle made with ``frames_returned=K`` gets the
+        server's units again from frame K, as far as it still holds them)."""
+        return Stream(self, chunks, prompt, prompt_mask, from_session_start)
 
     def watch(self, outputs: str | Iterable[str] | None = None) -> Iterator[Unit | BlockEvent | DroppedEvent]:
         """``WS /v1/sessions/{id}/watch``: every unit the session finalizes from now on (restricted to
@@ -361,14 +366,15 @@ class Stream(Iterator[Unit]):
     ``with`` block) stops the stream without flushing: the server keeps the session ``ws_reattach_grace_s`` for a
     later stream."""
 
-    def __init__(self, session: Session, chunks: Iterable[Any], prompt: Array | None, prompt_mask: Array | None):
+    def __init__(self, session: Session, chunks: Iterable[Any], prompt: Array | None, prompt_mask: Array | None,
+                 from_session_start: bool = False):
         self.session = session
         self.stats = StreamStats()
         self._protocol = StreamProtocol(
             session.id, session.config, session.client.retry, prompt=prompt, prompt_mask=prompt_mask,
             frames_returned=session._frames_returned, video_frames_returned=session._video_frames_returned,
             known_replica=session.replica, return_tensors=session.client.return_tensors, on_unit=session._note,
-            stats=self.stats,
+            stats=self.stats, from_session_start=from_session_start,
         )
         self._units = self._run(_Feed(iter(chunks)))
 

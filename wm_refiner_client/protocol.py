@@ -148,7 +148,8 @@ class StreamProtocol:
                  prompt: Array | None = None, prompt_mask: Array | None = None, frames_returned: int = 0,
                  video_frames_returned: int = 0, known_replica: str | None = None,
                  return_tensors: ReturnTensors = "np", on_unit: Callable[[Unit], None] | None = None,
-                 stats: StreamStats | None = None, clock: Callable[[], float] = time.monotonic):
+                 stats: StreamStats | None = None, clock: Callable[[], float] = time.monotonic,
+                 from_session_start: bool = False):
         self.session_id = session_id
         self.config = dict(config)
         self.policy = policy
@@ -159,6 +160,11 @@ class StreamProtocol:
         self.on_unit = on_unit
         self.replica = known_replica  # the replica of the last connection that got the session event
         self.base: int | None = None  # the session's frame count when this stream's first frame was added
+        # The chunks begin at the session's frame 0 (a rerun of a clip): the frames it has are skipped, not resent.
+        self.from_session_start = from_session_start
+        if from_session_start:
+            self.base = 0
+        self._connections = 0
         self.failures = 0
         self.retry_after: float | None = None
         self.last_error: BaseException | None = None
@@ -223,16 +229,17 @@ class StreamProtocol:
             raise ProtocolError(f"expected the session event first, got {event}")
         if self.base is None:
             self.base = event["frames_received"]
-        else:
+        if self._connections:
             self.stats.reconnects += 1
+        self._connections += 1
         if replica is not None:
             self.replica = replica
         self._attempts = self._new_attempts(self._clock)  # a move, if any, is over
-        self.source.rewind(event["frames_received"] - self.base)
+        self.source.rewind(event["frames_received"] - self.base, ahead=self.from_session_start)
         if event.get("durable_frames") is not None:
             self.source.durable(event["durable_frames"] - self.base)
         self.server_flushed = bool(event["flushed"])
-        if self.server_flushed and not self.source.exhausted:
+        if self.server_flushed and not self.source.exhausted and not self.from_session_start:
             raise StreamClosedError(f"session {self.session_id} is flushed: it takes no more frames", status=409)
         self._flush_sent = False
         self.stats.frames_sent = self.source.frames_sent

@@ -82,6 +82,7 @@ class ChunkSource:
         self.frames_added = 0  # frames taken from the caller
         self.frames_sent = 0  # frames handed to a connection (resends included once per connection)
         self.exhausted = False  # the caller's chunks are all taken
+        self.skip = 0  # the server had this many of the source's frames before it began (``rewind(ahead=True)``)
 
     def add(self, item: Any) -> bytes | None:
         """Number and keep the caller's next chunk; its payload, or None for a chunk of no frames."""
@@ -94,8 +95,10 @@ class ChunkSource:
             sent = _Sent(self.frames_added, self.frames_added + chunk.frames, chunk)
             self._log.append(sent)
             self.frames_added = sent.end
-            self.frames_sent += chunk.frames
-        return _payload(sent, sent.start)
+            if sent.end <= self.skip:
+                return None  # the server has all of it (a rerun of the same clip)
+            self.frames_sent += sent.end - max(sent.start, self.skip)
+        return _payload(sent, max(sent.start, self.skip))
 
     def finish(self) -> None:
         self.exhausted = True
@@ -109,10 +112,14 @@ class ChunkSource:
             self.frames_sent += frames
             return payload
 
-    def rewind(self, frames_received: int) -> None:
-        """The server has the first ``frames_received`` frames of this source: queue the rest again."""
+    def rewind(self, frames_received: int, *, ahead: bool = False) -> None:
+        """The server has the first ``frames_received`` frames of this source: queue the rest again. ``ahead``: the
+        source is the whole of what the session was sent (a rerun), so frames not taken from the caller yet may
+        be among them; they are skipped as they are taken."""
         with self._lock:
-            if frames_received > self.frames_added:
+            if ahead and frames_received > self.frames_added:
+                self.skip = max(self.skip, frames_received)
+            elif frames_received > self.frames_added:
                 raise ProtocolError(
                     f"the server has {frames_received} frames of this stream but only {self.frames_added} were sent; "
                     "another client is sending to this session"

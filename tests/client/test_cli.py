@@ -172,6 +172,141 @@ def test_stream_refuses_bad_arguments_with_one_line(server, tmp_path, flag):
 
 
 
+def start_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "app", *args], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def interrupt_mid_stream(server, session_id: str, args: list[str], after_frames: int) -> tuple[int, str, str]:
+    """``python -m app stream ARGS`` (paced, with ``--session-id``) SIGINTed once the session has returned
+    ``after_frames`` frames: the exit status, stdout, stderr."""
+    import signal
+    import time
+
+    child = start_cli(*args)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        with Client(server.base_url) as client:
+            while time.monotonic() < deadline:
+                assert child.poll() is None, child.communicate()
+                try:
+                    if client.get_session(session_id).frames_returned >= after_frames:
+                        break
+                except Exception:  # not created yet
+                    pass
+                time.sleep(0.05)
+        time.sleep(1.0)  # the CLI reads what the server sent (it may still lag: it writes what it has read)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, out, err
+
+
+def test_ctrl_c_writes_what_was_received_and_a_rerun_continues_to_the_whole_clip(server, tmp_path):
+    """Issue 16 item 10. Ctrl-C mid-stream: one line (no traceback), exit 130, and a valid output file holding
+    exactly the frames received. Rerunning the same command continues the session (the input it has is not sent
+    again) and the file ends bit-identical to an uninterrupted run's; a third run finds it complete, and with the
+    file gone, says which frames it can no longer get."""
+    from safetensors import safe_open
+
+    source = write_clip(tmp_path / "in.safetensors")
+    output = tmp_path / "out.safetensors"
+    args = ["stream", "--server", server.base_url, "--input", str(source), "--output", str(output),
+            "--chunk-frames", "2", "--session-id", "interrupted-run-1"]
+    with Client(server.base_url) as client:
+        expected = client.refine(LATENTS, PROMPT, MASK).latents
+    code, out, err = interrupt_mid_stream(server, "interrupted-run-1", [*args, "--rate", "6"], after_frames=7)
+    assert code == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    match = re.fullmatch(r"interrupted: wrote refined frames \[0, (\d+)\) of 24 to \S+out\.safetensors; run the same "
+                         r"command within 60 s \(the server's ws_reattach_grace_s\) to continue session "
+                         r"interrupted-run-1\n", err)
+    assert match, err
+    kept = int(match.group(1))
+    with safe_open(str(output), framework="np") as file:
+        partial = file.get_tensor("latents")
+        assert file.metadata()["wm_refiner.complete"] == "false"
+    assert 1 <= kept < 24 and partial.shape[2] == kept
+    assert np.array_equal(partial, expected[:, :, :kept])
+    with Client(server.base_url) as client:
+        received = client.get_session("interrupted-run-1").state().frames_received
+    assert received < 24, "the clip was all sent before the interrupt: nothing left to continue"
+
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert re.search(r"refined 24 frames in \d+ units -> .*\(session interrupted-run-1, 0 reconnects\)", again.stdout)
+    assert np.array_equal(load_file(str(output))["latents"], expected)
+    with Client(server.base_url) as client:
+        assert client.get_session("interrupted-run-1").state().frames_received == 24  # nothing was sent twice
+
+    done = run_cli(*args)
+    assert done.returncode == 0 and "is complete" in done.stdout, done.stderr
+    # The server dropped the units this client confirmed it had: without the file, say so rather than write less.
+    output.unlink()
+    lost = run_cli(*args)
+    assert lost.returncode == 2 and len(lost.stderr.splitlines()) == 1, lost.stderr
+    assert "lacks refined frames from 0" in lost.stderr and "--session-id" in lost.stderr
+
+
+def test_a_stream_that_fails_mid_way_keeps_the_frames_received(server, tmp_path):
+    """The session is deleted under a running ``stream``: the error is the last line (exit 2), and the frames that
+    came back before it are in the output file, with a line saying so."""
+    import time
+
+    source = write_clip(tmp_path / "in.safetensors")
+    output = tmp_path / "out.safetensors"
+    child = start_cli("stream", "--server", server.base_url, "--input", str(source), "--output", str(output),
+                      "--chunk-frames", "2", "--session-id", "deleted-mid-run", "--rate", "6")
+    try:
+        with Client(server.base_url) as client:
+            deadline = time.monotonic() + TIMEOUT_S
+            while time.monotonic() < deadline:
+                assert child.poll() is None, child.communicate()
+                try:
+                    if client.get_session("deleted-mid-run").frames_returned >= 4:
+                        break
+                except Exception:  # not created yet
+                    pass
+                time.sleep(0.05)
+            time.sleep(1.0)
+            client.delete_session("deleted-mid-run")
+            expected = client.refine(LATENTS, PROMPT, MASK).latents
+        _, err = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 2, err
+    wrote, error = err.strip().splitlines()[-2:]
+    assert error.startswith("error") and "Traceback" not in err, err
+    kept = int(re.match(r"wrote refined frames \[0, (\d+)\) of 24 to ", wrote).group(1))
+    assert 1 <= kept < 24
+    assert np.array_equal(load_file(str(output))["latents"], expected[:, :, :kept])
+
+
+def test_a_rerun_with_another_config_or_input_is_one_line_saying_what_differs(server, tmp_path):
+    source = write_clip(tmp_path / "in.safetensors")
+    output = tmp_path / "out.safetensors"
+    args = ["stream", "--server", server.base_url, "--output", str(output), "--chunk-frames", "2",
+            "--session-id", "interrupted-run-2"]
+    code, _, err = interrupt_mid_stream(server, "interrupted-run-2", [*args, "--input", str(source), "--rate", "6"],
+                                        after_frames=4)
+    assert code == 130, err
+    other_config = run_cli(*args, "--input", str(source), "--seed", "7")
+    assert other_config.returncode == 2 and len(other_config.stderr.splitlines()) == 1, other_config.stderr
+    assert "session_exists" in other_config.stderr and "seed" in other_config.stderr
+    other = write_clip(tmp_path / "other.safetensors", latents=LATENTS + 1)
+    other_input = run_cli(*args, "--input", str(other))
+    assert other_input.returncode == 2 and len(other_input.stderr.splitlines()) == 1, other_input.stderr
+    assert "another input" in other_input.stderr and "--session-id" in other_input.stderr
+    longer = write_clip(tmp_path / "short.safetensors", latents=LATENTS[:, :, :2].copy())
+    too_short = run_cli(*args, "--input", str(longer))
+    assert too_short.returncode == 2 and "more than the 2 of" in too_short.stderr, too_short.stderr
+
+
 def test_the_benchmarks_are_not_a_service_command():
     """``python -m app bench`` was an alias that made the service import its own benchmarks; it now only says where
     they went, and nothing the service installs imports ``bench``."""

@@ -91,6 +91,37 @@ def test_a_stream_across_a_reconnect_resends_what_the_server_lacks_and_yields_ea
     assert stream.stats.frames_sent == 7 and stream.stats.frames_refined == 7
 
 
+def test_a_stream_from_the_session_start_skips_the_frames_the_server_has_across_reconnects():
+    """A rerun of a clip (``from_session_start``): the chunks are the session's input from frame 0; what the server
+    has is not sent again, a chunk straddling it is sent from there without the prompt (already in force), and a
+    reconnect before the skipped frames were even taken from the caller is no error."""
+    stream = new_stream(from_session_start=True, frames_returned=2)
+    assert stream.query() == {"resume_from": 2}
+    assert stream.opened(session_event(5)) is True
+    assert stream.stats.reconnects == 0
+    assert stream.next_message() == NEED_CHUNK
+    assert stream.add(LATENTS[:, :, :3]) is None  # all of it is on the server
+    stream.lost(None, "", ConnectionResetError("cut"))
+    assert stream.opened(session_event(5)) is True and stream.stats.reconnects == 1
+    assert stream.next_message() == NEED_CHUNK
+    straddling = stream.add(LATENTS[:, :, 3:6])
+    assert frames_of(straddling) == (1, False)
+    assert np.array_equal(load(straddling)["latents"], LATENTS[:, :, 5:6])
+    assert frames_of(stream.add(LATENTS[:, :, 6:7])) == (1, False)
+    stream.finish()
+    assert stream.next_message() == WAIT  # sink 1 + two blocks of 3 = 7 frames come back before the flush
+    assert stream.received(unit_message(1, 4)).frame_start == 2  # trimmed to what the caller lacks
+    assert stream.received(unit_message(4, 7)).frame_end == 7
+    assert stream.next_message() == '{"type": "flush"}'
+    # Without the flag the server being ahead of what the source sent is another client's doing: refused.
+    plain = new_stream()
+    assert plain.opened(session_event(0)) is True
+    plain.add(LATENTS[:, :, :3])
+    plain.lost(None, "", ConnectionResetError("cut"))
+    with pytest.raises(wm.ProtocolError, match="another client"):
+        plain.opened(session_event(5))
+
+
 def test_a_replayed_unit_that_straddles_what_the_caller_has_is_trimmed():
     stream = new_stream(frames_returned=2)  # a handle that already got frames 0 and 1 over HTTP
     assert stream.query() == {"resume_from": 2}
