@@ -67,6 +67,7 @@ class SessionRecord:
     stages: SessionStages | None = None  # None: new ones (a session that outputs latents only)
     created_at: float | None = None  # wall clock (time.time()) of the session's creation
     checkpoint: bool = False  # read from a crash checkpoint rather than a drain's snapshot
+    realtime: bool = False  # its blocks have deadlines (app.realtime): a moved or spilled session keeps them
 
 
 def snapshot_path(folder: Path, session_id: str) -> Path:
@@ -96,6 +97,7 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
         "created_at": record.created_at,
         "outputs": record.outputs.to_dict(),
         "checkpoint": copy,  # a crash checkpoint: its clients may be ahead of it
+        "realtime": record.realtime,
     }
     stage_tensors: dict[str, torch.Tensor] = {}
     if record.stages is not None:
@@ -239,7 +241,7 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
         )
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
                          outputs=outputs, stages=session_stages, created_at=fields.get("created_at"),
-                         checkpoint=bool(fields.get("checkpoint")))
+                         checkpoint=bool(fields.get("checkpoint")), realtime=fields.get("realtime") is True)
 
 
 def has_snapshot(folder: Path, session_id: str) -> bool:

@@ -435,6 +435,8 @@ class SessionStore:
         if record.created_at is not None:
             handle.created_at = record.created_at
         handle.from_checkpoint = record.checkpoint
+        if record.realtime:
+            handle.engine_session.pacing = self.realtime.pacing(record.session.config)
         chunks = handle.chunks
         chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
         handle.first_block_done = record.session.state.blocks_refined > 0
@@ -515,11 +517,12 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
     units = list(handle.retained)
     streaming = handle.streaming or handle.detached
     next_seq, last_seq = chunks.next_seq, chunks.last_seq
+    realtime = handle.engine_session.pacing is not None
 
     def build() -> SessionRecord:
         return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
                              encode=encode, outputs=handle.outputs, stages=handle.engine_session.stages,
-                             created_at=handle.created_at)
+                             created_at=handle.created_at, realtime=realtime)
 
     def encode(unit: SentUnit) -> bytes:
         return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())

@@ -8,7 +8,7 @@ import pytest
 from app.realtime import CostModel, Demand, Pacing, check_admission
 from app.errors import ApiError
 
-from .conftest import OCTET, make_clip, payload, running_app
+from .conftest import OCTET, make_clip, payload, running_app, wait_until
 
 
 # --- deadlines, on a clock the test owns ---------------------------------------------------------------------------
@@ -149,3 +149,23 @@ def test_a_session_costed_at_its_own_geometry_once_known():
         check_admission(cost, held, new, max_load=2.2)
     assert refused.value.kind == "over_capacity"
     check_admission(cost, held, new, max_load=2.5)  # 2.4 in all fits
+
+
+def test_a_spilled_realtime_session_comes_back_realtime(make_settings, tmp_path):
+    """A session's file carries its realtime flag: paged back in from snapshot_dir (as after a drain or on another
+    replica), it keeps its deadlines and its count goes on."""
+    latents, embeds, mask = make_clip(frames=10)
+    settings = make_settings(warmup=False, batching=False, snapshot_dir=tmp_path / "spill", park_after_s=0.1,
+                             spill_after_s=0.3)
+    with running_app(settings) as client:
+        sid = client.post("/v1/sessions", json={"realtime": True, "fps": 16.0}).json()["session_id"]
+        first = client.post(f"/v1/sessions/{sid}/chunks?seq=0", content=payload(latents[:, :, :7], embeds, mask),
+                            headers=OCTET)
+        assert first.status_code == 200, first.text
+        wait_until(lambda: client.get(f"/v1/sessions/{sid}").json()["state"] == "spilled", "the session to spill")
+        assert client.app.state.services.registry.handles() == []
+        second = client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(latents[:, :, 7:]), headers=OCTET)
+        assert second.status_code == 200, second.text
+        state = client.get(f"/v1/sessions/{sid}").json()
+    assert state["state"] == "active" and state["config"]["realtime"] is True
+    assert state["paced_blocks"] == 1 and state["blocks_refined"] == 3  # the block refined after the page-in
