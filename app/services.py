@@ -57,7 +57,7 @@ class Services:
 
         self.settings = settings
         self.metrics = Metrics()
-        self.encoder = Encoder(self.metrics, settings.response_dtype)
+        self.encoder = Encoder(self.metrics, settings.response_dtype, settings.encode_workers)
         self.engine = Engine(
             self.metrics,
             settings.engine_queue_depth,

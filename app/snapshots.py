@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -206,7 +206,8 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
             f"{session.state.frames_returned} returned frames"
         )
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
-                         outputs=outputs, stages=session_stages, created_at=fields.get("created_at"),
+                         outputs=replace(outputs, fps=session.config.fps), stages=session_stages,
+                         created_at=fields.get("created_at"),
                          checkpoint=bool(fields.get("checkpoint")))
 
 
