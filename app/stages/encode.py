@@ -106,7 +106,10 @@ def _h264_segment(frames: np.ndarray, crf: int, start: int, fps: float) -> tuple
         stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         stream.time_base = time_base
-        stream.codec_context.options = {"crf": str(int(crf)), "preset": H264_PRESET, "tune": "zerolatency"}
+        # One GOP per unit: x264's scene-cut detection would start new GOPs (and fragments) inside it.
+        gop = max(len(frames), 1)
+        stream.codec_context.options = {"crf": str(int(crf)), "preset": H264_PRESET, "tune": "zerolatency",
+                                        "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0"}
         for index, image in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
             frame.pts, frame.time_base = index, time_base
@@ -139,33 +142,34 @@ def _child(data: bytes | bytearray, offset: int, size: int, name: str, header: i
 
 
 def _place_segment(mp4: bytes, start: int, time_base: Fraction) -> tuple[bytes, bytes]:
-    """(init segment, media segment) of a one-fragment MP4, its media segment moved to start at frame ``start``."""
+    """(init segment, media segment) of a fragmented MP4 whose clock starts at 0, its fragments moved to start at
+    frame ``start``."""
     data = bytearray(mp4)
     boxes = list(_boxes(data))
     kinds = [kind for kind, _, _ in boxes]
-    if kinds.count("moof") != 1 or "moov" not in kinds:
-        raise ValueError(f"expected one init segment and one fragment from the muxer, got boxes {kinds}")
-    moov = boxes[kinds.index("moov")]
-    trak = _child(data, moov[1], moov[2], "trak")
+    if "moov" not in kinds or "moof" not in kinds:
+        raise ValueError(f"expected an init segment and fragments from the muxer, got boxes {kinds}")
+    _, moov_at, moov_size = boxes[kinds.index("moov")]
+    trak = _child(data, moov_at, moov_size, "trak")
     mdia = _child(data, *trak, "mdia")
     mdhd, _ = _child(data, *mdia, "mdhd")
-    version = data[mdhd + 8]
-    scale_at = mdhd + (28 if version == 1 else 20)
+    scale_at = mdhd + (28 if data[mdhd + 8] == 1 else 20)
     timescale = int.from_bytes(data[scale_at : scale_at + 4], "big")
-    decode_time = start * timescale * time_base.numerator // time_base.denominator
-    moof = boxes[kinds.index("moof")]
-    mfhd, _ = _child(data, *moof, "mfhd")
-    data[mfhd + 12 : mfhd + 16] = (start + 1).to_bytes(4, "big")  # increasing across the session's segments
-    traf = _child(data, *moof, "traf")
-    tfdt, _ = _child(data, *traf, "tfdt")
-    if data[tfdt + 8] == 1:
-        data[tfdt + 12 : tfdt + 20] = decode_time.to_bytes(8, "big")
-    else:
-        data[tfdt + 12 : tfdt + 16] = decode_time.to_bytes(4, "big")
-    init_end = moof[1]
-    mdat = boxes[kinds.index("mdat")]
-    # The trailing mfra (a random-access index of this one fragment) would be wrong in a concatenated file.
-    return bytes(data[:init_end]), bytes(data[moof[1] : mdat[1] + mdat[2]])
+    offset = start * timescale * time_base.numerator // time_base.denominator
+    fragments = [(at, size) for kind, at, size in boxes if kind == "moof"]
+    for index, (at, size) in enumerate(fragments):
+        mfhd, _ = _child(data, at, size, "mfhd")
+        # Increasing across the session's segments (a unit has at most one fragment per frame).
+        data[mfhd + 12 : mfhd + 16] = (start + index + 1).to_bytes(4, "big")
+        traf = _child(data, at, size, "traf")
+        tfdt, _ = _child(data, *traf, "tfdt")
+        width = 8 if data[tfdt + 8] == 1 else 4
+        field = slice(tfdt + 12, tfdt + 12 + width)
+        data[field] = (int.from_bytes(data[field], "big") + offset).to_bytes(width, "big")
+    first = fragments[0][0]
+    last = max(at + size for kind, at, size in boxes if kind == "mdat")
+    # The trailing mfra (a random-access index of these fragments alone) would be wrong in a concatenated file.
+    return bytes(data[:first]), bytes(data[first:last])
 
 
 def h264_codec_string(init: bytes | None) -> str:

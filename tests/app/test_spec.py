@@ -172,7 +172,7 @@ def test_flags_are_read_as_query_text_is():
 @pytest.mark.parametrize("flags,fragment", [
     (["--outputs", "video"], "add latents to --outputs"),
     (["--video", "v.mp4", "--outputs", "latents"], "add video to --outputs"),
-    (["--video", "v.mp4", "--video-format", "float32"], "leave --video-format unset or uint8"),
+    (["--video", "v.mp4", "--video-format", "float32"], "leave --video-format unset or h264"),
 ])
 def test_stream_refuses_outputs_its_files_cannot_hold_before_reading_anything(flags, fragment):
     from app.cli_remote import stream_command
