@@ -106,10 +106,10 @@ def _h264_segment(frames: np.ndarray, crf: int, start: int, fps: float) -> tuple
         stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         stream.time_base = time_base
-        # One GOP per unit: x264's scene-cut detection would start new GOPs (and fragments) inside it.
-        gop = max(len(frames), 1)
+        # One GOP per unit: a fresh encoder starts with an IDR frame, and no other keyframe may start a new GOP (and
+        # fragment) inside the unit. The same settings for every unit keep the init segment (SPS, PPS) the same.
         stream.codec_context.options = {"crf": str(int(crf)), "preset": H264_PRESET, "tune": "zerolatency",
-                                        "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0"}
+                                        "x264-params": "keyint=infinite:scenecut=0"}
         for index, image in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
             frame.pts, frame.time_base = index, time_base

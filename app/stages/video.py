@@ -36,7 +36,7 @@ from models.vae import StreamingDecoder, VideoChunk, VideoStream, new_video, pus
 
 from ..outputs import VIDEO, Outputs
 from . import OutputStage
-from .encode import ENCODED_FORMATS, H264, EncodedVideo, encode_video
+from .encode import ENCODED_FORMATS, H264, JPEG, JPEG_CODEC, EncodedVideo, encode_video
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ def encoded_wire(payloads: list[HostVideo], outputs: Outputs, batch: int, height
     parts = [p.encoded(fmt, outputs.video_quality, outputs.fps, batch, height, width) for p in with_frames]
     rows: list[list[bytes]] = [[] for _ in range(batch)]
     init_sizes = np.zeros(batch, dtype=np.int64)
-    codec = parts[0].codec if parts else encode_video(
-        np.zeros((batch, 0, height, width, 3), np.uint8), fmt, outputs.video_quality, start, outputs.fps).codec
+    # Without frames there is no stream to describe yet: the codec's family alone.
+    codec = parts[0].codec if parts else (JPEG_CODEC if fmt == JPEG else "avc1")
     for index, part in enumerate(parts):
         for row, pieces in enumerate(pieces_of(part)):
             if fmt == H264:
