@@ -220,3 +220,49 @@ def test_the_setting_sizes_both_encoder_pools_and_shutdown_stops_them(make_setti
         release.set()
         busy.result(timeout=5)
     assert encoder._pool._shutdown and encoder._watch_pool._shutdown
+
+
+def test_a_slow_encoder_drops_watcher_units_never_the_producers(make_settings, vae_dir, monkeypatch):
+    import time
+
+    real = video_stage.encode_video
+
+    def slow_h264(frames, fmt, quality, start, fps):
+        if fmt == "h264":
+            time.sleep(1.0)
+        return real(frames, fmt, quality, start, fps)
+
+    monkeypatch.setattr(video_stage, "encode_video", slow_h264)
+    latents, embeds, mask = make_clip(frames=14, seed=4)
+    settings = make_settings(vae=str(vae_dir), watch_queue_units=1, encode_workers=1)
+    with running_app(settings) as client:
+        session_id = client.post("/v1/sessions", json={"outputs": ["video"], "video_format": "jpeg",
+                                                       "video_lookahead": 0}).json()["session_id"]
+        base = f"/v1/sessions/{session_id}"
+        with client.websocket_connect(f"{base}/watch?video_format=h264") as watcher:
+            started = time.monotonic()
+            with client.websocket_connect(f"{base}/stream") as stream:
+                stream.send_bytes(payload(latents[:, :, :7], embeds, mask))
+                stream.send_bytes(payload(latents[:, :, 7:]))
+                stream.send_text(json.dumps({"type": "flush"}))
+                produced = []
+                while (message := stream.receive()).get("bytes") is not None or \
+                        json.loads(message["text"])["type"] != "done":
+                    if message.get("bytes") is not None:
+                        produced.append(Unit.from_payload(message["bytes"]))
+            producer_s = time.monotonic() - started
+            events, watched = [], []
+            while True:
+                message = watcher.receive()
+                if message.get("bytes") is not None:
+                    watched.append(Unit.from_payload(message["bytes"]))
+                elif message.get("text") is not None:
+                    events.append(json.loads(message["text"]))
+                    if events[-1]["type"] == "done":
+                        break
+    with_video = [u for u in produced if u.video_frames]
+    assert len(with_video) >= 4 and all(u.encoded_video.format == "jpeg" for u in with_video)
+    assert sum(u.video_frames for u in produced) == 8 * 13 + 1 - 1, "the producer lost nothing"
+    assert producer_s < len(with_video) * 1.0, "the producer never waited for the watcher's encoder"
+    dropped = sum(e["units"] for e in events if e["type"] == "dropped")
+    assert dropped >= 1 and len([u for u in watched if u.video_frames]) < len(with_video)
