@@ -7,6 +7,7 @@
     python -m bench decode [...]   video output: refine + decode vs refine alone, shared, with a stalled watcher
     python -m bench invariance     what batch invariance by construction costs (per-row time embedding, probe)
     python -m bench checkpoint     crash checkpoints: block latency with and without, bytes per checkpoint
+    python -m bench encode [...]   encoded video (jpeg, h264): bytes and PSNR vs raw, encode ms, JPEG watchers
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.decode import main as decode_main
 
         return decode_main(rest)
+    if command == "encode":
+        from bench.encode import main as encode_main
+
+        return encode_main(rest)
     print(f"unknown benchmark {command!r}\n{__doc__}", file=sys.stderr)
     return 2
 
