@@ -266,3 +266,28 @@ def test_a_slow_encoder_drops_watcher_units_never_the_producers(make_settings, v
     assert producer_s < len(with_video) * 1.0, "the producer never waited for the watcher's encoder"
     dropped = sum(e["units"] for e in events if e["type"] == "dropped")
     assert dropped >= 1 and len([u for u in watched if u.video_frames]) < len(with_video)
+
+
+def test_the_video_file_takes_segments_as_they_come_and_encodes_only_what_came_raw(tmp_path):
+    from app.cli_remote import SegmentFile
+
+    frames = smooth_clip(14)
+    outputs = Outputs(("video",), "h264", None, 23, fps=16.0)
+    served = unit_of([as_host(frames[:, :6], 0)], outputs, 96, 128)
+    raw = Unit(0, 1, video=frames[:, 6:9], video_frame_start=6, video_frame_end=9, video_error="encoding failed")
+    # A resumed unit repeating frames 9..10 the file already has: [9, 14) sent whole, frames from 11 wanted.
+    resent = unit_of([as_host(frames[:, 9:14], 9)], outputs, 96, 128)
+    partly_new = resent.after(0, 11)
+    assert partly_new.encoded_video.skip == 2 and partly_new.video_frame_start == 11
+    first_half = unit_of([as_host(frames[:, 9:11], 9)], outputs, 96, 128)
+    file = SegmentFile(tmp_path / "out.mp4", 16.0)
+    for unit in (served, raw, first_half, partly_new):
+        file.write(unit)
+    file.close()
+    assert file.frames == 14
+    data = (tmp_path / "out.mp4").read_bytes()
+    assert data.startswith(served.encoded_video.segment(0))  # the server's bytes, as they came
+    with av.open(str(tmp_path / "out.mp4")) as container:
+        decoded = [(round(f.time * 16), f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]
+    assert [t for t, _ in decoded] == list(range(14))
+    assert psnr(np.stack([f for _, f in decoded])[None], frames) >= H264_PSNR_DB
