@@ -62,8 +62,8 @@ def add_stream_parser(commands) -> None:
     stream.add_argument("--input", required=True, help="safetensors with latents, prompt_embeds[, prompt_attention_mask]")
     stream.add_argument("--output", required=True, help="safetensors to write the refined latents to (float32)")
     stream.add_argument("--chunk-frames", type=int, default=3, help="latent frames per message (default 3)")
-    stream.add_argument("--video", help="also write the video (row 0) to this .mp4: the server's H.264 segments as they "
-                        "come, no re-encoding (the server needs a vae; quality: --video-quality, the CRF)")
+    stream.add_argument("--video", help="also write the video (row 0) to this .mp4: the server's H.264 segments as "
+                        "they come, no re-encoding (the server needs a vae; quality: --video-quality, the CRF)")
     stream.add_argument("--session-id", help="name the session (PUT): rerunning with the same id continues it")
     stream.add_argument("--rate", type=float, default=0.0,
                         help="send at most this many latent frames per second, as a live source would (0: at once)")

@@ -2,9 +2,9 @@
 
 The engine hands each committed unit of a stream over the moment it commits it (``Deliveries.hand_over``, on the
 engine thread: it only starts the device-to-host copy and schedules the rest on the event loop). There, the
-encoder pool (``encode_workers`` threads) turns the unit into safetensors bytes (JPEG or H.264 video included), and the session publishes the units in commit
-order: retained for reattaching clients, queued on the attached connection. HTTP responses are encoded by the
-same pool (``Encoder.response``). A unit's payloads (one per output kind: ``app.stages``) are copied to the host
+encoder pool (``encode_workers`` threads) turns the unit into safetensors bytes (JPEG or H.264 video included),
+and the session publishes the units in commit order: retained for reattaching clients, queued on the attached
+connection. HTTP responses are encoded by the same pool (``Encoder.response``). A unit's payloads (one per output kind: ``app.stages``) are copied to the host
 and put on the wire by their stages, as its session's ``app.outputs.Outputs`` say. The block latency metric is
 observed here, once the unit's bytes are on the host, so on a GPU it measures finished work rather than queued
 kernels.

@@ -37,7 +37,7 @@ NUMBER = "number"  # a JSON number; text: a float
 CHOICE = "choice"  # one of ``choices``
 NUMBERS = "numbers"  # a list of numbers; text: comma-separated
 CHOICES = "choices"  # a list of distinct ``choices``; text: comma-separated
-WORD_OR_INTEGER = "word_or_integer"  # the field's ``word`` or an integer in [minimum, maximum]; text: the word or digits
+WORD_OR_INTEGER = "word_or_integer"  # the field's ``word`` or an integer in [minimum, maximum]; text: word or digits
 LOOKAHEAD = WORD_OR_INTEGER  # video_lookahead: "exact" or latent frames
 AUTO = "auto"
 

@@ -173,11 +173,11 @@ def encoded_wire(payloads: list[HostVideo], outputs: Outputs, batch: int, height
     if fmt == H264:
         rows = [[b"".join(pieces)] if pieces else [] for pieces in rows]
     width_k = max((len(pieces) for pieces in rows), default=0)
-    sizes = torch.tensor([[len(piece) for piece in pieces] for pieces in rows], dtype=torch.int64).reshape(batch,
-                                                                                                        width_k)
+    lengths = [[len(piece) for piece in pieces] for pieces in rows]
+    sizes = torch.tensor(lengths, dtype=torch.int64).reshape(batch, width_k)
     data = b"".join(piece for pieces in rows for piece in pieces)
-    tensors = {VIDEO: torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8),
-               "video_sizes": sizes}
+    video = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    tensors = {VIDEO: video, "video_sizes": sizes}
     if fmt == H264:
         tensors["video_init_sizes"] = torch.from_numpy(init_sizes)
     metadata = {"video_frame_start": start, "video_frame_end": end, "video_format": fmt, "video_codec": codec,

@@ -15,7 +15,6 @@ from starlette.testclient import WebSocketDenialResponse
 
 from app.codec import encode
 from app.outputs import Outputs
-from app.stages import encode as codecs
 from app.stages import video as video_stage
 from app.stages.video import HostVideo, VideoStage
 from models.checkpoints import write_vae_checkpoint
