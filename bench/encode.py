@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -116,14 +117,15 @@ def measure_codecs(clip: np.ndarray, unit_frames: int, fps: float = 16.0) -> lis
 
 
 # --- the producer's latency with JPEG watchers -------------------------------------------------------------------
-def measure_watchers(watchers: int, blocks: int, threads: int | None) -> dict[str, Any]:
+def measure_watchers(watchers: int, blocks: int, threads: int | None, pixels: tuple[int, int] = (HEIGHT, WIDTH),
+                     ) -> dict[str, Any]:
     import httpx
     from websockets.sync.client import connect
 
     from bench.live import ServerProcess, free_port
     from models.checkpoints import PRESETS, write_checkpoint, write_vae_checkpoint
 
-    height, width = HEIGHT // 32, WIDTH // 32
+    height, width = pixels[0] // 32, pixels[1] // 32  # the tiny VAE's 32x
     block = 3
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="wm-encode-") as tmp:
@@ -221,7 +223,8 @@ def cpu_model() -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = ["## Encoded video (jpeg, h264): bytes, quality, encode time", "",
-             f"`{report['command']}` on {report['cpu']} (torch threads {torch.get_num_threads()}); raw uint8 "
+             f"`{report['command']}` on {report['cpu']} (torch threads {torch.get_num_threads()}, load average "
+             f"{report.get('load', '?')}); raw uint8 "
              f"{HEIGHT}x{WIDTH} = {HEIGHT * WIDTH * 3:,} bytes/frame; units of {report['unit_frames']} frames.", ""]
     for clip, rows in report["codecs"].items():
         lines += [f"**{clip}** ({report['frames']} frames)", "",
@@ -260,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     report["codecs"]["tiny random VAE's output, 832x480"] = measure_codecs(vae_clip(args.frames), args.unit_frames)
     if args.watchers:
         report["watchers"] = measure_watchers(args.watchers, args.blocks, args.threads)
+    report["load"] = " ".join(f"{v:.1f}" for v in os.getloadavg())
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
