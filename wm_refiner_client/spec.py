@@ -164,7 +164,7 @@ FIELDS: tuple[SessionField, ...] = (
                  "jpeg (one JPEG per frame) or h264 (one fragmented-MP4 segment per unit)", part=OUTPUTS,
                  choices=("uint8", "float32", "jpeg", "h264")),
     SessionField("video_quality", WORD_OR_INTEGER, AUTO, "jpeg: quality 1-100 (auto: 85); h264: CRF 0-51, lower is "
-                 "better (auto: 23); only 'auto' for uint8 and float32", part=OUTPUTS, minimum=0, maximum=100,
+                 "better (auto: 23); uint8 and float32 ignore it", part=OUTPUTS, minimum=0, maximum=100,
                  word=AUTO),
     SessionField("video_lookahead", LOOKAHEAD, EXACT, "'exact' (equal to the whole-clip decode) or N latent frames "
                  "of look-ahead", part=OUTPUTS, minimum=0, maximum=FRAMES_MAX),
@@ -198,13 +198,13 @@ QUALITY_RANGES: dict[str, tuple[int, int, int]] = {"jpeg": (1, 100, 85), "h264":
 
 def video_quality(video_format: str, value: Any) -> int | None:
     """The one reading of ``video_quality``'s JSON value for ``video_format``: the JPEG quality or the H.264 CRF
-    ("auto" or unset: the format's default), None for the raw formats. ValueError saying what to send."""
+    ("auto" or unset: the format's default), None for the raw formats, which have no quality and ignore it (a query
+    or a command line that sets it for every format stays valid). ValueError saying what to send."""
     if value is None:
         value = AUTO
     if video_format not in QUALITY_RANGES:
-        if value != AUTO:
-            raise ValueError(f"video_quality applies to the encoded formats {list(QUALITY_RANGES)}; leave it unset "
-                             f"or 'auto' for video_format {video_format!r}, got {value!r}")
+        if value != AUTO and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100):
+            raise ValueError(f"video_quality must be 'auto' or an integer in [0, 100], got {value!r}")
         return None
     low, high, default = QUALITY_RANGES[video_format]
     if value == AUTO:
