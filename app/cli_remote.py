@@ -8,7 +8,6 @@ import argparse
 import json
 import sys
 import time
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,8 @@ def add_stream_parser(commands) -> None:
     stream.add_argument("--input", required=True, help="safetensors with latents, prompt_embeds[, prompt_attention_mask]")
     stream.add_argument("--output", required=True, help="safetensors to write the refined latents to (float32)")
     stream.add_argument("--chunk-frames", type=int, default=3, help="latent frames per message (default 3)")
-    stream.add_argument("--video", help="also write the decoded video (row 0) to this .mp4 (the server needs a vae)")
+    stream.add_argument("--video", help="also write the video (row 0) to this .mp4: the server's H.264 segments as "
+                        "they come, no re-encoding (the server needs a vae; quality: --video-quality, the CRF)")
     stream.add_argument("--session-id", help="name the session (PUT): rerunning with the same id and --input continues it "
                         "(after Ctrl-C, a crash, a lost connection), keeping the frames --output already holds")
     stream.add_argument("--rate", type=float, default=0.0,
@@ -102,8 +102,9 @@ def stream_command(args: argparse.Namespace) -> int:
         if "video" not in config.setdefault("outputs", ["latents", "video"]):
             raise ValueError(f"--video writes the session's video, but --outputs {','.join(config['outputs'])} asks "
                              "for none; add video to --outputs or leave it unset")
-        if config.setdefault("video_format", "uint8") != "uint8":
-            raise ValueError(f"--video encodes uint8 frames; leave --video-format unset or uint8 (got "
+        # The server encodes (once, for this stream and every watcher) and the file takes its segments as they are.
+        if config.setdefault("video_format", "h264") != "h264":
+            raise ValueError(f"--video writes the server's H.264 segments; leave --video-format unset or h264 (got "
                              f"{config['video_format']})")
     latents, prompt, mask = read_clip(Path(args.input))
     total = int(latents.shape[2])
@@ -122,7 +123,7 @@ def stream_command(args: argparse.Namespace) -> int:
         stream = handle.stream(paced(latents, args.chunk_frames, args.rate, skip=state.frames_received),
                                prompt=prompt, prompt_mask=mask, from_session_start=True)
         progress = Progress(total, stream.stats)
-        video = VideoFile(Path(args.video), float(session.config.get("fps", 16.0))) if args.video else None
+        video = SegmentFile(Path(args.video), float(session.config.get("fps", 16.0))) if args.video else None
         units = []
         interrupted = False
         again = "the same command" if args.session_id else f"this command with --session-id {session.id}"
@@ -137,8 +138,8 @@ def stream_command(args: argparse.Namespace) -> int:
         try:
             for unit in stream:
                 units.append(unit)
-                if video is not None and unit.video is not None:
-                    video.write(unit.video[0])  # (F, H_px, W_px, 3), row 0
+                if video is not None:
+                    video.write(unit)
                 progress.update()
         except KeyboardInterrupt:
             interrupted = True
@@ -310,39 +311,51 @@ class Progress:
         self.bar.close()
 
 
-class VideoFile:
-    """uint8 RGB frames (F, H, W, 3) into an H.264 .mp4 (PyAV), as they come."""
+class SegmentFile:
+    """A session's H.264 video (row 0) as a fragmented .mp4: the first unit's init segment, then every unit's media
+    segment as it comes (api.md "Encoded video"). A unit the server could not encode (it came as uint8 with
+    ``video_error``) or that repeats frames already written (a resumed stream) is encoded here, at the same
+    settings, so the file stays one timeline."""
 
     def __init__(self, path: Path, fps: float):
-        try:
-            import av
-        except ImportError:
-            raise RuntimeError("--video needs PyAV: pip install 'wm-refiner[video]' (or pip install av)") from None
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.av = av
-        self.container = av.open(str(path), mode="w")
-        self.rate = Fraction(fps).limit_denominator(1000)
-        self.stream = None
+        self.file = path.open("wb")
+        self.fps = fps
         self.frames = 0
+        self.quality: int | None = None
 
-    def write(self, frames: np.ndarray) -> None:
-        for frame in frames:
-            # yuv420p needs even sides: repeat the last row/column of an odd-sized frame.
-            height, width = frame.shape[0] + frame.shape[0] % 2, frame.shape[1] + frame.shape[1] % 2
-            if (height, width) != frame.shape[:2]:
-                frame = np.pad(frame, ((0, height - frame.shape[0]), (0, width - frame.shape[1]), (0, 0)), mode="edge")
-            if self.stream is None:
-                self.stream = self.container.add_stream("libx264", rate=self.rate)
-                self.stream.width, self.stream.height, self.stream.pix_fmt = width, height, "yuv420p"
-                self.stream.options = {"crf": "18"}  # x264's "visually lossless" end of the scale
-            picture = self.av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-            self.container.mux(self.stream.encode(picture))
-            self.frames += 1
+    def write(self, unit) -> None:
+        encoded = unit.encoded_video
+        if encoded is not None and encoded.format != "h264":
+            raise ValueError(f"the server sent {encoded.format} video; --video writes h264")
+        if encoded is not None:
+            self.quality = encoded.quality
+        if encoded is not None and encoded.skip == 0:
+            if encoded.pieces[0]:
+                self.file.write(encoded.segment(0, init=self.frames == 0))
+                self.frames += unit.video_frames
+            return
+        frames = unit.decode_video().video if encoded is not None else unit.video
+        if frames is None or not frames.shape[1]:
+            return
+        self._encode_here(np.asarray(frames[:1], dtype=np.uint8), int(unit.video_frame_end) - frames.shape[1])
+
+    def _encode_here(self, frames: np.ndarray, start: int) -> None:
+        try:
+            from app.stages.encode import encode_h264
+        except ImportError as exc:
+            raise RuntimeError(f"a unit came without H.264 video and encoding it here needs PyAV ({exc}): "
+                               "pip install 'wm-refiner[video]'") from None
+        from wm_refiner_client import EncodedVideo
+
+        crf = self.quality if self.quality is not None else 23
+        own = encode_h264(frames, crf, start, self.fps)
+        video = EncodedVideo("h264", own.codec, crf, ((own.data,),), tuple(int(v) for v in own.init_sizes))
+        self.file.write(video.segment(0, init=self.frames == 0))
+        self.frames += frames.shape[1]
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.container.mux(self.stream.encode())
-        self.container.close()
+        self.file.close()
 
 
 # --- sessions -------------------------------------------------------------------------------------------------------

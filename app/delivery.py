@@ -1,10 +1,10 @@
 """Committed units on their way to clients, off the engine thread: host copy, encoding, publication in order.
 
 The engine hands each committed unit of a stream over the moment it commits it (``Deliveries.hand_over``, on the
-engine thread: it only starts the device-to-host copy and schedules the rest on the event loop). There, a
-one-thread encoder pool turns the unit into safetensors bytes, and the session publishes the units in commit
-order: retained for reattaching clients, queued on the attached connection. HTTP responses are encoded by the
-same pool (``Encoder.response``). A unit's payloads (one per output kind: ``app.stages``) are copied to the host
+engine thread: it only starts the device-to-host copy and schedules the rest on the event loop). There, the
+encoder pool (``encode_workers`` threads) turns the unit into safetensors bytes (JPEG or H.264 video included),
+and the session publishes the units in commit order: retained for reattaching clients, queued on the attached
+connection. HTTP responses are encoded by the same pool (``Encoder.response``). A unit's payloads (one per output kind: ``app.stages``) are copied to the host
 and put on the wire by their stages, as its session's ``app.outputs.Outputs`` say. The block latency metric is
 observed here, once the unit's bytes are on the host, so on a GPU it measures finished work rather than queued
 kernels.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -41,21 +42,32 @@ class UnitCopies:
     def __init__(self, unit: OutUnit, stages: OutputStages):
         self.unit = unit
         self._waits = {kind: stages[kind].to_host(payload) for kind, payload in unit.payloads.items()}
+        self._host: HostUnit | None = None
+        self._lock = threading.Lock()
 
     def wait(self) -> HostUnit:
-        unit = self.unit
-        return HostUnit(unit.kind, unit.frame_start, unit.frame_end, tuple(unit.latents.shape),
-                        {kind: wait() for kind, wait in self._waits.items()})
+        """The unit on the host: one ``HostUnit`` for every caller, so what is encoded from it (a video format)
+        is encoded once for the response and every watcher."""
+        with self._lock:
+            if self._host is None:
+                unit = self.unit
+                self._host = HostUnit(unit.kind, unit.frame_start, unit.frame_end, tuple(unit.latents.shape),
+                                      {kind: wait() for kind, wait in self._waits.items()})
+            return self._host
 
 
 class Encoder:
-    """Encodes units and responses on one worker thread (the engine thread never waits for it)."""
+    """Encodes units and responses on ``workers`` threads (the engine thread never waits for them), and watchers'
+    units on as many threads of their own: a producer's unit never queues behind a watcher's encoding. A unit's
+    video is encoded once per format whoever asks (``app.stages.video.HostVideo.encoded``); units of one session
+    encoded in parallel are still published in order (``Deliveries``)."""
 
-    def __init__(self, metrics: Metrics, response_dtype: str):
+    def __init__(self, metrics: Metrics, response_dtype: str, workers: int = 2):
         self.metrics = metrics
         self.response_dtype = response_dtype
         self.stages: OutputStages = build_stages()  # what puts each kind on the wire: the server's, once loaded
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unit-encoder")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unit-encoder")
+        self._watch_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="watch-encoder")
 
     def unit_bytes(self, host: HostUnit, outputs: Outputs, received: float,
                    extra: dict[str, str] | None = None) -> bytes:
@@ -80,8 +92,12 @@ class Encoder:
             self.metrics.block_latency.observe(time.perf_counter() - unit.started_at)
 
     async def run(self, fn: Callable[[], bytes]) -> bytes:
-        """Run an encoding on the encoder thread."""
+        """Run an encoding on the encoder pool."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def run_for_watcher(self, fn: Callable[[], bytes]) -> bytes:
+        """Run a watcher's encoding on the watchers' pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._watch_pool, fn)
 
     def response(self, units, state: SessionState, request_shape: tuple[int, ...],
                  metadata: dict[str, object] | None = None, outputs: Outputs = Outputs(),
@@ -89,11 +105,13 @@ class Encoder:
         """What encodes an HTTP response: the frames ``units`` finalized as one payload (latents (B, C, n, H, W),
         n >= 0, and/or video), with metadata frame_start, frame_end (video_frame_start, video_frame_end) and
         ``metadata``. ``positions``: where each output kind stands (``WorkResult.positions``), for a response
-        without units. Block latencies are observed the first time."""
-        units, observed = tuple(units), []
+        without units. Block latencies are observed the first time. ``units``: ``OutUnit``s, or their ``UnitCopies``
+        when the same units go to watchers too (one host copy and one video encoding for all)."""
+        copies = [unit if isinstance(unit, UnitCopies) else UnitCopies(unit, self.stages) for unit in units]
+        units, observed = tuple(c.unit for c in copies), []
 
         def build() -> bytes:
-            hosts = [UnitCopies(unit, self.stages).wait() for unit in units]
+            hosts = [c.wait() for c in copies]
             geometry = state.geometry
             if geometry is not None:
                 shape = (geometry.batch, geometry.channels, 0, geometry.height, geometry.width)
@@ -116,6 +134,7 @@ class Encoder:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._watch_pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass

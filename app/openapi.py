@@ -46,7 +46,7 @@ def value_annotation(field: spec.SessionField, bounds: bool = True) -> Any:
     if field.kind == spec.CHOICES:
         return Annotated[list[Literal[field.choices]], Field(min_length=field.min_items, max_length=field.max_items)]
     if field.kind == spec.LOOKAHEAD:
-        return Literal[spec.EXACT] | Annotated[int, Field(**lower, **upper)]
+        return Literal[field.word] | Annotated[int, Field(**lower, **upper)]
     if field.kind == spec.BOOLEAN:
         return bool
     raise AssertionError(f"no pydantic type for field kind {field.kind!r}")

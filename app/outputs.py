@@ -1,7 +1,8 @@
-"""What a session sends back (api.md 1.1, "Pixels out"): latents, video or both, the video's format and look-ahead,
-and how a unit becomes tensors on the wire.
+"""What a session sends back (api.md 1.1, "Pixels out"): latents, video or both, the video's format, quality and
+look-ahead, and how a unit becomes tensors on the wire.
 
-``Outputs`` is per session (fields ``outputs``, ``video_format``, ``video_lookahead`` of its config). A unit's
+``Outputs`` is per session (fields ``outputs``, ``video_format``, ``video_quality``, ``video_lookahead`` of its
+config); a watcher may ask for a subset of the kinds and another video format (``Outputs.restrict``). A unit's
 payload holds a tensor per kind asked for, put there by the kind's stage (``app.stages``: ``latents``
 (B, C, n, H, W); ``video``: uint8 (B, F, H_px, W_px, 3) RGB or float32 (B, F, 3, H_px, W_px) in [0, 1]); its
 metadata always says ``frame_start`` and ``frame_end`` (latent frames, which a reattach counts in) and what the
@@ -10,7 +11,7 @@ stages add (video: ``video_frame_start`` and ``video_frame_end``, pixel frames o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from wm_refiner_client import spec
@@ -29,6 +30,8 @@ class Outputs:
     kinds: tuple[str, ...] = (LATENTS,)
     video_format: str = "uint8"
     video_lookahead: int | None = None  # None: "exact"
+    video_quality: int | None = None  # the JPEG quality or H.264 CRF (spec.video_quality); None for raw formats
+    fps: float = 16.0  # the session's frame rate: the H.264 segments' timing (not a field of its own)
 
     @property
     def latents(self) -> bool:
@@ -43,6 +46,7 @@ class Outputs:
             "outputs": list(self.kinds),
             "video_format": self.video_format,
             "video_lookahead": EXACT if self.video_lookahead is None else self.video_lookahead,
+            "video_quality": spec.AUTO if self.video_quality is None else self.video_quality,
         }
 
     @classmethod
@@ -63,12 +67,38 @@ class Outputs:
         video_format = fields.get("video_format") or spec.BY_NAME["video_format"].default
         if video_format not in VIDEO_FORMATS:
             raise ApiError("invalid_config", f"video_format must be one of {list(VIDEO_FORMATS)}, got {video_format!r}")
-        return cls(kinds, video_format, lookahead)
+        try:
+            quality = spec.video_quality(video_format, fields.get("video_quality"))
+        except ValueError as exc:
+            raise ApiError("invalid_config", str(exc)) from None
+        return cls(kinds, video_format, lookahead, quality)
 
-    def restrict(self, asked: str | None) -> Outputs:
-        """The outputs a watcher asks for (``?outputs=video``), a subset of the session's; ApiError otherwise."""
-        if asked is None:
-            return self
+    def restrict(self, asked: str | None, video_format: str | None = None, video_quality: str | None = None,
+                 ) -> Outputs:
+        """The outputs a watcher asks for (``?outputs=video&video_format=jpeg&video_quality=80``): a subset of the
+        session's kinds, and the video in any format (a format other than the session's starts at its own "auto"
+        quality); ApiError otherwise. Watchers asking for the same outputs share one encoding of each unit."""
+        outputs = self if asked is None else self._subset(asked)
+        if video_format is None and video_quality is None:
+            return outputs
+        if not outputs.video:
+            raise ApiError("invalid_request", f"video_format/video_quality choose how video is sent, but this watch "
+                                              f"gets no video (outputs {list(outputs.kinds)}); leave them out")
+        fmt = self.video_format if video_format is None else video_format
+        if fmt not in VIDEO_FORMATS:
+            raise ApiError("invalid_request", f"video_format={fmt!r}: ask for one of {list(VIDEO_FORMATS)}")
+        try:
+            if video_quality is not None:
+                quality = spec.video_quality(fmt, spec.BY_NAME["video_quality"].from_text(video_quality))
+            elif fmt == self.video_format:
+                quality = self.video_quality
+            else:
+                quality = spec.video_quality(fmt, None)
+        except ValueError as exc:
+            raise ApiError("invalid_request", str(exc)) from None
+        return replace(outputs, video_format=fmt, video_quality=quality)
+
+    def _subset(self, asked: str) -> Outputs:
         kinds = spec.BY_NAME["outputs"].from_text(asked)
         unknown = [k for k in kinds if k not in OUTPUT_KINDS]
         if not kinds or unknown:
@@ -79,7 +109,7 @@ class Outputs:
                 "invalid_request",
                 f"this session does not produce {missing} (its outputs are {list(self.kinds)}); ask for a subset",
             )
-        return Outputs(tuple(k for k in OUTPUT_KINDS if k in kinds), self.video_format, self.video_lookahead)
+        return replace(self, kinds=tuple(k for k in OUTPUT_KINDS if k in kinds))
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,7 @@ class Services:
 
         self.settings = settings
         self.metrics = Metrics()
-        self.encoder = Encoder(self.metrics, settings.response_dtype)
-        # Encodes units in the selections watchers ask for (app.routes.watch), apart from the producers' encoder.
-        self.watch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="watch-encoder")
+        self.encoder = Encoder(self.metrics, settings.response_dtype, settings.encode_workers)
         self.engine = Engine(
             self.metrics,
             settings.engine_queue_depth,
@@ -285,7 +283,6 @@ class Services:
             task.cancel()
         await asyncio.to_thread(self.engine.stop)
         self.encoder.close()
-        self.watch_pool.shutdown(wait=False, cancel_futures=True)
 
     async def stop(self) -> None:
         await self.drain()
@@ -294,7 +291,6 @@ class Services:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.engine.stop)
         self.encoder.close()
-        self.watch_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def warmup_work(refiner: Refiner, settings: Settings, stages: OutputStages | None = None) -> Work:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from models import RefinerSession, SessionConfig
@@ -167,7 +168,7 @@ class SessionOps:
                                       self.services.decoder is not None)
         defaults = self.settings.session_defaults().to_dict()
         config = check_config_limits(SessionConfig.from_dict({**defaults, **fields}), self.settings)
-        return config, outputs
+        return config, replace(outputs, fps=config.fps)  # the H.264 segments' timing
 
     # --- HTTP chunks -----------------------------------------------------------------------------------------
     async def submit_chunk(self, session_id: str, seq: int | None, flush: bool, read_payload: ReadBody,
@@ -204,7 +205,9 @@ class SessionOps:
             result = await services.engine.run(work)
             # Counted before anything else runs on the loop: a drain must never find the session advanced and the
             # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
-            build = encoder.response(result.units, result.state, tuple(latents.shape),
+            # One host copy of each unit for the response and the watchers (its video encoded once for all).
+            copies = [UnitCopies(unit, services.stages) for unit in result.units]
+            build = encoder.response(copies, result.state, tuple(latents.shape),
                                      {"seq": chunks.next_seq, **durable_metadata(handle)},
                                      outputs=handle.outputs, positions=result.positions)
             index = chunks.accept_request(seq, build)
@@ -213,7 +216,7 @@ class SessionOps:
             self.store.registry.attach(handle)
             services.metrics.frames_in.inc(result.frames_in)
             self.count_out(result.units, handle, received)
-            self._offer(handle, result.units, received, done=result.state.flushed)
+            self._offer(handle, copies, received, done=result.state.flushed)
             payload = await encoder.run(build)
             chunks.store(index, payload)
             await self.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
@@ -307,10 +310,11 @@ class SessionOps:
         published meanwhile is missed."""
         self.services.require_ready()
         handle = await self.store.lookup(session_id)
-        unknown = sorted(set(query) - {"outputs"})
+        unknown = sorted(set(query) - {"outputs", "video_format", "video_quality"})
         if unknown:
-            raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; a watch takes only 'outputs'")
-        outputs = handle.outputs.restrict(query.get("outputs"))
+            raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; a watch takes only 'outputs', "
+                                              "'video_format' and 'video_quality'")
+        outputs = handle.outputs.restrict(query.get("outputs"), query.get("video_format"), query.get("video_quality"))
         if len(handle.watchers) >= self.settings.max_watchers:
             raise ApiError(
                 "engine_busy",
@@ -360,7 +364,8 @@ class SessionOps:
         watchers = list(handle.watchers)
         if watchers:
             # One host copy per unit, whatever the number of watchers.
-            copies = [UnitCopies(unit, self.services.stages) for unit in units]
+            copies = [unit if isinstance(unit, UnitCopies) else UnitCopies(unit, self.services.stages)
+                      for unit in units]
             for watcher in watchers:
                 for unit in copies:
                     watcher.offer(unit, received)

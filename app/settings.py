@@ -212,6 +212,10 @@ class Settings(_SessionDefaults):
         default=8, description="units a watcher may fall behind before it loses some (it is told how many)"
     )
     max_watchers: PositiveInt = Field(default=8, description="most watchers of one session")
+    encode_workers: PositiveInt = Field(
+        default=2, description="threads that put units on the wire (safetensors, JPEG, H.264) for producers and "
+        "responses; as many again serve watchers, so watchers never wait on (or delay) a producer's encoding"
+    )
     retry_after_s: PositiveInt = 1
     drain_timeout_s: PositiveFloat = 30.0
     # A dropped WebSocket keeps its session this long for the client to reattach (then 410).

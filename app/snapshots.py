@@ -19,7 +19,8 @@ Reading and building records run on the engine thread (the session's tensors are
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -240,8 +241,9 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
             f"{session.state.frames_returned} returned frames"
         )
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
-                         outputs=outputs, stages=session_stages, created_at=fields.get("created_at"),
-                         checkpoint=bool(fields.get("checkpoint")), realtime=fields.get("realtime") is True)
+                         outputs=replace(outputs, fps=session.config.fps), stages=session_stages,
+                         created_at=fields.get("created_at"), checkpoint=bool(fields.get("checkpoint")),
+                         realtime=fields.get("realtime") is True)
 
 
 def has_snapshot(folder: Path, session_id: str) -> bool:

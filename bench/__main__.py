@@ -9,6 +9,7 @@
     python -m bench checkpoint     crash checkpoints: block latency with and without, bytes per checkpoint
     python -m bench park   [...]   page-in latency of parked and spilled sessions, and their sizes
     python -m bench realtime [...] paced realtime sessions: how many each server mode keeps with no late block
+    python -m bench encode [...]   encoded video (jpeg, h264): bytes and PSNR vs raw, encode ms, JPEG watchers
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.decode import main as decode_main
 
         return decode_main(rest)
+    if command == "encode":
+        from bench.encode import main as encode_main
+
+        return encode_main(rest)
     print(f"unknown benchmark {command!r}\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -20,11 +20,12 @@ from .errors import *  # noqa: F403 (the error classes are part of the API)
 from .errors import APIError, ProtocolError, TransportError, WmRefinerError
 from .resume import Chunk
 from .retry import RetryPolicy
-from .units import Unit, concat
+from .units import EncodedVideo, Unit, concat
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EncodedVideo",
     "AsyncClient",
     "AsyncSession",
     "AsyncStream",

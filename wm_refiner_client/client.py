@@ -45,7 +45,7 @@ from ._common import (
 from .errors import APIError, SessionNotFoundError, TransportError
 from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol
 from .retry import RetryPolicy
-from .units import Array, ReturnTensors, Unit, concat, encode
+from .units import Array, EncodedVideo, ReturnTensors, Unit, concat, encode
 
 log = logging.getLogger("wm_refiner_client")
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -553,6 +553,7 @@ def _join(units: list[Unit], frame_end: int, video_end: int) -> Unit:
         return Unit(frame_start=frame_end, frame_end=frame_end)
     with_latents = [u for u in units if u.latents is not None]
     with_video = [u for u in units if u.video is not None]
+    encoded = [u.encoded_video for u in units if u.encoded_video is not None]
     video_starts = [u.video_frame_start for u in units if u.video_frame_start is not None]
     return Unit(
         frame_start=units[0].frame_start,
@@ -561,5 +562,7 @@ def _join(units: list[Unit], frame_end: int, video_end: int) -> Unit:
         video=concat(with_video, "video") if with_video else None,
         video_frame_start=video_starts[0] if video_starts else None,
         video_frame_end=video_end if video_starts else None,
+        encoded_video=EncodedVideo.join(encoded) if encoded else None,
+        video_error=next((u.video_error for u in units if u.video_error), None),
     )
 

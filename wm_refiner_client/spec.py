@@ -37,7 +37,9 @@ NUMBER = "number"  # a JSON number; text: a float
 CHOICE = "choice"  # one of ``choices``
 NUMBERS = "numbers"  # a list of numbers; text: comma-separated
 CHOICES = "choices"  # a list of distinct ``choices``; text: comma-separated
-LOOKAHEAD = "lookahead"  # "exact" or an integer in [minimum, maximum]; text: "exact" or digits
+WORD_OR_INTEGER = "word_or_integer"  # the field's ``word`` or an integer in [minimum, maximum]; text: word or digits
+LOOKAHEAD = WORD_OR_INTEGER  # video_lookahead: "exact" or latent frames
+AUTO = "auto"
 BOOLEAN = "boolean"  # a JSON true or false; text: true or false
 
 CONFIG = "config"  # the model's config (models.config.SessionConfig)
@@ -66,6 +68,7 @@ class SessionField:
     setting: str | None = None
     limited_by: tuple[str, ...] = ()
     in_query: bool = True
+    word: str = EXACT  # WORD_OR_INTEGER: the one word it takes besides an integer
 
     @property
     def flag(self) -> str:
@@ -97,8 +100,8 @@ class SessionField:
             if self.max_items is not None:
                 schema["maxItems"] = self.max_items
             return schema
-        if self.kind == LOOKAHEAD:
-            return {"anyOf": [{"type": "string", "const": EXACT}, {"type": "integer", **bounds}]}
+        if self.kind == WORD_OR_INTEGER:
+            return {"anyOf": [{"type": "string", "const": self.word}, {"type": "integer", **bounds}]}
         raise AssertionError(f"unknown field kind {self.kind!r}")
 
     def from_text(self, text: str) -> Any:
@@ -129,11 +132,12 @@ class SessionField:
                 ) from None
         if self.kind == CHOICES:
             return [part for part in text.split(",") if part]
-        if self.kind == LOOKAHEAD:
-            if text == EXACT:
-                return EXACT
+        if self.kind == WORD_OR_INTEGER:
+            if text == self.word:
+                return self.word
             if not re.fullmatch(r"[0-9]+", text):
-                raise ValueError(f"{self.name} must be {EXACT!r} or an integer >= 0 (latent frames), got {text!r}")
+                unit = " (latent frames)" if self.name == "video_lookahead" else ""
+                raise ValueError(f"{self.name} must be {self.word!r} or an integer >= 0{unit}, got {text!r}")
             return int(text)
         raise AssertionError(f"unknown field kind {self.kind!r}")
 
@@ -164,8 +168,12 @@ FIELDS: tuple[SessionField, ...] = (
                  "for long streams)", choices=("absolute", "rebased"), setting="default_positions"),
     SessionField("outputs", CHOICES, ("latents",), "what units carry; 'video' needs the server's vae setting",
                  part=OUTPUTS, choices=("latents", "video"), min_items=1, max_items=2),
-    SessionField("video_format", CHOICE, "uint8", "uint8 (B, F, H, W, 3) RGB, or float32 (B, F, 3, H, W) in [0, 1]",
-                 part=OUTPUTS, choices=("uint8", "float32")),
+    SessionField("video_format", CHOICE, "uint8", "uint8 (B, F, H, W, 3) RGB, float32 (B, F, 3, H, W) in [0, 1], "
+                 "jpeg (one JPEG per frame) or h264 (one fragmented-MP4 segment per unit)", part=OUTPUTS,
+                 choices=("uint8", "float32", "jpeg", "h264")),
+    SessionField("video_quality", WORD_OR_INTEGER, AUTO, "jpeg: quality 1-100 (auto: 85); h264: CRF 0-51, lower is "
+                 "better (auto: 23); uint8 and float32 ignore it", part=OUTPUTS, minimum=0, maximum=100,
+                 word=AUTO),
     SessionField("video_lookahead", LOOKAHEAD, EXACT, "'exact' (equal to the whole-clip decode) or N latent frames "
                  "of look-ahead", part=OUTPUTS, minimum=0, maximum=FRAMES_MAX),
     SessionField("realtime", BOOLEAN, False, "the client plays the stream at fps as it arrives: each block has a "
@@ -193,6 +201,30 @@ def lookahead_frames(value: Any) -> int | None:
     top = BY_NAME["video_lookahead"].maximum
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
         raise ValueError(f"video_lookahead must be \"exact\" or an integer in [0, {top}] (latent frames), got {value!r}")
+    return value
+
+
+# What ``video_quality`` means per encoded format: (lowest, highest, what "auto" stands for).
+QUALITY_RANGES: dict[str, tuple[int, int, int]] = {"jpeg": (1, 100, 85), "h264": (0, 51, 23)}
+
+
+def video_quality(video_format: str, value: Any) -> int | None:
+    """The one reading of ``video_quality``'s JSON value for ``video_format``: the JPEG quality or the H.264 CRF
+    ("auto" or unset: the format's default), None for the raw formats, which have no quality and ignore it (a query
+    or a command line that sets it for every format stays valid). ValueError saying what to send."""
+    if value is None:
+        value = AUTO
+    if video_format not in QUALITY_RANGES:
+        if value != AUTO and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100):
+            raise ValueError(f"video_quality must be 'auto' or an integer in [0, 100], got {value!r}")
+        return None
+    low, high, default = QUALITY_RANGES[video_format]
+    if value == AUTO:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        what = "the JPEG quality" if video_format == "jpeg" else "the H.264 CRF (lower is better)"
+        raise ValueError(f"video_quality for {video_format} is {what}: 'auto' ({default}) or an integer in "
+                         f"[{low}, {high}], got {value!r}")
     return value
 
 

@@ -6,6 +6,11 @@ Outputs are numpy arrays (``return_tensors="np"``, the default: no torch needed)
 
 Shape letters: B batch, C latent channels, t latent frames, H, W latent height and width, L prompt tokens,
 D caption channels, F pixel frames.
+
+Encoded video (``video_format`` ``jpeg`` or ``h264``) arrives as bytes: ``Unit.encoded_video`` (an
+``EncodedVideo``: the JPEG images or H.264 segments as they came), decoded into frames on request
+(``Unit.decode_video()``, or ``from_payload(..., decode_video=True)``): JPEG with Pillow, H.264 with PyAV, both
+imported only then.
 """
 
 from __future__ import annotations
@@ -73,6 +78,112 @@ def decode(data: bytes, return_tensors: ReturnTensors = "np") -> dict[str, Array
         ) from exc
 
 
+ENCODED_FORMATS = ("jpeg", "h264")
+
+
+@dataclass(frozen=True)
+class EncodedVideo:
+    """A unit's video as the server encoded it. ``pieces[b]``: row ``b``'s bytes, one JPEG per frame (``jpeg``) or
+    one fragmented-MP4 segment (``h264``: the init segment, ``init_sizes[b]`` bytes, then the unit's media segment;
+    the init segment is the same for every unit of a session, so a file is the first unit's bytes followed by the
+    media segments of the others). ``codec``: ``image/jpeg`` or an RFC 6381 string (``avc1.64001F``) for
+    MediaSource. ``skip``: leading frames a resumed unit repeats (H.264 cannot be cut; ``decode`` drops them)."""
+
+    format: str
+    codec: str
+    quality: int | None
+    pieces: tuple[tuple[bytes, ...], ...]
+    init_sizes: tuple[int, ...] = ()
+    skip: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(piece) for row in self.pieces for piece in row)
+
+    def segment(self, row: int = 0, init: bool = True) -> bytes:
+        """H.264: row ``row``'s bytes, with its init segment (``init``) or only the media segment (to append to a
+        file or a MediaSource that has the init segment already)."""
+        if self.format != "h264":
+            raise ValueError(f"segment() is for h264 video; this unit's video is {self.format}")
+        data = b"".join(self.pieces[row])
+        return data if init or not data else data[self.init_sizes[row]:]
+
+    def decode(self) -> np.ndarray:
+        """The frames, uint8 (B, F, H, W, 3) RGB."""
+        rows = [self._decode_row(row) for row in range(len(self.pieces))]
+        if not rows or not rows[0]:
+            return np.zeros((len(rows), 0, 0, 0, 3), dtype=np.uint8)
+        return np.stack([np.stack(frames[self.skip:]) for frames in rows])
+
+    def _decode_row(self, row: int) -> list[np.ndarray]:
+        if self.format == "jpeg":
+            try:
+                from PIL import Image
+            except ImportError:
+                raise RuntimeError("decoding jpeg video needs Pillow: pip install pillow") from None
+            import io
+
+            return [np.asarray(Image.open(io.BytesIO(piece)).convert("RGB")) for piece in self.pieces[row]]
+        if self.format == "h264":
+            if not self.pieces[row]:
+                return []
+            try:
+                import av
+            except ImportError:
+                raise RuntimeError("decoding h264 video needs PyAV: pip install av") from None
+            import io
+
+            with av.open(io.BytesIO(self.segment(row)), "r", format="mp4") as container:
+                return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+        raise ValueError(f"cannot decode video format {self.format!r}")
+
+    def after(self, skip: int) -> EncodedVideo:
+        """Without the first ``skip`` frames (JPEG drops them; H.264 marks them for ``decode`` to drop)."""
+        if skip <= 0:
+            return self
+        if self.format == "jpeg":
+            return replace(self, pieces=tuple(row[skip:] for row in self.pieces))
+        return replace(self, skip=self.skip + skip)
+
+    @classmethod
+    def join(cls, videos: list[EncodedVideo]) -> EncodedVideo:
+        """Consecutive units' video as one (H.264: each row's init segment once, then every media segment)."""
+        first = videos[0]
+        if any(v.format != first.format for v in videos):
+            raise ValueError(f"cannot join units in different video formats {[v.format for v in videos]}")
+        rows = []
+        for row in range(len(first.pieces)):
+            if first.format == "jpeg":
+                rows.append(tuple(piece for v in videos for piece in v.pieces[row]))
+            else:
+                parts = [v.segment(row, init=index == 0) for index, v in enumerate(videos) if v.pieces[row]]
+                rows.append((b"".join(parts),) if parts else ())
+        with_frames = [v for v in videos if any(v.pieces)]
+        init_sizes = with_frames[0].init_sizes if with_frames else first.init_sizes
+        return cls(first.format, (with_frames[0] if with_frames else first).codec, first.quality, tuple(rows),
+                   init_sizes, first.skip)
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Array], metadata: Mapping[str, str]) -> EncodedVideo:
+        data = bytes(np.asarray(_numpy(tensors["video"])).tobytes())
+        sizes = np.asarray(_numpy(tensors["video_sizes"])).astype(np.int64)
+        pieces, at = [], 0
+        for row in sizes.tolist():
+            pieces.append(tuple(data[at + sum(row[:i]) : at + sum(row[: i + 1])] for i in range(len(row))))
+            at += sum(row)
+        if at != len(data):
+            raise ValueError(f"video_sizes add up to {at} bytes but the video holds {len(data)}")
+        init = tensors.get("video_init_sizes")
+        quality = metadata.get("video_quality")
+        return cls(metadata["video_format"], metadata.get("video_codec", ""),
+                   int(quality) if quality not in (None, "None") else None, tuple(pieces),
+                   tuple(int(v) for v in np.asarray(_numpy(init)).tolist()) if init is not None else ())
+
+
+def _numpy(value: Array) -> np.ndarray:
+    return value.numpy() if is_torch(value) else value
+
+
 @dataclass(frozen=True)
 class Unit:
     """Refined frames as the server finalized them: latent frames ``[frame_start, frame_end)`` of the session
@@ -80,7 +191,9 @@ class Unit:
     ``[video_frame_start, video_frame_end)`` of the session's video.
 
     ``latents``: (B, C, n, H, W), None when the session's outputs exclude latents. ``video``: uint8
-    (B, F, H_px, W_px, 3) RGB or float32 (B, F, 3, H_px, W_px) in [0, 1], None without video outputs.
+    (B, F, H_px, W_px, 3) RGB or float32 (B, F, 3, H_px, W_px) in [0, 1], None without video outputs, and for
+    encoded video (``jpeg``, ``h264``) until decoded: ``encoded_video`` holds its bytes, ``decode_video()`` the
+    frames. ``video_error``: the server could not encode this unit's video as asked and sent it as uint8 instead.
     ``latency_ms``: the server's time for the block (stream units). ``seq``/``replayed``: HTTP chunk responses
     (``replayed``: the server returned its stored response to a retried seq)."""
 
@@ -94,6 +207,8 @@ class Unit:
     seq: int | None = None
     replayed: bool = False
     metadata: Mapping[str, str] = field(default_factory=dict)
+    encoded_video: EncodedVideo | None = None
+    video_error: str | None = None
 
     @property
     def frames(self) -> int:
@@ -108,7 +223,9 @@ class Unit:
         return self.video_frame_end - self.video_frame_start
 
     @classmethod
-    def from_payload(cls, data: bytes, return_tensors: ReturnTensors = "np", replayed: bool = False) -> Unit:
+    def from_payload(cls, data: bytes, return_tensors: ReturnTensors = "np", replayed: bool = False,
+                     decode_video: bool = False) -> Unit:
+        """``decode_video``: encoded video decoded into ``video`` (uint8 (B, F, H, W, 3)) right away."""
         metadata = read_metadata(data)
         tensors = decode(data, return_tensors)
         if "frame_start" not in metadata or "frame_end" not in metadata:
@@ -117,18 +234,36 @@ class Unit:
         def number(name: str, kind=int):
             return kind(metadata[name]) if name in metadata else None
 
-        return cls(
+        encoded = None
+        if metadata.get("video_format") in ENCODED_FORMATS and "video" in tensors:
+            encoded = EncodedVideo.from_tensors(tensors, metadata)
+        unit = cls(
             frame_start=int(metadata["frame_start"]),
             frame_end=int(metadata["frame_end"]),
             latents=tensors.get("latents"),
-            video=tensors.get("video"),
+            video=None if encoded is not None else tensors.get("video"),
             video_frame_start=number("video_frame_start"),
             video_frame_end=number("video_frame_end"),
             latency_ms=number("latency_ms", float),
             seq=number("seq"),
             replayed=replayed,
             metadata=metadata,
+            encoded_video=encoded,
+            video_error=metadata.get("video_error"),
         )
+        return unit.decode_video() if decode_video and encoded is not None else unit
+
+    def decode_video(self) -> Unit:
+        """This unit with ``video`` holding its encoded video's frames, uint8 (B, F, H, W, 3) RGB (numpy, or torch
+        when its latents are torch tensors); itself when there is nothing to decode."""
+        if self.encoded_video is None or self.video is not None:
+            return self
+        frames = self.encoded_video.decode()
+        if self.latents is not None and is_torch(self.latents):
+            import torch
+
+            frames = torch.from_numpy(frames)
+        return replace(self, video=frames)
 
     def after(self, frame: int, video_frame: int | None = None) -> Unit:
         """This unit without the latent frames before ``frame`` and the pixel frames before ``video_frame`` (a
@@ -148,11 +283,16 @@ class Unit:
             changes["video_frame_start"] = min(self.video_frame_start + skip_video, self.video_frame_end)
             if self.video is not None:
                 changes["video"] = self.video[:, skip_video:]  # (B, F - skip, ...)
+            if self.encoded_video is not None:
+                changes["encoded_video"] = self.encoded_video.after(skip_video)
         return replace(self, **changes)
 
 
 def concat(units: Iterable[Unit], field_name: Literal["latents", "video"] = "latents") -> Array:
-    """The units' ``latents`` (frame axis 2) or ``video`` (frame axis 1) joined into one array or tensor."""
+    """The units' ``latents`` (frame axis 2) or ``video`` (frame axis 1) joined into one array or tensor (encoded
+    video decoded first)."""
+    if field_name == "video":
+        units = [unit.decode_video() for unit in units]
     parts = [getattr(unit, field_name) for unit in units]
     parts = [part for part in parts if part is not None]
     if not parts:

@@ -39,6 +39,9 @@ _TEXT_MAX_LENGTH = {spec.CHOICES: 32, spec.LOOKAHEAD: 16}
 
 def _query_annotation(field: spec.SessionField) -> Any:
     """How /v1/refine declares ``field`` as a query parameter (and so documents it in /openapi.json)."""
+    if field.kind == spec.WORD_OR_INTEGER:  # the word or digits: the form stated, so /openapi.json says it
+        return Annotated[str | None, Query(max_length=_TEXT_MAX_LENGTH[field.kind], pattern=f"^({field.word}|[0-9]+)$",
+                                           description=field.doc)]
     if field.kind in _TEXT_MAX_LENGTH:
         return Annotated[str | None, Query(max_length=_TEXT_MAX_LENGTH[field.kind], description=field.doc)]
     lower = {"gt" if field.exclusive_minimum else "ge": field.minimum} if field.minimum is not None else {}

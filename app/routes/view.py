@@ -19,9 +19,10 @@ router = APIRouter(tags=["view"])
 
 # What the page may load: its own inline script and style, and requests to this origin; nothing else (a
 # regression that pulls a script or font from a CDN fails in the browser test instead of silently needing a network).
+# media-src blob: is the page's own MediaSource (H.264 segments from the watch), never a remote medium.
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    "img-src 'self' data:; media-src blob:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 
 

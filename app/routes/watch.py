@@ -7,8 +7,10 @@ block) by ``{"type": "block", "frame_start", "frame_end", "latency_ms"}``; after
 
 It never slows anything down: units are offered to its queue without waiting, and when ``watch_queue_units`` are
 already waiting the unit is dropped and counted; the next message it gets is ``{"type": "dropped", "units": N}``.
-A unit in the session's own outputs reuses the producer's bytes; another selection is encoded on a thread of the
-watchers' own, never the producer's encoder. A watcher does not keep its session alive (an evicted or deleted
+A unit in the session's own outputs reuses the producer's bytes; another selection (``?outputs=``,
+``?video_format=jpeg``, ``?video_quality=``) is put on the wire on the watchers' own encoder threads, never the
+producer's, and its video is encoded once per unit and format however many watchers ask; a watcher whose
+encodings fall behind loses units as a slow one does. A watcher does not keep its session alive (an evicted or deleted
 session ends it with an error event) and cannot send chunks: a message from it is answered with an error event
 and otherwise ignored.
 
@@ -185,7 +187,7 @@ class Watcher:
                 host = unit.wait() if isinstance(unit, UnitCopies) else unit
                 return encoder.unit_bytes(host, self.outputs, received)
 
-            data = await asyncio.get_running_loop().run_in_executor(self.services.watch_pool, build)
+            data = await encoder.run_for_watcher(build)
         await self.websocket.send_bytes(data)
         described = unit.unit if isinstance(unit, UnitCopies) else unit  # both say kind and frames
         if described.kind == "block":

@@ -322,7 +322,7 @@ def test_a_handshake_with_a_header_line_over_websockets_limit_gets_431(make_sett
 
 def test_the_watch_pool_belongs_to_the_app_and_is_shut_down_with_it(make_settings):
     with running_app(make_settings()) as first, running_app(make_settings()) as second:
-        pools = first.app.state.services.watch_pool, second.app.state.services.watch_pool
+        pools = first.app.state.services.encoder._watch_pool, second.app.state.services.encoder._watch_pool
         assert pools[0] is not pools[1]
     assert all(pool._shutdown for pool in pools)
 

@@ -35,7 +35,7 @@ def test_the_spec_and_the_models_config_have_the_same_fields_and_defaults():
     model_fields = [f.name for f in dataclasses.fields(SessionConfig)]
     assert list(spec.CONFIG_NAMES) == model_fields
     assert SessionConfig().to_dict() == {name: spec.BY_NAME[name].default_json() for name in spec.CONFIG_NAMES}
-    assert set(spec.OUTPUT_NAMES) == {"outputs", "video_format", "video_lookahead"}
+    assert set(spec.OUTPUT_NAMES) == {"outputs", "video_format", "video_quality", "video_lookahead"}
 
 
 def _valid_around(name: str, value) -> dict:
@@ -173,7 +173,7 @@ def test_flags_are_read_as_query_text_is():
 @pytest.mark.parametrize("flags,fragment", [
     (["--outputs", "video"], "add latents to --outputs"),
     (["--video", "v.mp4", "--outputs", "latents"], "add video to --outputs"),
-    (["--video", "v.mp4", "--video-format", "float32"], "leave --video-format unset or uint8"),
+    (["--video", "v.mp4", "--video-format", "float32"], "leave --video-format unset or h264"),
 ])
 def test_stream_refuses_outputs_its_files_cannot_hold_before_reading_anything(flags, fragment):
     from app.cli_remote import stream_command

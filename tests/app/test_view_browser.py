@@ -2,7 +2,9 @@
 
 The page attaches to a session through ``?session=ID`` (or a click in its list), the test streams a clip over
 HTTP, and the page must have drawn every pixel frame of the session's video (F = 8(T-1)+1-S) and charted one bar
-per refined block, the blocks the HTTP responses finalized; the canvas must show the video's last frame. With an
+per refined block, the blocks the HTTP responses finalized; the canvas must show the video's last frame: exactly
+when the page plays the session's raw frames (``&format=raw``), within the codec's error when it plays JPEG (its
+default) or H.264 (MediaSource): PSNR against the server's uint8 frame above ``PSNR_BOUND_DB``. With an
 API key the page lists nothing until the key is typed in, then watches with it (the WebSocket subprotocol form).
 
 Needs Debian's ``chromium`` and ``chromium-driver`` (.ci/run installs them). ``WM_VIEW_SCREENSHOT=PATH`` saves a
@@ -11,10 +13,13 @@ screenshot of the page once the uint8 video has played (docs/view.png was made s
 
 from __future__ import annotations
 
+import io
+import math
 import os
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +33,13 @@ pytestmark = pytest.mark.skipif(
     not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
 )
+# The tiny random VAE's frames are noise, the worst case for a codec (natural video at the same settings: >= 35 dB,
+# tests/app/test_encoded_video.py, docs/benchmarks.md); measured here, drawn by Chromium against the server's uint8
+# frame: JPEG q85 16.0 dB, H.264 CRF 23 15.4 dB. So besides that bound, the drawn frame must be nearer its own raw
+# frame than any other frame of the video, and (JPEG) equal Pillow's decode of the same bytes within
+# JPEG_DECODERS_DB (two libjpeg-turbo builds differ only in IDCT and chroma upsampling).
+PSNR_BOUND_DB = {"jpeg": 14.0, "h264": 13.0}
+JPEG_DECODERS_DB = 30.0
 KEY = "wm>>>???key"  # base64 'd20+Pj4/Pz9rZXk=': the page must send it as base64url, unpadded
 
 
@@ -108,8 +120,9 @@ def canvas_frame(browser, height: int, width: int) -> tuple[float, list[int]]:
     )
 
 
-@pytest.mark.parametrize("video_format", ["uint8", "float32"])
-def test_the_page_plays_the_video_and_charts_every_block(make_settings, vae_dir, browser, video_format):
+@pytest.mark.parametrize("video_format,page_format", [("uint8", "raw"), ("float32", "raw"), ("uint8", "jpeg"),
+                                                      ("uint8", "h264")])
+def test_the_page_plays_the_video_and_charts_every_block(make_settings, vae_dir, browser, video_format, page_format):
     latent_frames = 13
     with LiveServer(make_settings(vae=str(vae_dir))) as server, \
             httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
@@ -118,15 +131,17 @@ def test_the_page_plays_the_video_and_charts_every_block(make_settings, vae_dir,
         created = http.post("/v1/sessions", json=config)
         assert created.status_code == 201, created.text
         session_id, config = created.json()["session_id"], created.json()["config"]
-        browser.get(f"{server.base_url}/view?session={session_id}")
+        shown_as = "" if page_format == "jpeg" else f"&format={page_format}"  # JPEG: the page's default
+        browser.get(f"{server.base_url}/view?session={session_id}{shown_as}")
         wait_for_page(browser, lambda state: state["status"] == "attached", "attached")
+        assert page_state(browser)["format"] == page_format
 
         blocks, video = stream_clip(http, session_id, config, latent_frames)
         expected = 8 * (latent_frames - 1) + 1 - config["sink_frames"]
         assert sum(part.shape[1] for part in video) == expected
         state = wait_for_page(browser, lambda state: state["done"] and state["framesDrawn"] >= expected,
                               f"{expected} frames drawn")
-        if os.environ.get("WM_VIEW_SCREENSHOT") and video_format == "uint8":
+        if os.environ.get("WM_VIEW_SCREENSHOT") and video_format == "uint8" and page_format == "jpeg":
             row = f'#sessions li[data-session-id="{session_id}"]'
             wait_until(lambda: browser.execute_script(f"return document.querySelector('{row}')"), "the list")
             browser.save_screenshot(os.environ["WM_VIEW_SCREENSHOT"])
@@ -143,9 +158,30 @@ def test_the_page_plays_the_video_and_charts_every_block(make_settings, vae_dir,
         last = (last.permute(1, 2, 0) * 255).round().clamp(0, 255).to(torch.uint8)
     scale, shown = canvas_frame(browser, last.shape[0], last.shape[1])
     assert scale >= 2, f"the canvas shows the {tuple(last.shape)} frames at {scale:.2f}x: smoothed, not comparable"
+    if page_format != "raw":  # decoded by the browser: within the codec's error
+        drawn = torch.tensor(shown, dtype=torch.float64)
+        psnr = psnr_db(drawn, last.flatten())
+        assert psnr >= PSNR_BOUND_DB[page_format], f"{page_format}: {psnr:.2f} dB"
+        frames = torch.cat(video, dim=1)[0]  # (F, H, W, 3), uint8
+        nearest = min(range(frames.shape[0]), key=lambda f: (drawn - frames[f].flatten().double()).abs().mean().item())
+        assert nearest == frames.shape[0] - 1, f"the page shows frame {nearest}, not the last one"
+        if page_format == "jpeg":
+            from PIL import Image
+
+            from app.stages.encode import encode_jpeg
+
+            encoded = encode_jpeg(last[None, None].numpy(), 85)  # what the watcher was sent: quality "auto"
+            pillow = torch.from_numpy(np.asarray(Image.open(io.BytesIO(encoded.data)).convert("RGB")).copy())
+            assert psnr_db(drawn, pillow.flatten()) >= JPEG_DECODERS_DB
+        return
     # uint8: the frame's own bytes; float32: the page scales in float64, so a value on a rounding tie may go either way
     difference = (torch.tensor(shown, dtype=torch.int16) - last.flatten().to(torch.int16)).abs().max().item()
     assert difference <= (0 if video_format == "uint8" else 1)
+
+
+def psnr_db(a: torch.Tensor, b: torch.Tensor) -> float:
+    error = (a.double() - b.double()).pow(2).mean().item()
+    return 10 * math.log10(255**2 / max(error, 1e-12))
 
 
 def test_with_an_api_key_the_page_lists_and_watches_once_the_key_is_entered(make_settings, vae_dir, browser):
