@@ -66,6 +66,9 @@ class SessionOps:
         self.services = services
         self.settings = services.settings
         self._watching: dict[Any, SessionHandle] = {}  # each watcher's session, for unwatch
+        # HTTP chunks handed to the engine, kept until done: one whose request went away still runs to its end,
+        # and the loop holds tasks only weakly.
+        self._chunks: set[asyncio.Future] = set()
 
     @property
     def store(self):
@@ -188,6 +191,8 @@ class SessionOps:
             # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
             # retry of its seq gets the stored response instead of appending the frames twice.
             chunk = asyncio.ensure_future(self._chunk(handle, seq, flush, tensors, latents, received))
+            self._chunks.add(chunk)
+            chunk.add_done_callback(_settled(self._chunks))
             return await asyncio.shield(chunk)
         finally:
             handle.requests_in_flight -= 1
@@ -550,6 +555,15 @@ def durable_metadata(handle: SessionHandle) -> dict[str, str]:
     """What a unit or a response says of the session's last checkpoint: the input frames it covers (a client keeps
     what it may have to resend until then). Nothing when this server writes no checkpoints."""
     return {} if handle.durable_frames is None else {"durable_frames": str(handle.durable_frames)}
+
+
+def _settled(running: set[asyncio.Future]) -> Callable[[asyncio.Future], None]:
+    def settled(done: asyncio.Future) -> None:
+        running.discard(done)
+        if not done.cancelled():
+            done.exception()  # retrieved: the request that awaited it may be gone; its own caller saw the error
+
+    return settled
 
 
 async def scan_finite(tensors: dict[str, Any]) -> None:
