@@ -43,6 +43,7 @@ from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
 from .snapshots import (
+    SUFFIX,
     SessionRecord,
     has_snapshot,
     leftover_temporaries,
@@ -229,6 +230,7 @@ class SessionStore:
         settings = self.settings
         interval = min(settings.retention_s / 2, settings.ws_reattach_grace_s / 2, settings.park_after_s / 2,
                        settings.spill_after_s / 2, 5.0)
+        next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)  # start-up swept already
         while True:
             await asyncio.sleep(interval)
             if self.draining:
@@ -241,6 +243,9 @@ class SessionStore:
                 await self.parking.tick()
             except Exception:  # parking is an optimisation: a failure must never stop eviction
                 log.exception("parking sessions failed")
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)
+                await asyncio.to_thread(self.forget_expired_files)
 
     # --- crash checkpoints ---------------------------------------------------------------------------------------
     async def checkpoint(self, handle: SessionHandle) -> None:
@@ -455,6 +460,32 @@ class SessionStore:
             return
         for leftover in leftover_temporaries(folder, self.settings.replica_id, time.time()):
             leftover.unlink(missing_ok=True)
+        self.forget_expired_files()
+
+    def forget_expired_files(self) -> list[str]:
+        """Delete the session files in ``snapshot_dir`` nobody asked for within ``session_retention_s``: a session
+        spilled or drained by a replica that then restarted (or went away) is past its retention as a live one
+        would be. A file under a lease is a live session's checkpoint on some replica, and one this replica
+        tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids."""
+        folder = self.snapshot_folder
+        if folder is None or not folder.is_dir():
+            return []
+        cutoff, forgotten = time.time() - self.settings.retention_s, []
+        for path in folder.glob(f"*{SUFFIX}"):
+            session_id = path.name[: -len(SUFFIX)]
+            if (not spec.is_session_id(session_id) or self.registry.existing(session_id) is not None
+                    or session_id in self.parking.spilled):
+                continue
+            try:
+                if path.stat().st_mtime >= cutoff or leases.generations(folder, session_id):
+                    continue
+                path.unlink()
+            except OSError:  # gone meanwhile (adopted, removed by its owner): nothing to forget
+                continue
+            forgotten.append(session_id)
+        if forgotten:
+            log.info("deleted %d session file(s) of snapshot_dir past session_retention_s", len(forgotten))
+        return forgotten
 
     # --- drain snapshots ---------------------------------------------------------------------------------------
     async def settle(self) -> list[SessionHandle]:

@@ -321,3 +321,26 @@ def test_a_spill_gives_way_to_a_request_that_arrives_while_it_is_written(make_se
         assert _state(http, sid)["state"] == "active"
         refined = torch.cat([read_latents(first.content)[0], read_latents(replies[0].content)[0]], dim=2)
         assert torch.equal(refined, expected)
+
+
+def test_session_files_nobody_asked_for_within_retention_are_deleted_unless_leased(make_settings, tmp_path):
+    """A replica that spilled or drained sessions and then restarted no longer tracks them: their files must not
+    stay forever. At start-up (and every sweep) a session file older than session_retention_s with no lease goes;
+    a leased one (a live session's checkpoint on another replica) and a recent one stay."""
+    import os
+
+    from app import leases
+
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    old = time.time() - 1000
+    for name in ("forgotten-session", "leased-session", "recent-session"):
+        path = folder / f"{name}.session.safetensors"
+        path.write_bytes(b"x")  # the sweep reads names, times and leases only
+        if name != "recent-session":
+            os.utime(path, (old, old))
+    leases.acquire(folder, "leased-session", "replica-elsewhere", 10_000.0)
+    settings = make_settings(warmup=False, snapshot_dir=folder, session_retention_s=100)
+    with running_app(settings):
+        left = sorted(p.name for p in folder.glob("*.session.safetensors"))
+    assert left == ["leased-session.session.safetensors", "recent-session.session.safetensors"]
