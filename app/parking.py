@@ -211,6 +211,8 @@ class Parking:
         """Device bytes a session of ``config`` will hold once frames of ``shape`` (B, C, t, H, W) give it its
         geometry."""
         refiner = self.store._refiner()
+        if len(shape) != 5 or min(shape) <= 0:
+            return 0  # no frames of a session: the session's own check refuses them, with what to send instead
         batch, channels, _, height, width = (int(n) for n in shape)
         parts = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
                                        FrameGeometry(batch, channels, height, width), refiner.dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 from app.metrics import Metrics
 from app.stages import build_stages
@@ -21,8 +22,8 @@ def test_one_adoption_per_id_at_a_time_whatever_order_the_lookups_come_in(make_s
     folder.mkdir()
     session_id = "adopted-session-1"
     (folder / f"{session_id}.session.safetensors").write_bytes(b"not read: _adopt is replaced")
-    store = SessionStore(make_settings(snapshot_dir=folder), Metrics(), engine=None, encoder=None,
-                         refiner=lambda: None, stages=build_stages, deliveries=lambda handle: None)
+    store = SessionStore(make_settings(snapshot_dir=folder), Metrics(), engine=SimpleNamespace(pacer=None),
+                         encoder=None, refiner=lambda: None, stages=build_stages, deliveries=lambda handle: None)
     running, most = [0], [0]
 
     async def adopt(folder, session_id):

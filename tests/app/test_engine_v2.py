@@ -285,11 +285,11 @@ def test_a_unit_that_cannot_be_encoded_is_kept_and_sent_on_the_resume(make_setti
     original = delivery.Encoder.unit_bytes
     calls = {"n": 0}
 
-    def flaky(self, unit, latents, received):
+    def flaky(self, unit, latents, received, *rest):
         calls["n"] += 1
         if calls["n"] in (2, 3):  # the encoder thread, then the connection's own retry
             raise MemoryError("injected")
-        return original(self, unit, latents, received)
+        return original(self, unit, latents, received, *rest)
 
     monkeypatch.setattr(delivery.Encoder, "unit_bytes", flaky)
     latents, embeds, mask = make_clip(frames=7)

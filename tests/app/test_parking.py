@@ -344,3 +344,17 @@ def test_session_files_nobody_asked_for_within_retention_are_deleted_unless_leas
     with running_app(settings):
         left = sorted(p.name for p in folder.glob("*.session.safetensors"))
     assert left == ["leased-session.session.safetensors", "recent-session.session.safetensors"]
+
+
+@pytest.mark.parametrize("shape", [(1, 128, 1, 3, 1, 1), (1, 128, 2, 4), (1, 128, 2, 0, 4)])
+def test_latents_of_no_session_geometry_are_the_sessions_422_not_an_estimate_crash(make_settings, shape):
+    """The bytes estimate runs before the session's own checks (admission precedes allocation): latents of another
+    rank or with an empty axis must still get the session's clear 422, on a clip and on a session's first chunk."""
+    latents = torch.zeros(shape)
+    with running_app(make_settings(warmup=False, device_memory_budget="1GiB")) as client:
+        clip = client.post("/v1/refine", content=payload(latents, EMBEDS, MASK), headers=OCTET)
+        sid = client.post("/v1/sessions").json()["session_id"]
+        chunk = client.post(f"/v1/sessions/{sid}/chunks?seq=0", content=payload(latents, EMBEDS, MASK), headers=OCTET)
+    for reply in (clip, chunk):
+        assert reply.status_code == 422, reply.text
+        assert reply.json()["error"]["code"] == "invalid_input"
