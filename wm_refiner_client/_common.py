@@ -111,6 +111,11 @@ class SessionState:
     flushed: bool
     streaming: bool
     video_frames_returned: int = 0
+    # Where it is (active, parked, spilled) and what it holds there ({device, host, disk, parts}).
+    memory_state: str = "active"
+    bytes: dict[str, Any] = field(default_factory=dict, repr=False)
+    durable_frames: int | None = None  # input frames its last crash checkpoint covers; None: no checkpoints
+    late_blocks: int | None = None  # a realtime session's blocks committed after their deadline; None: not realtime
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -125,6 +130,10 @@ class SessionState:
             flushed=data.get("flushed", False),
             streaming=data.get("streaming", False),
             video_frames_returned=data.get("video_frames_returned", 0),
+            memory_state=data.get("state", "active"),
+            bytes=data.get("bytes", {}),
+            durable_frames=data.get("durable_frames"),
+            late_blocks=data.get("late_blocks"),
             raw=data,
         )
 

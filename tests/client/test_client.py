@@ -59,6 +59,9 @@ def test_http_chunks_equal_refine_with_automatic_seq(server, reference):
     assert [(u.frame_start, u.frame_end) for u in units] == [(0, 4), (4, 7), (7, 10), (10, 13), (13, 14)]
     assert np.array_equal(concat(units), reference)
     assert state.next_seq == 5 and state.flushed and state.frames_returned == 14
+    # Where it is and what it holds, typed (the server's JSON is in .raw).
+    assert state.memory_state == "active" and state.bytes["device"] == state.raw["bytes"]["device"] > 0
+    assert state.late_blocks is None  # not a realtime session
 
 
 def test_stream_equals_refine_and_takes_torch_tensors(server, reference):
