@@ -14,9 +14,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from dataclasses import dataclass
 
 import torch
+
+from .session import Geometry
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +50,8 @@ def keep_freed_memory() -> bool:
 KV_PARTS = ("kv_window", "kv_sink", "kv_history_keys", "kv_rollback")
 
 
-@dataclass(frozen=True)
-class FrameGeometry:
-    """A session's latent frames: (batch, channels, height, width), fixed by its first chunk."""
-
-    batch: int
-    channels: int
-    height: int
-    width: int
-
-    @property
-    def tokens_per_frame(self) -> int:
-        return self.height * self.width
+# A session's latent frames (batch, channels, height, width), fixed by its first chunk: the session's own type.
+FrameGeometry = Geometry
 
 
 def session_bytes_estimate(num_layers: int, inner_dim: int, config, geometry: FrameGeometry,
