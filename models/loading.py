@@ -83,6 +83,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+def read_config_file(config_path: Path) -> dict[str, Any]:
+    """A refiner's ``config.json``, parsed and checked (``check_config``); ModelLoadError saying what is wrong."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from None
+    check_config(config, str(config_path))
+    return config
+
+
 def check_config(config: dict[str, Any], where: str) -> None:
     """Reject configurations the streaming refiner cannot run, naming the field."""
     class_name = config.get("_class_name")
@@ -117,11 +127,7 @@ def load_refiner(path: str | Path, device: str | torch.device = "auto", dtype: s
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder}: config.json is missing; a diffusers model folder needs it")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from None
-    check_config(config, str(config_path))
+    config = read_config_file(config_path)
     if not (folder / WEIGHTS).is_file() and not (folder / WEIGHTS_INDEX).is_file():
         found = sorted(p.name for p in folder.iterdir())
         raise ModelLoadError(

@@ -26,7 +26,6 @@ Plain arithmetic and torch's ``meta`` device: no web code, no weights, no device
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import torch
 
 from .errors import InvalidConfigError, ModelLoadError
 from .kv import SessionKV, WindowLayout
-from .loading import check_config
+from .loading import read_config_file
 
 GiB = 1024**3
 GB = 1000**3
@@ -82,12 +81,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
         file = file / "config.json"
     if not file.is_file():
         raise ModelLoadError(f"{str(file)!r} does not exist; pass a refiner folder (with config.json) or its config.json")
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{file}: not valid JSON ({exc})") from None
-    check_config(config, str(file))
-    return config
+    return read_config_file(file)
 
 
 def released_config() -> dict[str, Any]:
