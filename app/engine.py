@@ -65,6 +65,7 @@ from models.errors import NonFiniteOutputError
 from models.session import BlockRun, RefinerSession, SessionCheckpoint, SessionState, Unit
 from models.step import RowForward, run_isolated
 
+from .batching import BatchingPolicy, Mode, ProbeShape
 from .engine_errors import Draining, EngineBusy, EngineError, OutputFailed
 from .metrics import Metrics
 from .realtime import Pacer, Pacing
@@ -181,7 +182,7 @@ class Engine:
         queue_depth: int,
         session_depth: int,
         max_batch_rows: int = 8,
-        batching: bool = True,
+        batching: Mode = True,
     ):
         self.metrics = metrics
         self.queue_depth = queue_depth
@@ -196,7 +197,9 @@ class Engine:
         self._paused = False
         self._stopping = False
         # Engine thread only: the policy (which forwards form a call, which output steps run); see app.scheduler.
-        self.scheduler = Scheduler(max_batch_rows, batching)
+        # Which classes of model call may hold several sessions (the ``batching`` setting and the probe per class).
+        self.policy = BatchingPolicy(batching)
+        self.scheduler = Scheduler(max_batch_rows, batching is not False, batchable=self.policy.allows)
         # Real-time sessions' deadlines and the measured cost per row that admission reads (app.realtime).
         self.pacer = Pacer(on_late=lambda _: metrics.late_blocks.inc(), on_paced=lambda _: metrics.paced_blocks.inc())
         self._thread: threading.Thread | None = None
@@ -212,7 +215,8 @@ class Engine:
 
     @property
     def batching(self) -> bool:
-        return self.scheduler.batching
+        """Whether model calls may hold several sessions now (for at least one class)."""
+        return self.policy.batching
 
     @property
     def outstanding(self) -> int:
@@ -284,7 +288,8 @@ class Engine:
         with torch.no_grad():
             while True:
                 with self._cond:
-                    while not self._inbox and (not self.scheduler.ring or self._paused) and not self._stopping:
+                    while (not self._inbox and (not self.scheduler.ring or self._paused) and not self._stopping
+                           and not (self.policy.pending and not self._paused)):
                         self._cond.wait()
                     if self._stopping:
                         self._fail_everything(Draining("the server stopped before this work ran; retry after "
@@ -301,6 +306,8 @@ class Engine:
                     self.commit(self.execute(batch))
                 if self.scheduler.outputs_pending:
                     self.output_step()
+                elif batch is None and self.policy.pending:
+                    self._probe(None)  # idle: probe a class seen for the first time
 
     def _admit(self, item) -> None:
         if isinstance(item, _CallJob):
@@ -327,12 +334,22 @@ class Engine:
             forward = self._next_forward(target)
             if forward is not None:
                 ready[target] = forward
+                self.policy.saw(forward.group, _probe_shape(target.session, forward))
             elif target.run is None and not target.work:
                 self.scheduler.sleep(target)
+        group = self.policy.wants_probe([forward.group for forward in ready.values()])
+        if group is not None:
+            self._probe(group)  # two sessions of a new class ready: batching would pay now
         call = self.scheduler.plan_call([Ready(target, f.rows, f.group) for target, f in ready.items()])
         if call is None:
             return None
         return Batch(tuple(Scheduled(target, ready[target]) for target in call.sessions), call)
+
+    def _probe(self, group) -> None:
+        try:
+            self.policy.probe_next(group)
+        except Exception:  # a probe that breaks leaves its class unbatched; the engine goes on
+            log.exception("the batch-invariance probe failed to run")
 
     def execute(self, batch: Batch) -> BatchResult:
         started = time.perf_counter()
@@ -611,3 +628,10 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any
         loop.call_soon_threadsafe(settle)
     except RuntimeError:  # the loop already closed at shutdown: nobody is waiting any more
         pass
+
+
+def _probe_shape(session: RefinerSession, forward: RowForward) -> ProbeShape:
+    """How the probe builds sessions of ``forward``'s class: its frame size, block frames and prompt length."""
+    geometry = session.state.geometry
+    prompt = forward.prompt.embeds
+    return ProbeShape(geometry.height, geometry.width, forward.frames, int(prompt.shape[1]) if prompt is not None else 1)

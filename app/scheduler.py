@@ -10,7 +10,8 @@ Sessions are opaque hashable keys here. A session with work is in the *ring*, in
 - each iteration the engine advances every session of ``ring`` to its next forward (or finds it has none) and hands
   the ready ones to ``plan_call`` as ``Ready`` records (id, rows, group): the first ready one in turn order and the
   following ones of the same group (tokens per row, so they stack into one call) up to ``max_batch_rows`` rows
-  form the call; with batching off a call holds one session;
+  form the call; with batching off, or for a group ``batchable`` refuses (``app.batching``: its batch-invariance
+  probe has not passed), a call holds one session;
 - ``served(call)`` takes the call back once it ran: its sessions move to the back of the ring, so that a session
   of another group goes first next time (no group starves) and a session's next forward joins the very next call
   (nobody waits for a batch to fill);
@@ -24,7 +25,7 @@ Sessions are opaque hashable keys here. A session with work is in the *ring*, in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,14 @@ class ModelCall:
 
 
 class Scheduler:
-    def __init__(self, max_batch_rows: int = 8, batching: bool = True):
+    def __init__(self, max_batch_rows: int = 8, batching: bool = True,
+                 batchable: Callable[[Hashable], bool] | None = None):
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.max_batch_rows = max_batch_rows
         self.batching = batching
+        # Whether forwards of a group may share a call (``app.batching``: the group's probe passed); default: all.
+        self.batchable = batchable or (lambda group: True)
         self._ring: dict[Hashable, None] = {}  # insertion order is the turn order
         self._outputs: dict[Hashable, None] = {}  # sessions with output steps pending, in the order they started
 
@@ -94,7 +98,7 @@ class Scheduler:
         ranked = sorted(ready, key=lambda r: order[r.session])
         head = ranked[0]
         members, rows = [head], head.rows
-        if self.batching:
+        if self.batching and self.batchable(head.group):
             for candidate in ranked[1:]:
                 if candidate.group == head.group and rows + candidate.rows <= self.max_batch_rows:
                     members.append(candidate)

@@ -37,6 +37,7 @@ from models.memory import keep_freed_memory
 from models.session import check_prompt
 from models.vae import StreamingDecoder, load_vae
 
+from .batching import ProbeShape
 from .delivery import Encoder
 from .engine import Engine, EngineSession, Work
 from .errors import WS_GOING_AWAY, WS_SERVICE_RESTART, ApiError
@@ -65,8 +66,8 @@ class Services:
             settings.engine_queue_depth,
             settings.session_queue_depth,
             max_batch_rows=settings.max_batch_rows,
-            # ``auto`` batches only once the warm-up's probe has passed (``_decide_batching``).
-            batching=settings.batching is True,
+            # ``auto`` batches a class of model call only once its probe has passed (``app.batching``).
+            batching=settings.batching,
         )
         self.refiner: Refiner | None = None
         self.decoder: StreamingDecoder | None = None  # the VAE's decoder as a stream (setting ``vae``)
@@ -86,8 +87,6 @@ class Services:
         )
         self.metrics.track_memory(self.store.parking.totals, self.store.parking.counts)
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
-        self.batch_invariant: bool | None = None  # measured during the warm-up unless batching is false
-        self.batch_probe: str | None = None  # what the probe found, in words
         self.not_ready_reason: str | None = "loading the model"
         self.warmup_gate = warmup_gate
         self._tasks: list[asyncio.Task] = []
@@ -98,6 +97,18 @@ class Services:
     def registry(self) -> Registry:
         """The store's index of live sessions (what /metrics and /v1/info count)."""
         return self.store.registry
+
+    @property
+    def batch_invariant(self) -> bool | None:
+        """Whether every class of model call probed so far gave batched rows the bits of solo ones (None: none
+        probed, as with ``batching: false``)."""
+        return self.engine.policy.invariant
+
+    @property
+    def batch_probe(self) -> str | None:
+        """What the first probe (the warm-up's class) found, in words."""
+        first = self.engine.policy.first
+        return None if first is None else first.probe
 
     @property
     def draining(self) -> bool:
@@ -200,30 +211,27 @@ class Services:
             self.not_ready_reason = f"warm-up failed: {exc}"
 
     async def _decide_batching(self) -> None:
-        """``batching: auto`` batches only when the probe finds every row of a batched call bit-identical to its solo
-        forward for this model on this device (so retries, restores, reattaches and crash resumes stay bit-identical);
-        ``true`` batches regardless and warns when the probe fails; ``false`` skips the probe."""
-        mode = self.settings.batching
-        if mode is False:
+        """Start probing batch invariance (``app.batching``): the warm-up's class now, every other class of model
+        call when the engine first sees it. ``batching: auto`` batches a class only once its probe passed (so
+        retries, restores, reattaches and crash resumes stay bit-identical); ``true`` batches regardless and warns
+        for a class that fails; ``false`` never probes."""
+        settings, policy = self.settings, self.engine.policy
+        if settings.batching is False:
             return
-        settings, refiner, runner = self.settings, self.refiner, self.engine.runner
-        started = time.perf_counter()
-        probe = await self.engine.call(lambda: probe_batch_invariance(
-            refiner, settings.warmup_height, settings.warmup_width, settings.warmup_prompt_tokens, runner,
-            max_rows=settings.max_batch_rows))
-        self.batch_invariant, self.batch_probe = probe.ok, str(probe)
-        self.engine.scheduler.batching = probe.ok or mode is True
-        log.info("batch invariance probe (%.2f s): %s", time.perf_counter() - started, probe)
-        if probe.ok:
-            return
-        if mode is True:
-            log.warning("batching: true, but batched forwards are NOT bit-identical to solo forwards here (%s): a "
-                        "session's bytes may depend on the sessions it shares model calls with (still within the "
-                        "parity tolerance), so retries, restores and resumes may differ in the last bits. Set "
-                        "batching: auto or false to keep them bit-identical.", probe.failure)
-        else:
-            log.warning("batching: auto turned batching OFF: batched forwards are not bit-identical to solo forwards "
-                        "here (%s); every model call serves one session. batching: true forces it.", probe.failure)
+        refiner, engine = self.refiner, self.engine
+        # On a GPU each probe session holds a whole KV window (9 GiB at 720p for the released refiner): two rows
+        # tell whether the stacked GEMMs change a row's bits; on a CPU up to 8 rows try more kernel choices.
+        max_rows = min(settings.max_batch_rows, 2 if refiner.device.type == "cuda" else 8)
+        shape = ProbeShape(settings.warmup_height, settings.warmup_width, settings.session_defaults().block_size,
+                           settings.warmup_prompt_tokens)
+
+        def start_probing():  # on the engine thread: no idle-time probe can come between the two lines
+            policy.prober = lambda shape: probe_batch_invariance(
+                refiner, shape.height, shape.width, shape.prompt_tokens, engine.runner, max_rows=max_rows,
+                block_frames=shape.block_frames)
+            return policy.probe(shape)
+
+        await self.engine.call(start_probing)
 
     async def drain(self) -> dict[str, Any]:
         """Stop admitting, finish in-flight blocks, save the sessions, close streams cleanly. Idempotent: later

@@ -335,17 +335,11 @@ class PromptAttnProcessor:
 @torch.compiler.disable
 def _prompt_attention(attn, prompts: PromptBatch, query, gate_logits, backend, parallel):
     """Each session's rows over its own prompt; (R, N, D), padding rows zero."""
-    # Every session's prompt tokens in one projection: rows are independent, so each keeps its own bits.
-    embeds = [row.prompt.embeds for row in prompts.rows]
-    flat = _stack([e.flatten(0, 1) for e in embeds]) if len(embeds) > 1 else embeds[0]  # (sum B*L, D)
-    keys = attn.norm_k(attn.to_k(flat))
-    values = attn.to_v(flat)
-    if len(embeds) > 1:
-        sizes = [e.shape[0] * e.shape[1] for e in embeds]
-        keys = [k.view(e.shape[0], e.shape[1], -1) for k, e in zip(keys.split(sizes), embeds)]  # (B, L, D)
-        values = [v.view(e.shape[0], e.shape[1], -1) for v, e in zip(values.split(sizes), embeds)]
-    else:
-        keys, values = [keys], [values]
+    # Each session's prompt projected on its own (B, L, D) shape, never stacked with other sessions' prompts: a
+    # GEMM's kernel (and so its rounding) depends on M, and stacked M would be the sum of the neighbours' prompt
+    # lengths (measured on an AMD EPYC: a row's bits then depend on who shares the call).
+    keys = [attn.norm_k(attn.to_k(row.prompt.embeds)) for row in prompts.rows]  # (B, L, D) each
+    values = [attn.to_v(row.prompt.embeds) for row in prompts.rows]  # (B, L, D) each
     outputs = []
     for row, key, value in zip(prompts.rows, keys, values):
         batch, length = key.shape[0], key.shape[1]

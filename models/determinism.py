@@ -8,19 +8,21 @@ What breaks it on a CPU, found by bisecting a forward module by module with forw
    (M = R) round differently: on an AMD EPYC (AVX2) for every R in 2..8, and on Xeons for widths that are not a
    multiple of 32, whatever MKL's reproducibility mode. ``models.step.time_embedding`` therefore runs them one row
    at a time: M is 1 whatever the batch, by construction.
-2. GEMMs whose M is tokens x rows (projections, feed-forward): MKL's sgemm splits the reduction (K) dimension
-   across threads when the output is small relative to K, and how it splits depends on M. With MKL's Conditional
-   Numerical Reproducibility in strict mode, every row's result depends only on that row: ``MKL_CBWR=AUTO,STRICT``
-   (Intel's documented switch; under 5% on the step's shapes here). MKL reads the variable when it runs its first
-   routine, so ``models`` sets it on import unless the user set it already; ``gemm_batch_invariant`` checks that it
-   took effect.
+2. GEMMs whose M depends on the neighbours' sizes: the prompt's cross-attention keys and values were projected
+   for all the call's sessions at once, M being the sum of their prompt lengths (found on an AMD EPYC). Each
+   session's prompt is now projected on its own shape (``models.attention``), by construction.
+3. GEMMs whose M is tokens x rows (the stacked projections and feed-forward): MKL's sgemm splits the reduction (K)
+   dimension across threads when the output is small relative to K, and how it splits depends on M. MKL's
+   Conditional Numerical Reproducibility in strict mode (``MKL_CBWR=AUTO,STRICT``, Intel's documented switch; under
+   5% on the step's shapes) removes what was seen on Xeons; ``models`` sets it on import unless the user set it
+   already, and ``gemm_batch_invariant`` checks that it took effect. It is NOT a guarantee: nothing obliges a BLAS
+   (MKL on another CPU, cuBLAS, a compiled step's kernels per bucket) to round a row the same at every M.
 
-The rest of the forward is invariant by construction: attention, RoPE, the output gates and the prompt's
-projection run per session on the shapes of a solo forward, and everything else is per token.
-
-What no construction covers (another BLAS, a GPU: cuBLAS chooses GEMM kernels by shape, a compiled step whose
-kernels differ between bucket sizes) is measured: ``probe_batch_invariance`` runs the loaded model as the service
-runs it, and the service batches by default (``batching: auto``) only when the probe passes.
+So bit-identity under batching is a property of the loaded model on the device it runs on, measured:
+``probe_batch_invariance`` runs the model as the service runs it, for one class of model call (tokens per row,
+dtype, device), and the service (``app.batching``) batches a class with ``batching: auto`` only once its probe
+passed; the rest of the forward (attention, RoPE, gates, the time embedding, the prompt's projections) is per session
+on a solo forward's shapes, invariant by construction.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class InvarianceProbe:
     calls: int  # model calls compared (solo ones not counted)
     threads: tuple[int, ...]  # intra-op thread counts tried
     failure: str | None = None  # the first row that differed: row count, position, thread count
+    group: tuple | None = None  # the class of model call measured: (tokens per row, dtype, device)
 
     def __str__(self) -> str:
         threads = "/".join(str(t) for t in self.threads)
@@ -76,7 +79,8 @@ class InvarianceProbe:
 
 
 def probe_batch_invariance(refiner, height: int, width: int, prompt_tokens: int, runner=None, max_rows: int = 8,
-                           threads: tuple[int, ...] | None = None, seed: int = 0) -> InvarianceProbe:
+                           threads: tuple[int, ...] | None = None, seed: int = 0,
+                           block_frames: int | None = None) -> InvarianceProbe:
     """Whether the loaded refiner, as it runs here (device, dtype, intra-op threads, ``runner``: the compiled step if
     one is used), gives a session the same velocity alone and stacked with others in one model call.
 
@@ -84,9 +88,13 @@ def probe_batch_invariance(refiner, height: int, width: int, prompt_tokens: int,
     length (one or two blocks of history) and positions mode are each brought to their next forward; every row
     count from 2 to ``max_rows`` is then run with rows drawn at random positions, and each row compared with
     ``torch.equal`` to its solo forward, at every intra-op thread count in ``threads`` (default: 1 and the current
-    count, on a CPU; the current count is restored)."""
-    import random
+    count, on a CPU; the current count is restored).
 
+    ``block_frames`` (default: the session default's block size) and ``height`` x ``width`` fix the tokens per row,
+    and so the class of model call measured (``InvarianceProbe.group``). On a GPU the caller keeps ``max_rows`` small
+    (the service uses 2: each session holds a whole KV window, 9 GiB at 720p for the released refiner); the probe's
+    sessions are freed, and on CUDA the allocator's cache emptied, before it returns, so that what it allocated is
+    not counted as used by whoever reads free memory next."""
     import torch
 
     from .config import SessionConfig
@@ -98,7 +106,8 @@ def probe_batch_invariance(refiner, height: int, width: int, prompt_tokens: int,
     sessions = max(2, min(max_rows, 8))
     forwards = []
     for index in range(sessions):
-        config = SessionConfig(seed=seed + index, positions="rebased" if index % 3 == 2 else "absolute")
+        config = SessionConfig(seed=seed + index, positions="rebased" if index % 3 == 2 else "absolute",
+                               **({} if block_frames is None else {"block_size": block_frames}))
         generator = torch.Generator().manual_seed(seed + index)
         blocks = 1 + index % 2
         frames = config.sink_frames + (blocks + 1) * config.block_size
@@ -108,6 +117,20 @@ def probe_batch_invariance(refiner, height: int, width: int, prompt_tokens: int,
         session.push(latents[:, :, : frames - config.block_size], embeds)
         session.append(session.check(latents[:, :, frames - config.block_size :]))
         forwards.append(session.next_forward(session.start(session.plan())))
+
+    group = forwards[0].group
+    try:
+        return _compare(refiner, forwards, runner, sessions, threads, seed, group)
+    finally:
+        del forwards, session
+        if refiner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _compare(refiner, forwards, runner, sessions, threads, seed, group) -> InvarianceProbe:
+    import random
+
+    import torch
 
     if threads is None:
         current = torch.get_num_threads()
@@ -126,9 +149,9 @@ def probe_batch_invariance(refiner, height: int, width: int, prompt_tokens: int,
                 for position, (index, velocity) in enumerate(zip(order, together)):
                     if not torch.equal(velocity, alone[index]):
                         worst = (velocity.double() - alone[index].double()).abs().max().item()
-                        return InvarianceProbe(False, calls, tuple(threads), (
+                        return InvarianceProbe(False, calls, tuple(threads), group=group, failure=(
                             f"a row stacked at position {position} of {rows} differs from its solo forward by up to "
                             f"{worst:.3g} with {count} intra-op thread(s) on {refiner.device}"))
     finally:
         torch.set_num_threads(before)
-    return InvarianceProbe(True, calls, tuple(threads))
+    return InvarianceProbe(True, calls, tuple(threads), group=group)

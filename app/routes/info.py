@@ -63,9 +63,12 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             "batched": services.engine.batching,  # whether model calls hold several sessions now
             "max_batch_rows": services.settings.max_batch_rows,
             "compile_step": services.settings.compile_step,
-            # Measured during the warm-up: a session's bytes do not depend on the sessions sharing its forwards.
+            # Measured, per class of model call (tokens per row, dtype, device): whether a session's bytes do not
+            # depend on the sessions sharing its forwards (app.batching). batch_invariant: every class probed passed;
+            # batch_probe: the first (warm-up) class's finding; batch_classes: each class, probed or pending.
             "batch_invariant": services.batch_invariant,
             "batch_probe": services.batch_probe,
+            "batch_classes": services.engine.policy.describe(),
             # Real-time admission: the setting, the measured seconds per row, the load of the realtime sessions.
             "realtime": services.store.realtime.figures(),
         },

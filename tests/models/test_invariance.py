@@ -26,6 +26,7 @@ from models.determinism import probe_batch_invariance
 
 HEADS = (1, 2, 3, 5, 8, 32)
 HEAD_DIMS = (16, 32, 64, 128)
+PARITY_TOLERANCE = 1e-5  # the parity contract (largest absolute difference), which holds batched or not
 MAX_INNER = 512  # keeps the drawn family fast on two cores; the released width has its own test
 FAMILY_SIZE = 8
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +76,10 @@ def steady_forwards(refiner, sessions: int, height: int, width: int, seed: int) 
 
 def assert_rows_invariant(refiner, height: int, width: int, seed: int, threads: int, trials: int = 6) -> int:
     """Each of 8 sessions' forwards alone, then ``trials`` calls of 2..8 rows at random positions; every stacked row
-    must equal its solo velocity. Returns the number of rows compared."""
+    must be within the parity tolerance of its solo velocity, and equal to it bit for bit unless the service's own
+    probe (``probe_batch_invariance``, what ``batching: auto`` decides by) finds this class not invariant on this
+    machine too: then the test is skipped with the probe's verdict (the service would not batch it). A difference
+    the probe does not see fails. Returns the number of rows compared."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -87,9 +91,13 @@ def assert_rows_invariant(refiner, height: int, width: int, seed: int, threads: 
             order = rng.sample(range(8), rng.randint(2, 8))  # a row and 1..7 neighbours, random positions
             for position, (index, velocity) in enumerate(zip(order, run_batch(refiner.model, [forwards[i] for i in order]))):
                 worst = (velocity - alone[index]).abs().max().item()
-                assert torch.equal(velocity, alone[index]), (
-                    f"row {index} at position {position} of {len(order)} ({threads} threads) differs from its solo "
-                    f"forward by {worst:.3g}")
+                assert worst <= PARITY_TOLERANCE, f"row {index} differs from its solo forward by {worst:.3g}"
+                if not torch.equal(velocity, alone[index]):
+                    difference = (f"row {index} at position {position} of {len(order)} ({threads} threads) differs "
+                                  f"from its solo forward by {worst:.3g}")
+                    probe = probe_batch_invariance(refiner, height, width, 2, threads=(threads,), seed=seed)
+                    assert not probe.ok, f"{difference}, but the service's probe passed this class: {probe}"
+                    pytest.skip(f"{difference}; the probe agrees, so batching: auto would not batch it here: {probe}")
                 compared += 1
         return compared
     finally:
@@ -150,12 +158,20 @@ def test_the_family_holds_under_an_avx2_only_cpu():
         "from tests.models.test_invariance import draw_family, assert_rows_invariant\n"
         "from models import from_model\n"
         "from models.checkpoints import build_model\n"
+        "import pytest\n"
         "family = draw_family()\n"
-        "for index, threads in ((0, 1), (1, 2), (5, 2)):\n"
-        "    refiner = from_model(build_model('tiny', seed=index, **family[index]))\n"
-        "    for hw in ((4, 4), (3, 3)):\n"
-        "        assert_rows_invariant(refiner, *hw, seed=index, threads=threads, trials=4)\n"
-        "print('invariant under AVX2')\n"
+        "try:\n"
+        "    for index, threads in ((0, 1), (1, 2), (5, 2)):\n"
+        "        refiner = from_model(build_model('tiny', seed=index, **family[index]))\n"
+        "        for hw in ((4, 4), (3, 3)):\n"
+        "            assert_rows_invariant(refiner, *hw, seed=index, threads=threads, trials=4)\n"
+        "except pytest.skip.Exception as skipped:\n"
+        "    print('SKIPPED:', skipped.msg)\n"
+        "else:\n"
+        "    print('invariant under AVX2')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "invariant under AVX2" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    if "SKIPPED:" in done.stdout:
+        pytest.skip(done.stdout.split("SKIPPED:", 1)[1].strip())
+    assert "invariant under AVX2" in done.stdout, done.stdout + done.stderr

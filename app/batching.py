@@ -1,0 +1,197 @@
+"""Which model calls may hold several sessions: the ``batching`` setting and the batch-invariance probe per class.
+
+Bit-identity under batching (a session's bytes do not depend on the sessions sharing its forwards) is a property
+of the loaded model on the CPU or GPU it runs on, not a law: the stacked projections and feed-forward are GEMMs
+whose M is rows x tokens, and a BLAS (MKL on one CPU or another, cuBLAS) may pick its kernel, and so its rounding,
+by M. What the code makes invariant by construction is everything that runs per session on a solo forward's shapes
+(attention, RoPE, gates, the time embedding, the prompt's projections: ``models.step``, ``models.attention``); the
+rest is measured, by ``models.determinism.probe_batch_invariance``, for each *class* of model call served.
+
+A class is what fixes the shapes of the stacked GEMMs: the forwards' group (tokens per row, dtype, device;
+``models.step.RowForward.group``). The prompt's length does not enter: prompts are projected per session, so no
+stacked GEMM sees it. A new latent size or a short last block is a new class.
+
+- ``batching: auto`` (the default) batches a class only once its probe passed. A class seen for the first time is
+  served one session per call until then; it is probed on the engine thread (the only caller of the model) at the
+  first iteration where the engine is idle or two of its sessions are ready at once (then batching would pay; that
+  call waits for the probe). A class whose probe failed stays one session per call, logged once, shown in
+  ``/v1/info`` -> ``engine.batch_classes``.
+- ``true`` batches every class and probes them all the same, warning once per class that fails.
+- ``false`` never batches and never probes.
+
+Pure bookkeeping plus one call into the probe: the engine owns the thread and decides when to call ``probe_next``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable, Literal
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["auto"] | bool
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    """What the probe needs to build sessions of a class: their latent frame size, block frames and prompt length."""
+
+    height: int
+    width: int
+    block_frames: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class ClassVerdict:
+    group: Hashable
+    shape: ProbeShape
+    ok: bool
+    probe: str  # the probe's finding, in words
+    seconds: float
+
+    def to_dict(self) -> dict:
+        tokens, dtype, device = self.group if isinstance(self.group, tuple) and len(self.group) == 3 else (
+            self.group, None, None)
+        return {
+            "tokens_per_row": tokens,
+            "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+            "device": str(device) if device is not None else None,
+            "frame": [self.shape.height, self.shape.width],
+            "block_frames": self.shape.block_frames,
+            "invariant": self.ok,
+            "probe": self.probe,
+            "probe_seconds": round(self.seconds, 3),
+        }
+
+
+class BatchingPolicy:
+    """Whether a class of model call may hold several sessions, and which classes still wait for their probe.
+
+    ``prober(shape)`` runs the probe for a class and returns a ``models.determinism.InvarianceProbe``; it is set
+    once the model is loaded (until then nothing is probed and, in ``auto``, nothing is batched)."""
+
+    def __init__(self, mode: Mode = "auto"):
+        if mode not in ("auto", True, False):
+            raise ValueError(f"batching must be 'auto', true or false, got {mode!r}")
+        self.mode = mode
+        self.prober: Callable[[ProbeShape], object] | None = None
+        self._verdicts: dict[Hashable, ClassVerdict] = {}
+        self._pending: dict[Hashable, ProbeShape] = {}  # in the order they were first seen
+        self.first: ClassVerdict | None = None  # the first class probed (the warm-up's when there is one)
+
+    # --- the scheduler's question --------------------------------------------------------------------------
+    def allows(self, group: Hashable) -> bool:
+        """Whether forwards of ``group`` may share a model call now."""
+        if self.mode is True:
+            return True
+        if self.mode is False:
+            return False
+        verdict = self._verdicts.get(group)
+        return verdict is not None and verdict.ok
+
+    @property
+    def batching(self) -> bool:
+        """Whether some model calls may hold several sessions now (any class allowed)."""
+        return self.mode is True or (self.mode == "auto" and any(v.ok for v in list(self._verdicts.values())))
+
+    # --- classes and their probes --------------------------------------------------------------------------
+    def saw(self, group: Hashable, shape: ProbeShape) -> None:
+        """A ready forward of ``group``: a class never seen before waits for its probe."""
+        if self.mode is False or group in self._verdicts or group in self._pending:
+            return
+        self._pending[group] = shape
+
+    def wants_probe(self, ready_groups: list[Hashable]) -> Hashable | None:
+        """The pending class to probe before this iteration's call: one with two sessions ready at once (batching
+        would pay now); None otherwise."""
+        if not self._pending or self.prober is None:
+            return None
+        counts: dict[Hashable, int] = {}
+        for group in ready_groups:
+            counts[group] = counts.get(group, 0) + 1
+            if counts[group] == 2 and group in self._pending:
+                return group
+        return None
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending) and self.prober is not None
+
+    def probe_next(self, group: Hashable | None = None) -> ClassVerdict | None:
+        """Probe ``group`` (default: the oldest pending class) on this thread and record its verdict."""
+        if not self._pending or self.prober is None:
+            return None
+        if group is None:
+            group = next(iter(self._pending))
+        return self.probe(self._pending[group], group)  # stays pending (visible) until its verdict is in
+
+    def probe(self, shape: ProbeShape, group: Hashable | None = None) -> ClassVerdict:
+        """Run the probe for ``shape`` now (on the engine thread) and record it under the group it measured."""
+        if self.prober is None:
+            raise RuntimeError("no prober: the model is not loaded")
+        started = time.perf_counter()
+        try:
+            result = self.prober(shape)
+        except Exception as exc:  # recorded as the class's verdict, so that it is not probed again and again
+            log.exception("the batch-invariance probe failed to run")
+            result = _Broken(f"the probe failed to run: {exc!r}")
+        seconds = time.perf_counter() - started
+        measured = getattr(result, "group", None)
+        ok, finding = bool(result.ok), str(result)
+        if group is None:
+            group = measured
+        elif measured is not None and measured != group:
+            # Never batch a class on another class's verdict.
+            ok, finding = False, f"the probe measured {measured}, not the class {group} it was asked for"
+        self._pending.pop(group, None)
+        verdict = ClassVerdict(group, shape, ok, finding, seconds)
+        self._verdicts[group] = verdict
+        if self.first is None:
+            self.first = verdict
+        self._log(verdict)
+        return verdict
+
+    def _log(self, verdict: ClassVerdict) -> None:
+        tokens = verdict.to_dict()["tokens_per_row"]
+        if verdict.ok:
+            log.info("batch invariance probe, %s tokens per row (%.2f s): %s", tokens, verdict.seconds, verdict.probe)
+        elif self.mode is True:
+            log.warning("batching: true, but batched forwards of %s tokens per row are NOT bit-identical to solo "
+                        "forwards here (%s): a session's bytes may depend on the sessions it shares model calls with "
+                        "(still within the parity tolerance), so retries, restores and resumes may differ in the last "
+                        "bits. Set batching: auto or false to keep them bit-identical.", tokens, verdict.probe)
+        else:
+            log.warning("batching: auto serves forwards of %s tokens per row one session per call: batched rows are "
+                        "not bit-identical to solo ones here (%s). batching: true forces batching.", tokens,
+                        verdict.probe)
+
+    # --- what /v1/info says --------------------------------------------------------------------------------
+    @property
+    def invariant(self) -> bool | None:
+        """None before any probe; else whether every class probed so far passed."""
+        verdicts = list(self._verdicts.values())
+        if not verdicts:
+            return None
+        return all(v.ok for v in verdicts)
+
+    def describe(self) -> list[dict]:
+        """Each class probed, then each still waiting for its probe."""
+        # list() copies in one step under the GIL: the engine thread may add a class meanwhile.
+        probed = [v.to_dict() for v in list(self._verdicts.values())]
+        waiting = [{"tokens_per_row": g[0] if isinstance(g, tuple) else g, "frame": [s.height, s.width],
+                    "block_frames": s.block_frames, "invariant": None, "probe": "pending"}
+                   for g, s in list(self._pending.items())]
+        return probed + waiting
+
+
+@dataclass(frozen=True)
+class _Broken:
+    reason: str
+    ok: bool = False
+    group: None = None
+
+    def __str__(self) -> str:
+        return self.reason
