@@ -315,9 +315,8 @@ def section_park(ctx: Context) -> dict[str, Any]:
     out = {"session_bytes": moved, "park_ms": park_ms, "page_in_ms": page_in_ms,
            "park_gb_per_second_ratio": moved / park_ms / 1e6, "page_in_gb_per_second_ratio": moved / page_in_ms / 1e6}
     if stats:  # what the caching host allocator grew by: ~0 with exact-size pinned buffers
-        key = "reserved_bytes.current" if "reserved_bytes.current" in after else None
-        if key:
-            out["host_allocator_growth_bytes"] = after[key] - before.get(key, 0)
+        key = "allocated_bytes.current"
+        out["host_allocator_growth_bytes"] = after.get(key, 0) - before.get(key, 0)
     return out
 
 
