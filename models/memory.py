@@ -18,7 +18,7 @@ import logging
 import torch
 
 from .session import Geometry
-from .transfer import pinned_empty
+from .transfer import pinned_copy, pinned_empty
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class Move:
     def __enter__(self) -> Move:
         cuda = self.device.type == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized())
         if cuda:
-            _release_finished()
+            release_finished()
             device = self.cuda_device or torch.device("cuda", torch.cuda.current_device())
             self._compute = torch.cuda.current_stream(device)
             self._stream = torch.cuda.Stream(device)
@@ -172,7 +172,7 @@ class Move:
             host.copy_(tensor, non_blocking=True)
             tensor.record_stream(self._stream)
             return host
-        staged = tensor if tensor.is_pinned() else tensor.pin_memory()
+        staged = pinned_copy(tensor)  # a spilled session's tensors come back from a file in plain memory
         moved = staged.to(self.device, non_blocking=True)
         moved.record_stream(self._compute)  # allocated on the side stream, read by the compute stream's forwards
         self._sources.append(staged)
@@ -186,12 +186,14 @@ class Move:
 
 
 # Host buffers page-ins read from, with the event their copies complete with: released (and their pinning undone)
-# once the event has passed, checked without waiting at the next move.
+# once the event has passed, checked without waiting at the next move and at every engine commit.
 _in_flight: list[tuple[object, list[torch.Tensor]]] = []
 
 
-def _release_finished() -> None:
-    _in_flight[:] = [(event, tensors) for event, tensors in _in_flight if not event.query()]
+def release_finished() -> None:
+    """Drop the host buffers of page-ins whose copies have completed (never waits)."""
+    if _in_flight:
+        _in_flight[:] = [(event, tensors) for event, tensors in _in_flight if not event.query()]
 
 
 def move_session(session, device: torch.device, copy: bool = False, after=None):

@@ -53,6 +53,16 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor's copy in pinned memory (exact-size from ``EXACT_PIN_BYTES`` up); the tensor itself when it is
+    pinned already."""
+    if tensor.is_pinned():
+        return tensor
+    if tensor.nbytes < EXACT_PIN_BYTES:
+        return tensor.pin_memory()
+    return pinned_empty(tensor.shape, tensor.dtype).copy_(tensor)
+
+
 def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` on ``device`` in ``dtype``; from host to CUDA through pinned memory, without blocking."""
     if device.type == "cuda" and tensor.device.type == "cpu":
