@@ -43,7 +43,7 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     has passed (``models.memory.Move`` does)."""
     tensor = torch.empty(shape, dtype=dtype)
     if tensor.nbytes < EXACT_PIN_BYTES:
-        return tensor.pin_memory()
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
     pointer = tensor.data_ptr()
     error = int(torch.cuda.cudart().cudaHostRegister(pointer, tensor.nbytes, 1))  # 1: portable (every device)
     if error != 0:
