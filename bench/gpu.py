@@ -395,11 +395,15 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
             summary["seconds"][f"{name}_s"] = time.perf_counter() - started
             print(json.dumps({name: summary["sections"].get(name, summary["errors"].get(name))}, default=str),
                   flush=True)
-    summary["seconds"]["total_s"] = time.perf_counter() - total
+            summary["seconds"]["total_s"] = time.perf_counter() - total
+            _write(out_dir, summary)  # after every section: a run stopped by the loan's end keeps what it measured
+    return summary
+
+
+def _write(out_dir: Path, summary: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     (out_dir / "summary.md").write_text(render(summary))
-    return summary
 
 
 def _cell(value: Any) -> str:
