@@ -61,9 +61,12 @@ from typing import Any, Callable
 import torch
 
 from models.clip import check_clip_length
+from models.clock import CallClock
 from models.errors import NonFiniteOutputError
+from models.memory import release_finished
 from models.session import BlockRun, RefinerSession, SessionCheckpoint, SessionState, Unit
 from models.step import RowForward, run_isolated
+from models.transfer import use_device
 
 from .batching import BatchingPolicy, Mode, ProbeShape
 from .engine_errors import Draining, EngineBusy, EngineError, OutputFailed
@@ -99,6 +102,9 @@ class EngineSession:
     queued: int = 0
     # A real-time session's deadlines and late blocks (app.realtime); None when it is not real time.
     pacing: Pacing | None = None
+    # The CUDA event of copies that brought its tensors to the device on a side stream (a page-in): its next model
+    # call waits for it on the device (``wait_for``), so other sessions' calls queued before do not.
+    ready: Any = None
 
 
 @dataclass(eq=False)
@@ -165,7 +171,7 @@ class Batch:
 class BatchResult:
     batch: Batch
     outcomes: tuple[torch.Tensor | Exception, ...]
-    seconds: float
+    seconds: float  # wall time of issuing the call (its cost on a CPU; only the launches on CUDA: see ``clock``)
 
 
 @dataclass(eq=False)
@@ -187,7 +193,12 @@ class Engine:
         self.metrics = metrics
         self.queue_depth = queue_depth
         self.session_depth = session_depth
-        self.model: torch.nn.Module | None = None  # set once the refiner is loaded
+        self._model: torch.nn.Module | None = None  # set once the refiner is loaded (``model``)
+        # Model calls' cost on the device's own clock (models.clock): wall time on a CPU, CUDA events on a GPU, read
+        # without waiting for the GPU. It feeds /metrics' model_call_seconds and the real-time cost model.
+        self.clock = CallClock("cpu")
+        # The device the engine thread must make current before its next job (``_bind_device``); None: done.
+        self._bind: torch.device | None = None
         # What runs a model call: models.step.run_batch, or a compiled step (models.compiled.CompiledStep).
         self.runner: Callable[[torch.nn.Module, list[RowForward]], list[torch.Tensor]] | None = None
         self._cond = threading.Condition()
@@ -203,6 +214,24 @@ class Engine:
         # Real-time sessions' deadlines and the measured cost per row that admission reads (app.realtime).
         self.pacer = Pacer(on_late=lambda _: metrics.late_blocks.inc(), on_paced=lambda _: metrics.paced_blocks.inc())
         self._thread: threading.Thread | None = None
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self._model
+
+    @model.setter
+    def model(self, model: torch.nn.Module | None) -> None:
+        """The refiner's model. Its device becomes the engine thread's current device before the thread's next job
+        (with ``device: cuda:1`` everything the thread queues without naming a device, events and streams included,
+        must go to cuda:1, not to the process's default cuda:0), and the clock times calls on it."""
+        self._model = model
+        if model is None:
+            return
+        device = next(model.parameters()).device
+        self.clock = CallClock(device)
+        with self._cond:
+            self._bind = device
+            self._cond.notify()
 
     # --- event-loop side ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -289,7 +318,7 @@ class Engine:
             while True:
                 with self._cond:
                     while (not self._inbox and (not self.scheduler.ring or self._paused) and not self._stopping
-                           and not (self.policy.pending and not self._paused)):
+                           and not (self.policy.pending and not self._paused) and self._bind is None):
                         self._cond.wait()
                     if self._stopping:
                         self._fail_everything(Draining("the server stopped before this work ran; retry after "
@@ -297,6 +326,9 @@ class Engine:
                         return
                     inbox = list(self._inbox)
                     self._inbox.clear()
+                    bind, self._bind = self._bind, None
+                if bind is not None:
+                    use_device(bind)
                 for item in inbox:
                     self._admit(item)
                 if self._paused:
@@ -353,17 +385,31 @@ class Engine:
 
     def execute(self, batch: Batch) -> BatchResult:
         started = time.perf_counter()
+        for member in batch.members:
+            wait_for(member.target)  # a session paged in on a side stream: its copies first (no host wait)
+        tokens = batch.members[0].forward.group[0] if batch.members else 0
+        mark = self.clock.start((tokens, batch.rows))
         outcomes = run_isolated(self.model, [member.forward for member in batch.members], self.runner)
+        if any(isinstance(o, Exception) for o in outcomes):
+            mark.tag = None  # timed for /metrics, but a call that failed (and reran alone) is no cost per row
+        self.clock.stop(mark)
         seconds = time.perf_counter() - started
         if batch.call is not None:
             self.scheduler.served(batch.call)
         self.metrics.batch_rows.observe(batch.rows)
-        self.metrics.model_call_seconds.observe(seconds)
         return BatchResult(batch, tuple(outcomes), seconds)
 
+    def observe_calls(self) -> None:
+        """Feed the calls the clock has measured since the last look (on CUDA: those the GPU finished; never waits)
+        to /metrics and the real-time cost model."""
+        release_finished()  # page-ins' host buffers whose copies are done (models.memory)
+        for tag, seconds in self.clock.finished():
+            self.metrics.model_call_seconds.observe(seconds)
+            if tag is not None and tag[0] > 0:
+                self.pacer.observed_call(tag[0], tag[1], seconds)
+
     def commit(self, result: BatchResult) -> None:
-        if result.batch.members and not any(isinstance(o, Exception) for o in result.outcomes):
-            self.pacer.observed_call(result.batch.members[0].forward.group[0], result.batch.rows, result.seconds)
+        self.observe_calls()
         for member, outcome in zip(result.batch.members, result.outcomes):
             target = member.target
             work = target.work[0]
@@ -613,6 +659,13 @@ class Engine:
                 failed += 1
         self.scheduler.clear()
         return failed
+
+
+def wait_for(target: EngineSession) -> None:
+    """Make the engine's stream wait (on the device, the host goes on) for ``target``'s copies in flight."""
+    if target.ready is not None:
+        torch.cuda.current_stream().wait_event(target.ready)
+        target.ready = None
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, error: BaseException | None):

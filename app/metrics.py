@@ -47,7 +47,8 @@ class Metrics:
         )
         self.model_call_seconds = Histogram(
             "refiner_model_call_seconds",
-            "Engine time per model call (one forward of every session in the batch)",
+            "Device time per model call (one forward of every session in the batch): CUDA events on a GPU, read once "
+            "the GPU passed them (so a call is observed a call or two late), wall time on a CPU",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

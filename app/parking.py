@@ -270,9 +270,11 @@ class Parking:
             device, session, ready = self.store._refiner().device, handle.session, handle.park_ready
 
             def page_in():
-                from models.memory import Move
-                Move.after(ready)  # the copies that parked it are complete before they are read back
-                return move_session(session, device)
+                # On a side stream, after the copies that parked it; its next forward waits for these copies on the
+                # device (``app.engine.wait_for``), other sessions' forwards do not.
+                moved = move_session(session, device, after=ready)
+                handle.engine_session.ready = moved
+                return moved
 
             handle.park_ready = await self.store.engine.call(page_in)
             handle.memory_state = "active"

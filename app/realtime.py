@@ -12,7 +12,10 @@ arrived runs dry. The sink (returned unchanged) has no deadline. The engine call
 a chunk and ``Pacer.committed`` when it commits a block, both on its thread; the clock is injectable (tests).
 
 **Cost model.** Every model call the engine makes feeds ``CostModel``: its seconds divided by its rows, an
-exponentially weighted moving average per tokens-per-row (a call holds forwards of one token count only). With
+exponentially weighted moving average per tokens-per-row (a call holds forwards of one token count only). The
+seconds are the device's (``models.clock.CallClock``): on CUDA the span between two events around the call, read
+once the GPU passed them (a figure arrives a call or two late; the engine never waits for it), since wall time
+around asynchronous launches measures the launches and would over-admit; on a CPU, wall time. With
 batching on, rows that shared a call cost their share of it, so the figure is what a session costs at the load it
 ran under.
 

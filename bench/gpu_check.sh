@@ -1,38 +1,62 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, in one command, for a machine that has one:
-#   bash bench/gpu_check.sh [OUTPUT_DIR]
-# 1. the -m gpu tests (bf16 parity with diffusers' reference, batched vs solo rows, no host sync inside a
-#    block, KV memory allocated once, the compiled step with CUDA graphs);
-# 2. the benchmarks on the GPU in bf16: the cached step vs recomputing the window at 720p latents (40x22),
-#    many sessions at once (batching on vs off, then with compile_step), and the window-attention strategies.
-# Reports go to OUTPUT_DIR (default $OUT when set, else gpu-check/); record them in docs/benchmarks.md.
-# Expects the project installed (pip install -e '.[test]') with a CUDA build of torch.
+# Every check that needs a CUDA GPU, in one command, sized for one loan (ends within 8 minutes: the figures are
+# bounded to 5.5 minutes, the tests to 2.5):
+#   bash bench/gpu_check.sh [--wheels DIR] OUT     on a machine with one NVIDIA GPU and a CUDA build of torch >= 2.11
+#   bash bench/gpu_check.sh --smoke OUT            the same script on the CPU with the tiny preset (CI, < 2 minutes)
+# 1. `python -m bench gpu OUT` (bench/gpu.py): the released refiner from its config with random weights in bf16 on
+#    the GPU; start-up, steady block latency at 480p/720p for 1/2/4 sessions batched and one at a time (CUDA events),
+#    sessions in the memory budget, real-time sessions at 16 fps, bf16 vs fp32 parity, streaming VAE decode frames/s,
+#    park/page-in ms, the attention kernel. Writes OUT/summary.json (each figure named with its unit) and
+#    OUT/summary.md; a broken section is recorded there and the rest runs.
+# 2. the -m gpu tests (tests/gpu: bf16 parity with diffusers' reference, batched vs solo rows, no host sync inside a
+#    block, KV memory allocated once, the compiled step with CUDA graphs), output in OUT/gpu-tests.txt.
+# No network on the GPU machine: --wheels DIR installs the other dependencies from a folder filled elsewhere by
+# `bash bench/gpu_wheels.sh DIR` (pip --no-index). The project itself is not pip-installed: it runs from this
+# checkout (PYTHONPATH), because pyproject pins torch==2.13.0 (the CPU build) and Python 3.11, and installing it
+# would try to replace the machine's CUDA torch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+smoke=0 wheels=""
+while (($#)); do
+  case "$1" in
+    --smoke) smoke=1; shift ;;
+    --wheels) wheels="$2"; shift 2 ;;
+    -*) echo "unknown option $1" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
 out="${1:-${OUT:-gpu-check}}"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-# step NAME COMMAND...: run it, its output shown and kept in $out/NAME.txt; a failure is remembered, the rest runs.
-step() {
-  local name="$1"; shift
-  echo "== $name: $*"
-  if ! "$@" 2>&1 | tee "$out/$name.txt"; then status=1; echo "== $name FAILED"; fi
-}
+
+if [ -n "$wheels" ]; then
+  python -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" 2>&1 | tee "$out/install.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "== installing from $wheels failed (see $out/install.txt)"; exit 1; }
+fi
+
+if ((smoke)); then
+  python -m bench gpu --smoke "$out" > "$out/bench.txt" 2>&1 || status=1
+  tail -n 5 "$out/bench.txt"
+  exit $status
+fi
 
 python - <<'PY' 2>&1 | tee "$out/machine.txt"
 import torch, diffusers
 print("torch", torch.__version__, "diffusers", diffusers.__version__, "cuda", torch.version.cuda)
-assert torch.cuda.is_available(), "no CUDA device"
+assert torch.cuda.is_available(), "no CUDA device (use --smoke for the CPU check)"
+major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+assert (major, minor) >= (2, 11), f"torch {torch.__version__}: the GPU check needs >= 2.11"
 print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**30, "GiB")
 PY
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 
-step gpu-tests python -m pytest -q -m gpu -s tests/gpu
-step cache-720p python -m bench cache --preset medium --device cuda --dtype bfloat16 --height 22 --width 40 \
-    --blocks 6 --service
-step load-720p python -m bench load --preset medium --device cuda --dtype bfloat16 --height 22 --width 40 --rounds 2
-step load-720p-compiled python -m bench load --preset medium --device cuda --dtype bfloat16 --height 22 --width 40 \
-    --rounds 2 --no-compare --compile
-step attention-720p python -m bench attention --device cuda --tokens-per-frame 880
+echo "== bench gpu"
+# Bounded so that the tests still run within the loan: summary.json is written after every section, so a run
+# stopped here keeps what it measured; the block latencies left after --budget-s are skipped (null).
+timeout 330 python -m bench gpu --budget-s 240 "$out" 2>&1 | tee "$out/bench.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu: some sections failed (errors in $out/summary.json)"; }
+echo "== gpu tests"
+timeout 150 python -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu tests FAILED"; }
 exit $status

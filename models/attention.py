@@ -51,6 +51,10 @@ DIFFUSERS_MODE: dict[str, str] = {
     "commit": "inject_and_capture_post_rope",
 }
 
+# Set by ``models.attention_op.fullgraph()``: the per-session functions are traced by torch.compile (not disabled)
+# and the kernel is the ``wm_refiner::attend`` op, so a block compiles with fullgraph=True.
+TRACEABLE = False
+
 _FIX = (
     "run forwards through models.step.run_batch (it builds a fresh window per forward and verifies its writes "
     "once), and keep models.attention.WindowAttnProcessor on every block's attn1 and PromptAttnProcessor on "
@@ -196,6 +200,10 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _attend(query, key, value, heads: int, backend, parallel_config, mask=None) -> torch.Tensor:
+    if TRACEABLE and backend is None and parallel_config is None:
+        from .attention_op import attend
+
+        return attend(query, key, value, heads, mask)
     out = dispatch_attention_fn(
         _heads(query, heads),
         _heads(key, heads),
@@ -267,8 +275,9 @@ class WindowAttnProcessor:
             key = apply_rope(key, query_rotary_emb, attn.rope_type)
             hidden = _attend(query, key, value, attn.heads, self._attention_backend, self._parallel_config)
             return _project(attn, _gate(attn, hidden, gate_logits))
-        hidden = _window_attention(attn, kv_cache, kv_cache_mode, query, key, value, gate_logits,
-                                   self._attention_backend, self._parallel_config)
+        window_attention = _window_attention.__wrapped__ if TRACEABLE else _window_attention
+        hidden = window_attention(attn, kv_cache, kv_cache_mode, query, key, value, gate_logits,
+                                  self._attention_backend, self._parallel_config)
         return _project(attn, hidden)
 
 
@@ -328,7 +337,8 @@ class PromptAttnProcessor:
                                key_rotary_emb)
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         query = attn.norm_q(attn.to_q(hidden_states))  # (R, N, D)
-        hidden = _prompt_attention(attn, prompts, query, gate_logits, self._attention_backend, self._parallel_config)
+        prompt_attention = _prompt_attention.__wrapped__ if TRACEABLE else _prompt_attention
+        hidden = prompt_attention(attn, prompts, query, gate_logits, self._attention_backend, self._parallel_config)
         return _project(attn, hidden)
 
 

@@ -13,6 +13,10 @@ forward kind) the service will meet before it reports ready, so no client pays f
 piece; the attention between them runs eagerly and reads the sessions' own window buffers). On a CPU this path
 is slower than eager (measured: docs/benchmarks.md), so the service leaves it off there by default.
 
+A whole transformer block can also compile as one graph (``fullgraph=True``): ``models.attention_op`` makes the
+attention kernel a custom op and traces the per-session functions; the step does not use that yet, because a
+traced per-session loop specialises on the mix of sessions and would recompile per mix (see that module).
+
 Numerics: compiled kernels fuse differently from eager ones, so outputs differ from the reference in the last
 bits (the parity tolerance, not bit-exactness) and rows may differ between buckets; ``models.determinism``'s
 probe runs through this path when it is on, and the service reports what it finds.

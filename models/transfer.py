@@ -1,14 +1,66 @@
-"""Host <-> device copies that never stall the thread that issues them.
+"""Host <-> device copies that never stall the thread that issues them, and the thread's device.
 
 On CUDA an input chunk is staged in pinned memory and copied with ``non_blocking=True``, so the engine thread
 queues the copy behind the running kernels instead of waiting for them; a refined unit goes the other way into
 pinned memory, with an event the reader waits on (off the engine thread) before it touches the bytes. On a CPU
 both are plain tensors and ``wait`` returns at once.
+
+**Exact-size pinned buffers** (``pinned_empty``). ``torch.empty(..., pin_memory=True)`` and ``Tensor.pin_memory()``
+both allocate through PyTorch's caching host allocator (``ATen/core/CachingHostAllocator.h`` in torch 2.13), which
+rounds every request up to the next power of two (``pinned_max_round_threshold`` is unlimited by default) and keeps
+freed blocks cached for reuse: a parked 9.02 GiB window took a 16 GiB block and held it after the page-in. For
+buffers of a session's size we instead allocate plain host memory and page-lock exactly its bytes with
+``cudaHostRegister`` (what ``torch.cuda._pin_memory_utils`` does for checkpoint staging); the registration is
+undone when the tensor is freed. Small, short-lived buffers (a chunk, a unit) keep the caching allocator: its
+rounding costs little there and its reuse saves a registration per call.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+# Buffers at least this big get an exact-size registration instead of the caching host allocator's power of two.
+EXACT_PIN_BYTES = 64 * 1024 * 1024
+
+
+def use_device(device: torch.device | str) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing on a CPU). The engine thread calls it first
+    thing once it knows the model's device, so that what it queues without naming a device goes there."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _unregister(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised page-locked host tensor. From ``EXACT_PIN_BYTES`` up, exactly its bytes are locked (see the
+    module docstring); a caller that copies into or out of it asynchronously keeps it alive until the copy's event
+    has passed (``models.memory.Move`` does)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if tensor.nbytes < EXACT_PIN_BYTES:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    pointer = tensor.data_ptr()
+    error = int(torch.cuda.cudart().cudaHostRegister(pointer, tensor.nbytes, 1))  # 1: portable (every device)
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of {tensor.nbytes} bytes failed with CUDA error {error} (host memory "
+                           "locked past the limit? check `ulimit -l` and the container's memlock)")
+    weakref.finalize(tensor, _unregister, pointer)
+    return tensor
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor's copy in pinned memory (exact-size from ``EXACT_PIN_BYTES`` up); the tensor itself when it is
+    pinned already."""
+    if tensor.is_pinned():
+        return tensor
+    if tensor.nbytes < EXACT_PIN_BYTES:
+        return tensor.pin_memory()
+    return pinned_empty(tensor.shape, tensor.dtype).copy_(tensor)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -20,15 +72,20 @@ def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) ->
 
 
 class HostCopy:
-    """A tensor on its way to host memory. ``wait()`` returns it once the copy is complete."""
+    """A tensor on its way to host memory. ``wait()`` returns it once the copy is complete.
+
+    The copy and its event go on the current stream *of the tensor's device* (under ``torch.cuda.device``): with
+    the model on cuda:1, an event recorded on the thread's current device would be on cuda:0's stream and could
+    pass before the copy on cuda:1 ended."""
 
     def __init__(self, tensor: torch.Tensor):
         self._event = None
         if tensor.device.type == "cuda":
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            with torch.cuda.device(tensor.device):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(torch.cuda.current_stream(tensor.device))
             self._tensor = host
         else:
             self._tensor = tensor

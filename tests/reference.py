@@ -7,9 +7,11 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 
 def reference_refine(model, latents, prompt_embeds, prompt_mask=None, *, seed=42, fps=16.0, sink=1, block=3,
-                     kv_max=11, sigmas=None, vae=None):
+                     kv_max=11, sigmas=None, vae=None, generator_device="cpu"):
     """diffusers' ``SanaWMLTX2Refiner.__call__`` with its text encoder replaced by fixed embeddings. With ``vae``
-    it decodes as the pipeline does and returns its video: row 0, (F, 3, H, W) in [0, 1] (``output_type="pt"``)."""
+    it decodes as the pipeline does and returns its video: row 0, (F, 3, H, W) in [0, 1] (``output_type="pt"``).
+    ``generator_device``: where the noise is drawn; a session draws on its refiner's device (a CUDA generator's
+    Philox stream differs from the CPU's), so a comparison with a CUDA session passes ``"cuda"``."""
     from diffusers.pipelines.sana_wm.refiner import STAGE_2_DISTILLED_SIGMA_VALUES, SanaWMLTX2Refiner
 
     pipe = SanaWMLTX2Refiner(
@@ -32,7 +34,7 @@ def reference_refine(model, latents, prompt_embeds, prompt_mask=None, *, seed=42
         block_size=block,
         kv_max_frames=kv_max,
         sigmas=tuple(sigmas) if sigmas is not None else STAGE_2_DISTILLED_SIGMA_VALUES,
-        generator=torch.Generator("cpu").manual_seed(seed),
+        generator=torch.Generator(generator_device).manual_seed(seed),
         output_type="latent" if vae is None else "pt",
     )
 

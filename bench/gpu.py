@@ -1,0 +1,449 @@
+"""``python -m bench gpu OUT``: the figures one GPU loan is for, in one process, within minutes.
+
+Builds the released refiner (diffusers' defaults for ``SanaWMLTX2RefinerTransformer3DModel``: 48 layers, 4096 wide)
+from its config alone with random weights, in bfloat16 on the GPU, and measures:
+
+- ``startup``: config -> model on the device -> first block refined (ready), seconds;
+- ``blocks``: steady block latency (window full) at 480p (832x480 px -> 15x26 latents: LTX-2 compresses 32x in
+  space) and 720p (1280x704 -> 22x40) for 1, 2 and 4 sessions, batched (one model call per step for all) and one
+  at a time; device time from CUDA events (``models.clock``);
+- ``memory``: sessions of each geometry that fit the memory budget (free after the model, minus the service's
+  default ``device_memory_reserve``), from ``models.memory.session_bytes_estimate``;
+- ``realtime``: sessions of each geometry held at 16 fps within ``admission_max_load`` (0.9) of the engine, by
+  the measured batched latency (the largest measured count that keeps up, and the per-row estimate past it);
+- ``parity``: bfloat16 vs float32 on a 4-layer slice at the real width (same weights);
+- ``decode``: streaming VAE decode frames/s at the released VAE's config (``AutoencoderKLLTX2Video`` defaults);
+- ``park``: park (device -> exact-size pinned host) and page-in (host -> device, side stream) of a 720p session, ms;
+- ``attention``: the kernels that ran the attention (from the profiler).
+
+Every section fails soft: its error goes into ``summary.json`` and the next runs, so one broken figure does not
+waste a loan. Every figure is named with its unit (``_s``, ``_ms``, ``_bytes``, ``_fps``, ``_sessions`` ...).
+``--smoke`` runs the same code on the CPU with the ``tiny`` preset at toy geometry in well under 2 minutes (wall
+time instead of events: ``models.clock`` on the CPU), which is what CI runs (``tests/bench/test_gpu_check.py``).
+Writes ``OUT/summary.json`` and ``OUT/summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from models import RefinerSession, SessionConfig, from_model, refine_clip
+from models.checkpoints import PRESETS, VAE_PRESETS
+from models.clock import CallClock
+from models.memory import move_session, session_bytes, session_bytes_estimate
+from models.plan import meta_model, released_config
+from models.session import Geometry
+from models.step import run_batch
+from models.transfer import use_device
+
+from .park import _cpu_model
+
+FPS = 16.0
+ADMISSION_MAX_LOAD = 0.9  # app.settings' default
+RESERVE_BYTES = 2 * 1024**3  # app.settings' default device_memory_reserve
+FULL = {
+    "config": None,  # released_config()
+    "vae": None,  # AutoencoderKLLTX2Video's defaults
+    "geometries": {"480p": (15, 26), "720p": (22, 40)},
+    "sessions": (1, 2, 4),
+    "blocks": 3,
+    "prompt_tokens": 300,
+    "decode": {"geometry": (22, 40), "blocks": 3},
+    "parity_geometry": (8, 8),
+}
+SMOKE = {
+    "config": PRESETS["tiny"],
+    "vae": VAE_PRESETS["tiny-vae"],
+    "geometries": {"tiny": (4, 4)},
+    "sessions": (1, 2),
+    "blocks": 2,
+    "prompt_tokens": 8,
+    "decode": {"geometry": (2, 2), "blocks": 1},
+    "parity_geometry": (4, 4),
+}
+
+
+# --- random weights from the config alone ----------------------------------------------------------------------------
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    """Fill the (uninitialised) parameters: matrices and modulation tables ~ N(0, 0.02), norm weights 1, biases 0;
+    enough for timing and for a bf16-vs-fp32 comparison, which only needs finite, mixing weights."""
+    device = next(module.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if param.ndim >= 2 or "scale_shift_table" in name:
+                param.normal_(0.0, 0.02, generator=generator)
+            elif name.endswith("weight") or name.endswith("scale"):
+                param.fill_(1.0)
+            else:
+                param.zero_()
+
+
+def random_refiner(config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                   **overrides: Any):
+    """The refiner of ``config`` (None: the released one) with random weights, built on ``meta`` and materialised
+    on ``device`` in ``dtype`` directly: no float32 copy on the host, no CPU init of 14 B parameters."""
+    config = {"_class_name": "SanaWMLTX2RefinerTransformer3DModel", **(config or released_config()), **overrides}
+    model = meta_model(config).to_empty(device=device).to(dtype)
+    for name, buffer in model.named_buffers():  # none today; a new one would be garbage after to_empty
+        raise RuntimeError(f"the refiner has a buffer {name}: random_refiner cannot materialise it from meta")
+    _randomize(model, seed)
+    return from_model(model, device=str(device), dtype=str(dtype).removeprefix("torch."))
+
+
+def random_vae(config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from diffusers import AutoencoderKLLTX2Video
+
+    with torch.device("meta"):
+        vae = AutoencoderKLLTX2Video.from_config(dict(config or {}))
+    vae = vae.to_empty(device=device).to(dtype).eval()
+    _randomize(vae, seed)
+    return vae
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inputs(refiner, frames: int, height: int, width: int, prompt_tokens: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, refiner.info.in_channels, frames, height, width, generator=generator)
+    embeds = torch.randn(1, prompt_tokens, refiner.info.caption_channels, generator=generator)
+    return latents, embeds
+
+
+def _steady_sessions(refiner, count: int, height: int, width: int, prompt_tokens: int) -> list[RefinerSession]:
+    """``count`` sessions whose windows are full (the steady state a block meets in a long stream)."""
+    config = SessionConfig()
+    fill = config.sink_frames + config.kv_max_frames  # frames that fill the window
+    sessions = []
+    for index in range(count):
+        latents, embeds = _inputs(refiner, fill, height, width, prompt_tokens, index)
+        session = RefinerSession(refiner, SessionConfig(seed=index))
+        session.push(latents, embeds)
+        sessions.append(session)
+    return sessions
+
+
+def run_block(refiner, sessions: list[RefinerSession], batched: bool, clock: CallClock, seed: int) -> float:
+    """One block of every session (frames appended, every forward run, committed), as the engine runs it: batched,
+    one model call per step for all of them; otherwise one call per session per step. Device seconds (clock)."""
+    config = sessions[0].config
+    runs = []
+    for index, session in enumerate(sessions):
+        g = session.state.geometry
+        latents, _ = _inputs(refiner, config.block_size, g.height, g.width, 1, seed + index)
+        session.append(session.check(latents))
+        runs.append(session.start(session.plan()))
+    mark = clock.start("block")
+    while True:
+        forwards = [session.next_forward(run) for session, run in zip(sessions, runs)]
+        if all(f is None for f in forwards):
+            break
+        if batched:
+            outs = run_batch(refiner.model, forwards)
+        else:
+            outs = [run_batch(refiner.model, [forward])[0] for forward in forwards]
+        for session, run, out in zip(sessions, runs, outs):
+            session.advance(run, out)
+    for session, run in zip(sessions, runs):
+        session.commit(run)
+    clock.stop(mark)
+    return clock.wait()[-1][1]
+
+
+# --- sections ---------------------------------------------------------------------------------------------------------
+class Context:
+    def __init__(self, preset: dict[str, Any], device: torch.device, dtype: torch.dtype):
+        self.preset, self.device, self.dtype = preset, device, dtype
+        self.refiner = None
+        self.started = time.perf_counter()
+        self.budget_s = float("inf")  # past it, the blocks section skips what is left (recorded as null)
+        self.blocks: dict[str, dict[str, float]] = {}
+        self.parked_session: RefinerSession | None = None
+
+
+def section_startup(ctx: Context) -> dict[str, Any]:
+    started = time.perf_counter()
+    ctx.refiner = random_refiner(ctx.preset["config"], ctx.device, ctx.dtype)
+    _sync(ctx.device)
+    built = time.perf_counter() - started
+    height, width = next(iter(ctx.preset["geometries"].values()))
+    latents, embeds = _inputs(ctx.refiner, 1 + SessionConfig().block_size, height, width, ctx.preset["prompt_tokens"], 0)
+    RefinerSession(ctx.refiner, SessionConfig()).push(latents, embeds)  # sink + one block: the first forwards
+    _sync(ctx.device)
+    info = ctx.refiner.info
+    return {"build_s": built, "ready_s": time.perf_counter() - started, "parameters_count": info.parameters,
+            "num_layers_count": info.num_layers, "inner_dim_count": info.inner_dim,
+            "weights_bytes": sum(p.nbytes for p in ctx.refiner.model.parameters())}
+
+
+def section_blocks(ctx: Context) -> dict[str, Any]:
+    """Per geometry: steady block latency for 1, 2, 4 sessions, batched and one at a time (each the median of
+    ``blocks`` blocks after one unmeasured)."""
+    out: dict[str, Any] = {}
+    clock = CallClock(ctx.device)
+    counts = ctx.preset["sessions"]
+    for name, (height, width) in ctx.preset["geometries"].items():
+        sessions = _steady_sessions(ctx.refiner, max(counts), height, width, ctx.preset["prompt_tokens"])
+        figures: dict[str, float] = {}
+        for count in counts:
+            for batched in (True, False):
+                key = f"{'batched' if batched else 'solo'}_{count}_sessions_block_s"
+                if time.perf_counter() - ctx.started > ctx.budget_s:
+                    figures[key] = None  # over the time budget: a loan ends on time with what it has
+                    continue
+                run_block(ctx.refiner, sessions[:count], batched, clock, 100)  # unmeasured: allocator, kernels
+                times = sorted(run_block(ctx.refiner, sessions[:count], batched, clock, 200 + i)
+                               for i in range(ctx.preset["blocks"]))
+                figures[key] = times[len(times) // 2]
+        figures["tokens_per_frame_count"] = height * width
+        figures["latent_height_width"] = f"{height}x{width}"
+        ctx.blocks[name] = figures
+        out[name] = figures
+        if name == list(ctx.preset["geometries"])[-1]:
+            ctx.parked_session = sessions[0]
+        del sessions
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def section_memory(ctx: Context) -> dict[str, Any]:
+    info = ctx.refiner.info
+    out: dict[str, Any] = {}
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # the start-up block's cached activations are not the sessions'
+        free, total = torch.cuda.mem_get_info(ctx.device)
+        out.update(device_free_bytes=free, device_total_bytes=total, reserve_bytes=RESERVE_BYTES)
+        budget = max(0, free - RESERVE_BYTES)
+    else:
+        budget = None  # no device budget on a CPU (the service's auto budget is CUDA-only)
+    out["budget_bytes"] = budget
+    for name, (height, width) in ctx.preset["geometries"].items():
+        need = sum(session_bytes_estimate(info.num_layers, info.inner_dim, SessionConfig(),
+                                          Geometry(1, info.in_channels, height, width), ctx.dtype).values())
+        out[f"{name}_session_bytes"] = need
+        out[f"{name}_sessions_in_budget_sessions"] = None if budget is None else budget // need
+    return out
+
+
+def section_realtime(ctx: Context) -> dict[str, Any]:
+    """Sessions held at 16 fps: a block of ``block_size`` latent frames plays for block_size * 8 / 16 s; a count
+    keeps up when its batched block takes at most admission_max_load of that."""
+    config = SessionConfig()
+    temporal = int((ctx.refiner.model.config.get("vae_scale_factors") or (8, 32, 32))[0])
+    block_seconds = config.block_size * temporal / FPS
+    out: dict[str, Any] = {"block_playback_s": block_seconds, "fps": FPS, "admission_max_load_ratio": ADMISSION_MAX_LOAD}
+    for name, figures in ctx.blocks.items():
+        counts = sorted(int(key.split("_")[1]) for key, value in figures.items()
+                        if key.startswith("batched_") and value is not None)
+        if not counts:
+            continue  # every latency of this geometry was skipped (time budget)
+        kept = [n for n in counts if figures[f"batched_{n}_sessions_block_s"] <= ADMISSION_MAX_LOAD * block_seconds]
+        out[f"{name}_measured_sessions"] = max(kept, default=0)
+        largest = counts[-1]
+        per_session = figures[f"batched_{largest}_sessions_block_s"] / largest
+        out[f"{name}_estimated_sessions"] = int(ADMISSION_MAX_LOAD * block_seconds // per_session)
+    return out
+
+
+def section_parity(ctx: Context) -> dict[str, Any]:
+    """bf16 vs fp32 on a 4-layer slice at the real width (``--smoke``: the tiny preset's, on the CPU): the same random
+    weights (bf16's, widened), so only the arithmetic differs."""
+    low = random_refiner(ctx.preset["config"], ctx.device, torch.bfloat16, seed=1, num_layers=4)
+    high = random_refiner(ctx.preset["config"], ctx.device, torch.float32, seed=1, num_layers=4)
+    with torch.no_grad():
+        for a, b in zip(high.model.parameters(), low.model.parameters()):
+            a.copy_(b.float())  # the bf16 weights exactly, widened: only the arithmetic differs
+    height, width = ctx.preset["parity_geometry"]
+    latents, embeds = _inputs(high, 1 + 2 * SessionConfig().block_size, height, width, ctx.preset["prompt_tokens"], 3)
+    want = refine_clip(high, latents, embeds).float().cpu()
+    got = refine_clip(low, latents, embeds).float().cpu()
+    del low, high
+    diff = got - want
+    return {"compared": "bfloat16 vs float32", "max_abs": diff.abs().max().item(),
+            "relative_rms_ratio": (diff.norm() / want.norm()).item(), "reference_rms": want.pow(2).mean().sqrt().item()}
+
+
+def section_decode(ctx: Context) -> dict[str, Any]:
+    from models.vae import StreamingDecoder
+
+    vae = random_vae(ctx.preset["vae"], ctx.device, ctx.dtype)
+    decoder = StreamingDecoder(vae)
+    height, width = ctx.preset["decode"]["geometry"]
+    block = SessionConfig().block_size
+    state = decoder.new_state()
+    generator = torch.Generator().manual_seed(5)
+
+    def push(state):
+        latents = torch.randn(1, decoder.info.latent_channels, block, height, width, generator=generator)
+        return decoder.push(state, latents.to(ctx.device, ctx.dtype))
+
+    for _ in range(-(-decoder.lookahead // block) + 1):  # its look-ahead filled: each later block yields all its frames
+        state, _ = push(state)
+    _sync(ctx.device)
+    frames, started = 0, time.perf_counter()
+    for _ in range(ctx.preset["decode"]["blocks"]):
+        state, out = push(state)
+        frames += 0 if out is None else out.shape[2]
+    _sync(ctx.device)
+    seconds = time.perf_counter() - started
+    return {"latent_height_width": f"{height}x{width}", "pixel_frames_count": frames, "seconds_s": seconds,
+            "frames_per_second_fps": frames / seconds, "lookahead_latent_frames_count": decoder.lookahead}
+
+
+def section_park(ctx: Context) -> dict[str, Any]:
+    session = ctx.parked_session
+    if session is None:
+        raise RuntimeError("no steady session (the blocks section failed)")
+    moved = sum(session_bytes(session).values())
+    stats = getattr(torch.cuda, "host_memory_stats", None) if ctx.device.type == "cuda" else None
+    before = stats() if stats else {}
+    _sync(ctx.device)
+    started = time.perf_counter()
+    ready = move_session(session, torch.device("cpu"))
+    if ready is not None:
+        ready.synchronize()
+    park_ms = 1000 * (time.perf_counter() - started)
+    after = stats() if stats else {}
+    started = time.perf_counter()
+    ready = move_session(session, ctx.device, after=ready)
+    if ready is not None:
+        ready.synchronize()
+    page_in_ms = 1000 * (time.perf_counter() - started)
+    out = {"session_bytes": moved, "park_ms": park_ms, "page_in_ms": page_in_ms,
+           "park_gb_per_second_ratio": moved / park_ms / 1e6, "page_in_gb_per_second_ratio": moved / page_in_ms / 1e6}
+    if stats:  # what the caching host allocator grew by: ~0 with exact-size pinned buffers
+        key = "allocated_bytes.current"
+        out["host_allocator_growth_bytes"] = after.get(key, 0) - before.get(key, 0)
+    return out
+
+
+ATTENTION_WORDS = ("flash", "fmha", "attention", "sdpa", "cudnn_", "efficient", "softmax")
+
+
+def section_attention(ctx: Context) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    height, width = next(iter(ctx.preset["geometries"].values()))
+    session = _steady_sessions(ctx.refiner, 1, height, width, ctx.preset["prompt_tokens"])[0]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_block(ctx.refiner, [session], True, CallClock(ctx.device), 7)
+    names = sorted({event.key for event in prof.key_averages()
+                    if any(word in event.key.lower() for word in ATTENTION_WORDS)})
+    kernels = [n for n in names if not n.startswith("aten::")]
+    return {"ops": [n for n in names if n.startswith("aten::")], "kernels": kernels,
+            "flash_ran": any("flash" in n.lower() or "fmha" in n.lower() for n in names)}
+
+
+SECTIONS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
+    ("startup", section_startup),
+    ("memory", section_memory),  # before the blocks' sessions: free memory with the weights alone
+    ("blocks", section_blocks),
+    ("realtime", section_realtime),
+    ("parity", section_parity),
+    ("decode", section_decode),
+    ("park", section_park),
+    ("attention", section_attention),
+]
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    import diffusers
+
+    out = {"torch": torch.__version__, "diffusers": diffusers.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(), "cpu": _cpu_model(), "device": str(device)}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        out["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return out
+
+
+def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float = 360.0) -> dict[str, Any]:
+    preset = SMOKE if smoke else FULL
+    device = torch.device(device or ("cpu" if smoke else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke for the CPU check")
+    use_device(device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    ctx = Context(preset, device, dtype)
+    ctx.budget_s = budget_s
+    summary: dict[str, Any] = {"mode": "smoke" if smoke else "full", "dtype": str(dtype).removeprefix("torch."),
+                               "machine": machine(device), "sections": {}, "errors": {}, "seconds": {}}
+    total = time.perf_counter()
+    with torch.no_grad():
+        for name, section in SECTIONS:
+            started = time.perf_counter()
+            print(f"== {name}", flush=True)
+            try:
+                summary["sections"][name] = section(ctx)
+            except Exception as exc:  # fail soft: record and go on (a loan is too short to rerun for one figure)
+                summary["errors"][name] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            summary["seconds"][f"{name}_s"] = time.perf_counter() - started
+            print(json.dumps({name: summary["sections"].get(name, summary["errors"].get(name))}, default=str),
+                  flush=True)
+            summary["seconds"]["total_s"] = time.perf_counter() - total
+            _write(out_dir, summary)  # after every section: a run stopped by the loan's end keeps what it measured
+    return summary
+
+
+def _write(out_dir: Path, summary: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (out_dir / "summary.md").write_text(render(summary))
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown table: section, figure (named with its unit), value."""
+    m = summary["machine"]
+    lines = [f"# GPU check ({summary['mode']}, {summary['dtype']})", "",
+             f"{m.get('gpu', m['device'])}, torch {m['torch']} (CUDA {m['cuda']}), diffusers {m['diffusers']}, "
+             f"CPU {m['cpu']}", "", "| section | figure | value |", "|---|---|---|"]
+    for section, figures in summary["sections"].items():
+        for key, value in _flatten(figures):
+            lines.append(f"| {section} | {key} | {_cell(value)} |")
+    for section, error in summary["errors"].items():
+        lines.append(f"| {section} | error | {error.replace('|', '/')[:300]} |")
+    for key, value in summary["seconds"].items():
+        lines.append(f"| time | {key} | {_cell(value)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _flatten(figures: dict[str, Any], prefix: str = ""):
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder for summary.json and summary.md")
+    parser.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU (CI; under 2 minutes)")
+    parser.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="seconds after which the block latencies left are skipped (null), so the check ends in time")
+    args = parser.parse_args(argv)
+    summary = run(args.out, args.smoke, args.device, args.budget_s)
+    print((args.out / "summary.md").read_text())
+    return 1 if summary["errors"] else 0

@@ -1,0 +1,66 @@
+"""``bash bench/gpu_check.sh --smoke OUT``: the GPU check's own script and measurement code run on the CPU with the
+tiny preset, so neither can rot between GPU loans. Asserts every section produced its figures, each named with a
+unit, and that no section failed."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ("startup", "blocks", "memory", "realtime", "parity", "decode", "park", "attention")
+# A figure's name ends with its unit; a few are words or lists (what ran) rather than quantities.
+UNIT = re.compile(r"_(s|ms|bytes|fps|count|ratio|sessions)$")
+WORDS = {"latent_height_width", "compared", "ops", "kernels", "flash_ran", "fps", "max_abs", "reference_rms"}
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu-check")
+    result = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke", str(out)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout[-3000:], (out / "bench.txt").read_text()[-3000:])
+    assert (out / "summary.md").read_text().startswith("# GPU check (smoke")
+    return json.loads((out / "summary.json").read_text())
+
+
+def _figures(figures: dict, prefix=""):
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            yield from _figures(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", key, value
+
+
+def test_every_section_ran_without_error(summary):
+    assert summary["errors"] == {}
+    assert set(summary["sections"]) == set(SECTIONS)
+    assert summary["mode"] == "smoke" and summary["machine"]["cpu"]
+
+
+def test_every_figure_is_named_with_its_unit(summary):
+    for section, figures in summary["sections"].items():
+        for path, key, _ in _figures(figures):
+            assert UNIT.search(key) or key in WORDS, f"{section}.{path}: no unit in its name"
+    assert all(key.endswith("_s") for key in summary["seconds"])
+
+
+def test_the_figures_are_the_ones_asked_for(summary):
+    s = summary["sections"]
+    assert 0 < s["startup"]["build_s"] <= s["startup"]["ready_s"]
+    blocks = s["blocks"]["tiny"]
+    for count in (1, 2):
+        for mode in ("batched", "solo"):
+            assert blocks[f"{mode}_{count}_sessions_block_s"] > 0
+    assert s["memory"]["tiny_session_bytes"] > 0
+    assert s["realtime"]["block_playback_s"] == 1.5  # 3 latent frames x 8 pixel frames at 16 fps
+    assert s["realtime"]["tiny_measured_sessions"] >= 0
+    # bf16 against fp32 with the same weights: close, not equal.
+    assert 0 < s["parity"]["relative_rms_ratio"] < 0.05
+    assert s["decode"]["frames_per_second_fps"] > 0 and s["decode"]["pixel_frames_count"] > 0
+    assert s["park"]["session_bytes"] > 0 and s["park"]["park_ms"] >= 0
+    assert any("attention" in op for op in s["attention"]["ops"])
