@@ -33,6 +33,16 @@ def add_session_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = 
         )
 
 
+def _server_url(text: str) -> str:
+    """--server, checked as the client checks it: a typo is refused before anything is sent, with the fix."""
+    from wm_refiner_client._common import check_url
+
+    try:
+        return check_url(text, "--server")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _flag_reader(field: spec.SessionField):
     def read(text: str):
         try:
@@ -50,7 +60,8 @@ def session_flags(args: argparse.Namespace, names: tuple[str, ...] = spec.NAMES)
 
 
 def add_client_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", help="the server's URL (default: $WM_REFINER_URL, else http://127.0.0.1:8000)")
+    parser.add_argument("--server", type=_server_url,
+                        help="the server's URL, http://HOST:PORT (default: $WM_REFINER_URL, else http://127.0.0.1:8000)")
     parser.add_argument("--api-key", help="bearer key (default: $WM_REFINER_API_KEY)")
 
 

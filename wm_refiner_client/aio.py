@@ -59,6 +59,7 @@ class AsyncClient:
         self.return_tensors: ReturnTensors = return_tensors
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
         self._replicas = Replicas()
+        self._reached = False  # whether the server has answered this client once (protocol.RequestAttempts)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -136,10 +137,12 @@ class AsyncClient:
                        **kwargs: Any) -> httpx.Response:
         """See ``Client._request``: the same decisions (``protocol.RequestAttempts``), awaited."""
         attempts = RequestAttempts(self.retry, f"{method} {path}", idempotent=idempotent,
-                                   known_replica=self._replicas.get(session_id))
+                                   known_replica=self._replicas.get(session_id), first_contact=not self._reached,
+                                   server=self.base_url)
         while True:
             try:
                 response = await self._http.request(method, path, **kwargs)
+                self._reached = True
             except httpx.TransportError as exc:
                 wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
                                                                                         httpx.ConnectTimeout)))

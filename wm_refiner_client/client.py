@@ -116,6 +116,7 @@ class Client:
         self.return_tensors: ReturnTensors = return_tensors
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
         self._replicas = Replicas()
+        self._reached = False  # whether the server has answered this client once (protocol.RequestAttempts)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -203,10 +204,12 @@ class Client:
         ``idempotent``, lost connections, timeouts and a router's 502/504; a 404 of ``session_id`` while it moves
         between replicas, for at most ``retry.move_timeout_s``); a typed ``APIError`` for any other error status."""
         attempts = RequestAttempts(self.retry, f"{method} {path}", idempotent=idempotent,
-                                   known_replica=self._replicas.get(session_id))
+                                   known_replica=self._replicas.get(session_id), first_contact=not self._reached,
+                                   server=self.base_url)
         while True:
             try:
                 response = self._http.request(method, path, **kwargs)
+                self._reached = True
             except httpx.TransportError as exc:
                 wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
                                                                                         httpx.ConnectTimeout)))

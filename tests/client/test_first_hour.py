@@ -1,0 +1,105 @@
+"""What a new user trips on first (issue 26): a server address without a scheme or with a typo, a server that is
+not there, and the command line's answers to them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import wm_refiner_client as wm
+from bench.live import free_port
+from wm_refiner_client import AsyncClient, Client
+from wm_refiner_client.protocol import FIRST_CONTACT_ATTEMPTS, RequestAttempts
+from wm_refiner_client.retry import RetryPolicy
+
+from .test_cli import run_cli
+
+
+@pytest.mark.parametrize("address,fix", [
+    ("localhost:8000", "give http://localhost:8000"),
+    ("127.0.0.1:8000", "give http://127.0.0.1:8000"),
+    ("htp://localhost:8000", "give http://, https://"),
+    ("http://", "names no host"),
+    ("http://localhost:80000", "bad port"),
+])
+def test_an_address_no_request_could_reach_is_refused_at_once_with_the_fix(address, fix):
+    for make in (Client, AsyncClient):
+        with pytest.raises(ValueError, match=fix):
+            make(address)
+
+
+def test_the_environment_address_is_checked_and_named(monkeypatch):
+    monkeypatch.setenv("WM_REFINER_URL", "localhost:8000")
+    with pytest.raises(ValueError, match=r"\$WM_REFINER_URL 'localhost:8000' has no scheme"):
+        Client()
+
+
+def test_websocket_schemes_are_taken_for_http():
+    assert Client("ws://127.0.0.1:8000/").base_url == "http://127.0.0.1:8000"
+    assert Client("wss://example.test").base_url == "https://example.test"
+
+
+def recorded_waits(monkeypatch, module) -> list[float]:
+    waits: list[float] = []
+    if module == "sync":
+        monkeypatch.setattr("wm_refiner_client.client.time.sleep", waits.append)
+    else:
+        async def sleep(seconds):
+            waits.append(seconds)
+
+        monkeypatch.setattr("wm_refiner_client.aio.asyncio.sleep", sleep)
+    return waits
+
+
+@pytest.mark.parametrize("module", ["sync", "async"])
+def test_a_refused_port_fails_after_a_few_tries_naming_the_likely_cause(monkeypatch, module):
+    waits = recorded_waits(monkeypatch, module)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(wm.TransportError) as failed:
+        if module == "sync":
+            Client(url).info()
+        else:
+            asyncio.run(AsyncClient(url).info())
+    message = str(failed.value)
+    assert "connection refused" in message and url in message and "python -m app serve" in message
+    # the policy's ten tries would wait ~30 s; a first contact waits FIRST_CONTACT_ATTEMPTS - 1 short backoffs
+    assert len(waits) == FIRST_CONTACT_ATTEMPTS - 1
+    assert sum(waits) <= sum(RetryPolicy().backoff_s * 2**n for n in range(FIRST_CONTACT_ATTEMPTS - 1))
+
+
+def test_an_unknown_host_fails_at_once(monkeypatch):
+    waits = recorded_waits(monkeypatch, "sync")
+    with pytest.raises(wm.TransportError, match="cannot resolve the host of http://no-such-host.invalid:8000"):
+        Client("http://no-such-host.invalid:8000").info()
+    assert waits == []
+
+
+def test_once_the_server_answered_a_refused_connection_gets_the_whole_policy():
+    refused = ConnectionRefusedError(111, "Connection refused")
+    policy = RetryPolicy(attempts=6)
+    first = RequestAttempts(policy, "GET /v1/info", first_contact=True, server="http://h:1")
+    later = RequestAttempts(policy, "GET /v1/info", first_contact=False, server="http://h:1")
+    for _ in range(FIRST_CONTACT_ATTEMPTS - 1):
+        first.after_transport_error(refused, never_sent=True)
+    with pytest.raises(wm.TransportError, match="nothing listens at http://h:1"):
+        first.after_transport_error(refused, never_sent=True)
+    for _ in range(policy.attempts - 1):
+        later.after_transport_error(refused, never_sent=True)  # a restart: retried
+    with pytest.raises(wm.TransportError, match="ConnectionRefusedError"):
+        later.after_transport_error(refused, never_sent=True)
+
+
+def test_the_command_line_refuses_a_bad_server_with_the_subcommands_usage(tmp_path):
+    result = run_cli("stream", "--server", "localhost:8000", "--input", str(tmp_path / "in.safetensors"),
+                     "--output", str(tmp_path / "out.safetensors"))
+    assert result.returncode == 2
+    assert "usage: python -m app stream" in result.stderr
+    assert "--server 'localhost:8000' has no scheme; give http://localhost:8000" in result.stderr
+
+
+def test_the_command_line_says_when_nothing_listens(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    result = run_cli("sessions", "--server", url)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: GET /v1/sessions: nothing listens at {url} (connection refused)")
