@@ -117,6 +117,8 @@ def stream_command(args: argparse.Namespace) -> int:
         if config.setdefault("video_format", "h264") != "h264":
             raise ValueError(f"--video writes the server's H.264 segments; leave --video-format unset or h264 (got "
                              f"{config['video_format']})")
+    if args.video:
+        require_video_libraries()
     latents, prompt, mask = read_clip(Path(args.input))
     total = int(latents.shape[2])
     digest = clip_digest(latents, prompt, mask)
@@ -179,6 +181,17 @@ def stream_command(args: argparse.Namespace) -> int:
     print(f"refined {refined.shape[2]} frames in {stats.units} units -> {args.output} (session {session.id}, "
           f"{stats.reconnects} reconnects)" + (f"; {video.frames} video frames -> {args.video}" if video else ""))
     return 0
+
+
+def require_video_libraries() -> None:
+    """--video needs PyAV on this machine (a unit the server sent as raw frames, or one a resume repeats in part, is
+    encoded here; the last units usually are): checked before anything is sent, so a base install is told the fix
+    at once rather than after streaming most of the clip."""
+    try:
+        import av  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"--video needs PyAV, which does not import here ({exc}); install it with "
+                           "pip install -e '.[video]' (from the checkout), or leave --video out") from None
 
 
 def clip_digest(latents, prompt, mask) -> str:
@@ -329,8 +342,8 @@ class SegmentFile:
     settings, so the file stays one timeline."""
 
     def __init__(self, path: Path, fps: float):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("wb")
+        self.path = path
+        self.file = None  # opened at the first segment: a stream that fails before it leaves no empty file
         self.fps = fps
         self.frames = 0
         self.quality: int | None = None
@@ -343,7 +356,7 @@ class SegmentFile:
             self.quality = encoded.quality
         if encoded is not None and encoded.skip == 0:
             if encoded.pieces[0]:
-                self.file.write(encoded.segment(0, init=self.frames == 0))
+                self._write(encoded.segment(0, init=self.frames == 0))
                 self.frames += unit.video_frames
             return
         frames = unit.decode_video().video if encoded is not None else unit.video
@@ -362,11 +375,18 @@ class SegmentFile:
         crf = self.quality if self.quality is not None else 23
         own = encode_h264(frames, crf, start, self.fps)
         video = EncodedVideo("h264", own.codec, crf, ((own.data,),), tuple(int(v) for v in own.init_sizes))
-        self.file.write(video.segment(0, init=self.frames == 0))
+        self._write(video.segment(0, init=self.frames == 0))
         self.frames += frames.shape[1]
 
+    def _write(self, data: bytes) -> None:
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = self.path.open("wb")
+        self.file.write(data)
+
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 # --- sessions -------------------------------------------------------------------------------------------------------

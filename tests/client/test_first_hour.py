@@ -4,11 +4,13 @@ not there, and the command line's answers to them."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
 import wm_refiner_client as wm
-from bench.live import free_port
+from bench.live import ROOT, free_port
 from wm_refiner_client import AsyncClient, Client
 from wm_refiner_client.protocol import FIRST_CONTACT_ATTEMPTS, RequestAttempts
 from wm_refiner_client.retry import RetryPolicy
@@ -103,3 +105,50 @@ def test_the_command_line_says_when_nothing_listens(tmp_path):
     result = run_cli("sessions", "--server", url)
     assert result.returncode == 2
     assert result.stderr.startswith(f"error: GET /v1/sessions: nothing listens at {url} (connection refused)")
+
+
+# --- the optional video libraries (the `video` extra) ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def video_server(make_settings, tmp_path_factory):
+    from bench.live import ThreadServer
+    from models.checkpoints import write_vae_checkpoint
+
+    vae = write_vae_checkpoint(tmp_path_factory.mktemp("first-hour-vae"), "tiny-vae")
+    with ThreadServer(make_settings(vae=str(vae))) as live:
+        yield live
+
+
+@pytest.mark.parametrize("video_format,module,package", [("h264", "av", "PyAV"), ("jpeg", "PIL", "Pillow")])
+def test_a_server_without_the_encoder_refuses_the_format_at_creation(video_server, monkeypatch, video_format, module,
+                                                                     package):
+    with Client(video_server.base_url) as client:
+        kept = client.create_session(outputs=["latents", "video"], video_format=video_format)  # installed: fine
+        monkeypatch.setitem(sys.modules, module, None)  # as if the extra were not installed: the import fails
+        with pytest.raises(wm.InvalidConfigError) as refused:
+            client.create_session(outputs=["latents", "video"], video_format=video_format)
+        assert refused.value.status == 422
+        assert f"needs {package}" in refused.value.message and "pip install -e '.[video]'" in refused.value.message
+        client.create_session(outputs=["latents", "video"], video_format="uint8")  # raw video needs neither
+        # A watcher asking for the format is refused the same way, before it is accepted.
+        with pytest.raises(wm.InvalidRequestError, match=f"needs {package}"):
+            client._connect(f"/v1/sessions/{kept.id}/watch", {"video_format": video_format})
+        kept.delete()
+
+
+def test_stream_video_without_pyav_is_refused_before_anything_is_sent(video_server, tmp_path):
+    from .test_cli import cli_env, write_clip
+
+    source = write_clip(tmp_path / "in.safetensors")
+    with Client(video_server.base_url) as client:
+        before = {s.session_id for s in client.sessions()}
+    script = ("import sys; sys.modules['av'] = None\n"  # PyAV not installed
+              "from app.cli import main; sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run(
+        [sys.executable, "-c", script, "stream", "--server", video_server.base_url, "--input", str(source),
+         "--output", str(tmp_path / "out.safetensors"), "--video", str(tmp_path / "out.mp4")],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--video needs PyAV" in result.stderr and "pip install -e '.[video]'" in result.stderr
+    assert not (tmp_path / "out.mp4").exists() and not (tmp_path / "out.safetensors").exists()
+    with Client(video_server.base_url) as client:
+        assert {s.session_id for s in client.sessions()} == before  # no session was created
