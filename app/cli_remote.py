@@ -92,6 +92,7 @@ def add_sessions_parser(commands) -> None:
 # --- stream ---------------------------------------------------------------------------------------------------------
 # The output file says whose frames it holds, so that a rerun can tell its own partial output from another file.
 OUTPUT_SESSION, OUTPUT_INPUT, OUTPUT_COMPLETE = "wm_refiner.session_id", "wm_refiner.input_sha256", "wm_refiner.complete"
+OUTPUT_CONFIG = "wm_refiner.config"  # the session's config (JSON), for a rerun to compare its flags with
 INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 
 
@@ -123,6 +124,10 @@ def stream_command(args: argparse.Namespace) -> int:
     total = int(latents.shape[2])
     digest = clip_digest(latents, prompt, mask)
     output = Path(args.output)
+    if args.session_id and finished_before(output, args.session_id, digest, total, config, args.video):
+        # Said from the file alone: the server may have released the session long ago (410 session_evicted).
+        print(f"session {args.session_id} is complete: {args.output} already holds its {total} refined frames")
+        return 0
     with Client(args.server, args.api_key) as client:
         # PUT: a session of that id with another config is refused, naming the fields that differ.
         session = client.session(args.session_id, **config) if args.session_id else client.create_session(**config)
@@ -145,7 +150,8 @@ def stream_command(args: argparse.Namespace) -> int:
         def write(complete: bool) -> np.ndarray:
             refined = np.concatenate([kept, *(unit.latents.astype(np.float32) for unit in units)], axis=2)
             write_latents(output, refined, {OUTPUT_SESSION: session.id, OUTPUT_INPUT: digest,
-                                            OUTPUT_COMPLETE: "true" if complete else "false"})
+                                            OUTPUT_COMPLETE: "true" if complete else "false",
+                                            OUTPUT_CONFIG: json.dumps(session.config, sort_keys=True)})
             return refined  # (B, C, T, H, W)
 
         try:
@@ -192,6 +198,29 @@ def require_video_libraries() -> None:
     except ImportError as exc:
         raise RuntimeError(f"--video needs PyAV, which does not import here ({exc}); install it with "
                            "pip install -e '.[video]' (from the checkout), or leave --video out") from None
+
+
+def finished_before(output: Path, session_id: str, digest: str, total: int, flags: dict[str, Any],
+                    video: str | None) -> bool:
+    """Whether ``output`` is a complete run of this clip in this session, with these session flags: then a rerun has
+    nothing to do, and says so without asking the server (which forgets a finished session after its retention,
+    and would answer 410). Anything else (another session or clip, a flag the file's config does not have, a file
+    without its config, a --video file that is gone) goes to the server as before."""
+    previous = read_output(output)
+    if previous is None:
+        return False
+    refined, metadata = previous
+    if (metadata.get(OUTPUT_SESSION), metadata.get(OUTPUT_INPUT), metadata.get(OUTPUT_COMPLETE)) != (
+            session_id, digest, "true") or refined.shape[2] != total:
+        return False
+    try:
+        config = json.loads(metadata[OUTPUT_CONFIG])
+    except (KeyError, ValueError):
+        return False
+    # The flags as JSON values (a tuple of sigmas is the config's list).
+    if any(json.loads(json.dumps(value)) != config.get(name) for name, value in flags.items()):
+        return False
+    return video is None or Path(video).is_file()
 
 
 def clip_digest(latents, prompt, mask) -> str:

@@ -4,10 +4,13 @@ not there, and the command line's answers to them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import wm_refiner_client as wm
 from bench.live import ROOT, free_port
@@ -152,3 +155,36 @@ def test_stream_video_without_pyav_is_refused_before_anything_is_sent(video_serv
     assert not (tmp_path / "out.mp4").exists() and not (tmp_path / "out.safetensors").exists()
     with Client(video_server.base_url) as client:
         assert {s.session_id for s in client.sessions()} == before  # no session was created
+
+
+# --- a rerun of a finished stream -----------------------------------------------------------------------------------
+def test_a_rerun_of_a_complete_stream_says_so_from_the_file_after_the_server_forgot_the_session(video_server,
+                                                                                                 tmp_path):
+    from safetensors import safe_open
+
+    from .test_cli import write_clip
+
+    source = write_clip(tmp_path / "in.safetensors")
+    output = tmp_path / "out.safetensors"
+    args = ["stream", "--server", video_server.base_url, "--input", str(source), "--output", str(output),
+            "--session-id", "finished-run-1", "--seed", "7"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    with safe_open(str(output), framework="np") as file:
+        assert file.metadata()["wm_refiner.complete"] == "true"
+        written = file.get_tensor("latents")
+    with Client(video_server.base_url) as client:  # what retention does to a finished session after a while
+        client.delete_session("finished-run-1")
+
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("session finished-run-1 is complete:") and again.stderr == ""
+    assert np.array_equal(load_file(str(output))["latents"], written)  # untouched
+    with Client(video_server.base_url) as client:
+        assert "finished-run-1" not in {s.session_id for s in client.sessions()}  # the server was not asked
+
+    # Another session flag is not this run: the server is asked (a deleted id may be created again: a new run).
+    other = run_cli(*args[:-1], "8")
+    assert other.returncode == 0 and other.stdout.startswith("refined 24 frames"), other.stderr
+    with safe_open(str(output), framework="np") as file:
+        assert json.loads(file.metadata()["wm_refiner.config"])["seed"] == 8
