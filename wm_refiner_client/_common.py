@@ -4,6 +4,7 @@ No I/O here."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -21,6 +22,29 @@ CONFIG_FIELDS = spec.NAMES
 # A 720p unit is several MB; websockets refuses messages over 1 MiB by default (close 1009), so the client lifts
 # the limit: it only ever receives what it asked for, units of its own session.
 WS_MAX_SIZE = None
+
+
+# A connection this client closes itself (Ctrl-C, a closed stream, a reconnect) need not wait for the server's close
+# frame: a server whose reader is busy with the last message (a block refining) would hold the close for seconds
+# (websockets' default: 10 s). The server's own closes (after a flush, a drain) are not waited on at all.
+CLOSE_TIMEOUT_S = 1.0
+
+
+class _KeepaliveFailures(logging.Filter):
+    """websockets logs a keepalive ping that raised (a connection closing under it) at ERROR with a traceback; the
+    connection's end reaches this client anyway (a reconnect, or the stream's error), so the record is lowered to
+    DEBUG: a program that logs at DEBUG still sees it, an unconfigured one (the command line) no longer prints a
+    traceback during a run that succeeds."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() == "keepalive ping failed":
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+# The logger of every WebSocket this client opens (websockets' ``logger=``).
+WS_LOG = logging.getLogger("wm_refiner_client.websocket")
+WS_LOG.addFilter(_KeepaliveFailures())
 
 
 def resolve_url(base_url: str | None) -> str:

@@ -19,6 +19,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from ._common import (
+    CLOSE_TIMEOUT_S,
+    WS_LOG,
     WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
@@ -159,7 +161,8 @@ class AsyncClient:
         url = ws_url(self.base_url, path, query)
         try:
             return await connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
-                                 compression=None, open_timeout=self.timeout)
+                                 compression=None, open_timeout=self.timeout,
+                                 close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
             raise handshake_error(exc) from None
         except (OSError, TimeoutError, InvalidHandshake) as exc:

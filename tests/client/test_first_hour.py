@@ -188,3 +188,55 @@ def test_a_rerun_of_a_complete_stream_says_so_from_the_file_after_the_server_for
     assert other.returncode == 0 and other.stdout.startswith("refined 24 frames"), other.stderr
     with safe_open(str(output), framework="np") as file:
         assert json.loads(file.metadata()["wm_refiner.config"])["seed"] == 8
+
+
+# --- small ones -----------------------------------------------------------------------------------------------------
+def test_a_mistyped_flag_gets_the_subcommands_usage_and_the_flag_meant():
+    result = run_cli("sessions", "--jsno")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: python -m app sessions")
+    assert "unrecognized arguments: --jsno (--jsno: did you mean --json?)" in result.stderr
+
+
+def test_the_clients_websockets_close_fast_and_lower_keepalive_failures(video_server, caplog):
+    import logging
+
+    from wm_refiner_client._common import CLOSE_TIMEOUT_S, WS_LOG
+
+    with Client(video_server.base_url) as client:
+        session = client.create_session()
+        ws = client._connect(f"/v1/sessions/{session.id}/watch")
+        try:
+            # a close the client starts waits at most this long for the server's answer (bench/ctrl_c.py)
+            assert ws.close_timeout == CLOSE_TIMEOUT_S <= 2
+            assert ws.logger.logger is WS_LOG  # websockets wraps it in a LoggerAdapter
+        finally:
+            ws.close()
+    with caplog.at_level(logging.DEBUG, logger=WS_LOG.name):
+        try:
+            raise RuntimeError("the connection closed under the ping")
+        except RuntimeError:
+            WS_LOG.error("keepalive ping failed", exc_info=True)
+        WS_LOG.error("something else")
+    levels = {record.getMessage(): record.levelno for record in caplog.records}
+    assert levels == {"keepalive ping failed": logging.DEBUG, "something else": logging.ERROR}
+
+
+def test_quickstart_help_is_the_whole_description():
+    result = subprocess.run([sys.executable, "examples/quickstart.py", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    assert "then the sessions listed and deleted." in " ".join(result.stdout.split())
+
+
+def test_the_input_recipe_writes_a_file_stream_refines(video_server, tmp_path, monkeypatch):
+    from .test_readme import python_blocks, section
+
+    (code,) = python_blocks(section("### Writing the input file", "docs/client.md"))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/client.md", "exec"), {})
+    result = run_cli("stream", "--server", video_server.base_url, "--input", str(tmp_path / "in.safetensors"),
+                     "--output", str(tmp_path / "out.safetensors"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("refined 11 frames")
+    assert load_file(str(tmp_path / "out.safetensors"))["latents"].shape == (1, 128, 11, 4, 4)
