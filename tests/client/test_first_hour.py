@@ -240,3 +240,47 @@ def test_the_input_recipe_writes_a_file_stream_refines(video_server, tmp_path, m
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("refined 11 frames")
     assert load_file(str(tmp_path / "out.safetensors"))["latents"].shape == (1, 128, 11, 4, 4)
+
+
+# --- the wire format as docs/api.md states it, built by hand ---------------------------------------------------------
+def raw_safetensors(tensors: dict[str, tuple[str, tuple[int, ...], bytes]], pad: int = 0) -> bytes:
+    """u64 little-endian header length, the JSON header (padded with ``pad`` spaces), the data back to back."""
+    import struct
+
+    header, data = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode() + b" " * pad
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_a_hand_built_payload_as_the_docs_describe_it_is_accepted(video_server):
+    import httpx
+
+    from app.codec import read_metadata
+
+    rng = np.random.default_rng(0)
+    bf16 = lambda a: (a.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()  # noqa: E731 (truncated)
+    latents = rng.standard_normal((1, 128, 5, 4, 4))
+    body = raw_safetensors({
+        "latents": ("BF16", latents.shape, bf16(latents)),
+        "prompt_embeds": ("F32", (1, 6, 32), rng.standard_normal((1, 6, 32)).astype("<f4").tobytes()),
+        "prompt_attention_mask": ("BOOL", (1, 6), bytes([1, 1, 1, 1, 0, 0])),
+    }, pad=5)
+    octet = {"content-type": "application/octet-stream"}
+    with httpx.Client(base_url=video_server.base_url, timeout=60) as http:
+        session = http.post("/v1/sessions", json={}).json()["session_id"]
+        first = http.post(f"/v1/sessions/{session}/chunks", content=body, headers=octet)
+        assert first.status_code == 200, first.text
+        assert read_metadata(first.content)["seq"] == "0"
+        # a flush without new frames: latents of 0 frames (an empty body is refused)
+        empty = raw_safetensors({"latents": ("F32", (1, 128, 0, 4, 4), b"")})
+        flushed = http.post(f"/v1/sessions/{session}/chunks", params={"flush": "true"}, content=empty, headers=octet)
+        assert flushed.status_code == 200, flushed.text
+        assert read_metadata(flushed.content)["frame_end"] == "5"
+        refused = http.post(f"/v1/sessions/{session}/chunks", params={"flush": "true"}, content=b"", headers=octet)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_payload"
+    example = raw_safetensors({"prompt_attention_mask": ("I64", (1, 2), np.ones(2, "<i8").tobytes())})
+    assert json.loads(example[8:-16]) == {"prompt_attention_mask": {"dtype": "I64", "shape": [1, 2],
+                                                                    "data_offsets": [0, 16]}}
