@@ -65,10 +65,11 @@ class ApiKeyMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        error = ApiError(
-            "unauthorized",
-            "missing or wrong API key; send the header 'Authorization: Bearer <key>' (query-string keys are ignored)",
-        )
+        message = "missing or wrong API key; send the header 'Authorization: Bearer <key>' (query-string keys are ignored)"
+        if scope["type"] == "websocket":  # a browser cannot set that header on a WebSocket
+            message += ("; a browser's WebSocket offers the subprotocol 'wm-refiner.bearer.<key as base64url, "
+                        "unpadded>' instead")
+        error = ApiError("unauthorized", message)
         if self.on_reject is not None:
             self.on_reject(error)
         body = json.dumps(error.envelope()).encode()

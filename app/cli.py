@@ -60,8 +60,29 @@ def main(argv: list[str] | None = None) -> int:
         print("error: `python -m app bench` is gone; run the benchmarks with `python -m bench` from a checkout "
               "(see docs/benchmarks.md)", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        refuse_unknown(parser, args.command, unknown)
     return _report_errors(lambda: _dispatch(args))
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Exit 2 with the usage of the subcommand that got ``unknown`` arguments, and the flag meant when one is close
+    (argparse's own answer is the top-level usage, which lists no flag of the subcommand)."""
+    import difflib
+
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = subcommands.choices[command]
+    flags = [option for action in sub._actions for option in action.option_strings]
+    hints = []
+    for argument in unknown:
+        if argument.startswith("-"):
+            close = difflib.get_close_matches(argument.split("=", 1)[0], flags, n=1)
+            if close:
+                hints.append(f"{argument.split('=', 1)[0]}: did you mean {close[0]}?")
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else "")
+              + f"; see python -m app {command} --help")
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -33,6 +33,16 @@ def add_session_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = 
         )
 
 
+def _server_url(text: str) -> str:
+    """--server, checked as the client checks it: a typo is refused before anything is sent, with the fix."""
+    from wm_refiner_client._common import check_url
+
+    try:
+        return check_url(text, "--server")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _flag_reader(field: spec.SessionField):
     def read(text: str):
         try:
@@ -50,7 +60,8 @@ def session_flags(args: argparse.Namespace, names: tuple[str, ...] = spec.NAMES)
 
 
 def add_client_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", help="the server's URL (default: $WM_REFINER_URL, else http://127.0.0.1:8000)")
+    parser.add_argument("--server", type=_server_url,
+                        help="the server's URL, http://HOST:PORT (default: $WM_REFINER_URL, else http://127.0.0.1:8000)")
     parser.add_argument("--api-key", help="bearer key (default: $WM_REFINER_API_KEY)")
 
 
@@ -81,6 +92,7 @@ def add_sessions_parser(commands) -> None:
 # --- stream ---------------------------------------------------------------------------------------------------------
 # The output file says whose frames it holds, so that a rerun can tell its own partial output from another file.
 OUTPUT_SESSION, OUTPUT_INPUT, OUTPUT_COMPLETE = "wm_refiner.session_id", "wm_refiner.input_sha256", "wm_refiner.complete"
+OUTPUT_CONFIG = "wm_refiner.config"  # the session's config (JSON), for a rerun to compare its flags with
 INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 
 
@@ -106,10 +118,16 @@ def stream_command(args: argparse.Namespace) -> int:
         if config.setdefault("video_format", "h264") != "h264":
             raise ValueError(f"--video writes the server's H.264 segments; leave --video-format unset or h264 (got "
                              f"{config['video_format']})")
+    if args.video:
+        require_video_libraries()
     latents, prompt, mask = read_clip(Path(args.input))
     total = int(latents.shape[2])
     digest = clip_digest(latents, prompt, mask)
     output = Path(args.output)
+    if args.session_id and finished_before(output, args.session_id, digest, total, config, args.video):
+        # Said from the file alone: the server may have released the session long ago (410 session_evicted).
+        print(f"session {args.session_id} is complete: {args.output} already holds its {total} refined frames")
+        return 0
     with Client(args.server, args.api_key) as client:
         # PUT: a session of that id with another config is refused, naming the fields that differ.
         session = client.session(args.session_id, **config) if args.session_id else client.create_session(**config)
@@ -132,7 +150,8 @@ def stream_command(args: argparse.Namespace) -> int:
         def write(complete: bool) -> np.ndarray:
             refined = np.concatenate([kept, *(unit.latents.astype(np.float32) for unit in units)], axis=2)
             write_latents(output, refined, {OUTPUT_SESSION: session.id, OUTPUT_INPUT: digest,
-                                            OUTPUT_COMPLETE: "true" if complete else "false"})
+                                            OUTPUT_COMPLETE: "true" if complete else "false",
+                                            OUTPUT_CONFIG: json.dumps(session.config, sort_keys=True)})
             return refined  # (B, C, T, H, W)
 
         try:
@@ -168,6 +187,40 @@ def stream_command(args: argparse.Namespace) -> int:
     print(f"refined {refined.shape[2]} frames in {stats.units} units -> {args.output} (session {session.id}, "
           f"{stats.reconnects} reconnects)" + (f"; {video.frames} video frames -> {args.video}" if video else ""))
     return 0
+
+
+def require_video_libraries() -> None:
+    """--video needs PyAV on this machine (a unit the server sent as raw frames, or one a resume repeats in part, is
+    encoded here; the last units usually are): checked before anything is sent, so a base install is told the fix
+    at once rather than after streaming most of the clip."""
+    try:
+        import av  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"--video needs PyAV, which does not import here ({exc}); install it with "
+                           "pip install -e '.[video]' (from the checkout), or leave --video out") from None
+
+
+def finished_before(output: Path, session_id: str, digest: str, total: int, flags: dict[str, Any],
+                    video: str | None) -> bool:
+    """Whether ``output`` is a complete run of this clip in this session, with these session flags: then a rerun has
+    nothing to do, and says so without asking the server (which forgets a finished session after its retention,
+    and would answer 410). Anything else (another session or clip, a flag the file's config does not have, a file
+    without its config, a --video file that is gone) goes to the server as before."""
+    previous = read_output(output)
+    if previous is None:
+        return False
+    refined, metadata = previous
+    if (metadata.get(OUTPUT_SESSION), metadata.get(OUTPUT_INPUT), metadata.get(OUTPUT_COMPLETE)) != (
+            session_id, digest, "true") or refined.shape[2] != total:
+        return False
+    try:
+        config = json.loads(metadata[OUTPUT_CONFIG])
+    except (KeyError, ValueError):
+        return False
+    # The flags as JSON values (a tuple of sigmas is the config's list).
+    if any(json.loads(json.dumps(value)) != config.get(name) for name, value in flags.items()):
+        return False
+    return video is None or Path(video).is_file()
 
 
 def clip_digest(latents, prompt, mask) -> str:
@@ -318,8 +371,8 @@ class SegmentFile:
     settings, so the file stays one timeline."""
 
     def __init__(self, path: Path, fps: float):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("wb")
+        self.path = path
+        self.file = None  # opened at the first segment: a stream that fails before it leaves no empty file
         self.fps = fps
         self.frames = 0
         self.quality: int | None = None
@@ -332,7 +385,7 @@ class SegmentFile:
             self.quality = encoded.quality
         if encoded is not None and encoded.skip == 0:
             if encoded.pieces[0]:
-                self.file.write(encoded.segment(0, init=self.frames == 0))
+                self._write(encoded.segment(0, init=self.frames == 0))
                 self.frames += unit.video_frames
             return
         frames = unit.decode_video().video if encoded is not None else unit.video
@@ -351,11 +404,18 @@ class SegmentFile:
         crf = self.quality if self.quality is not None else 23
         own = encode_h264(frames, crf, start, self.fps)
         video = EncodedVideo("h264", own.codec, crf, ((own.data,),), tuple(int(v) for v in own.init_sizes))
-        self.file.write(video.segment(0, init=self.frames == 0))
+        self._write(video.segment(0, init=self.frames == 0))
         self.frames += frames.shape[1]
 
+    def _write(self, data: bytes) -> None:
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = self.path.open("wb")
+        self.file.write(data)
+
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 # --- sessions -------------------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ ERRORS: dict[str, ErrorKind] = {
     "missing_input": ErrorKind(400),
     # 401
     "unauthorized": ErrorKind(401, ws_close=WS_POLICY_VIOLATION),
+    # 403: a browser page's WebSocket from an origin not in cors_origins (app.cors), refused at the handshake.
+    "origin_not_allowed": ErrorKind(403, ws_close=WS_POLICY_VIOLATION),
     # 404 / 405
     "session_not_found": ErrorKind(404, ws_close=WS_POLICY_VIOLATION),
     "not_found": ErrorKind(404),

@@ -23,6 +23,7 @@ from starlette.routing import Match, WebSocketRoute, compile_path
 from models.errors import RefinerError
 
 from .auth import ApiKeyMiddleware
+from .cors import CrossOrigin
 from .engine_errors import EngineError
 from .deps import QUERY_RULE
 from .errors import ApiError, envelope, from_exception
@@ -77,6 +78,9 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
     )
     app.add_middleware(HttpMetricsMiddleware, services=services)
     app.add_middleware(ReplicaHeader, replica_id=settings.replica_id)
+    # Outermost: a preflight is answered before the API-key check, and every answer (errors too) gets the CORS
+    # headers; a WebSocket from a foreign origin is refused before anything else sees it (app.cors).
+    app.add_middleware(CrossOrigin, origins=settings.cors_origins, on_reject=services.reject)
     return app
 
 
@@ -139,7 +143,8 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
             error = ApiError("not_found", f"no route {request.url.path}; see /docs for the routes")
         elif exc.status_code == 405:
             allowed = allowed_methods(request)
-            if request.method == "OPTIONS":  # what may be done here (RFC 9110 9.3.7); no CORS is served
+            if request.method == "OPTIONS":  # what may be done here (RFC 9110 9.3.7); a CORS preflight never
+                # gets here: app.cors answers it when cors_origins is set
                 return Response(status_code=204, headers={"Allow": ", ".join(allowed)})
             error = ApiError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}; "
                                                    f"allowed: {', '.join(allowed)}")

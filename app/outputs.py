@@ -25,6 +25,28 @@ EXACT = spec.EXACT
 OUTPUT_FIELDS = spec.OUTPUT_NAMES
 
 
+# The library each encoded format needs (the optional ``video`` extra): (module, its package's name).
+ENCODER_MODULES = {"jpeg": ("PIL", "Pillow"), "h264": ("av", "PyAV")}
+
+
+def encoder_missing(video_format: str) -> str | None:
+    """Why this process cannot encode ``video_format`` (its library does not import), or None when it can.
+
+    Asked when a session or a watch chooses the format, so the client hears it as a 422 at once rather than as
+    an encoding failure logged at its first unit. Imported, not looked up: a library present but broken (a missing
+    FFmpeg shared library) counts as missing too; after the first import it is a dictionary lookup."""
+    if video_format not in ENCODER_MODULES:
+        return None
+    module, package = ENCODER_MODULES[video_format]
+    try:
+        __import__(module)
+    except ImportError as exc:
+        return (f"video_format {video_format!r} needs {package}, which this server cannot import ({exc}); install "
+                "the server with its video extra (pip install -e '.[video]'), or ask for video_format 'uint8' or "
+                "'float32'")
+    return None
+
+
 @dataclass(frozen=True)
 class Outputs:
     kinds: tuple[str, ...] = (LATENTS,)
@@ -71,6 +93,9 @@ class Outputs:
             quality = spec.video_quality(video_format, fields.get("video_quality"))
         except ValueError as exc:
             raise ApiError("invalid_config", str(exc)) from None
+        missing = encoder_missing(video_format) if VIDEO in kinds else None
+        if missing is not None:
+            raise ApiError("invalid_config", missing)
         return cls(kinds, video_format, lookahead, quality)
 
     def restrict(self, asked: str | None, video_format: str | None = None, video_quality: str | None = None,
@@ -96,6 +121,9 @@ class Outputs:
                 quality = spec.video_quality(fmt, None)
         except ValueError as exc:
             raise ApiError("invalid_request", str(exc)) from None
+        missing = encoder_missing(fmt)
+        if missing is not None:
+            raise ApiError("invalid_request", missing)
         return replace(outputs, video_format=fmt, video_quality=quality)
 
     def _subset(self, asked: str) -> Outputs:

@@ -10,11 +10,11 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, PositiveFloat, PositiveInt, create_model, field_validator, model_validator
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from models.config import SessionConfig
 from models.errors import InvalidConfigError
@@ -112,6 +112,21 @@ class Settings(_SessionDefaults):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: str | None = Field(default=None, repr=False, description="unset: no authentication")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    # --- browsers on other origins (app.cors) --------------------------------------------------------------
+    cors_origins: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="origins (scheme://host[:port]) whose pages may call the API: CORS headers on HTTP answers, and "
+        "the allow-list for a WebSocket handshake's Origin (others: 403); comma-separated, '*' for any; unset: no "
+        "CORS headers and no Origin check",
+    )
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _cors_origins(cls, value: Any) -> tuple[str, ...]:
+        from .cors import parse_origins
+
+        return parse_origins(value)
 
     # --- limits --------------------------------------------------------------------------------------------
     max_sessions: PositiveInt = 16

@@ -18,7 +18,8 @@ from wm_refiner_client import Client, concat
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The whole docstring, as written (its first line alone stopped mid-sentence).
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", default=None, help="default: $WM_REFINER_URL, else http://127.0.0.1:8000")
     args = parser.parse_args(argv)
 

@@ -4,6 +4,7 @@ No I/O here."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -23,8 +24,57 @@ CONFIG_FIELDS = spec.NAMES
 WS_MAX_SIZE = None
 
 
+# A connection this client closes itself (Ctrl-C, a closed stream, a reconnect) need not wait for the server's close
+# frame: a server whose reader is busy with the last message (a block refining) would hold the close for seconds
+# (websockets' default: 10 s). The server's own closes (after a flush, a drain) are not waited on at all.
+CLOSE_TIMEOUT_S = 1.0
+
+
+class _KeepaliveFailures(logging.Filter):
+    """websockets logs a keepalive ping that raised (a connection closing under it) at ERROR with a traceback; the
+    connection's end reaches this client anyway (a reconnect, or the stream's error), so the record is lowered to
+    DEBUG: a program that logs at DEBUG still sees it, an unconfigured one (the command line) no longer prints a
+    traceback during a run that succeeds."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() == "keepalive ping failed":
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+# The logger of every WebSocket this client opens (websockets' ``logger=``).
+WS_LOG = logging.getLogger("wm_refiner_client.websocket")
+WS_LOG.addFilter(_KeepaliveFailures())
+
+
 def resolve_url(base_url: str | None) -> str:
-    return (base_url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
+    """The server's base URL (``base_url``, else ``$WM_REFINER_URL``, else the default), checked: ValueError at once
+    for an address no request could reach, naming the fix (httpx would fail each request with UnsupportedProtocol,
+    and a retried request would spend its whole retry budget on it). ``ws://`` and ``wss://`` are taken for
+    ``http://`` and ``https://``: the client derives the WebSocket URLs itself."""
+    given = base_url or os.environ.get(URL_ENV)
+    source = "the server address" if base_url else f"${URL_ENV}"
+    return check_url(given, source).rstrip("/") if given else DEFAULT_URL
+
+
+def check_url(url: str, source: str = "the server address") -> str:
+    """``url`` as an http(s) URL; ValueError saying what to give instead (``source``: where it came from)."""
+    url = url.strip()
+    parts = urlsplit(url)
+    if "://" not in url:  # 'localhost:8000', '127.0.0.1:8000', 'myhost'
+        raise ValueError(f"{source} {url!r} has no scheme; give http://{url} (or https://, ws://, wss://)")
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme.lower(), parts.scheme.lower())
+    if scheme not in ("http", "https"):
+        raise ValueError(f"{source} {url!r} has the scheme {parts.scheme!r}; give http://, https://, ws:// or wss:// "
+                         f"(e.g. http://{parts.netloc or 'localhost:8000'})")
+    try:
+        parts.port  # noqa: B018 (raises for a port that is not a number or out of range)
+    except ValueError as exc:
+        raise ValueError(f"{source} {url!r} has a bad port ({exc}); give http://HOST:PORT, e.g. "
+                         "http://127.0.0.1:8000") from None
+    if not parts.hostname:
+        raise ValueError(f"{source} {url!r} names no host; give http://HOST:PORT, e.g. http://127.0.0.1:8000")
+    return urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
 
 
 def resolve_api_key(api_key: str | None) -> str | None:

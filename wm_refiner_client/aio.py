@@ -19,6 +19,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from ._common import (
+    CLOSE_TIMEOUT_S,
+    WS_LOG,
     WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
@@ -59,6 +61,7 @@ class AsyncClient:
         self.return_tensors: ReturnTensors = return_tensors
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
         self._replicas = Replicas()
+        self._reached = False  # whether the server has answered this client once (protocol.RequestAttempts)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -136,10 +139,12 @@ class AsyncClient:
                        **kwargs: Any) -> httpx.Response:
         """See ``Client._request``: the same decisions (``protocol.RequestAttempts``), awaited."""
         attempts = RequestAttempts(self.retry, f"{method} {path}", idempotent=idempotent,
-                                   known_replica=self._replicas.get(session_id))
+                                   known_replica=self._replicas.get(session_id), first_contact=not self._reached,
+                                   server=self.base_url)
         while True:
             try:
                 response = await self._http.request(method, path, **kwargs)
+                self._reached = True
             except httpx.TransportError as exc:
                 wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
                                                                                         httpx.ConnectTimeout)))
@@ -156,7 +161,8 @@ class AsyncClient:
         url = ws_url(self.base_url, path, query)
         try:
             return await connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
-                                 compression=None, open_timeout=self.timeout)
+                                 compression=None, open_timeout=self.timeout,
+                                 close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
             raise handshake_error(exc) from None
         except (OSError, TimeoutError, InvalidHandshake) as exc:

@@ -24,6 +24,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from ._common import (
+    CLOSE_TIMEOUT_S,
+    WS_LOG,
     WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
@@ -116,6 +118,7 @@ class Client:
         self.return_tensors: ReturnTensors = return_tensors
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=auth_headers(self.api_key))
         self._replicas = Replicas()
+        self._reached = False  # whether the server has answered this client once (protocol.RequestAttempts)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -203,10 +206,12 @@ class Client:
         ``idempotent``, lost connections, timeouts and a router's 502/504; a 404 of ``session_id`` while it moves
         between replicas, for at most ``retry.move_timeout_s``); a typed ``APIError`` for any other error status."""
         attempts = RequestAttempts(self.retry, f"{method} {path}", idempotent=idempotent,
-                                   known_replica=self._replicas.get(session_id))
+                                   known_replica=self._replicas.get(session_id), first_contact=not self._reached,
+                                   server=self.base_url)
         while True:
             try:
                 response = self._http.request(method, path, **kwargs)
+                self._reached = True
             except httpx.TransportError as exc:
                 wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
                                                                                         httpx.ConnectTimeout)))
@@ -224,7 +229,8 @@ class Client:
         url = ws_url(self.base_url, path, query)
         try:
             return connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
-                           compression=None, open_timeout=self.timeout)
+                           compression=None, open_timeout=self.timeout,
+                           close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
             raise handshake_error(exc) from None
         except (OSError, TimeoutError, InvalidHandshake) as exc:

@@ -69,6 +69,10 @@ class AuthenticationError(APIError):
     status = 401
 
 
+class ForbiddenError(APIError):
+    status = 403
+
+
 class NotFoundError(APIError):
     status = 404
 
@@ -132,6 +136,12 @@ class MissingInputError(BadRequestError):
 
 class UnauthorizedError(AuthenticationError):
     code = "unauthorized"
+
+
+class OriginNotAllowedError(ForbiddenError):
+    """A WebSocket from a browser page whose origin is not in the server's ``cors_origins``."""
+
+    code = "origin_not_allowed"
 
 
 class SessionNotFoundError(NotFoundError):
@@ -262,8 +272,8 @@ class HeadersTooLargeError(APIError):
 ERROR_CLASSES: dict[str, type[APIError]] = {
     cls.code: cls
     for cls in (
-        InvalidPayloadError, MissingInputError, UnauthorizedError, SessionNotFoundError, RouteNotFoundError,
-        MethodNotAllowedError, SeqConflictError, StreamClosedError, StreamInUseError, SessionExistsError,
+        InvalidPayloadError, MissingInputError, UnauthorizedError, OriginNotAllowedError, SessionNotFoundError,
+        RouteNotFoundError, MethodNotAllowedError, SeqConflictError, StreamClosedError, StreamInUseError, SessionExistsError,
         ResumeUnavailableError, SessionEvictedError, PayloadTooLargeCodeError, TooManyFramesError,
         PromptTooLongError, UnsupportedMediaTypeError, InvalidInputError, InvalidConfigError, InvalidRequestError,
         InternalError, NotReadyError, DrainingError, TooManySessionsError, EngineBusyError, ServerBusyError,
@@ -273,7 +283,7 @@ ERROR_CLASSES: dict[str, type[APIError]] = {
 _BY_STATUS: dict[int, type[APIError]] = {
     cls.status: cls
     for cls in (
-        BadRequestError, AuthenticationError, NotFoundError, MethodNotAllowedError, ConflictError, GoneError,
+        BadRequestError, AuthenticationError, ForbiddenError, NotFoundError, MethodNotAllowedError, ConflictError, GoneError,
         PayloadTooLargeError, UnsupportedMediaTypeError, UnprocessableError, InternalServerError,
         BadGatewayError, ServiceUnavailableError, GatewayTimeoutError,
     )

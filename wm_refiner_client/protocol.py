@@ -21,6 +21,7 @@ that last served the session to this client: on a single server (one replica id)
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any, Callable, Mapping
 
@@ -49,27 +50,62 @@ def is_gateway_error(error: APIError) -> bool:
     return error.status in GATEWAY_STATUSES and not (isinstance(error.body, dict) and "error" in error.body)
 
 
+# Tries of a client's first request when the server refuses the connection: the retries cover a server that is
+# just binding its port (well under a second), not the policy's ~30 s meant for a restart mid-stream.
+FIRST_CONTACT_ATTEMPTS = 4
+
+
+def unreachable_cause(exc: BaseException, server: str | None = None) -> tuple[str, str] | None:
+    """``("dns" | "refused", the likely cause and the fix)`` when ``exc`` (or an exception it was raised from) is an
+    unknown host or a refused connection; None for any other failure."""
+    where = server or "the server"
+    seen: BaseException | None = exc
+    for _ in range(8):  # httpx wraps httpcore's error, which wraps the socket's
+        if seen is None:
+            break
+        if isinstance(seen, socket.gaierror):
+            return "dns", (f"cannot resolve the host of {where} ({seen}): check the address (--server, "
+                           "$WM_REFINER_URL)")
+        if isinstance(seen, ConnectionRefusedError):
+            return "refused", (f"nothing listens at {where} (connection refused): is the server running on that host "
+                               "and port? Start it with `python -m app serve` (its port: --port, $WM_REFINER_PORT), "
+                               "or give its address (--server, $WM_REFINER_URL)")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class RequestAttempts:
     """The retry decisions of one HTTP request. After each failure the driver asks for the wait before the next
     try; the failure is raised instead once it is not worth retrying or the policy's bounds are spent.
 
     ``idempotent``: repeating the request is harmless (reads, deletes, PUT of a session, a chunk with its ``seq``).
     ``known_replica``: the replica that last served this request's session to this client (None: not a session
-    request, or a session not served yet); a 404 from another replica is a move (module docstring)."""
+    request, or a session not served yet); a 404 from another replica is a move (module docstring).
+    ``first_contact``: the client has had no answer from ``server`` yet. Then an unknown host fails at once and a
+    refused connection after ``FIRST_CONTACT_ATTEMPTS`` tries (about a second), naming the likely cause: a wrong
+    address is far likelier than a restart, and retrying it for the policy's half minute only hides the typo. Once
+    the server has answered, a refused connection is a restart and gets the whole policy."""
 
     def __init__(self, policy: RetryPolicy, what: str, *, idempotent: bool = True,
-                 known_replica: str | None = None, clock: Callable[[], float] = time.monotonic):
+                 known_replica: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 first_contact: bool = False, server: str | None = None):
         self.policy = policy
         self.what = what
         self.idempotent = idempotent
         self.known_replica = known_replica
         self.clock = clock
+        self.first_contact = first_contact
+        self.server = server
         self.failures = 0
         self._moving_since: float | None = None
 
     def after_transport_error(self, exc: BaseException, *, never_sent: bool) -> float:
         """The connection failed (``never_sent``: it was refused before the request left)."""
         self.failures += 1
+        cause = unreachable_cause(exc, self.server) if self.first_contact else None
+        if cause is not None and (cause[0] == "dns" or self.failures >= min(FIRST_CONTACT_ATTEMPTS,
+                                                                             self.policy.attempts)):
+            raise TransportError(f"{self.what}: {cause[1]}") from exc
         if not (self.idempotent or never_sent) or self.failures >= self.policy.attempts:
             raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
         return self.policy.delay(self.failures)

@@ -83,6 +83,7 @@ def test_every_websocket_route_refuses_before_accepting(client):
                     pass
             assert denied.value.status_code == 401
             assert denied.value.json()["error"]["code"] == "unauthorized"
+            assert "'wm-refiner.bearer.<key as base64url, unpadded>'" in denied.value.json()["error"]["message"]
         with pytest.raises(WebSocketDenialResponse):
             with client.websocket_connect(f"{url}?api_key={KEY}"):
                 pass

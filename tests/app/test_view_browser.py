@@ -244,3 +244,93 @@ def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, 
         wait_until(lambda: "late 2" in row(session_id), "the list line to show 2 late blocks")
         assert "late" not in row(plain)
         wait_until(lambda: browser.find_element(By.ID, "late-blocks").text == "2", "the stats counter to show 2")
+
+
+# --- a page on another origin (cors_origins, app/cors.py) ------------------------------------------------------
+# What a web app on its own origin does: read /v1/info, create a session, read an error's JSON, open the stream's
+# WebSocket with the key as subprotocol. Each step's outcome is recorded; a step the browser blocks is "blocked".
+CROSS_ORIGIN_PAGE = """<!doctype html><meta charset="utf-8"><title>another origin</title><script>
+async function probe(base, key) {
+  const auth = {Authorization: "Bearer " + key}, out = {};
+  const step = async (name, run) => { try { out[name] = await run(); } catch (e) { out[name] = "blocked"; } };
+  await step("info", async () => { const r = await fetch(base + "/v1/info", {headers: auth});
+    return [r.status, "limits" in (await r.json())]; });
+  await step("create", async () => { const r = await fetch(base + "/v1/sessions", {method: "POST",
+    headers: {...auth, "Content-Type": "application/json"}, body: "{}"});
+    const body = await r.json(); out.session = body.session_id; return [r.status, typeof body.session_id]; });
+  await step("error", async () => { const r = await fetch(base + "/v1/sessions/no-such-session");
+    return [r.status, (await r.json()).error.code, r.headers.get("X-Replica") !== null]; });
+  return out;
+}
+function openSocket(url, key) {
+  const b64url = btoa(key).replace(/\\+/g, "-").replace(/\\//g, "_").replace(/=+$/, "");
+  return new Promise((resolve) => {
+    const ws = new WebSocket(url, ["wm-refiner", "wm-refiner.bearer." + b64url]);
+    ws.onopen = () => { const protocol = ws.protocol; ws.close(); resolve(["open", protocol]); };
+    ws.onclose = (event) => resolve(["closed", event.code]);
+  });
+}
+</script>"""
+
+
+@pytest.fixture
+def page_server():
+    """Serves CROSS_ORIGIN_PAGE on 127.0.0.1 and a free port: loaded as http://localhost:PORT and as
+    http://127.0.0.1:PORT, two origins, both other than the API's (another port)."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = CROSS_ORIGIN_PAGE.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run_probe(browser, page_url: str, server) -> dict:
+    browser.get(page_url)
+    browser.set_script_timeout(DEADLINE_S)
+    out = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1]; probe(arguments[0], arguments[1]).then(done);",
+        server.base_url, KEY)
+    return out
+
+
+def test_a_page_on_an_allowed_origin_calls_the_api_and_opens_the_websocket(make_settings, browser, page_server):
+    allowed = f"http://localhost:{page_server}"
+    with LiveServer(make_settings(api_key=KEY, cors_origins=allowed)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        out = run_probe(browser, f"{allowed}/", server)
+        assert out["info"] == [200, True]
+        assert out["create"] == [201, "string"]
+        assert out["error"] == [401, "unauthorized", True]  # the error's JSON and the exposed headers are readable
+        session_id = out["session"]
+        assert http.get(f"/v1/sessions/{session_id}", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+        opened = browser.execute_async_script(
+            "const done = arguments[arguments.length - 1]; openSocket(arguments[0], arguments[1]).then(done);",
+            f"{server.ws_url}/v1/sessions/{session_id}/stream", KEY)
+        assert opened == ["open", "wm-refiner"]
+
+        # The same page from an origin not on the list: every step fails in the browser, the WebSocket with 403.
+        out = run_probe(browser, f"http://127.0.0.1:{page_server}/", server)
+        assert out == {"info": "blocked", "create": "blocked", "error": "blocked"}
+        refused = browser.execute_async_script(
+            "const done = arguments[arguments.length - 1]; openSocket(arguments[0], arguments[1]).then(done);",
+            f"{server.ws_url}/v1/sessions/{session_id}/watch", KEY)
+        assert refused == ["closed", 1006]  # what a page learns of a refused handshake
+        assert server.services.metrics.rejected_requests.labels(reason="origin_not_allowed")._value.get() >= 1

@@ -56,6 +56,7 @@ RUN = [
     ("docs/library.md", "## Sessions", "python"),
     ("docs/library.md", "## Pixels from the refined latents", "python"),
     ("docs/client.md", "## The client, step by step", "python"),
+    ("docs/client.md", "### Writing the input file", "python"),
     ("docs/api.md", "## The raw format (other languages)", "python"),
     ("docs/api.md", "## The raw format (other languages)", "bash"),
     ("docs/api.md", "## Reattach: a dropped stream is not a lost session", "python"),

@@ -1,0 +1,286 @@
+"""What a new user trips on first (issue 26): a server address without a scheme or with a typo, a server that is
+not there, and the command line's answers to them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import wm_refiner_client as wm
+from bench.live import ROOT, free_port
+from wm_refiner_client import AsyncClient, Client
+from wm_refiner_client.protocol import FIRST_CONTACT_ATTEMPTS, RequestAttempts
+from wm_refiner_client.retry import RetryPolicy
+
+from .test_cli import run_cli
+
+
+@pytest.mark.parametrize("address,fix", [
+    ("localhost:8000", "give http://localhost:8000"),
+    ("127.0.0.1:8000", "give http://127.0.0.1:8000"),
+    ("htp://localhost:8000", "give http://, https://"),
+    ("http://", "names no host"),
+    ("http://localhost:80000", "bad port"),
+])
+def test_an_address_no_request_could_reach_is_refused_at_once_with_the_fix(address, fix):
+    for make in (Client, AsyncClient):
+        with pytest.raises(ValueError, match=fix):
+            make(address)
+
+
+def test_the_environment_address_is_checked_and_named(monkeypatch):
+    monkeypatch.setenv("WM_REFINER_URL", "localhost:8000")
+    with pytest.raises(ValueError, match=r"\$WM_REFINER_URL 'localhost:8000' has no scheme"):
+        Client()
+
+
+def test_websocket_schemes_are_taken_for_http():
+    assert Client("ws://127.0.0.1:8000/").base_url == "http://127.0.0.1:8000"
+    assert Client("wss://example.test").base_url == "https://example.test"
+
+
+def recorded_waits(monkeypatch, module) -> list[float]:
+    waits: list[float] = []
+    if module == "sync":
+        monkeypatch.setattr("wm_refiner_client.client.time.sleep", waits.append)
+    else:
+        async def sleep(seconds):
+            waits.append(seconds)
+
+        monkeypatch.setattr("wm_refiner_client.aio.asyncio.sleep", sleep)
+    return waits
+
+
+@pytest.mark.parametrize("module", ["sync", "async"])
+def test_a_refused_port_fails_after_a_few_tries_naming_the_likely_cause(monkeypatch, module):
+    waits = recorded_waits(monkeypatch, module)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(wm.TransportError) as failed:
+        if module == "sync":
+            Client(url).info()
+        else:
+            asyncio.run(AsyncClient(url).info())
+    message = str(failed.value)
+    assert "connection refused" in message and url in message and "python -m app serve" in message
+    # the policy's ten tries would wait ~30 s; a first contact waits FIRST_CONTACT_ATTEMPTS - 1 short backoffs
+    assert len(waits) == FIRST_CONTACT_ATTEMPTS - 1
+    assert sum(waits) <= sum(RetryPolicy().backoff_s * 2**n for n in range(FIRST_CONTACT_ATTEMPTS - 1))
+
+
+def test_an_unknown_host_fails_at_once(monkeypatch):
+    waits = recorded_waits(monkeypatch, "sync")
+    with pytest.raises(wm.TransportError, match="cannot resolve the host of http://no-such-host.invalid:8000"):
+        Client("http://no-such-host.invalid:8000").info()
+    assert waits == []
+
+
+def test_once_the_server_answered_a_refused_connection_gets_the_whole_policy():
+    refused = ConnectionRefusedError(111, "Connection refused")
+    policy = RetryPolicy(attempts=6)
+    first = RequestAttempts(policy, "GET /v1/info", first_contact=True, server="http://h:1")
+    later = RequestAttempts(policy, "GET /v1/info", first_contact=False, server="http://h:1")
+    for _ in range(FIRST_CONTACT_ATTEMPTS - 1):
+        first.after_transport_error(refused, never_sent=True)
+    with pytest.raises(wm.TransportError, match="nothing listens at http://h:1"):
+        first.after_transport_error(refused, never_sent=True)
+    for _ in range(policy.attempts - 1):
+        later.after_transport_error(refused, never_sent=True)  # a restart: retried
+    with pytest.raises(wm.TransportError, match="ConnectionRefusedError"):
+        later.after_transport_error(refused, never_sent=True)
+
+
+def test_the_command_line_refuses_a_bad_server_with_the_subcommands_usage(tmp_path):
+    result = run_cli("stream", "--server", "localhost:8000", "--input", str(tmp_path / "in.safetensors"),
+                     "--output", str(tmp_path / "out.safetensors"))
+    assert result.returncode == 2
+    assert "usage: python -m app stream" in result.stderr
+    assert "--server 'localhost:8000' has no scheme; give http://localhost:8000" in result.stderr
+
+
+def test_the_command_line_says_when_nothing_listens(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    result = run_cli("sessions", "--server", url)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: GET /v1/sessions: nothing listens at {url} (connection refused)")
+
+
+# --- the optional video libraries (the `video` extra) ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def video_server(make_settings, tmp_path_factory):
+    from bench.live import ThreadServer
+    from models.checkpoints import write_vae_checkpoint
+
+    vae = write_vae_checkpoint(tmp_path_factory.mktemp("first-hour-vae"), "tiny-vae")
+    with ThreadServer(make_settings(vae=str(vae))) as live:
+        yield live
+
+
+@pytest.mark.parametrize("video_format,module,package", [("h264", "av", "PyAV"), ("jpeg", "PIL", "Pillow")])
+def test_a_server_without_the_encoder_refuses_the_format_at_creation(video_server, monkeypatch, video_format, module,
+                                                                     package):
+    with Client(video_server.base_url) as client:
+        kept = client.create_session(outputs=["latents", "video"], video_format=video_format)  # installed: fine
+        monkeypatch.setitem(sys.modules, module, None)  # as if the extra were not installed: the import fails
+        with pytest.raises(wm.InvalidConfigError) as refused:
+            client.create_session(outputs=["latents", "video"], video_format=video_format)
+        assert refused.value.status == 422
+        assert f"needs {package}" in refused.value.message and "pip install -e '.[video]'" in refused.value.message
+        client.create_session(outputs=["latents", "video"], video_format="uint8")  # raw video needs neither
+        # A watcher asking for the format is refused the same way, before it is accepted.
+        with pytest.raises(wm.InvalidRequestError, match=f"needs {package}"):
+            client._connect(f"/v1/sessions/{kept.id}/watch", {"video_format": video_format})
+        kept.delete()
+
+
+def test_stream_video_without_pyav_is_refused_before_anything_is_sent(video_server, tmp_path):
+    from .test_cli import cli_env, write_clip
+
+    source = write_clip(tmp_path / "in.safetensors")
+    with Client(video_server.base_url) as client:
+        before = {s.session_id for s in client.sessions()}
+    script = ("import sys; sys.modules['av'] = None\n"  # PyAV not installed
+              "from app.cli import main; sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run(
+        [sys.executable, "-c", script, "stream", "--server", video_server.base_url, "--input", str(source),
+         "--output", str(tmp_path / "out.safetensors"), "--video", str(tmp_path / "out.mp4")],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--video needs PyAV" in result.stderr and "pip install -e '.[video]'" in result.stderr
+    assert not (tmp_path / "out.mp4").exists() and not (tmp_path / "out.safetensors").exists()
+    with Client(video_server.base_url) as client:
+        assert {s.session_id for s in client.sessions()} == before  # no session was created
+
+
+# --- a rerun of a finished stream -----------------------------------------------------------------------------------
+def test_a_rerun_of_a_complete_stream_says_so_from_the_file_after_the_server_forgot_the_session(video_server,
+                                                                                                 tmp_path):
+    from safetensors import safe_open
+
+    from .test_cli import write_clip
+
+    source = write_clip(tmp_path / "in.safetensors")
+    output = tmp_path / "out.safetensors"
+    args = ["stream", "--server", video_server.base_url, "--input", str(source), "--output", str(output),
+            "--session-id", "finished-run-1", "--seed", "7"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    with safe_open(str(output), framework="np") as file:
+        assert file.metadata()["wm_refiner.complete"] == "true"
+        written = file.get_tensor("latents")
+    with Client(video_server.base_url) as client:  # what retention does to a finished session after a while
+        client.delete_session("finished-run-1")
+
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("session finished-run-1 is complete:") and again.stderr == ""
+    assert np.array_equal(load_file(str(output))["latents"], written)  # untouched
+    with Client(video_server.base_url) as client:
+        assert "finished-run-1" not in {s.session_id for s in client.sessions()}  # the server was not asked
+
+    # Another session flag is not this run: the server is asked (a deleted id may be created again: a new run).
+    other = run_cli(*args[:-1], "8")
+    assert other.returncode == 0 and other.stdout.startswith("refined 24 frames"), other.stderr
+    with safe_open(str(output), framework="np") as file:
+        assert json.loads(file.metadata()["wm_refiner.config"])["seed"] == 8
+
+
+# --- small ones -----------------------------------------------------------------------------------------------------
+def test_a_mistyped_flag_gets_the_subcommands_usage_and_the_flag_meant():
+    result = run_cli("sessions", "--jsno")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: python -m app sessions")
+    assert "unrecognized arguments: --jsno (--jsno: did you mean --json?)" in result.stderr
+
+
+def test_the_clients_websockets_close_fast_and_lower_keepalive_failures(video_server, caplog):
+    import logging
+
+    from wm_refiner_client._common import CLOSE_TIMEOUT_S, WS_LOG
+
+    with Client(video_server.base_url) as client:
+        session = client.create_session()
+        ws = client._connect(f"/v1/sessions/{session.id}/watch")
+        try:
+            # a close the client starts waits at most this long for the server's answer (bench/ctrl_c.py)
+            assert ws.close_timeout == CLOSE_TIMEOUT_S <= 2
+            assert ws.logger.logger is WS_LOG  # websockets wraps it in a LoggerAdapter
+        finally:
+            ws.close()
+    with caplog.at_level(logging.DEBUG, logger=WS_LOG.name):
+        try:
+            raise RuntimeError("the connection closed under the ping")
+        except RuntimeError:
+            WS_LOG.error("keepalive ping failed", exc_info=True)
+        WS_LOG.error("something else")
+    levels = {record.getMessage(): record.levelno for record in caplog.records}
+    assert levels == {"keepalive ping failed": logging.DEBUG, "something else": logging.ERROR}
+
+
+def test_quickstart_help_is_the_whole_description():
+    result = subprocess.run([sys.executable, "examples/quickstart.py", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    assert "then the sessions listed and deleted." in " ".join(result.stdout.split())
+
+
+def test_the_input_recipe_writes_a_file_stream_refines(video_server, tmp_path, monkeypatch):
+    from .test_readme import python_blocks, section
+
+    (code,) = python_blocks(section("### Writing the input file", "docs/client.md"))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/client.md", "exec"), {})
+    result = run_cli("stream", "--server", video_server.base_url, "--input", str(tmp_path / "in.safetensors"),
+                     "--output", str(tmp_path / "out.safetensors"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("refined 11 frames")
+    assert load_file(str(tmp_path / "out.safetensors"))["latents"].shape == (1, 128, 11, 4, 4)
+
+
+# --- the wire format as docs/api.md states it, built by hand ---------------------------------------------------------
+def raw_safetensors(tensors: dict[str, tuple[str, tuple[int, ...], bytes]], pad: int = 0) -> bytes:
+    """u64 little-endian header length, the JSON header (padded with ``pad`` spaces), the data back to back."""
+    import struct
+
+    header, data = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode() + b" " * pad
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_a_hand_built_payload_as_the_docs_describe_it_is_accepted(video_server):
+    import httpx
+
+    from app.codec import read_metadata
+
+    rng = np.random.default_rng(0)
+    bf16 = lambda a: (a.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()  # noqa: E731 (truncated)
+    latents = rng.standard_normal((1, 128, 5, 4, 4))
+    body = raw_safetensors({
+        "latents": ("BF16", latents.shape, bf16(latents)),
+        "prompt_embeds": ("F32", (1, 6, 32), rng.standard_normal((1, 6, 32)).astype("<f4").tobytes()),
+        "prompt_attention_mask": ("BOOL", (1, 6), bytes([1, 1, 1, 1, 0, 0])),
+    }, pad=5)
+    octet = {"content-type": "application/octet-stream"}
+    with httpx.Client(base_url=video_server.base_url, timeout=60) as http:
+        session = http.post("/v1/sessions", json={}).json()["session_id"]
+        first = http.post(f"/v1/sessions/{session}/chunks", content=body, headers=octet)
+        assert first.status_code == 200, first.text
+        assert read_metadata(first.content)["seq"] == "0"
+        # a flush without new frames: latents of 0 frames (an empty body is refused)
+        empty = raw_safetensors({"latents": ("F32", (1, 128, 0, 4, 4), b"")})
+        flushed = http.post(f"/v1/sessions/{session}/chunks", params={"flush": "true"}, content=empty, headers=octet)
+        assert flushed.status_code == 200, flushed.text
+        assert read_metadata(flushed.content)["frame_end"] == "5"
+        refused = http.post(f"/v1/sessions/{session}/chunks", params={"flush": "true"}, content=b"", headers=octet)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_payload"
+    example = raw_safetensors({"prompt_attention_mask": ("I64", (1, 2), np.ones(2, "<i8").tobytes())})
+    assert json.loads(example[8:-16]) == {"prompt_attention_mask": {"dtype": "I64", "shape": [1, 2],
+                                                                    "data_offsets": [0, 16]}}
