@@ -10,6 +10,7 @@
     python -m bench park   [...]   page-in latency of parked and spilled sessions, and their sizes
     python -m bench realtime [...] paced realtime sessions: how many each server mode keeps with no late block
     python -m bench encode [...]   encoded video (jpeg, h264): bytes and PSNR vs raw, encode ms, JPEG watchers
+    python -m bench loadmodel [...] loading a released-width checkpoint: load_refiner vs safetensors' load_file
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.encode import main as encode_main
 
         return encode_main(rest)
+    if command == "loadmodel":
+        from bench.loadmodel import main as loadmodel_main
+
+        return loadmodel_main(rest)
     print(f"unknown benchmark {command!r}\n{__doc__}", file=sys.stderr)
     return 2
 
