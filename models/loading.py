@@ -167,7 +167,7 @@ def load_refiner(path: str | Path, device: str | torch.device = "auto", dtype: s
     torch_dtype = resolve_dtype(dtype, torch_device)
     model = build_video_model(config, str(config_path))
     if torch_device.type == "meta":
-        model = model.to(dtype=torch_dtype)
+        model = torch.nn.Module.to(model, dtype=torch_dtype)  # (ModelMixin.to warns about fp32 modules it has none of)
     else:
         if not (folder / WEIGHTS).is_file() and not (folder / WEIGHTS_INDEX).is_file():
             found = sorted(p.name for p in folder.iterdir())

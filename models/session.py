@@ -471,8 +471,9 @@ class RefinerSession:
     def _step_verified(self) -> Unit | None:
         """``step``, and on an accelerator the unit's finite check read before it is returned (a device read: the
         caller reads the unit's bytes anyway), undoing the step if it fails, so that ``stream`` and ``push`` keep
-        their promise on every device. A CPU session's commit has checked it already."""
-        if self.refiner.device.type == "cpu":
+        their promise on every device. A CPU session's commit has checked it already; on ``meta`` (shapes only)
+        there is nothing to read."""
+        if self.refiner.device.type in ("cpu", "meta"):
             return self.step()
         before = self.checkpoint()
         try:
