@@ -404,7 +404,7 @@ def render(plan: Plan) -> str:
         f"{_tf(forward['feed_forward'])}",
         f"FLOPs per block ({s['steps'] + 1} forwards): {_tf(block['total'])}; plays for {plan.block_seconds:g} s -> "
         f"{plan.flops_per_second_per_session / 1e12:.1f} TFLOP/s per real-time session; sink capture "
-        f"{_tf(plan.flops_sink)} once, caption projection {_tf(plan.flops_prompt)} per prompt",
+        f"{_tf(plan.flops_sink)} once, caption projection and prompt K/V {_tf(plan.flops_prompt)} per prompt",
         "",
         f"{'GPU':<10} {'memory':>11} {'sessions by memory':>19} {'TFLOP/s':>8} {'block compute':>14} "
         f"{'sessions by compute':>20} {'sessions':>9}",
