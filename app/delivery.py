@@ -9,6 +9,11 @@ and put on the wire by their stages, as its session's ``app.outputs.Outputs`` sa
 observed here, once the unit's bytes are on the host, so on a GPU it measures finished work rather than queued
 kernels.
 
+The unit's finite check (``models.session.FiniteCheck``: on an accelerator the engine thread never reads it) is
+copied with its payloads and read where they are awaited: a unit that is not finite raises the session's
+``NonFiniteOutputError`` there instead of being encoded (an HTTP response then fails with it as it did at commit;
+a stream unit is not published). On a CPU the session checked it at commit and there is nothing left to read.
+
 Nothing committed is lost on the way: a unit whose hand-over failed is still in its work's result and is
 handed over again (``Deliveries.push`` ignores a unit it already has), and a unit that cannot be encoded is
 retained as a tensor, encoded again when it is next sent (``app.resume.SentUnit``).
@@ -25,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from models.errors import NonFiniteOutputError
 from models.session import SessionState
+from models.transfer import HostCopy
 
 from .codec import encode
 from .metrics import Metrics
@@ -42,13 +49,21 @@ class UnitCopies:
     def __init__(self, unit: OutUnit, stages: OutputStages):
         self.unit = unit
         self._waits = {kind: stages[kind].to_host(payload) for kind, payload in unit.payloads.items()}
+        check = getattr(unit, "check", None)
+        self._check = None if check is None else (check, HostCopy(check.summary))  # (3,) floats, queued now
         self._host: HostUnit | None = None
         self._lock = threading.Lock()
 
     def wait(self) -> HostUnit:
         """The unit on the host: one ``HostUnit`` for every caller, so what is encoded from it (a video format)
-        is encoded once for the response and every watcher."""
+        is encoded once for the response and every watcher. ``NonFiniteOutputError`` if it is not finite."""
         with self._lock:
+            if self._check is not None:
+                check, copy = self._check
+                error = check.error(copy.wait())  # on this (encoder) thread: the engine thread never waits for it
+                if error is not None:
+                    raise error
+                self._check = None
             if self._host is None:
                 unit = self.unit
                 self._host = HostUnit(unit.kind, unit.frame_start, unit.frame_end, tuple(unit.latents.shape),
@@ -194,6 +209,11 @@ class Deliveries:
             try:
                 host, data = await asyncio.shield(item.encoded)
                 sent = SentUnit(item.unit.frame_start, item.unit.frame_end, data)
+            except NonFiniteOutputError:
+                log.error("units [%d, %d) refined to NaN or Inf (read off the engine thread, after commit): not "
+                          "published", item.unit.frame_start, item.unit.frame_end)
+                self._queue.popleft()
+                continue
             except Exception:
                 log.exception("encoding units [%d, %d) failed; kept as tensors, encoded again when next sent",
                               item.unit.frame_start, item.unit.frame_end)

@@ -686,5 +686,4 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any
 def _probe_shape(session: RefinerSession, forward: RowForward) -> ProbeShape:
     """How the probe builds sessions of ``forward``'s class: its frame size, block frames and prompt length."""
     geometry = session.state.geometry
-    prompt = forward.prompt.embeds
-    return ProbeShape(geometry.height, geometry.width, forward.frames, int(prompt.shape[1]) if prompt is not None else 1)
+    return ProbeShape(geometry.height, geometry.width, forward.frames, int(forward.prompt.kv.shape[3]))  # (Y, 2, B, L, D)

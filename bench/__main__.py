@@ -11,6 +11,7 @@
     python -m bench realtime [...] paced realtime sessions: how many each server mode keeps with no late block
     python -m bench encode [...]   encoded video (jpeg, h264): bytes and PSNR vs raw, encode ms, JPEG watchers
     python -m bench gpu OUT [--smoke] the GPU check's figures in one process (bench/gpu_check.sh runs it)
+    python -m bench loadmodel [...] loading a released-width checkpoint: load_refiner vs safetensors' load_file
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.gpu import main as gpu_main
 
         return gpu_main(rest)
+    if command == "loadmodel":
+        from bench.loadmodel import main as loadmodel_main
+
+        return loadmodel_main(rest)
     print(f"unknown benchmark {command!r}\n{__doc__}", file=sys.stderr)
     return 2
 

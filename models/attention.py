@@ -15,8 +15,9 @@ feed-forward) runs on the stacked rows. That is what makes a session's output in
 output stays bit-identical to the reference; but instead of concatenating ``[sink | history | block]`` per
 forward it writes the block's K/V into the session's window buffer (``models.kv``) and attends to the buffer.
 ``PromptAttnProcessor`` (attn2) does what ``SanaWMLTX2AudioVideoAttnProcessor`` does, per session over that
-session's own unpadded prompt (padding a shorter prompt changes SDPA's bits); given a plain tensor it *is*
-diffusers' processor, so the model still runs under diffusers' own forward.
+session's own unpadded prompt (padding a shorter prompt changes SDPA's bits), reading the prompt's K/V that
+``PreparedPrompt`` computed once per prompt and layer (they depend on the prompt alone, never on the tokens);
+given a plain tensor it *is* diffusers' processor, so the model still runs under diffusers' own forward.
 
 The write lifecycle: each ``ForwardWindow`` owns a one-shot ``KVWrites`` record. Every layer registers its
 write for every session; the forward's driver calls ``verify()`` once, right after the forward. A commit
@@ -64,11 +65,23 @@ _FIX = (
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """A session's prompt as cross-attention reads it: caption-projected embeds (B, L, D) and the additive mask
-    bias (B, 1, L) (None: attend to every token). Computed once per prompt, not per forward."""
+    """A session's prompt as cross-attention reads it, computed once per prompt (``models.step.prepare_prompt``),
+    not in every layer of every forward: each layer's keys (after ``norm_k``) and values of the caption-projected
+    prompt, ``kv`` (Y, 2, B, L, D), and the additive mask (B, A, 1, L) as attention takes it, or None to attend to
+    every token (no mask sent, or an all-ones one), which leaves attention free to pick a fused kernel. Kept with
+    the session (counted in its bytes, ``models.memory``); a snapshot stores the prompt, and this is computed again
+    from it on restore: same shapes, same kernels, same bits."""
 
-    embeds: torch.Tensor
-    bias: torch.Tensor | None
+    kv: torch.Tensor
+    mask: torch.Tensor | None
+
+    @property
+    def batch(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def length(self) -> int:
+        return int(self.kv.shape[3])
 
 
 @dataclass(frozen=True)
@@ -319,7 +332,8 @@ class PromptAttnProcessor:
     _attention_backend = None
     _parallel_config = None
 
-    def __init__(self):
+    def __init__(self, layer: int = 0):
+        self.layer = layer  # which layer's prompt K/V (``PreparedPrompt.kv[layer]``) this block reads
         self._plain = SanaWMLTX2AudioVideoAttnProcessor()
 
     def __call__(
@@ -338,27 +352,22 @@ class PromptAttnProcessor:
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         query = attn.norm_q(attn.to_q(hidden_states))  # (R, N, D)
         prompt_attention = _prompt_attention.__wrapped__ if TRACEABLE else _prompt_attention
-        hidden = prompt_attention(attn, prompts, query, gate_logits, self._attention_backend, self._parallel_config)
+        hidden = prompt_attention(attn, self.layer, prompts, query, gate_logits, self._attention_backend,
+                                  self._parallel_config)
         return _project(attn, hidden)
 
 
 @torch.compiler.disable
-def _prompt_attention(attn, prompts: PromptBatch, query, gate_logits, backend, parallel):
-    """Each session's rows over its own prompt; (R, N, D), padding rows zero."""
-    # Each session's prompt projected on its own (B, L, D) shape, never stacked with other sessions' prompts: a
-    # GEMM's kernel (and so its rounding) depends on M, and stacked M would be the sum of the neighbours' prompt
-    # lengths (measured on an AMD EPYC: a row's bits then depend on who shares the call).
-    keys = [attn.norm_k(attn.to_k(row.prompt.embeds)) for row in prompts.rows]  # (B, L, D) each
-    values = [attn.to_v(row.prompt.embeds) for row in prompts.rows]  # (B, L, D) each
+def _prompt_attention(attn, layer: int, prompts: PromptBatch, query, gate_logits, backend, parallel):
+    """Each session's rows over its own prompt's K/V of this layer; (R, N, D), padding rows zero. The K/V were
+    projected once per prompt on that session's own (B, L, D) shape (``models.step.prepare_prompt``), never stacked
+    with other sessions' prompts: a GEMM's rounding depends on M, and a stacked M would be the sum of the neighbours'
+    prompt lengths (measured on an AMD EPYC: a row's bits then depended on who shared the call)."""
     outputs = []
-    for row, key, value in zip(prompts.rows, keys, values):
-        batch, length = key.shape[0], key.shape[1]
-        mask = None
-        if row.prompt.bias is not None:
-            mask = attn.prepare_attention_mask(row.prompt.bias, length, batch)
-            mask = mask.view(batch, attn.heads, -1, mask.shape[-1])  # (B, A, 1, L)
+    for row in prompts.rows:
+        key, value = row.prompt.kv[layer]  # (B, L, D) each
         rows = slice(row.row_start, row.row_end)
-        hidden = _attend(query[rows], key, value, attn.heads, backend, parallel, mask)
+        hidden = _attend(query[rows], key, value, attn.heads, backend, parallel, row.prompt.mask)
         outputs.append(_gate(attn, hidden, None if gate_logits is None else gate_logits[rows]))
     return _assemble(outputs, query)
 
@@ -374,9 +383,9 @@ def _assemble(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 def install_processors(model: torch.nn.Module) -> None:
     """Put our stateless processors on every block's self- and cross-attention (shared by all sessions)."""
-    for block in model.transformer_blocks:
+    for index, block in enumerate(model.transformer_blocks):
         block.attn1.set_processor(WindowAttnProcessor())
-        block.attn2.set_processor(PromptAttnProcessor())
+        block.attn2.set_processor(PromptAttnProcessor(index))
 
 
 def processor_names(model: torch.nn.Module) -> list[str]:

@@ -95,7 +95,7 @@ def session_tensors(session) -> dict[str, list[torch.Tensor]]:
         parts["prompt"].extend(t for t in (state.prompt.embeds, state.prompt.mask) if t is not None)
     prepared = session._prepared
     if prepared is not None:
-        parts["prompt"].extend(t for t in (prepared[1].embeds, prepared[1].bias) if t is not None)
+        parts["prompt"].extend(t for t in (prepared[1].kv, prepared[1].mask) if t is not None)
     return parts
 
 

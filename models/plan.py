@@ -3,10 +3,10 @@
 The refiner is built from its ``config.json`` on the ``meta`` device (shapes, no storage), so the plan for the released
 48-layer refiner costs a second and no memory. From it and a stream's geometry the plan derives:
 
-- **weights**: every parameter the checkpoint loads (the audio branch too: diffusers keeps it so checkpoints
-  round-trip, and ``load_refiner`` holds it in memory) at the serving dtype;
+- **weights**: every parameter ``load_refiner`` loads (the video path: the audio branch, which diffusers keeps so
+  checkpoints round-trip, is never read; ``checkpoint_parameters`` says what the files hold) at the serving dtype;
 - **per session**: the KV window exactly as ``models.kv.SessionKV`` allocates it (built on ``meta`` here, so the
-  figure follows kv.py), plus the prepared prompt (caption-projected embeds, once per prompt);
+  figure follows kv.py), plus the prepared prompt (each layer's cross-attention K/V, once per prompt);
 - **FLOPs** of one forward and of one steady-state block, counted from the modules' shapes (2 per multiply-add;
   elementwise work -- norms, RoPE, softmax, GELU, modulation -- left out as GEMM counts do), split into
   projections, attention and feed-forward;
@@ -19,7 +19,8 @@ for LTX-2): a latent frame is ``temporal`` pixel frames, ``pixels / spatial`` la
 for ``block_size * temporal / fps`` seconds (``fps`` counts pixel frames, as the session's ``fps`` does).
 
 What the service does per forward (``models.step``) is what is counted: the timestep embedding once per row (not
-per token), the prompt's caption projection once per prompt (reported apart), cross-attention K/V per forward.
+per token), the prompt's caption projection and every layer's cross-attention K/V once per prompt (reported
+apart).
 
 Plain arithmetic and torch's ``meta`` device: no web code, no weights, no device memory.
 """
@@ -90,10 +91,15 @@ def released_config() -> dict[str, Any]:
     return {"_class_name": "SanaWMLTX2RefinerTransformer3DModel"}
 
 
-def meta_model(config: dict[str, Any]):
-    """The refiner with every tensor on the ``meta`` device: its modules and shapes, no storage."""
+def meta_model(config: dict[str, Any], video_only: bool = True):
+    """The refiner with every tensor on the ``meta`` device: its modules and shapes, no storage. ``video_only``: as
+    ``load_refiner`` holds it (``models.loading.keep_video_path``); otherwise every module the checkpoint has."""
     from diffusers import SanaWMLTX2RefinerTransformer3DModel
 
+    from .loading import build_video_model
+
+    if video_only:
+        return build_video_model(config, "config")
     arguments = {k: v for k, v in config.items() if not k.startswith("_")}
     with torch.device("meta"):
         return SanaWMLTX2RefinerTransformer3DModel.from_config(arguments)
@@ -158,7 +164,8 @@ def latent_geometry(config: dict[str, Any], stream: Stream) -> Geometry:
 def session_bytes(model, stream: Stream, tokens_per_frame: int, dtype: torch.dtype) -> dict[str, int]:
     """What one session holds on the device once its window is allocated: the KV window as ``SessionKV`` allocates
     it (window with its block slot, the sink's pre-RoPE keys, with rebased positions the history's too), and the
-    prepared prompt (B, L, D) cross-attention reads."""
+    prepared prompt cross-attention reads: every layer's K and V of the prompt (Y, 2, B, L, D), computed once per
+    prompt (``models.step.prepare_prompt``; a padded prompt's mask, (B, A, 1, L), is left out)."""
     layout = WindowLayout(stream.sink_frames, stream.kv_max_frames - stream.sink_frames, stream.block_size,
                           tokens_per_frame)
     inner = int(model.config.num_attention_heads * model.config.attention_head_dim)
@@ -169,7 +176,7 @@ def session_bytes(model, stream: Stream, tokens_per_frame: int, dtype: torch.dty
         "kv_window": kv.window.nbytes,
         "kv_sink_keys": kv.sink_key.nbytes,
         "kv_rebased_history_keys": 0 if kv.history_key is None else kv.history_key.nbytes,
-        "prompt": stream.batch * stream.prompt_tokens * inner * element,
+        "prompt": 2 * len(model.transformer_blocks) * stream.batch * stream.prompt_tokens * inner * element,
     }
     parts["kv_total"] = kv.nbytes
     parts["total"] = kv.nbytes + parts["prompt"]
@@ -202,11 +209,13 @@ def decoder_state_bytes(vae_config: dict[str, Any], stream: Stream, latent_hw: t
             "lookahead_latent_frames": decoder.lookahead}
 
 
-def weight_bytes(model, dtype: torch.dtype) -> dict[str, int]:
+def weight_bytes(model, dtype: torch.dtype, checkpoint_parameters: int | None = None) -> dict[str, int]:
+    """The weights ``model`` (as loaded: the video path) holds in ``dtype``; ``checkpoint_parameters``: what the
+    checkpoint's files hold (the audio branch too), for the report."""
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(p.numel() for p in model.parameters())
-    audio = sum(p.numel() for name, p in model.named_parameters() if "audio" in name or "av_cross" in name)
-    return {"parameters": total, "video_parameters": total - audio, "bytes": total * element}
+    checkpoint = total if checkpoint_parameters is None else checkpoint_parameters
+    return {"parameters": total, "checkpoint_parameters": checkpoint, "bytes": total * element}
 
 
 # --- FLOPs ---------------------------------------------------------------------------------------------------------
@@ -224,7 +233,7 @@ def forward_flops(model, batch: int, queries: int, keys: int, prompt_tokens: int
         "time_embedding": sum(_linear(lin, batch) for lin in (emb.linear_1, emb.linear_2, model.time_embed.linear)),
         "self_attn_projections": 0,  # q, k, v, out (and gate logits) of attn1
         "self_attn_scores": 0,  # Q K^T and A V over the window
-        "cross_attn_projections": 0,  # q, out of attn2 over the block; k, v over the prompt
+        "cross_attn_projections": 0,  # q, out of attn2 over the block (its k, v: once per prompt)
         "cross_attn_scores": 0,
         "feed_forward": 0,
     }
@@ -236,7 +245,6 @@ def forward_flops(model, batch: int, queries: int, keys: int, prompt_tokens: int
             if attn.to_gate_logits is not None:
                 key = "self_attn_projections" if attn is a1 else "cross_attn_projections"
                 parts[key] += _linear(attn.to_gate_logits, n)
-        parts["cross_attn_projections"] += _linear(a2.to_k, batch * prompt_tokens) + _linear(a2.to_v, batch * prompt_tokens)
         parts["self_attn_scores"] += 2 * 2 * n * keys * a1.inner_dim
         parts["cross_attn_scores"] += 2 * 2 * n * prompt_tokens * a2.inner_dim
         parts["feed_forward"] += _linear(block.ff.net[0].proj, n) + _linear(block.ff.net[2], n)
@@ -245,9 +253,11 @@ def forward_flops(model, batch: int, queries: int, keys: int, prompt_tokens: int
 
 
 def prompt_flops(model, batch: int, prompt_tokens: int) -> int:
-    """The caption projection, once per prompt (a session's first chunk, or a new prompt)."""
-    caption = model.caption_projection
-    return _linear(caption.linear_1, batch * prompt_tokens) + _linear(caption.linear_2, batch * prompt_tokens)
+    """The caption projection and every layer's cross-attention K/V of it, once per prompt (a session's first
+    chunk, or a new prompt: ``models.step.prepare_prompt``)."""
+    caption, rows = model.caption_projection, batch * prompt_tokens
+    kv = sum(_linear(block.attn2.to_k, rows) + _linear(block.attn2.to_v, rows) for block in model.transformer_blocks)
+    return _linear(caption.linear_1, rows) + _linear(caption.linear_2, rows) + kv
 
 
 def summarize(parts: dict[str, int]) -> dict[str, int]:
@@ -311,7 +321,8 @@ def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: 
     model = meta_model(config) if model is None else model
     geometry = latent_geometry(config, stream)
     tokens = geometry.tokens_per_frame
-    weights = weight_bytes(model, dtype)
+    checkpoint = sum(p.numel() for p in meta_model(config, video_only=False).parameters())
+    weights = weight_bytes(model, dtype, checkpoint)
     session = session_bytes(model, stream, tokens, dtype)
     if vae_config is not None:
         video = decoder_state_bytes(vae_config, stream, (geometry.latent_height, geometry.latent_width), dtype)
@@ -379,8 +390,9 @@ def render(plan: Plan) -> str:
         f"sink {s['sink_frames']}, block {s['block_size']}, kv_max_frames {s['kv_max_frames']}, {s['steps']} steps + "
         f"1 commit per block, batch {s['batch']}, prompt {s['prompt_tokens']} tokens, {s['positions']} positions, "
         f"{plan.dtype}",
-        f"weights: {plan.weights['parameters'] / 1e9:.2f} B parameters ({plan.weights['video_parameters'] / 1e9:.2f} B "
-        f"on the video path){' + the VAE' if 'vae_bytes' in plan.weights else ''} = {_gib(plan.weights['bytes'])}",
+        f"weights: {plan.weights['parameters'] / 1e9:.2f} B parameters loaded (the video path; the checkpoint holds "
+        f"{plan.weights['checkpoint_parameters'] / 1e9:.2f} B){' + the VAE' if 'vae_bytes' in plan.weights else ''} = "
+        f"{_gib(plan.weights['bytes'])}",
         f"per session: {_gib(plan.session['total'])} = KV window {_gib(plan.session['kv_window'])} + sink keys "
         f"{_gib(plan.session['kv_sink_keys'])} + rebased history keys {_gib(plan.session['kv_rebased_history_keys'])} "
         f"+ prompt {_gib(plan.session['prompt'])}"
@@ -392,7 +404,7 @@ def render(plan: Plan) -> str:
         f"{_tf(forward['feed_forward'])}",
         f"FLOPs per block ({s['steps'] + 1} forwards): {_tf(block['total'])}; plays for {plan.block_seconds:g} s -> "
         f"{plan.flops_per_second_per_session / 1e12:.1f} TFLOP/s per real-time session; sink capture "
-        f"{_tf(plan.flops_sink)} once, caption projection {_tf(plan.flops_prompt)} per prompt",
+        f"{_tf(plan.flops_sink)} once, caption projection and prompt K/V {_tf(plan.flops_prompt)} per prompt",
         "",
         f"{'GPU':<10} {'memory':>11} {'sessions by memory':>19} {'TFLOP/s':>8} {'block compute':>14} "
         f"{'sessions by compute':>20} {'sessions':>9}",

@@ -8,9 +8,12 @@ Positions are latent-frame indices. ``absolute`` uses each frame's index in the 
 differences for frames >= 1, so the result is the same in exact arithmetic, but the angles stay small
 however long the stream runs.
 
-Tables are built by diffusers' ``build_rotary_emb_for_absolute_positions`` (fp32, the reference's own
-numbers) unless the model runs in float64, where fp32 tables would dominate the error; then the same
-formula is evaluated in float64 here.
+Tables are built as diffusers' ``build_rotary_emb_for_absolute_positions`` builds them (fp32, the reference's
+own op sequence and numbers) unless the model runs in float64, where fp32 tables would dominate the error; then
+the same formula is evaluated in float64 here. Either way they are built on the device from ``arange`` and
+scalars: diffusers' function makes three ``torch.tensor(list, device=...)`` per table, each a pageable
+host-to-device copy that waits for the stream, three tables a block. A table is not kept between blocks: at
+480p one is tens of MB per session, and building it is a few elementwise kernels; what stalled was the copies.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from diffusers.models.transformers.transformer_sana_wm_refiner import (
     apply_interleaved_rotary_emb,
     apply_split_rotary_emb,
 )
+
+from .transfer import host_values
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -82,15 +87,40 @@ def rope_tables(
 ) -> RopeTables:
     """(cos, sin) for the tokens of ``frame_positions`` (frame-major, then h, then w)."""
     if dtype != torch.float64:
-        return model.build_rotary_emb_for_absolute_positions(
-            batch_size=batch_size,
-            frame_positions=list(frame_positions),
-            height=height,
-            width=width,
-            device=device,
-            fps=float(fps),
-        )
+        return _rope_tables_float32(model, frame_positions, batch_size, height, width, fps, device)
     return _rope_tables_float64(model, frame_positions, batch_size, height, width, fps, device)
+
+
+def frame_positions_tensor(frame_positions: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``frame_positions`` as a tensor on ``device``: an ``arange`` (no copy) for a contiguous run, which is what
+    every window part is; otherwise staged through ``to_device``."""
+    positions = list(frame_positions)
+    if positions and positions == list(range(positions[0], positions[0] + len(positions))):
+        return torch.arange(positions[0], positions[0] + len(positions), dtype=dtype, device=device)
+    return host_values(positions, device, dtype)
+
+
+def _rope_tables_float32(model, frame_positions, batch_size, height, width, fps, device) -> RopeTables:
+    """diffusers' ``build_rotary_emb_for_absolute_positions``, op for op (so the same bits), with its three
+    host-built tensors replaced: the positions by ``frame_positions_tensor``, the patch ends by adding the
+    patch sizes as scalars, the VAE scale factors by one multiply per axis (float32 times an integer equals
+    float32 times its float32 value, which is what the reference's int64 ``scale_tensor`` promotes to)."""
+    rope = model.rope
+    patch_size_t, patch_size = int(rope.patch_size_t), int(rope.patch_size)
+    f_positions = frame_positions_tensor(frame_positions, torch.float32, device)
+    if patch_size_t > 1:
+        f_positions = f_positions[::patch_size_t]  # each patch covers patch_size_t latent frames: its start
+    grid_h = torch.arange(start=0, end=height, step=patch_size, dtype=torch.float32, device=device)
+    grid_w = torch.arange(start=0, end=width, step=patch_size, dtype=torch.float32, device=device)
+    grid = torch.stack(torch.meshgrid(f_positions, grid_h, grid_w, indexing="ij"), dim=0)  # (3, F, H, W)
+    ends = torch.stack([grid[0] + patch_size_t, grid[1] + patch_size, grid[2] + patch_size], dim=0)  # (3, F, H, W)
+    latent_coords = torch.stack([grid, ends], dim=-1)  # (3, F, H, W, 2)
+    latent_coords = latent_coords.flatten(1, 3).unsqueeze(0).repeat(batch_size, 1, 1, 1)  # (B, 3, N, 2)
+    scales = [float(s) for s in rope.scale_factors]
+    pixel_coords = torch.stack([latent_coords[:, axis] * scales[axis] for axis in range(3)], dim=1)  # (B, 3, N, 2)
+    pixel_coords[:, 0, ...] = (pixel_coords[:, 0, ...] + rope.causal_offset - rope.scale_factors[0]).clamp(min=0)
+    pixel_coords[:, 0, ...] = pixel_coords[:, 0, ...] / float(fps)
+    return rope(pixel_coords, device=device)
 
 
 def _rope_tables_float64(model, frame_positions, batch_size, height, width, fps, device) -> RopeTables:
@@ -98,7 +128,7 @@ def _rope_tables_float64(model, frame_positions, batch_size, height, width, fps,
     rope = model.rope
     f64 = torch.float64
     scale_t, scale_h, scale_w = (float(s) for s in rope.scale_factors)
-    frames = torch.tensor(list(frame_positions), dtype=f64, device=device)
+    frames = frame_positions_tensor(frame_positions, f64, device)
     # Temporal patch bounds in pixel frames, shifted by the causal offset and clamped at 0, then in seconds.
     t_start = (frames * scale_t + rope.causal_offset - scale_t).clamp(min=0) / float(fps)
     t_end = ((frames + 1) * scale_t + rope.causal_offset - scale_t).clamp(min=0) / float(fps)
@@ -107,7 +137,7 @@ def _rope_tables_float64(model, frame_positions, batch_size, height, width, fps,
     w_mid = (torch.arange(width, dtype=f64, device=device) + 0.5) * scale_w
     grid = torch.stack(torch.meshgrid(t_mid, h_mid, w_mid, indexing="ij"), dim=-1)  # (T, H, W, 3)
     grid = grid.reshape(-1, 3)  # (N, 3)
-    grid = grid / torch.tensor([rope.base_num_frames, rope.base_height, rope.base_width], dtype=f64, device=device)
+    grid = grid / host_values([rope.base_num_frames, rope.base_height, rope.base_width], device, f64)
 
     num_rope_elems = 3 * 2
     steps = rope.dim // num_rope_elems

@@ -127,15 +127,54 @@ class BlockRun:
 
 
 @dataclass(frozen=True)
+class FiniteCheck:
+    """Whether a run's result is finite, still on the model's device: ``summary`` is a float32 (3,) tensor
+    ``[all finite (1.0 or 0.0), largest |x| of its input latents, largest |x| of its prompt_embeds]``, made of
+    device reductions queued behind the run, never read on the thread that queued them. Whoever reads the unit's
+    bytes on the host reads this with them (``HostCopy(summary)``, then ``error``): on a CPU the session does so at
+    commit, where reading costs nothing; on an accelerator the unit carries it (``Unit.check``)."""
+
+    summary: torch.Tensor
+    what: str  # which part of the result was checked
+    frame_start: int
+    frame_end: int
+    dtype: torch.dtype
+
+    def error(self, summary: torch.Tensor | None = None) -> NonFiniteOutputError | None:
+        """The error to raise if the result is not finite (None if it is), from ``summary`` read on the host (a
+        ``HostCopy`` of ``self.summary``; by default ``self.summary`` itself, a device read)."""
+        finite, largest, prompt_largest = (summary if summary is not None else self.summary).tolist()
+        if finite == 1.0:
+            return None
+        return NonFiniteOutputError(
+            f"frames [{self.frame_start}, {self.frame_end}) refined to NaN or Inf in {self.what}, although the "
+            f"inputs are finite: their latents reach |x| = {largest:.3g} and prompt_embeds |x| = "
+            f"{prompt_largest:.3g}, too large for the model in {str(self.dtype).removeprefix('torch.')}; nothing of "
+            "it was kept (the session is as before these frames): send latents and prompt_embeds at the scale the "
+            "stage-1 model produces (|x| of order 1 to 10)"
+        )
+
+
+@dataclass(frozen=True)
 class Unit:
     """A finalized piece of the stream: the sink frames (unchanged) or one refined block. What it becomes on the
-    way out (a video's pixel frames, ...) is the service's business, not the model's."""
+    way out (a video's pixel frames, ...) is the service's business, not the model's.
+
+    ``check``: on an accelerator, whether the unit is finite, not yet read (``FiniteCheck``); whoever copies the
+    unit to the host reads it too and refuses the unit if it is not (``verify``). None where nothing is left to
+    check (a CPU session checked it at commit; a sink returned as sent)."""
 
     kind: Literal["sink", "block"]
     latents: torch.Tensor  # (B, C, frame_end - frame_start, H, W)
     frame_start: int
     frame_end: int
     started_at: float = 0.0  # when its run started (time.perf_counter), for latency figures
+    check: FiniteCheck | None = None
+
+    def verify(self) -> None:
+        """Raise ``NonFiniteOutputError`` if the unit is not finite (a device read when ``check`` is pending)."""
+        if self.check is not None and (error := self.check.error()) is not None:
+            raise error
 
 
 @dataclass(frozen=True)
@@ -167,7 +206,7 @@ class RefinerSession:
     def __init__(self, refiner: Refiner, config: SessionConfig | None = None, prompt: Prompt | None = None):
         self.refiner = refiner
         self.config = config or SessionConfig()
-        generator = torch.Generator(device=refiner.device).manual_seed(self.config.seed)
+        generator = torch.Generator(device=_generator_device(refiner.device)).manual_seed(self.config.seed)
         # The reference does its mixing and Euler arithmetic in fp32; a float64 model is the high-precision twin
         # of a float32 run, so it does the same arithmetic in float64 instead.
         self._math_dtype = torch.float64 if refiner.dtype == torch.float64 else torch.float32
@@ -325,13 +364,18 @@ class RefinerSession:
             return BlockRun(plan, ("sink",), frames, tables, 0, None)
 
         positions = plan.positions
-        self._kv.prepare_block(self._rotator(positions.sink), self._rotator(positions.history))
+        # With absolute positions the history keys sit in the window already rotated: no table for them.
+        history = self._rotator(positions.history) if self._kv.rebased else None
+        self._kv.prepare_block(self._rotator(positions.sink), history)
         refiner, dtype = self.refiner, self.refiner.dtype
-        generator = torch.Generator(device=refiner.device)
+        generator = torch.Generator(device=_generator_device(refiner.device))
         generator.set_state(state.rng_state)
         # float64 is the verification twin of a float32 run: it draws the same float32 noise and widens it.
         noise_dtype = torch.float32 if dtype == torch.float64 else dtype
-        noise = torch.randn(frames.shape, generator=generator, device=refiner.device, dtype=noise_dtype)
+        if refiner.device.type == "meta":  # shapes only (models.loading, device="meta"): meta has no generator
+            noise = torch.randn(frames.shape, device=refiner.device, dtype=noise_dtype)
+        else:
+            noise = torch.randn(frames.shape, generator=generator, device=refiner.device, dtype=noise_dtype)
         sigma_max, math = self._schedule.sigmas[0], self._math_dtype
         x = ((1.0 - sigma_max) * frames.to(math) + sigma_max * noise.to(math)).to(dtype)  # (B, C, t, H, W)
         modes = ("denoise",) * config.steps + ("commit",)
@@ -369,8 +413,11 @@ class RefinerSession:
             raise RuntimeError(f"run of {plan} committed after {run.done} of {len(run.modes)} forwards")
         if plan.start != state.frames_returned:
             raise RuntimeError(f"stale step: planned at frame {plan.start}, session is at {state.frames_returned}")
-        if run.modes:
-            self._check_finite_output(run)
+        check = self._finite_check(run) if run.modes else None
+        if check is not None and check.summary.device.type == "cpu":
+            if (error := check.error()) is not None:  # a host tensor: reading it stalls nothing
+                raise error
+            check = None
         remaining = state.pending[:, :, plan.frames :]
         changes: dict = dict(frames_returned=plan.end, pending=remaining if remaining.shape[2] > 0 else None)
         if plan.kind == "sink":
@@ -385,39 +432,33 @@ class RefinerSession:
                 blocks_refined=state.blocks_refined + 1,
             )
         self._state = dataclasses.replace(state, **changes)
-        return Unit(plan.kind, run.x, plan.start, plan.end, run.started_at)
+        return Unit(plan.kind, run.x, plan.start, plan.end, run.started_at, check)
 
-    def _check_finite_output(self, run: BlockRun) -> None:
-        """Refuse to commit a run whose result is not finite: once NaN or Inf is in the cache every later block
-        attends to it, so one bad chunk would poison the session for good. What is checked is what the session
-        keeps: for a block its refined frames (its K/V follow from them and the prompt, which shaped them too),
-        for the sink its K/V (its frames are returned as sent). One reduction and one host sync per block, on the
-        block alone, whose frames go to the host anyway; the rest of this runs only on failure."""
-        plan = run.plan
+    def _finite_check(self, run: BlockRun) -> FiniteCheck:
+        """Whether the run's result is finite, reduced on the device and not read (``FiniteCheck``). A run whose
+        result is not finite must not be committed: once NaN or Inf is in the cache every later block attends to
+        it, so one bad chunk would poison the session for good. What is checked is what the session keeps: for a
+        block its refined frames (its K/V follow from them and the prompt, which shaped them too), for the sink
+        its K/V (its frames are returned as sent). The input maxima only feed the error message; they are
+        reduced here because the frames leave the session at commit."""
+        plan, state = run.plan, self._state
         if plan.kind == "sink":
             kv, sink = self._kv, self._kv.layout.sink_tokens
-            finite = bool(torch.isfinite(kv.sink_key).all()) and bool(torch.isfinite(kv.window[:, 1, :, :sink]).all())
+            finite = torch.isfinite(kv.sink_key).all() & torch.isfinite(kv.window[:, 1, :, :sink]).all()
             what = "the sink's keys and values"
         else:
-            finite = bool(torch.isfinite(run.x).all())
+            finite = torch.isfinite(run.x).all()
             what = "the refined block"
-        if finite:
-            return
-        state, offset = self._state, plan.start - self._state.frames_returned
+        offset = plan.start - state.frames_returned
         frames = state.pending[:, :, offset : offset + plan.frames]
-        largest = float(frames.abs().max()) if frames.numel() else 0.0
         prompt = state.prompt
-        prompt_largest = float(prompt.embeds.abs().max()) if prompt is not None and prompt.embeds.numel() else 0.0
-        raise NonFiniteOutputError(
-            f"frames [{plan.start}, {plan.end}) refined to NaN or Inf in {what}, although the inputs are finite: "
-            f"their latents reach |x| = {largest:.3g} and prompt_embeds |x| = {prompt_largest:.3g}, too large for "
-            f"the model in {str(self.refiner.dtype).removeprefix('torch.')}; nothing of it was kept (the session is "
-            "as before these frames): send latents and prompt_embeds at the scale the stage-1 model produces "
-            "(|x| of order 1 to 10)"
-        )
+        parts = [finite.to(torch.float32), _largest(frames),
+                 _largest(prompt.embeds if prompt is not None else frames.new_empty(0))]
+        return FiniteCheck(torch.stack(parts), what, plan.start, plan.end, self.refiner.dtype)  # (3,)
 
     def step(self) -> Unit | None:
-        """Plan, run and commit the next step alone (no batching); None when nothing is ready."""
+        """Plan, run and commit the next step alone (no batching); None when nothing is ready. On an accelerator
+        the unit's ``check`` is left unread (``Unit.verify``), as the engine leaves it."""
         plan = self.plan()
         if plan is None:
             return None
@@ -426,6 +467,24 @@ class RefinerSession:
             (velocity,) = run_batch(self.refiner.model, [forward])
             self.advance(run, velocity)
         return self.commit(run)
+
+    def _step_verified(self) -> Unit | None:
+        """``step``, and on an accelerator the unit's finite check read before it is returned (a device read: the
+        caller reads the unit's bytes anyway), undoing the step if it fails, so that ``stream`` and ``push`` keep
+        their promise on every device. A CPU session's commit has checked it already; on ``meta`` (shapes only)
+        there is nothing to read."""
+        if self.refiner.device.type in ("cpu", "meta"):
+            return self.step()
+        before = self.checkpoint()
+        try:
+            unit = self.step()
+            if unit is not None:
+                unit.verify()
+        except BaseException:
+            self.rollback(before)
+            raise
+        self.release(before)
+        return unit
 
     # --- convenience -------------------------------------------------------------------------------------
     def stream(
@@ -441,7 +500,7 @@ class RefinerSession:
             latents = self.empty_latents()
         chunk = self.check(latents, prompt_embeds, prompt_attention_mask)
         self.append(chunk, flush=flush)
-        while (unit := self.step()) is not None:
+        while (unit := self._step_verified()) is not None:
             yield unit
 
     def push(
@@ -522,6 +581,18 @@ class RefinerSession:
         return (x.to(math) + self._schedule.deltas[step] * flow).to(dtype)
 
 
+def _generator_device(device: torch.device) -> torch.device:
+    """Where a session's generator lives: the model's device, except ``meta`` (shapes only, no generator there)."""
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _largest(tensor: torch.Tensor) -> torch.Tensor:
+    """max |x| of ``tensor`` as a 0-dim float32 tensor on its device (0 for an empty one), not read."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=tensor.device)
+    return tensor.detach().abs().amax().to(torch.float32)
+
+
 def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | None, batch: int,
                  finite_checked: bool = False) -> Prompt:
     """Validate prompt conditioning for ``batch`` streams and cast it to the model: embeds (B, L, caption_channels),
@@ -538,10 +609,8 @@ def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | No
     if not finite_checked:
         _check_finite("prompt_embeds", embeds)
     device, dtype = refiner.device, refiner.dtype
-    if mask is None:
-        # A missing mask means "attend to every token": the reference passes an all-ones mask then.
-        mask_values = torch.ones(batch, length, device=device, dtype=dtype)
-    else:
+    mask_values = None  # attend to every token: no mask at all, so attention may take its fused kernels
+    if mask is not None:
         _check_tensor("prompt_attention_mask", mask, MASK_DTYPES)
         if tuple(mask.shape) != (batch, length):
             raise InvalidInputError(
@@ -549,8 +618,12 @@ def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | No
             )
         if mask.is_floating_point() and not finite_checked:
             _check_finite("prompt_attention_mask", mask)
-        mask_values = (mask != 0).to(device=device, dtype=dtype)
-    return Prompt(embeds=embeds.to(device=device, dtype=dtype), mask=mask_values)
+        keep = mask != 0  # (B, L)
+        # Checked once, when the prompt arrives (a host read if it arrived on a device, never per forward): an
+        # all-ones mask attends to every token, which is what no mask does (the reference adds a bias of 0).
+        if not bool(keep.all()):
+            mask_values = to_device(keep, device, dtype)
+    return Prompt(embeds=to_device(embeds, device, dtype), mask=mask_values)
 
 
 def _broadcast_prompt(prompt: Prompt, batch: int) -> Prompt:

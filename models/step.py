@@ -12,7 +12,7 @@ save work:
 1. the timestep embedding is computed once per row instead of once per token (every token of a row shares its
    sigma; the per-row values are broadcast), and one row at a time (``time_embedding``: its GEMMs then never see
    the batch);
-2. the prompt reaches cross-attention already caption-projected (``PreparedPrompt``, computed once per prompt);
+2. the prompt reaches cross-attention as each layer's K/V (``PreparedPrompt``, computed once per prompt);
 3. self- and cross-attention run per session (``models.attention``).
 
 A forward of a single session is the same call with one row, so solo and batched forwards share every line.
@@ -64,15 +64,27 @@ class RowForward:
 
 
 def prepare_prompt(model: torch.nn.Module, embeds: torch.Tensor, mask: torch.Tensor | None) -> PreparedPrompt:
-    """What cross-attention reads of a prompt (B, L, caption_channels), computed as diffusers' forward does."""
-    batch = embeds.shape[0]
+    """What cross-attention reads of a prompt (B, L, caption_channels): every layer's K/V and the attention mask,
+    computed as diffusers' forward computes them per forward (caption projection, then each attn2's ``to_k`` +
+    ``norm_k`` and ``to_v``; the mask as ``(1 - mask) * -10000`` through ``prepare_attention_mask``), here once.
+    ``mask`` None means attend to every token: no mask then (``check_prompt`` turns an all-ones mask into None)."""
+    batch, length = embeds.shape[0], embeds.shape[1]
+    blocks = model.transformer_blocks
     with torch.no_grad():
         projected = model.caption_projection(embeds)
         projected = projected.view(batch, -1, projected.shape[-1])  # (B, L, D)
-    bias = None
-    if mask is not None:
-        bias = ((1 - mask.to(embeds.dtype)) * -10000.0).unsqueeze(1)  # (B, 1, L)
-    return PreparedPrompt(embeds=projected, bias=bias)
+        kv = projected.new_empty(len(blocks), 2, batch, length, projected.shape[-1])  # (Y, 2, B, L, D)
+        for index, block in enumerate(blocks):
+            attn = block.attn2
+            kv[index, 0] = attn.norm_k(attn.to_k(projected))
+            kv[index, 1] = attn.to_v(projected)
+        attention_mask = None
+        if mask is not None:
+            attn = blocks[0].attn2  # every layer's attn2 has the same heads
+            bias = ((1 - mask.to(embeds.dtype)) * -10000.0).unsqueeze(1)  # (B, 1, L)
+            attention_mask = attn.prepare_attention_mask(bias, length, batch)
+            attention_mask = attention_mask.view(batch, attn.heads, -1, attention_mask.shape[-1])  # (B, A, 1, L)
+    return PreparedPrompt(kv=kv, mask=attention_mask)
 
 
 def build_window(forwards: Sequence[RowForward], num_layers: int) -> ForwardWindow:

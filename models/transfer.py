@@ -13,6 +13,10 @@ buffers of a session's size we instead allocate plain host memory and page-lock 
 ``cudaHostRegister`` (what ``torch.cuda._pin_memory_utils`` does for checkpoint staging); the registration is
 undone when the tensor is freed. Small, short-lived buffers (a chunk, a unit) keep the caching allocator: its
 rounding costs little there and its reuse saves a registration per call.
+
+Every host-to-device copy of the model code goes through
+``to_device`` (never ``torch.tensor(data, device=...)``, a pageable copy that waits for the stream), so that
+``tests/models/test_dispatch_audit.py`` can hold the hot path to it.
 """
 
 from __future__ import annotations
@@ -68,7 +72,16 @@ def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) ->
     if device.type == "cuda" and tensor.device.type == "cpu":
         staged = tensor if tensor.is_pinned() else tensor.pin_memory()
         return staged.to(device, non_blocking=True).to(dtype)
+    if device.type != "cpu" and tensor.device.type == "cpu":
+        # Another accelerator (or ``meta``, where the audit runs): no pinned staging here, but still a copy
+        # that does not ask to wait.
+        return tensor.to(device=device, dtype=dtype, non_blocking=True)
     return tensor.to(device=device, dtype=dtype)
+
+
+def host_values(values, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small tensor of host ``values`` (a list of numbers) on ``device``, through ``to_device``."""
+    return to_device(torch.tensor(values, dtype=dtype), device, dtype)
 
 
 class HostCopy:

@@ -105,6 +105,7 @@ class OutUnit:
     started_at: float = 0.0
     payloads: dict[str, Any] = field(default_factory=dict)
     key: tuple[int, ...] = ()  # where it ends in the stream: (latent frame, each stage's position after it)
+    check: Any = None  # the model unit's finite check, still on the device (models.session.FiniteCheck), or None
 
 
 class OutputFailure(Exception):
@@ -136,7 +137,7 @@ class SessionStages:
         states, payloads = self._run(lambda stage, state: stage.push(state, unit, final))
         self.states = states
         return OutUnit(unit.kind, unit.latents, unit.frame_start, unit.frame_end, unit.started_at, payloads,
-                       (unit.frame_end, *self._positions()))
+                       (unit.frame_end, *self._positions()), unit.check)
 
     def finish(self, empty_latents: torch.Tensor, at: int, started_at: float) -> OutUnit:
         """The stream ended at latent frame ``at``: what the stages still hold, as a "tail" unit."""

@@ -113,3 +113,60 @@ def test_device_and_dtype_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_only_the_video_path_is_loaded(tiny_dir, tmp_path):
+    """The audio branch is never read: a folder without it loads the same refiner, and the loaded model has none."""
+    from safetensors.torch import load_file, save_file
+
+    from models.loading import VIDEO_BLOCK_MODULES, VIDEO_MODULES
+
+    full = load_file(str(tiny_dir / "diffusion_pytorch_model.safetensors"))
+    refiner = load_refiner(tiny_dir, device="cpu", dtype="float32")
+    loaded = dict(refiner.model.named_parameters())
+    assert loaded and set(loaded) < set(full)
+    for name in loaded:
+        parts = name.split(".")
+        assert parts[0] in VIDEO_MODULES and (parts[0] != "transformer_blocks" or parts[2] in VIDEO_BLOCK_MODULES)
+    assert not any("audio" in name or "av_cross" in name or "a2v" in name for name in loaded)
+    assert refiner.info.parameters == sum(p.numel() for p in loaded.values())
+    assert all(torch.equal(p, full[name]) for name, p in loaded.items())
+
+    video_only = tmp_path / "video-only"
+    shutil.copytree(tiny_dir, video_only)
+    save_file({name: full[name] for name in loaded}, str(video_only / "diffusion_pytorch_model.safetensors"))
+    latents, embeds = make_inputs(frames=5, seed=11)
+    assert torch.equal(refine(load_refiner(video_only, "cpu", "float32"), latents, embeds),
+                       refine(refiner, latents, embeds))
+
+
+def test_meta_needs_config_json_alone(tiny_dir, tmp_path):
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    shutil.copy(tiny_dir / "config.json", folder / "config.json")
+    refiner = load_refiner(folder, device="meta", dtype="bfloat16")
+    assert refiner.device.type == "meta" and refiner.info.device == "meta"
+    assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in refiner.model.parameters())
+    assert refiner.info.parameters == load_refiner(tiny_dir, "cpu", "float32").info.parameters
+    units = RefinerSession(refiner, SessionConfig(block_size=2)).push(*make_inputs(frames=5))  # shapes only
+    assert [(u.frame_start, u.frame_end) for u in units] == [(0, 1), (1, 3), (3, 5)]
+    assert all(u.latents.device.type == "meta" for u in units)
+
+
+@pytest.mark.parametrize("breakage, fragment", [("missing", "the weights lack transformer_blocks.0.attn1"),
+                                                ("shape", "on disk but")])
+def test_weights_that_do_not_fit_the_config_fail_clearly(breakage, fragment, tiny_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / breakage
+    shutil.copytree(tiny_dir, folder)
+    path = folder / "diffusion_pytorch_model.safetensors"
+    weights = load_file(str(path))
+    name = "transformer_blocks.0.attn1.to_q.weight"
+    if breakage == "missing":
+        del weights[name]
+    else:
+        weights[name] = torch.zeros(3, 3)
+    save_file(weights, str(path))
+    with pytest.raises(ModelLoadError, match=fragment):
+        load_refiner(folder, device="cpu", dtype="float32")
