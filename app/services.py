@@ -35,6 +35,7 @@ from models.compiled import CompiledStep, warmup_forwards
 from models.determinism import probe_batch_invariance
 from models.memory import keep_freed_memory
 from models.session import check_prompt
+from models.transfer import use_device
 from models.vae import StreamingDecoder, load_vae
 
 from .batching import ProbeShape
@@ -349,6 +350,10 @@ def ensure_embedded_model(folder: Path) -> Path:
 
 
 def _load(settings: Settings) -> Refiner:
+    """On the engine thread: a ``cuda:N`` device becomes the thread's current one before anything is allocated, so
+    that nothing lands on cuda:0 first (``auto`` resolves to the current device anyway)."""
+    if settings.device.startswith("cuda"):
+        use_device(settings.device)
     return load_refiner(model_dir(settings), device=settings.device, dtype=settings.dtype)
 
 
