@@ -33,7 +33,7 @@ def use_device(device: torch.device | str) -> None:
     """Make ``device`` the calling thread's current CUDA device (nothing on a CPU). The engine thread calls it first
     thing once it knows the model's device, so that what it queues without naming a device goes there."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current device already
         torch.cuda.set_device(device)
 
 
