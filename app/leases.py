@@ -2,7 +2,7 @@
 
 Only plain POSIX file operations, so that any shared folder works (a local disk, NFS, a ReadWriteMany volume):
 
-- A lease is a file ``.<session>.session.lease.<generation>`` (generation: 10 digits) holding its owner's
+- A lease is a file ``.<session>.session.lease.<generation>`` (generation: 10 digits or more) holding its owner's
   ``replica_id``. The session's current lease is the one of the highest generation. It is *live* while its
   modification time is less than ``session_lease_s`` old: the owner renews it by touching it (``os.utime``, which
   never creates a file) every ``session_lease_s / 3`` while it holds the session.
@@ -28,6 +28,7 @@ No asyncio here: the store calls these on a worker thread.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import secrets
@@ -71,15 +72,54 @@ def lease_path(folder: Path, session_id: str, generation: int) -> Path:
     return folder / f".{spec.check_session_id(session_id)}{LEASE_INFIX}{generation:0{_DIGITS}d}"
 
 
+def _generation_of(name: str, prefix: str) -> int | None:
+    """The generation in a lease file's name, or None when ``name`` is not a lease of ``prefix``'s session. Any
+    number of digits: generations are written with at least 10, and one past 9999999999 has 11 (a folder's files
+    are not trusted to stay below it)."""
+    if not name.startswith(prefix):
+        return None
+    tail = name[len(prefix):]
+    return int(tail) if tail.isdigit() and tail.isascii() else None
+
+
 def generations(folder: Path, session_id: str) -> list[int]:
-    """The session's lease generations present in ``folder``, lowest first."""
+    """The session's lease generations present in ``folder``, lowest first. One session: a directory listing each
+    call; a caller asking about many sessions takes ``leased`` once instead."""
     prefix = f".{spec.check_session_id(session_id)}{LEASE_INFIX}"
     found = []
-    for path in folder.glob(f"{prefix}*"):
-        tail = path.name[len(prefix):]
-        if len(tail) == _DIGITS and tail.isdigit():
-            found.append(int(tail))
+    for path in folder.glob(f"{glob.escape(prefix)}*"):
+        generation = _generation_of(path.name, prefix)
+        if generation is not None:
+            found.append(generation)
     return sorted(found)
+
+
+def parse_name(name: str) -> tuple[str, int] | None:
+    """(session id, generation) of a lease file's name; None for any other name (a staging file among them)."""
+    if not name.startswith(".") or LEASE_INFIX not in name:
+        return None
+    session_id = name[1:].split(LEASE_INFIX, 1)[0]
+    generation = _generation_of(name, f".{session_id}{LEASE_INFIX}")
+    if generation is None or not spec.is_session_id(session_id):
+        return None
+    return session_id, generation
+
+
+def leased(folder: Path) -> dict[str, list[int]]:
+    """Every session with a lease file in ``folder`` and its generations (lowest first), from ONE directory
+    listing: what a listing of many sessions asks, at a cost independent of how many it asks about."""
+    found: dict[str, list[int]] = {}
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                parsed = parse_name(entry.name)
+                if parsed is not None:
+                    found.setdefault(parsed[0], []).append(parsed[1])
+    except FileNotFoundError:
+        return found
+    for generation_list in found.values():
+        generation_list.sort()
+    return found
 
 
 def _owner(path: Path) -> str | None:

@@ -49,7 +49,7 @@ from . import leases
 from .errors import ApiError
 from .leases import LeaseHeld, LeaseLost
 from .memory import MOVED_PARTS, handle_bytes, handle_parts
-from .snapshots import record_tensors, remove_record, snapshot_path, write_record
+from .snapshots import FolderView, folder_view, record_tensors, remove_record, snapshot_path, write_record
 
 if TYPE_CHECKING:
     from .registry import SessionHandle
@@ -367,16 +367,35 @@ class Parking:
             log.debug("spilled session %s to %s", handle.id, path.name)
             return True
 
-    def stub(self, session_id: str) -> Spilled | None:
-        """The spilled session ``session_id`` if its file is still there (another replica may have adopted it)."""
+    def stub(self, session_id: str, view: FolderView | None = None) -> Spilled | None:
+        """The spilled session ``session_id`` if its file is still there (another replica may have adopted it).
+        ``view``: the folder as one listing saw it (``folder_view``), for a caller asking about many sessions;
+        without it this looks at the folder for this one session."""
         stub = self.spilled.get(session_id)
+        if stub is None:
+            return None
         folder = self.store.snapshot_folder
+        if folder is None:
+            gone = True
+        elif view is not None:
+            gone = session_id not in view.saved or session_id in view.leased
+        else:
+            gone = not snapshot_path(folder, session_id).is_file() or bool(leases.generations(folder, session_id))
         # A lease on it now is another replica's (a spill releases this one's): that replica adopted it.
-        if stub is not None and (folder is None or not snapshot_path(folder, session_id).is_file()
-                                 or leases.generations(folder, session_id)):
+        if gone:
             self.spilled.pop(session_id, None)
             return None
         return stub
+
+    async def stubs(self) -> list[Spilled]:
+        """Every spilled session whose file is still there: one listing of the folder, on a worker thread (so the
+        cost of a page of sessions does not grow with the folder's size, and the event loop, /health included,
+        never waits on it)."""
+        folder = self.store.snapshot_folder
+        if not self.spilled:
+            return []
+        view = None if folder is None else await asyncio.to_thread(folder_view, folder)
+        return [stub for session_id in list(self.spilled) if (stub := self.stub(session_id, view)) is not None]
 
     def read(self, session_id: str) -> dict[str, Any] | None:
         """GET of a spilled session: its description, without bringing it back (a request all the same: its
@@ -417,14 +436,20 @@ class Parking:
                 except Exception:  # a full disk must not stop parking; the session stays parked
                     log.exception("spilling session %s failed; it stays parked", handle.id)
         retention = settings.retention_s
-        for session_id, stub in list(self.spilled.items()):
-            if now - stub.last_active > retention:
-                if self.stub(session_id) is None:
-                    continue  # adopted elsewhere meanwhile: not this replica's to delete
-                self.spilled.pop(session_id, None)
-                with contextlib.suppress(OSError):
-                    remove_record(self.store.snapshot_folder, session_id)
-                registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+        expired = [session_id for session_id, stub in self.spilled.items() if now - stub.last_active > retention]
+        view = None
+        if expired and self.store.snapshot_folder is not None:
+            view = await asyncio.to_thread(folder_view, self.store.snapshot_folder)
+        for session_id in expired:
+            stub = self.stub(session_id, view)
+            if stub is None:
+                continue  # adopted elsewhere meanwhile: not this replica's to delete
+            if now - stub.last_active <= retention:
+                continue  # asked for while the folder was listed
+            self.spilled.pop(session_id, None)
+            with contextlib.suppress(OSError):
+                remove_record(self.store.snapshot_folder, session_id)
+            registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
 
 
 def _idle(handle: SessionHandle) -> bool:

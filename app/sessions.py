@@ -143,9 +143,9 @@ class SessionOps:
         that gives no bounded, well-formed listing within 2 s in all is left out and named in ``"unreachable"``."""
         replica = self.settings.replica_id
         if scope == "local" or not self.settings.peers:
-            page, following = self.store.listing(limit, after)
+            page, following = await self.store.listing(limit, after)
             return {"sessions": [{**handle.summary(), "replica": replica} for handle in page], "next": following}
-        mine = [{**h.summary(), "replica": replica} for h in self.store.everything()]
+        mine = [{**h.summary(), "replica": replica} for h in await self.store.everything()]
         theirs, unreachable = await peer_sessions(await peer_urls(self.settings), peer_headers(self.settings))
         merged: dict[str, dict[str, Any]] = {}
         for entry in [*mine, *theirs]:

@@ -40,6 +40,7 @@ from models.snapshot import (
 
 from wm_refiner_client import spec
 
+from . import leases
 from .errors import ApiError
 from .outputs import Outputs
 from .resume import SentUnit
@@ -244,6 +245,32 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
                          outputs=replace(outputs, fps=session.config.fps), stages=session_stages,
                          created_at=fields.get("created_at"), checkpoint=bool(fields.get("checkpoint")),
                          realtime=fields.get("realtime") is True)
+
+
+@dataclass(frozen=True)
+class FolderView:
+    """What one listing of ``snapshot_dir`` saw: the sessions with a file and those with a lease file."""
+
+    saved: frozenset[str]
+    leased: frozenset[str]
+
+
+def folder_view(folder: Path) -> FolderView:
+    """One directory listing (``os.scandir``) of ``folder``: its cost is linear in the folder's size, whatever
+    is then asked of it."""
+    saved, leased = set(), set()
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.endswith(SUFFIX) and not name.startswith("."):
+                    if spec.is_session_id(name[: -len(SUFFIX)]):
+                        saved.add(name[: -len(SUFFIX)])
+                elif (lease := leases.parse_name(name)) is not None:
+                    leased.add(lease[0])
+    except FileNotFoundError:
+        pass
+    return FolderView(frozenset(saved), frozenset(leased))
 
 
 def has_snapshot(folder: Path, session_id: str) -> bool:

@@ -43,8 +43,8 @@ from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
 from .snapshots import (
-    SUFFIX,
     SessionRecord,
+    folder_view,
     has_snapshot,
     leftover_temporaries,
     load_record,
@@ -201,12 +201,12 @@ class SessionStore:
         self.registry.touch(handle)
         handle.last_work = self.registry.clock()
 
-    def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
+    async def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
         """A page of the sessions, live and spilled (``app.parking.Spilled``), oldest first; each has ``summary()``."""
         if not self.parking.spilled:
             return self.registry.listing(limit, after)
         self.registry.evict_idle()
-        entries = sorted(self.everything(), key=lambda e: (e.created_at, e.id))
+        entries = sorted(await self.everything(), key=lambda e: (e.created_at, e.id))
         if after is not None:
             ids = [entry.id for entry in entries]
             if after not in ids:
@@ -216,9 +216,10 @@ class SessionStore:
         page = entries[:limit]
         return page, (page[-1].id if len(entries) > limit else None)
 
-    def everything(self) -> list[Any]:
-        """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir."""
-        spilled = [stub for session_id in list(self.parking.spilled) if (stub := self.parking.stub(session_id))]
+    async def everything(self) -> list[Any]:
+        """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir
+        (one listing of the folder, off the event loop: ``Parking.stubs``)."""
+        spilled = await self.parking.stubs()
         return [*self.registry.handles(), *spilled]
 
     def handles(self) -> list[SessionHandle]:
@@ -471,13 +472,13 @@ class SessionStore:
         if folder is None or not folder.is_dir():
             return []
         cutoff, forgotten = time.time() - self.settings.retention_s, []
-        for path in folder.glob(f"*{SUFFIX}"):
-            session_id = path.name[: -len(SUFFIX)]
-            if (not spec.is_session_id(session_id) or self.registry.existing(session_id) is not None
-                    or session_id in self.parking.spilled):
+        view = folder_view(folder)  # one listing: a folder of many files is not listed once per file
+        for session_id in sorted(view.saved - view.leased):
+            if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
                 continue
+            path = snapshot_path(folder, session_id)
             try:
-                if path.stat().st_mtime >= cutoff or leases.generations(folder, session_id):
+                if path.stat().st_mtime >= cutoff:
                     continue
                 path.unlink()
             except OSError:  # gone meanwhile (adopted, removed by its owner): nothing to forget
