@@ -52,8 +52,9 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
     http = GuardedHttpToolsProtocol.configure(settings.max_header_bytes, settings.request_header_timeout_s,
                                               settings.request_body_timeout_s)
     uvicorn_options.setdefault("http", http)
-    # Refused handshakes answered and logged as such, invalid UTF-8 closed quietly with 1007 (app.ws_protocol).
-    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol)
+    # Refused handshakes answered and logged as such, invalid UTF-8 closed quietly with 1007, a client that does
+    # not read is not read either (app.ws_protocol).
+    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol.configure(settings.ws_max_write_buffer_bytes))
     config = uvicorn.Config(
         guarded,
         host=settings.host,

@@ -133,6 +133,11 @@ class Settings(_SessionDefaults):
         "and closed"
     )
     max_ws_message_bytes: PositiveInt = 64 * MiB
+    ws_max_write_buffer_bytes: int = Field(
+        default=1 * MiB, ge=64 * 1024,
+        description="a WebSocket whose unsent output (pongs included: a ping is answered without back-pressure) "
+        "is over this is not read until its client reads; at least 64 KiB, asyncio's high-water mark"
+    )
     max_frames_per_chunk: PositiveInt = 64
     max_clip_frames: PositiveInt = 512
     max_prompt_tokens: PositiveInt = 1024
