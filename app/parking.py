@@ -26,7 +26,8 @@ session meanwhile (no lookup handed it to a request, no stream or watcher attach
 removed and the session stays parked. A GET reads a spilled session from what was saved, without bringing it back.
 
 Admission by bytes (``device_memory_budget``): a session's bytes are known once its geometry is, at its first chunk
-(``models.memory.session_bytes_estimate``, before anything is allocated); what does not fit is refused with 503
+(``models.memory.session_bytes_estimate``, prompt and rollback copies included, before anything is allocated;
+again at a later chunk that makes it hold more); what does not fit is refused with 503
 ``insufficient_memory`` after the least recently used sessions with no work were parked to make room.
 """
 
@@ -189,6 +190,7 @@ class Parking:
             "moved off the device has been: retry once a session finishes or goes idle, send smaller frames, a "
             "smaller window (kv_max_frames) or batch, or use another replica",
             retry_after_s=self.settings.retry_after_s,
+            fields={"bytes_needed": int(need), "bytes_free": int(free), "bytes_budget": int(self.budget)},
         )
 
     async def make_room(self, need: int, what: str, exclude: Any = None) -> None:
@@ -207,24 +209,33 @@ class Parking:
                 break
         self.require(need, what, exclude)
 
-    def estimate(self, config: Any, shape: tuple[int, ...]) -> int:
+    def estimate(self, config: Any, shape: tuple[int, ...], prompt_tokens: int = 0) -> int:
         """Device bytes a session of ``config`` will hold once frames of ``shape`` (B, C, t, H, W) give it its
-        geometry."""
+        geometry and a chunk of t frames runs, with a prompt of ``prompt_tokens`` tokens
+        (``models.memory.session_bytes_estimate``: every part, the prompt's and the rollback copies' included)."""
         refiner = self.store._refiner()
         if len(shape) != 5 or min(shape) <= 0:
             return 0  # no frames of a session: the session's own check refuses them, with what to send instead
-        batch, channels, _, height, width = (int(n) for n in shape)
+        batch, channels, frames, height, width = (int(n) for n in shape)
         parts = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
-                                       FrameGeometry(batch, channels, height, width), refiner.dtype)
+                                       FrameGeometry(batch, channels, height, width), refiner.dtype,
+                                       prompt_tokens=prompt_tokens, caption_channels=refiner.info.caption_channels,
+                                       chunk_frames=frames)
         return sum(parts.values())
 
-    async def reserve(self, handle: SessionHandle, shape: tuple[int, ...]) -> None:
-        """At a session's first chunk (its geometry now known): reserve its bytes or refuse it, before anything of
-        it is allocated."""
-        if handle.session.state.geometry is not None:
+    async def reserve(self, handle: SessionHandle, shape: tuple[int, ...], prompt_tokens: int | None = None) -> None:
+        """Before a chunk of frames ``shape`` (and a prompt of ``prompt_tokens`` tokens, None: the session's own or
+        the server's default) reaches the engine: what the session will hold with it, reserved (or refused with
+        insufficient_memory) before anything is allocated. The first chunk reserves the session's bytes; a later
+        one that makes it hold more (a longer prompt, a larger chunk) reserves the difference first."""
+        if prompt_tokens is None:
+            prompt = handle.session.state.prompt  # a new session starts with the server's default_prompt
+            prompt_tokens = 0 if prompt is None else int(prompt.embeds.shape[1])
+        need = self.estimate(handle.config, shape, prompt_tokens)
+        if need <= handle.reserved_bytes:
             return
-        need = self.estimate(handle.config, shape)
-        await self.make_room(need, f"session {handle.id} (frames {tuple(shape)})", exclude=handle)
+        await self.make_room(need, f"session {handle.id} (frames {tuple(shape)}, a prompt of {prompt_tokens} "
+                             "tokens)", exclude=handle)
         handle.reserved_bytes = need
 
     @contextlib.asynccontextmanager
@@ -250,8 +261,12 @@ class Parking:
         if not isinstance(geometry, list) or len(geometry) != 4:
             return
         refiner = self.store._refiner()
+        prompt = headers.get("prompt_embeds")  # (B, L, caption): what the file's session holds
+        tokens = int(prompt.shape[1]) if prompt is not None and len(prompt.shape) == 3 else 0
         need = sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
-                                          FrameGeometry(*(int(n) for n in geometry)), refiner.dtype).values())
+                                          FrameGeometry(*(int(n) for n in geometry)), refiner.dtype,
+                                          prompt_tokens=tokens, caption_channels=refiner.info.caption_channels
+                                          ).values())
         await self.make_room(need, f"session {session_id} (saved in snapshot_dir)")
 
     # --- park and page in ----------------------------------------------------------------------------------------

@@ -124,14 +124,15 @@ class SessionStore:
         self.parking.require(need_bytes, what)
         self.realtime.check(realtime)
 
-    async def prepare(self, handle: SessionHandle, shape: tuple[int, ...] | None) -> None:
+    async def prepare(self, handle: SessionHandle, shape: tuple[int, ...] | None,
+                      prompt_tokens: int | None = None) -> None:
         """Right before work of ``handle`` (frames shaped ``shape``, or None) goes to the engine, within its turn:
-        a parked session is brought back to the device, and a session's first frames reserve its bytes (or are
-        refused with insufficient_memory) before anything of it is allocated."""
+        a parked session is brought back to the device, and its bytes with these frames (and a new prompt of
+        ``prompt_tokens`` tokens) are reserved, or refused with insufficient_memory, before anything is allocated."""
         handle.last_work = self.registry.clock()
         await self.parking.activate(handle)
         if shape is not None:
-            await self.parking.reserve(handle, shape)
+            await self.parking.reserve(handle, shape, prompt_tokens)
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
                session_id: str | None = None, realtime: bool = False) -> SessionHandle:

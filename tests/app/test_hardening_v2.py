@@ -10,10 +10,11 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from app.parking import Spilled
 
-from .conftest import DEADLINE_S, LiveServer
+from .conftest import DEADLINE_S, OCTET, LiveServer, payload
 
 
 async def _spill_stubs(store, count: int, folder) -> None:
@@ -130,3 +131,66 @@ def test_pings_from_a_client_that_never_reads_stop_being_read_and_buffer_a_bound
             assert http.get("/health").status_code == 200
         finally:
             sock.close()
+
+
+def _chunk(http, session_id, seq, latents, embeds=None):
+    return http.post(f"/v1/sessions/{session_id}/chunks?seq={seq}", content=payload(latents, embeds),
+                     headers=OCTET)
+
+
+def test_admission_reserves_the_prompt_and_a_later_chunk_that_grows_a_session(make_settings, refiner):
+    """Item 6: admission reserved the KV cache and pending frames only: a budget of 600,000 bytes admitted a batch-4
+    session with a 1,024-token prompt holding 1,556,480. Now what a session holds stays within what was reserved
+    for it, a session that does not fit is refused with its figures as fields, and a later chunk that brings a
+    longer prompt reserves the difference first."""
+    from models import SessionConfig
+    from models.memory import FrameGeometry, session_bytes_estimate
+
+    latents = torch.randn(4, 128, 5, 4, 4, generator=torch.Generator().manual_seed(3))  # (B, C, T, H, W)
+    long_prompt = torch.randn(4, 1024, refiner.info.caption_channels)  # (B, L, caption)
+    short_prompt = long_prompt[:, :8].contiguous()
+    def estimate(**extra):
+        return sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, SessionConfig(),
+                                          FrameGeometry(4, 128, 4, 4), refiner.dtype, **extra).values())
+
+    # Room for the session with the short prompt: over twice what the old admission reserved for the long one.
+    budget = int(estimate(prompt_tokens=8, caption_channels=refiner.info.caption_channels, chunk_frames=5) * 1.1)
+    assert budget > 1.5 * estimate()
+    with LiveServer(make_settings(warmup=False, device_memory_budget=budget, park_after_s=600)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        refused_id = http.post("/v1/sessions").json()["session_id"]
+        refused = _chunk(http, refused_id, 0, latents, long_prompt)
+        assert refused.status_code == 503, "admitted a session that holds more than the budget"
+        error = refused.json()["error"]
+        assert error["code"] == "insufficient_memory" and refused.headers["retry-after"]
+        assert isinstance(error["bytes_needed"], int) and isinstance(error["bytes_free"], int)
+        assert error["bytes_needed"] > error["bytes_free"] == budget
+        assert str(error["bytes_needed"]) in error["message"]
+
+        # A short prompt fits; the same session's next chunk with the long one is refused before it runs.
+        grown_id = http.post("/v1/sessions").json()["session_id"]
+        assert _chunk(http, grown_id, 0, latents, short_prompt).status_code == 200
+        handle = server.services.registry.existing(grown_id)
+        assert server.on_loop(_device_bytes(handle)).result(DEADLINE_S) <= handle.reserved_bytes
+        grown = _chunk(http, grown_id, 1, latents, long_prompt)
+        assert grown.status_code == 503 and grown.json()["error"]["code"] == "insufficient_memory"
+        assert http.get(f"/v1/sessions/{grown_id}").json()["frames_received"] == 5, "the refused chunk ran"
+
+    # With a budget the estimate fits, the session runs and never holds more than was reserved for it.
+    with LiveServer(make_settings(warmup=False, device_memory_budget=int(error["bytes_needed"]),
+                                  park_after_s=600)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        for seq in range(3):
+            assert _chunk(http, session_id, seq, latents, long_prompt if seq == 0 else None).status_code == 200
+            handle = server.services.registry.existing(session_id)
+            held = server.on_loop(_device_bytes(handle)).result(DEADLINE_S)
+            assert 0 < held <= handle.reserved_bytes <= error["bytes_needed"], (held, handle.reserved_bytes)
+        memory = http.get("/v1/info").json()["memory"]
+        assert memory["used"] <= memory["budget"]
+
+
+async def _device_bytes(handle) -> int:
+    from app.memory import handle_bytes
+
+    return handle_bytes(handle)["device"]
