@@ -20,7 +20,9 @@ Only plain POSIX file operations, so that any shared folder works (a local disk,
   when an adoption gave the file back); the file is then adoptable at once, by generation 1 again.
 
 Expiry compares this machine's clock with the file's modification time (the file server's clock on NFS): the
-replicas' clocks must agree to well within ``session_lease_s`` (NTP does).
+replicas' clocks must agree to well within ``session_lease_s`` (NTP does). A time read from the folder is not
+trusted: a lease never runs more than ``session_lease_s`` from now, and one dated further ahead than that is
+expired (``remaining``).
 
 No asyncio here: the store calls these on a worker thread.
 """
@@ -131,6 +133,16 @@ def _owner(path: Path) -> str | None:
         return "?"  # unreadable: treated as someone else's until it expires
 
 
+def remaining(mtime: float, now: float, lease_s: float) -> float:
+    """Seconds a lease touched at ``mtime`` (a time read from the folder, so not trusted) runs unless renewed: never
+    more than ``lease_s``. A time ahead of this clock by less than ``lease_s`` is clock skew (counted as touched
+    now); one further ahead is no renewal any replica wrote (their clocks agree to well within ``lease_s``), so the
+    lease is expired: a file dated 2040 must not hold a session, or a Retry-After, for 14 years."""
+    if mtime > now + lease_s:
+        return 0.0
+    return max(0.0, lease_s - (now - min(mtime, now)))
+
+
 def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now: float | None = None) -> Lease:
     """Take the session's lease for ``replica_id``; ``LeaseHeld`` when another replica holds a live one (or won
     the race for the next generation)."""
@@ -143,13 +155,13 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
         owner = _owner(path)
         if owner is not None:  # None: released between the listing and now
             try:
-                age = (time.time() if now is None else now) - path.stat().st_mtime
+                expires_in = remaining(path.stat().st_mtime, time.time() if now is None else now, lease_s)
             except FileNotFoundError:
-                age = lease_s
+                expires_in = 0.0
             if owner == replica_id:
                 previous = "self"
-            elif age < lease_s:
-                raise LeaseHeld(session_id, owner, lease_s - age)
+            elif expires_in > 0:
+                raise LeaseHeld(session_id, owner, expires_in)
             else:
                 previous = "expired"
     target = lease_path(folder, session_id, generation + 1)

@@ -194,3 +194,44 @@ async def _device_bytes(handle) -> int:
     from app.memory import handle_bytes
 
     return handle_bytes(handle)["device"]
+
+
+def test_lease_times_and_generations_read_from_the_folder_are_not_trusted(tmp_path, make_settings):
+    """Item 8: a lease dated in 2039 answered 503 with Retry-After: 2203834436 forever; a generation of 9999999999
+    made the next one 11 digits, which the 10-digit filter no longer saw (a second owner got generation 1)."""
+    import os
+
+    from app.leases import LeaseHeld, acquire, generations, lease_path
+
+    lease_s = 30.0
+    future = acquire(tmp_path, "future-session", "replica-a", lease_s)
+    os.utime(future.path, (4_400_000_000, 4_400_000_000))  # no clock any replica keeps is there
+    taken = acquire(tmp_path, "future-session", "replica-b", lease_s)
+    assert (taken.generation, taken.previous) == (2, "expired")
+    # Ahead by less than the lease (clock skew): still live, but never for more than the lease from now.
+    os.utime(taken.path, (time.time() + lease_s / 2, time.time() + lease_s / 2))
+    with pytest.raises(LeaseHeld) as held:
+        acquire(tmp_path, "future-session", "replica-c", lease_s)
+    assert 0 < held.value.expires_in <= lease_s
+
+    last = lease_path(tmp_path, "long-session", 9_999_999_999)
+    last.write_text('{"owner": "replica-a"}')
+    os.utime(last, (time.time() - 2 * lease_s, time.time() - 2 * lease_s))  # its owner crashed
+    eleven = acquire(tmp_path, "long-session", "replica-b", lease_s)
+    assert eleven.generation == 10_000_000_000 and generations(tmp_path, "long-session") == [10_000_000_000]
+    with pytest.raises(LeaseHeld, match="replica-b"):
+        acquire(tmp_path, "long-session", "replica-c", lease_s)  # seen: not a fresh generation 1
+
+    # Through the service: a session under a lease dated in 2039 is adopted, not refused until then.
+    folder = tmp_path / "snapshots"
+    settings = make_settings(warmup=False, snapshot_dir=folder)
+    with LiveServer(settings) as server, httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        session_id = http.put("/v1/sessions/dated-session-1").json()["session_id"]
+        assert _chunk(http, session_id, 0, torch.randn(1, 128, 4, 4, 4), torch.randn(1, 6, 32)).status_code == 200
+        server.stop()
+    with LiveServer(settings.model_copy(update={"replica_id": "another-replica"})) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        planted = acquire(folder, "dated-session-1", "replica-gone", 60.0)
+        os.utime(planted.path, (2_203_834_436 + time.time(), 2_203_834_436 + time.time()))
+        reply = http.get("/v1/sessions/dated-session-1")
+        assert reply.status_code == 200, reply.text
