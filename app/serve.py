@@ -66,6 +66,9 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
         ws_per_message_deflate=False,
         timeout_graceful_shutdown=settings.drain_timeout_s + 5,
         lifespan="on",
+        # X-Forwarded-For only from the proxies named (a router with `option forwardfor`); none by default.
+        proxy_headers=settings.forwarded_allow_ips is not None,
+        forwarded_allow_ips=settings.forwarded_allow_ips or "",
         **uvicorn_options,
     )
     return DrainingServer(config, app.state.services)

@@ -112,6 +112,13 @@ class Settings(_SessionDefaults):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: str | None = Field(default=None, repr=False, description="unset: no authentication")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    forwarded_allow_ips: str | None = Field(
+        default=None,
+        description="the proxies whose X-Forwarded-For / X-Forwarded-Proto this server believes (uvicorn's "
+        "forwarded_allow_ips: comma-separated addresses or networks, '*' for any); unset: none, the headers are "
+        "ignored and the client is the connection's peer (uvicorn's own default trusts 127.0.0.1, where a client "
+        "reaching the replica directly chose its address in the log)",
+    )
 
     # --- limits --------------------------------------------------------------------------------------------
     max_sessions: PositiveInt = 16

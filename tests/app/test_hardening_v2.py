@@ -5,6 +5,7 @@ Each test here failed on the code before its fix (the issue's reproduction, made
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -235,3 +236,38 @@ def test_lease_times_and_generations_read_from_the_folder_are_not_trusted(tmp_pa
         os.utime(planted.path, (2_203_834_436 + time.time(), 2_203_834_436 + time.time()))
         reply = http.get("/v1/sessions/dated-session-1")
         assert reply.status_code == 200, reply.text
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("trusted", [None, "127.0.0.1"])
+def test_x_forwarded_for_is_believed_only_from_the_proxies_named(make_settings, trusted):
+    """Item 9: uvicorn believes X-Forwarded-For from 127.0.0.1 by default, so a client reaching a replica on loopback
+    chose the address in its access log. Unset ``forwarded_allow_ips``: the header changes nothing; set to the
+    router's address, the router's header is the client (the setting reaches uvicorn)."""
+    from app.serve import build_server
+
+    config = build_server(make_settings(warmup=False, forwarded_allow_ips=trusted)).config
+    assert config.proxy_headers is (trusted is not None)
+    records = _Records()
+    access = logging.getLogger("uvicorn.access")
+    with LiveServer(make_settings(warmup=False, forwarded_allow_ips=trusted)) as server:
+        access.addHandler(records)
+        try:
+            reply = httpx.get(f"{server.base_url}/health", headers={"X-Forwarded-For": "203.0.113.7"})
+            assert reply.status_code == 200
+        finally:
+            access.removeHandler(records)
+    clients = [str(r.args[0]) for r in records.records if "/health" in str(r.args)]
+    assert clients, [r.getMessage() for r in records.records]
+    if trusted is None:
+        assert all(c.startswith("127.0.0.1:") for c in clients), clients
+    else:
+        assert all(c.startswith("203.0.113.7") for c in clients), clients
