@@ -30,9 +30,11 @@ No asyncio here: the store calls these on a worker thread.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import json
 import os
+import shutil
 import secrets
 import time
 from dataclasses import dataclass
@@ -165,14 +167,13 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
             else:
                 previous = "expired"
     target = lease_path(folder, session_id, generation + 1)
-    staging = folder / f"{target.name}.{replica_id}.{secrets.token_hex(4)}.tmp"
-    staging.write_text(json.dumps({"owner": replica_id, "session_id": session_id, "generation": generation + 1}))
-    try:
-        os.link(staging, target)
-    except FileExistsError:
-        raise LeaseHeld(session_id, _owner(target) or "?", lease_s) from None
-    finally:
-        staging.unlink(missing_ok=True)
+    with staging(folder, replica_id) as staged_in:  # a crash here leaves nothing a sweep cannot recognise
+        staged = staged_in / target.name
+        staged.write_text(json.dumps({"owner": replica_id, "session_id": session_id, "generation": generation + 1}))
+        try:
+            os.link(staged, target)
+        except FileExistsError:
+            raise LeaseHeld(session_id, _owner(target) or "?", lease_s) from None
     for older in current:
         with contextlib.suppress(OSError):
             lease_path(folder, session_id, older).unlink()
@@ -208,3 +209,84 @@ def release(folder: Path, session_id: str, lease: Lease | None = None) -> None:
     for generation in generations(folder, session_id):
         with contextlib.suppress(OSError):
             lease_path(folder, session_id, generation).unlink()
+
+
+# --- writes in progress: staging folders ------------------------------------------------------------------------------
+#
+# Every temporary file a replica makes in the shared folder (a lease being linked into place, a session file being
+# written, and the one safetensors makes for itself beside it) lives in a staging folder of that one write,
+# ``.staging.<replica_id>.<pid>.<random>/``, which the writing process holds an exclusive ``flock`` on until the
+# write is over and the folder removed. The kernel (the NFS server, on NFS) drops the lock when the process dies,
+# kill -9 included, so a sweep tells a dead writer's folder from a write in progress by trying the lock, whatever
+# the folder's name; where the file system has no locks, by its age (``STALE_STAGING_S``).
+
+STAGING_PREFIX = ".staging."
+STALE_STAGING_S = 3600.0  # no write takes this long: a folder untouched this long has no write in progress
+
+
+@contextlib.contextmanager
+def staging(folder: Path, replica_id: str):
+    """A fresh staging folder in ``folder`` for one write, locked while it runs and removed after it."""
+    path = folder / f"{STAGING_PREFIX}{replica_id}.{os.getpid()}.{secrets.token_hex(4)}"
+    path.mkdir(parents=True)
+    with open(path / "lock", "w") as lock:
+        with contextlib.suppress(OSError):  # no locks on this file system: the folder is judged by its age
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_in_progress(path: Path, now: float, stale_after_s: float) -> bool:
+    try:
+        with open(path / "lock", "r") as lock:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True  # its writer holds it
+            except OSError:
+                pass  # no locks here: by age
+            else:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+                return False  # its writer died (or is done and removing it)
+    except FileNotFoundError:
+        pass  # killed before it made its lock (or removed meanwhile): by age
+    except OSError:
+        return True
+    try:
+        newest = max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.iterdir())])
+    except OSError:
+        return False  # removed meanwhile
+    return now - newest < stale_after_s
+
+
+def dead_staging(folder: Path, now: float, stale_after_s: float = STALE_STAGING_S) -> list[Path]:
+    """Staging folders in ``folder`` whose write is over for good: their process died (the lock is free), or, where
+    that cannot be told, nothing in them changed for ``stale_after_s``. Never a write in progress."""
+    try:
+        entries = [Path(entry.path) for entry in os.scandir(folder)
+                   if entry.name.startswith(STAGING_PREFIX) and entry.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+    return [path for path in entries if not _write_in_progress(path, now, stale_after_s)]
+
+
+def remove_staging(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def abandoned_leases(folder: Path, now: float, lease_s: float, after_s: float) -> dict[str, list[int]]:
+    """The leases in ``folder`` whose current generation nobody renewed for ``lease_s + after_s``, by session:
+    their owner died (or stalled that long; it then finds its lease gone at its next renewal or write, as if taken
+    over, and drops its copy). Under the default random ``replica_id`` a crashed replica's are never released."""
+    found: dict[str, list[int]] = {}
+    for session_id, generations_found in leased(folder).items():
+        path = lease_path(folder, session_id, generations_found[-1])
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if remaining(mtime, now, lease_s) == 0 and (mtime > now or now - mtime > lease_s + after_s):
+            found[session_id] = generations_found
+    return found

@@ -461,20 +461,36 @@ class SessionStore:
         if folder is None or not folder.is_dir():
             return
         for leftover in leftover_temporaries(folder, self.settings.replica_id, time.time()):
-            leftover.unlink(missing_ok=True)
+            leftover.unlink(missing_ok=True)  # names of writes before staging folders (app.leases.staging_dir)
         self.forget_expired_files()
 
     def forget_expired_files(self) -> list[str]:
         """Delete the session files in ``snapshot_dir`` nobody asked for within ``session_retention_s``: a session
         spilled or drained by a replica that then restarted (or went away) is past its retention as a live one
         would be. A file under a lease is a live session's checkpoint on some replica, and one this replica
-        tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids."""
+        tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids.
+
+        What dead processes left goes too (``app.leases``): their staging folders (writes that never reached their
+        rename), and leases nobody renewed for ``session_retention_s`` past their expiry (a crashed replica's:
+        under the default random ``replica_id`` it never comes back to release them), with the session's file
+        when that is past its retention too."""
         folder = self.snapshot_folder
         if folder is None or not folder.is_dir():
             return []
-        cutoff, forgotten = time.time() - self.settings.retention_s, []
+        now = time.time()
+        for staging in leases.dead_staging(folder, now):
+            leases.remove_staging(staging)
+        cutoff, forgotten = now - self.settings.retention_s, []
         view = folder_view(folder)  # one listing: a folder of many files is not listed once per file
-        for session_id in sorted(view.saved - view.leased):
+        # A lease unrenewed for a session's whole retention past its expiry: its owner would have ended the
+        # session by now if it were alive (the owner of a live session renews its lease every third of it).
+        dead = leases.abandoned_leases(folder, now, self.settings.session_lease_s, self.settings.retention_s)
+        for session_id, generations in dead.items():
+            if session_id not in view.saved:
+                for generation in generations:  # only these: a successor taken meanwhile stays
+                    with contextlib.suppress(OSError):
+                        leases.lease_path(folder, session_id, generation).unlink()
+        for session_id in sorted((view.saved - view.leased) | (view.saved & dead.keys())):
             if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
                 continue
             path = snapshot_path(folder, session_id)
@@ -484,6 +500,9 @@ class SessionStore:
                 path.unlink()
             except OSError:  # gone meanwhile (adopted, removed by its owner): nothing to forget
                 continue
+            for generation in dead.get(session_id, ()):
+                with contextlib.suppress(OSError):
+                    leases.lease_path(folder, session_id, generation).unlink()
             forgotten.append(session_id)
         if forgotten:
             log.info("deleted %d session file(s) of snapshot_dir past session_retention_s", len(forgotten))

@@ -15,7 +15,7 @@ import torch
 
 from app.parking import Spilled
 
-from .conftest import DEADLINE_S, OCTET, LiveServer, payload
+from .conftest import DEADLINE_S, OCTET, LiveServer, payload, running_app, wait_until
 
 
 async def _spill_stubs(store, count: int, folder) -> None:
@@ -271,3 +271,61 @@ def test_x_forwarded_for_is_believed_only_from_the_proxies_named(make_settings, 
         assert all(c.startswith("127.0.0.1:") for c in clients), clients
     else:
         assert all(c.startswith("203.0.113.7") for c in clients), clients
+
+
+# A writer of one session's file in a loop, as a spill or a checkpoint writes it (the lease, then the file through
+# app.snapshots.write_record): big enough that a kill lands in the middle of a write.
+_WRITER = """
+import sys, torch
+from pathlib import Path
+from app import leases
+from app.snapshots import write_record
+folder, replica, session_id = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+lease = leases.acquire(folder, session_id, replica, 30.0)
+tensors = {"kv": torch.zeros(96 * 1024 * 1024, dtype=torch.uint8)}
+while True:
+    write_record(folder, session_id, tensors, {"app": "{}"}, writer=replica, before_rename=lambda: leases.check(lease))
+"""
+
+
+def _temporaries(folder) -> list[str]:
+    """Whatever in ``folder`` (at any depth) is neither a session's file nor a lease: a write's leftovers."""
+    from app.leases import parse_name
+
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if not (p.parent == folder and (p.name.endswith(".session.safetensors") or parse_name(p.name))))
+
+
+@pytest.mark.parametrize("first_write", [True, False], ids=["spill", "checkpoint"])
+def test_a_writer_killed_mid_write_leaves_nothing_after_a_restart_and_one_sweep(make_settings, tmp_path, first_write):
+    """Item 5: safetensors writes through its own .tmpXXXXXX beside the target, which matched no clean-up pattern;
+    a killed process also left its lease and a 0-byte .tmp, never removed under the default random replica_id.
+    Killed (-9) in the middle of a write (a spill's first file, or a checkpoint over an earlier one), then a
+    server (a new random replica_id) starts on the folder: its sweep leaves no temporary, and once the lease is
+    past expiry and retention, neither the lease nor the session's file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    session_id = "killed-writer-1"
+    if not first_write:
+        (folder / f"{session_id}.session.safetensors").write_bytes(b"an earlier checkpoint")
+    root = Path(__file__).resolve().parents[2]
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(folder), "replica-gone", session_id], cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        wait_until(lambda: any(".tmp" in name for name in _temporaries(folder)), "a write in progress")
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(DEADLINE_S)
+    assert _temporaries(folder), "killed between two writes: nothing to clean"
+    settings = make_settings(warmup=False, snapshot_dir=folder, session_lease_s=0.5, session_retention_s=1.0)
+    time.sleep(2.0)  # the lease past its expiry and a retention: its owner would have renewed it if alive
+    with running_app(settings):
+        assert _temporaries(folder) == []
+        assert sorted(p.name for p in folder.iterdir()) == []
+
