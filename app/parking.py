@@ -330,6 +330,8 @@ class Parking:
         folder, store = self.store.snapshot_folder, self.store
         if folder is None:
             return False
+        if self.spill_full():
+            return False  # at max_spilled_sessions / max_spilled_bytes: it stays parked, holding its place
         async with handle.moving:
             if not _spillable(handle) or store.draining or not store.registry.holds(handle):
                 return False
@@ -381,6 +383,63 @@ class Parking:
             self.moves.labels(to="spilled").inc()
             log.debug("spilled session %s to %s", handle.id, path.name)
             return True
+
+    # --- the bound on spilled sessions ---------------------------------------------------------------------------
+    def spilled_bytes(self) -> int:
+        return sum(stub.file_bytes for stub in self.spilled.values())
+
+    def spill_full(self) -> bool:
+        """At ``max_spilled_sessions`` (or ``max_spilled_bytes``) once the spilled sessions past their retention
+        are deleted (oldest first)."""
+        settings = self.settings
+
+        def full() -> bool:
+            return len(self.spilled) >= settings.max_spilled_sessions or (
+                settings.max_spilled_bytes is not None and self.spilled_bytes() >= settings.max_spilled_bytes)
+
+        if not full():
+            return False
+        self.expire_spilled()
+        return full()
+
+    def require_spill_room(self) -> None:
+        """Before a new session is created: 503 over_capacity when the spilled sessions are at their bound (it
+        could never be spilled, and a live session is never deleted to make room)."""
+        if not self.spill_full():
+            return
+        settings = self.settings
+        limit = (f"max_spilled_sessions {settings.max_spilled_sessions}" if len(self.spilled) >=
+                 settings.max_spilled_sessions else f"max_spilled_bytes {settings.max_spilled_bytes}")
+        raise ApiError(
+            "over_capacity",
+            f"this replica holds {len(self.spilled)} spilled sessions ({self.spilled_bytes()} bytes in "
+            f"snapshot_dir), its {limit}, and none is past session_retention_s; no session is deleted before its "
+            "retention ends. Retry after the Retry-After seconds, end sessions you no longer need (DELETE), or use "
+            "another replica",
+            retry_after_s=self.settings.retry_after_s,
+            fields={"spilled_sessions": len(self.spilled), "spilled_bytes": self.spilled_bytes(),
+                    "max_spilled_sessions": settings.max_spilled_sessions,
+                    "max_spilled_bytes": settings.max_spilled_bytes},
+        )
+
+    def expire_spilled(self, view: FolderView | None = None) -> int:
+        """Delete the spilled sessions past session_retention_s, oldest first (their files too; 410 from then on);
+        how many. One adopted by another replica meanwhile is not this one's to delete: it is only forgotten."""
+        registry, retention = self.store.registry, self.settings.retention_s
+        now = registry.clock()
+        expired = sorted((stub.last_active, session_id) for session_id, stub in self.spilled.items()
+                         if now - stub.last_active > retention)
+        deleted = 0
+        for _, session_id in expired:
+            stub = self.stub(session_id, view)
+            if stub is None or now - stub.last_active <= retention:
+                continue  # adopted elsewhere, or asked for while the folder was listed
+            self.spilled.pop(session_id, None)
+            with contextlib.suppress(OSError):
+                remove_record(self.store.snapshot_folder, session_id)
+            registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+            deleted += 1
+        return deleted
 
     def stub(self, session_id: str, view: FolderView | None = None) -> Spilled | None:
         """The spilled session ``session_id`` if its file is still there (another replica may have adopted it).
@@ -451,20 +510,11 @@ class Parking:
                 except Exception:  # a full disk must not stop parking; the session stays parked
                     log.exception("spilling session %s failed; it stays parked", handle.id)
         retention = settings.retention_s
-        expired = [session_id for session_id, stub in self.spilled.items() if now - stub.last_active > retention]
-        view = None
-        if expired and self.store.snapshot_folder is not None:
-            view = await asyncio.to_thread(folder_view, self.store.snapshot_folder)
-        for session_id in expired:
-            stub = self.stub(session_id, view)
-            if stub is None:
-                continue  # adopted elsewhere meanwhile: not this replica's to delete
-            if now - stub.last_active <= retention:
-                continue  # asked for while the folder was listed
-            self.spilled.pop(session_id, None)
-            with contextlib.suppress(OSError):
-                remove_record(self.store.snapshot_folder, session_id)
-            registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+        if any(now - stub.last_active > retention for stub in self.spilled.values()):
+            view = None
+            if self.store.snapshot_folder is not None:
+                view = await asyncio.to_thread(folder_view, self.store.snapshot_folder)
+            self.expire_spilled(view)
 
 
 def _idle(handle: SessionHandle) -> bool:

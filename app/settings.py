@@ -185,6 +185,15 @@ class Settings(_SessionDefaults):
         default=None, description="a session without a request this long is deleted (then 410), whether active, "
         "parked or spilled; unset: session_idle_timeout_s"
     )
+    max_spilled_sessions: PositiveInt = Field(
+        default=1000, description="spilled sessions this replica keeps in snapshot_dir: at the bound a parked session "
+        "is no longer spilled (it stays parked, holding its max_sessions place) and a new session is refused (503 "
+        "over_capacity) once no spilled one is past session_retention_s"
+    )
+    max_spilled_bytes: PositiveInt | None = Field(
+        default=None, description="bytes of this replica's spilled sessions' files in snapshot_dir, bounded like "
+        "max_spilled_sessions (a spill starts only below it); unset: by count only"
+    )
     evicted_ids_remembered: PositiveInt = 10_000
     engine_queue_depth: PositiveInt = 64
     session_queue_depth: PositiveInt = 4

@@ -139,6 +139,8 @@ class SessionStore:
         """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id;
         ``realtime``: its blocks have deadlines (app.realtime)."""
         self.admit(realtime=config if realtime else None)
+        if self.snapshot_folder is not None:
+            self.parking.require_spill_room()
         handle = self.registry.adopt(session_id or uuid.uuid4().hex, RefinerSession(refiner, config, prompt),
                                      outputs=outputs)
         if self.checkpointing:

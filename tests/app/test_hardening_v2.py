@@ -329,3 +329,41 @@ def test_a_writer_killed_mid_write_leaves_nothing_after_a_restart_and_one_sweep(
         assert _temporaries(folder) == []
         assert sorted(p.name for p in folder.iterdir()) == []
 
+
+async def _age_spilled(store, by_s: float) -> None:
+    for stub in store.parking.spilled.values():
+        stub.last_active -= by_s
+
+
+def test_spilled_sessions_are_bounded_and_a_live_one_is_never_deleted_to_make_room(make_settings, tmp_path):
+    """Item 3: spilled sessions held no max_sessions place and had no bound of their own (an attacker's idle
+    sessions piled up in snapshot_dir). At max_spilled_sessions a parked session stays parked, a new session is
+    refused with 503 over_capacity (its figures as fields), and only spilled sessions past their retention are
+    deleted (oldest first) to make room."""
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    settings = make_settings(warmup=False, snapshot_dir=folder, max_spilled_sessions=2, park_after_s=0.1,
+                             spill_after_s=0.2, session_retention_s=600)
+    with LiveServer(settings) as server, httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        store = server.services.store
+        parked = http.post("/v1/sessions").json()["session_id"]
+        server.on_loop(_spill_stubs(store, 2, folder)).result(DEADLINE_S)
+        wait_until(lambda: http.get(f"/v1/sessions/{parked}").json()["state"] == "parked", "the session to park")
+        time.sleep(1.0)  # several rounds of the parking timer
+        assert http.get(f"/v1/sessions/{parked}").json()["state"] == "parked", "spilled past the bound"
+        assert len(store.parking.spilled) == 2
+
+        refused = http.post("/v1/sessions")
+        assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "over_capacity" and "max_spilled_sessions 2" in error["message"]
+        assert (error["spilled_sessions"], error["max_spilled_sessions"]) == (2, 2)
+        assert http.get(f"/v1/sessions/{parked}").status_code == 200, "a live session was deleted to make room"
+
+        # Past their retention, the spilled sessions are deleted (410 from then on) and make room again.
+        server.on_loop(_age_spilled(store, 601)).result(DEADLINE_S)
+        assert http.post("/v1/sessions").status_code == 201
+        assert http.get("/v1/sessions/spilled-000000").status_code == 410
+        assert not (folder / "spilled-000000.session.safetensors").exists()
+        wait_until(lambda: http.get(f"/v1/sessions/{parked}").json()["state"] == "spilled",
+                   "the parked session to spill once there is room")
