@@ -17,7 +17,12 @@ Only plain POSIX file operations, so that any shared folder works (a local disk,
   Between that check and the rename there is a window of one ``rename`` call: a write that slips through it holds
   the same session at a later point of the same deterministic run, which the new owner's next checkpoint replaces.
 - **Releasing**: the owner deletes its lease files (after a drain saved the session, when the session ended, or
-  when an adoption gave the file back); the file is then adoptable at once, by generation 1 again.
+  when an adoption gave the file back); the file is then adoptable at once, by generation 1 again. A lease
+  nobody renewed for a session's retention past its expiry is a dead owner's (``abandoned_leases``): the
+  store's sweep removes it.
+- **Staging**: every temporary file of a write (the lease before its link, a session file and safetensors' own
+  temporary beside it) is in a staging folder of that write, locked by its process (``staging``): a sweep removes
+  the folders of dead processes whatever their names (``dead_staging``).
 
 Expiry compares this machine's clock with the file's modification time (the file server's clock on NFS): the
 replicas' clocks must agree to well within ``session_lease_s`` (NTP does). A time read from the folder is not
