@@ -109,13 +109,17 @@ _ENGINE_KINDS: tuple[tuple[type[EngineError], str], ...] = (
 
 
 class ApiError(Exception):
-    def __init__(self, kind: str, message: str, retry_after_s: int | None = None):
+    def __init__(self, kind: str, message: str, retry_after_s: int | None = None,
+                 fields: dict[str, Any] | None = None):
         if kind not in ERRORS:
             raise KeyError(f"unknown error kind {kind!r}")
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retry_after_s = retry_after_s  # when known for this error: the Retry-After instead of the setting's
+        # Figures a client acts on (api.md 1.2: insufficient_memory's bytes_needed and bytes_free), as JSON fields
+        # of the envelope's "error" beside the message, so that nobody parses them out of its prose.
+        self.fields = dict(fields or {})
 
     @property
     def spec(self) -> ErrorKind:
@@ -126,7 +130,9 @@ class ApiError(Exception):
         return self.spec.status
 
     def envelope(self) -> dict[str, Any]:
-        return envelope(self.kind, self.message)
+        body = envelope(self.kind, self.message)
+        body["error"].update(self.fields)
+        return body
 
     def headers(self, retry_after_s: int) -> dict[str, str]:
         if not self.spec.retry_after:

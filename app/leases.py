@@ -2,7 +2,7 @@
 
 Only plain POSIX file operations, so that any shared folder works (a local disk, NFS, a ReadWriteMany volume):
 
-- A lease is a file ``.<session>.session.lease.<generation>`` (generation: 10 digits) holding its owner's
+- A lease is a file ``.<session>.session.lease.<generation>`` (generation: 10 digits or more) holding its owner's
   ``replica_id``. The session's current lease is the one of the highest generation. It is *live* while its
   modification time is less than ``session_lease_s`` old: the owner renews it by touching it (``os.utime``, which
   never creates a file) every ``session_lease_s / 3`` while it holds the session.
@@ -17,10 +17,17 @@ Only plain POSIX file operations, so that any shared folder works (a local disk,
   Between that check and the rename there is a window of one ``rename`` call: a write that slips through it holds
   the same session at a later point of the same deterministic run, which the new owner's next checkpoint replaces.
 - **Releasing**: the owner deletes its lease files (after a drain saved the session, when the session ended, or
-  when an adoption gave the file back); the file is then adoptable at once, by generation 1 again.
+  when an adoption gave the file back); the file is then adoptable at once, by generation 1 again. A lease
+  nobody renewed for a session's retention past its expiry is a dead owner's (``abandoned_leases``): the
+  store's sweep removes it.
+- **Staging**: every temporary file of a write (the lease before its link, a session file and safetensors' own
+  temporary beside it) is in a staging folder of that write, locked by its process (``staging``): a sweep removes
+  the folders of dead processes whatever their names (``dead_staging``).
 
 Expiry compares this machine's clock with the file's modification time (the file server's clock on NFS): the
-replicas' clocks must agree to well within ``session_lease_s`` (NTP does).
+replicas' clocks must agree to well within ``session_lease_s`` (NTP does). A time read from the folder is not
+trusted: a lease never runs more than ``session_lease_s`` from now, and one dated further ahead than that is
+expired (``remaining``).
 
 No asyncio here: the store calls these on a worker thread.
 """
@@ -28,8 +35,11 @@ No asyncio here: the store calls these on a worker thread.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import json
 import os
+import shutil
 import secrets
 import time
 from dataclasses import dataclass
@@ -71,15 +81,54 @@ def lease_path(folder: Path, session_id: str, generation: int) -> Path:
     return folder / f".{spec.check_session_id(session_id)}{LEASE_INFIX}{generation:0{_DIGITS}d}"
 
 
+def _generation_of(name: str, prefix: str) -> int | None:
+    """The generation in a lease file's name, or None when ``name`` is not a lease of ``prefix``'s session. Any
+    number of digits: generations are written with at least 10, and one past 9999999999 has 11 (a folder's files
+    are not trusted to stay below it)."""
+    if not name.startswith(prefix):
+        return None
+    tail = name[len(prefix):]
+    return int(tail) if tail.isdigit() and tail.isascii() else None
+
+
 def generations(folder: Path, session_id: str) -> list[int]:
-    """The session's lease generations present in ``folder``, lowest first."""
+    """The session's lease generations present in ``folder``, lowest first. One session: a directory listing each
+    call; a caller asking about many sessions takes ``leased`` once instead."""
     prefix = f".{spec.check_session_id(session_id)}{LEASE_INFIX}"
     found = []
-    for path in folder.glob(f"{prefix}*"):
-        tail = path.name[len(prefix):]
-        if len(tail) == _DIGITS and tail.isdigit():
-            found.append(int(tail))
+    for path in folder.glob(f"{glob.escape(prefix)}*"):
+        generation = _generation_of(path.name, prefix)
+        if generation is not None:
+            found.append(generation)
     return sorted(found)
+
+
+def parse_name(name: str) -> tuple[str, int] | None:
+    """(session id, generation) of a lease file's name; None for any other name (a staging file among them)."""
+    if not name.startswith(".") or LEASE_INFIX not in name:
+        return None
+    session_id = name[1:].split(LEASE_INFIX, 1)[0]
+    generation = _generation_of(name, f".{session_id}{LEASE_INFIX}")
+    if generation is None or not spec.is_session_id(session_id):
+        return None
+    return session_id, generation
+
+
+def leased(folder: Path) -> dict[str, list[int]]:
+    """Every session with a lease file in ``folder`` and its generations (lowest first), from ONE directory
+    listing: what a listing of many sessions asks, at a cost independent of how many it asks about."""
+    found: dict[str, list[int]] = {}
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                parsed = parse_name(entry.name)
+                if parsed is not None:
+                    found.setdefault(parsed[0], []).append(parsed[1])
+    except FileNotFoundError:
+        return found
+    for generation_list in found.values():
+        generation_list.sort()
+    return found
 
 
 def _owner(path: Path) -> str | None:
@@ -89,6 +138,16 @@ def _owner(path: Path) -> str | None:
         return None
     except (OSError, ValueError, KeyError, TypeError):
         return "?"  # unreadable: treated as someone else's until it expires
+
+
+def remaining(mtime: float, now: float, lease_s: float) -> float:
+    """Seconds a lease touched at ``mtime`` (a time read from the folder, so not trusted) runs unless renewed: never
+    more than ``lease_s``. A time ahead of this clock by less than ``lease_s`` is clock skew (counted as touched
+    now); one further ahead is no renewal any replica wrote (their clocks agree to well within ``lease_s``), so the
+    lease is expired: a file dated 2040 must not hold a session, or a Retry-After, for 14 years."""
+    if mtime > now + lease_s:
+        return 0.0
+    return max(0.0, lease_s - (now - min(mtime, now)))
 
 
 def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now: float | None = None) -> Lease:
@@ -103,24 +162,23 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
         owner = _owner(path)
         if owner is not None:  # None: released between the listing and now
             try:
-                age = (time.time() if now is None else now) - path.stat().st_mtime
+                expires_in = remaining(path.stat().st_mtime, time.time() if now is None else now, lease_s)
             except FileNotFoundError:
-                age = lease_s
+                expires_in = 0.0
             if owner == replica_id:
                 previous = "self"
-            elif age < lease_s:
-                raise LeaseHeld(session_id, owner, lease_s - age)
+            elif expires_in > 0:
+                raise LeaseHeld(session_id, owner, expires_in)
             else:
                 previous = "expired"
     target = lease_path(folder, session_id, generation + 1)
-    staging = folder / f"{target.name}.{replica_id}.{secrets.token_hex(4)}.tmp"
-    staging.write_text(json.dumps({"owner": replica_id, "session_id": session_id, "generation": generation + 1}))
-    try:
-        os.link(staging, target)
-    except FileExistsError:
-        raise LeaseHeld(session_id, _owner(target) or "?", lease_s) from None
-    finally:
-        staging.unlink(missing_ok=True)
+    with staging(folder, replica_id) as staged_in:  # a crash here leaves nothing a sweep cannot recognise
+        staged = staged_in / target.name
+        staged.write_text(json.dumps({"owner": replica_id, "session_id": session_id, "generation": generation + 1}))
+        try:
+            os.link(staged, target)
+        except FileExistsError:
+            raise LeaseHeld(session_id, _owner(target) or "?", lease_s) from None
     for older in current:
         with contextlib.suppress(OSError):
             lease_path(folder, session_id, older).unlink()
@@ -156,3 +214,84 @@ def release(folder: Path, session_id: str, lease: Lease | None = None) -> None:
     for generation in generations(folder, session_id):
         with contextlib.suppress(OSError):
             lease_path(folder, session_id, generation).unlink()
+
+
+# --- writes in progress: staging folders ------------------------------------------------------------------------------
+#
+# Every temporary file a replica makes in the shared folder (a lease being linked into place, a session file being
+# written, and the one safetensors makes for itself beside it) lives in a staging folder of that one write,
+# ``.staging.<replica_id>.<pid>.<random>/``, which the writing process holds an exclusive ``flock`` on until the
+# write is over and the folder removed. The kernel (the NFS server, on NFS) drops the lock when the process dies,
+# kill -9 included, so a sweep tells a dead writer's folder from a write in progress by trying the lock, whatever
+# the folder's name; where the file system has no locks, by its age (``STALE_STAGING_S``).
+
+STAGING_PREFIX = ".staging."
+STALE_STAGING_S = 3600.0  # no write takes this long: a folder untouched this long has no write in progress
+
+
+@contextlib.contextmanager
+def staging(folder: Path, replica_id: str):
+    """A fresh staging folder in ``folder`` for one write, locked while it runs and removed after it."""
+    path = folder / f"{STAGING_PREFIX}{replica_id}.{os.getpid()}.{secrets.token_hex(4)}"
+    path.mkdir(parents=True)
+    with open(path / "lock", "w") as lock:
+        with contextlib.suppress(OSError):  # no locks on this file system: the folder is judged by its age
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_in_progress(path: Path, now: float, stale_after_s: float) -> bool:
+    try:
+        with open(path / "lock", "r") as lock:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True  # its writer holds it
+            except OSError:
+                pass  # no locks here: by age
+            else:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+                return False  # its writer died (or is done and removing it)
+    except FileNotFoundError:
+        pass  # killed before it made its lock (or removed meanwhile): by age
+    except OSError:
+        return True
+    try:
+        newest = max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.iterdir())])
+    except OSError:
+        return False  # removed meanwhile
+    return now - newest < stale_after_s
+
+
+def dead_staging(folder: Path, now: float, stale_after_s: float = STALE_STAGING_S) -> list[Path]:
+    """Staging folders in ``folder`` whose write is over for good: their process died (the lock is free), or, where
+    that cannot be told, nothing in them changed for ``stale_after_s``. Never a write in progress."""
+    try:
+        entries = [Path(entry.path) for entry in os.scandir(folder)
+                   if entry.name.startswith(STAGING_PREFIX) and entry.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+    return [path for path in entries if not _write_in_progress(path, now, stale_after_s)]
+
+
+def remove_staging(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def abandoned_leases(folder: Path, now: float, lease_s: float, after_s: float) -> dict[str, list[int]]:
+    """The leases in ``folder`` whose current generation nobody renewed for ``lease_s + after_s``, by session:
+    their owner died (or stalled that long; it then finds its lease gone at its next renewal or write, as if taken
+    over, and drops its copy). Under the default random ``replica_id`` a crashed replica's are never released."""
+    found: dict[str, list[int]] = {}
+    for session_id, generations_found in leased(folder).items():
+        path = lease_path(folder, session_id, generations_found[-1])
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if remaining(mtime, now, lease_s) == 0 and (mtime > now or now - mtime > lease_s + after_s):
+            found[session_id] = generations_found
+    return found

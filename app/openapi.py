@@ -71,8 +71,13 @@ SessionCreate = _session_create()
 
 # --- the envelope ------------------------------------------------------------------------------------------
 class ErrorBody(BaseModel):
+    # extra="allow": some kinds add figures a client acts on (insufficient_memory: bytes_needed, bytes_free).
+    model_config = ConfigDict(extra="allow")
+
     code: str = Field(description="the error kind, stable: app.errors.ERRORS")
     message: str = Field(description="what was wrong and what to send instead")
+    bytes_needed: int | None = Field(default=None, description="insufficient_memory: device bytes the request needs")
+    bytes_free: int | None = Field(default=None, description="insufficient_memory: device bytes of the budget free now")
 
 
 class ErrorEnvelope(BaseModel):

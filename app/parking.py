@@ -26,7 +26,8 @@ session meanwhile (no lookup handed it to a request, no stream or watcher attach
 removed and the session stays parked. A GET reads a spilled session from what was saved, without bringing it back.
 
 Admission by bytes (``device_memory_budget``): a session's bytes are known once its geometry is, at its first chunk
-(``models.memory.session_bytes_estimate``, before anything is allocated); what does not fit is refused with 503
+(``models.memory.session_bytes_estimate``, prompt and rollback copies included, before anything is allocated;
+again at a later chunk that makes it hold more); what does not fit is refused with 503
 ``insufficient_memory`` after the least recently used sessions with no work were parked to make room.
 """
 
@@ -49,7 +50,7 @@ from . import leases
 from .errors import ApiError
 from .leases import LeaseHeld, LeaseLost
 from .memory import MOVED_PARTS, handle_bytes, handle_parts
-from .snapshots import record_tensors, remove_record, snapshot_path, write_record
+from .snapshots import FolderView, folder_view, record_tensors, remove_record, snapshot_path, write_record
 
 if TYPE_CHECKING:
     from .registry import SessionHandle
@@ -189,6 +190,7 @@ class Parking:
             "moved off the device has been: retry once a session finishes or goes idle, send smaller frames, a "
             "smaller window (kv_max_frames) or batch, or use another replica",
             retry_after_s=self.settings.retry_after_s,
+            fields={"bytes_needed": int(need), "bytes_free": int(free), "bytes_budget": int(self.budget)},
         )
 
     async def make_room(self, need: int, what: str, exclude: Any = None) -> None:
@@ -207,24 +209,33 @@ class Parking:
                 break
         self.require(need, what, exclude)
 
-    def estimate(self, config: Any, shape: tuple[int, ...]) -> int:
+    def estimate(self, config: Any, shape: tuple[int, ...], prompt_tokens: int = 0) -> int:
         """Device bytes a session of ``config`` will hold once frames of ``shape`` (B, C, t, H, W) give it its
-        geometry."""
+        geometry and a chunk of t frames runs, with a prompt of ``prompt_tokens`` tokens
+        (``models.memory.session_bytes_estimate``: every part, the prompt's and the rollback copies' included)."""
         refiner = self.store._refiner()
         if len(shape) != 5 or min(shape) <= 0:
             return 0  # no frames of a session: the session's own check refuses them, with what to send instead
-        batch, channels, _, height, width = (int(n) for n in shape)
+        batch, channels, frames, height, width = (int(n) for n in shape)
         parts = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
-                                       FrameGeometry(batch, channels, height, width), refiner.dtype)
+                                       FrameGeometry(batch, channels, height, width), refiner.dtype,
+                                       prompt_tokens=prompt_tokens, caption_channels=refiner.info.caption_channels,
+                                       chunk_frames=frames)
         return sum(parts.values())
 
-    async def reserve(self, handle: SessionHandle, shape: tuple[int, ...]) -> None:
-        """At a session's first chunk (its geometry now known): reserve its bytes or refuse it, before anything of
-        it is allocated."""
-        if handle.session.state.geometry is not None:
+    async def reserve(self, handle: SessionHandle, shape: tuple[int, ...], prompt_tokens: int | None = None) -> None:
+        """Before a chunk of frames ``shape`` (and a prompt of ``prompt_tokens`` tokens, None: the session's own or
+        the server's default) reaches the engine: what the session will hold with it, reserved (or refused with
+        insufficient_memory) before anything is allocated. The first chunk reserves the session's bytes; a later
+        one that makes it hold more (a longer prompt, a larger chunk) reserves the difference first."""
+        if prompt_tokens is None:
+            prompt = handle.session.state.prompt  # a new session starts with the server's default_prompt
+            prompt_tokens = 0 if prompt is None else int(prompt.embeds.shape[1])
+        need = self.estimate(handle.config, shape, prompt_tokens)
+        if need <= handle.reserved_bytes:
             return
-        need = self.estimate(handle.config, shape)
-        await self.make_room(need, f"session {handle.id} (frames {tuple(shape)})", exclude=handle)
+        await self.make_room(need, f"session {handle.id} (frames {tuple(shape)}, a prompt of {prompt_tokens} "
+                             "tokens)", exclude=handle)
         handle.reserved_bytes = need
 
     @contextlib.asynccontextmanager
@@ -250,8 +261,12 @@ class Parking:
         if not isinstance(geometry, list) or len(geometry) != 4:
             return
         refiner = self.store._refiner()
+        prompt = headers.get("prompt_embeds")  # (B, L, caption): what the file's session holds
+        tokens = int(prompt.shape[1]) if prompt is not None and len(prompt.shape) == 3 else 0
         need = sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
-                                          FrameGeometry(*(int(n) for n in geometry)), refiner.dtype).values())
+                                          FrameGeometry(*(int(n) for n in geometry)), refiner.dtype,
+                                          prompt_tokens=tokens, caption_channels=refiner.info.caption_channels
+                                          ).values())
         await self.make_room(need, f"session {session_id} (saved in snapshot_dir)")
 
     # --- park and page in ----------------------------------------------------------------------------------------
@@ -317,6 +332,8 @@ class Parking:
         folder, store = self.store.snapshot_folder, self.store
         if folder is None:
             return False
+        if self.spill_full():
+            return False  # at max_spilled_sessions / max_spilled_bytes: it stays parked, holding its place
         async with handle.moving:
             if not _spillable(handle) or store.draining or not store.registry.holds(handle):
                 return False
@@ -369,16 +386,92 @@ class Parking:
             log.debug("spilled session %s to %s", handle.id, path.name)
             return True
 
-    def stub(self, session_id: str) -> Spilled | None:
-        """The spilled session ``session_id`` if its file is still there (another replica may have adopted it)."""
+    # --- the bound on spilled sessions ---------------------------------------------------------------------------
+    def spilled_bytes(self) -> int:
+        return sum(stub.file_bytes for stub in self.spilled.values())
+
+    def spill_full(self) -> bool:
+        """At ``max_spilled_sessions`` (or ``max_spilled_bytes``) once the spilled sessions past their retention
+        are deleted (oldest first)."""
+        settings = self.settings
+
+        def full() -> bool:
+            return len(self.spilled) >= settings.max_spilled_sessions or (
+                settings.max_spilled_bytes is not None and self.spilled_bytes() >= settings.max_spilled_bytes)
+
+        if not full():
+            return False
+        self.expire_spilled()
+        return full()
+
+    def require_spill_room(self) -> None:
+        """Before a new session is created: 503 over_capacity when the spilled sessions are at their bound (it
+        could never be spilled, and a live session is never deleted to make room)."""
+        if not self.spill_full():
+            return
+        settings = self.settings
+        limit = (f"max_spilled_sessions {settings.max_spilled_sessions}" if len(self.spilled) >=
+                 settings.max_spilled_sessions else f"max_spilled_bytes {settings.max_spilled_bytes}")
+        raise ApiError(
+            "over_capacity",
+            f"this replica holds {len(self.spilled)} spilled sessions ({self.spilled_bytes()} bytes in "
+            f"snapshot_dir), its {limit}, and none is past session_retention_s; no session is deleted before its "
+            "retention ends. Retry after the Retry-After seconds, end sessions you no longer need (DELETE), or use "
+            "another replica",
+            retry_after_s=self.settings.retry_after_s,
+            fields={"spilled_sessions": len(self.spilled), "spilled_bytes": self.spilled_bytes(),
+                    "max_spilled_sessions": settings.max_spilled_sessions,
+                    "max_spilled_bytes": settings.max_spilled_bytes},
+        )
+
+    def expire_spilled(self, view: FolderView | None = None) -> int:
+        """Delete the spilled sessions past session_retention_s, oldest first (their files too; 410 from then on);
+        how many. One adopted by another replica meanwhile is not this one's to delete: it is only forgotten."""
+        registry, retention = self.store.registry, self.settings.retention_s
+        now = registry.clock()
+        expired = sorted((stub.last_active, session_id) for session_id, stub in self.spilled.items()
+                         if now - stub.last_active > retention)
+        deleted = 0
+        for _, session_id in expired:
+            stub = self.stub(session_id, view)
+            if stub is None or now - stub.last_active <= retention:
+                continue  # adopted elsewhere, or asked for while the folder was listed
+            self.spilled.pop(session_id, None)
+            with contextlib.suppress(OSError):
+                remove_record(self.store.snapshot_folder, session_id)
+            registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+            deleted += 1
+        return deleted
+
+    def stub(self, session_id: str, view: FolderView | None = None) -> Spilled | None:
+        """The spilled session ``session_id`` if its file is still there (another replica may have adopted it).
+        ``view``: the folder as one listing saw it (``folder_view``), for a caller asking about many sessions;
+        without it this looks at the folder for this one session."""
         stub = self.spilled.get(session_id)
+        if stub is None:
+            return None
         folder = self.store.snapshot_folder
+        if folder is None:
+            gone = True
+        elif view is not None:
+            gone = session_id not in view.saved or session_id in view.leased
+        else:
+            gone = not snapshot_path(folder, session_id).is_file() or bool(leases.generations(folder, session_id))
         # A lease on it now is another replica's (a spill releases this one's): that replica adopted it.
-        if stub is not None and (folder is None or not snapshot_path(folder, session_id).is_file()
-                                 or leases.generations(folder, session_id)):
+        if gone:
             self.spilled.pop(session_id, None)
             return None
         return stub
+
+    async def stubs(self) -> list[Spilled]:
+        """Every spilled session whose file is still there: one listing of the folder, on a worker thread (so the
+        cost of a page of sessions does not grow with the folder's size, and the event loop, /health included,
+        never waits on it)."""
+        folder = self.store.snapshot_folder
+        if not self.spilled:
+            return []
+        view = None if folder is None else await asyncio.to_thread(folder_view, folder)
+        return [stub for session_id in list(self.spilled) if (stub := self.stub(session_id, view)) is not None]
 
     def read(self, session_id: str) -> dict[str, Any] | None:
         """GET of a spilled session: its description, without bringing it back (a request all the same: its
@@ -419,14 +512,11 @@ class Parking:
                 except Exception:  # a full disk must not stop parking; the session stays parked
                     log.exception("spilling session %s failed; it stays parked", handle.id)
         retention = settings.retention_s
-        for session_id, stub in list(self.spilled.items()):
-            if now - stub.last_active > retention:
-                if self.stub(session_id) is None:
-                    continue  # adopted elsewhere meanwhile: not this replica's to delete
-                self.spilled.pop(session_id, None)
-                with contextlib.suppress(OSError):
-                    remove_record(self.store.snapshot_folder, session_id)
-                registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+        if any(now - stub.last_active > retention for stub in self.spilled.values()):
+            view = None
+            if self.store.snapshot_folder is not None:
+                view = await asyncio.to_thread(folder_view, self.store.snapshot_folder)
+            self.expire_spilled(view)
 
 
 def _idle(handle: SessionHandle) -> bool:

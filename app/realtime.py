@@ -209,6 +209,7 @@ def check_admission(cost: CostModel, held: Iterable[Demand], new: Demand, max_lo
         "may have ended), use another replica, or create the session with realtime false (no deadline, admitted by "
         "count)",
         retry_after_s=retry_after_s,
+        fields={"load_held": round(sum(loads), 4), "load_needed": round(new_load, 4), "max_load": max_load},
     )
 
 

@@ -52,8 +52,9 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
     http = GuardedHttpToolsProtocol.configure(settings.max_header_bytes, settings.request_header_timeout_s,
                                               settings.request_body_timeout_s)
     uvicorn_options.setdefault("http", http)
-    # Refused handshakes answered and logged as such, invalid UTF-8 closed quietly with 1007 (app.ws_protocol).
-    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol)
+    # Refused handshakes answered and logged as such, invalid UTF-8 closed quietly with 1007, a client that does
+    # not read is not read either (app.ws_protocol).
+    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol.configure(settings.ws_max_write_buffer_bytes))
     config = uvicorn.Config(
         guarded,
         host=settings.host,
@@ -65,6 +66,9 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
         ws_per_message_deflate=False,
         timeout_graceful_shutdown=settings.drain_timeout_s + 5,
         lifespan="on",
+        # X-Forwarded-For only from the proxies named (a router with `option forwardfor`); none by default.
+        proxy_headers=settings.forwarded_allow_ips is not None,
+        forwarded_allow_ips=settings.forwarded_allow_ips or "",
         **uvicorn_options,
     )
     return DrainingServer(config, app.state.services)

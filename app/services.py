@@ -9,8 +9,8 @@ session to ``snapshot_dir`` (when set) exactly as its clients last saw it, and c
 reason (1012 "service restart" for a saved session, 1001 otherwise), waiting for them at most
 ``drain_timeout_s``, before the server closes connections. Nothing is loaded at start-up: a server on the same
 ``snapshot_dir`` (this one restarted, or another replica) adopts a saved session on the first request for it,
-under its id (``app.store.SessionStore.lookup``); start-up only removes interrupted writes (this replica's, and
-abandoned ones: ``app.snapshots.leftover_temporaries``).
+under its id (``app.store.SessionStore.lookup``); start-up only removes what dead writers left (their staging
+folders and abandoned leases: ``app.store.SessionStore.clean_snapshot_dir``).
 """
 
 from __future__ import annotations

@@ -143,9 +143,9 @@ class SessionOps:
         that gives no bounded, well-formed listing within 2 s in all is left out and named in ``"unreachable"``."""
         replica = self.settings.replica_id
         if scope == "local" or not self.settings.peers:
-            page, following = self.store.listing(limit, after)
+            page, following = await self.store.listing(limit, after)
             return {"sessions": [{**handle.summary(), "replica": replica} for handle in page], "next": following}
-        mine = [{**h.summary(), "replica": replica} for h in self.store.everything()]
+        mine = [{**h.summary(), "replica": replica} for h in await self.store.everything()]
         theirs, unreachable = await peer_sessions(await peer_urls(self.settings), peer_headers(self.settings))
         merged: dict[str, dict[str, Any]] = {}
         for entry in [*mine, *theirs]:
@@ -204,7 +204,7 @@ class SessionOps:
         async with chunks.turn(self.settings.session_queue_depth):
             if chunks.is_repeat(seq):
                 return await encoder.run(chunks.stored_response), True
-            await self.store.prepare(handle, tuple(latents.shape))  # parked: back; first chunk: its bytes admitted
+            await self.store.prepare(handle, tuple(latents.shape), _prompt_tokens(tensors.get(PROMPT_EMBEDS)))
             work = Work(handle.engine_session, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK),
                         flush=flush, atomic=True, finite_checked=True)
             result = await services.engine.run(work)
@@ -535,7 +535,8 @@ class StreamSession:
         every unit it committed is handed to the session's deliveries (again, if a hand-over failed)."""
         services, handle = self.ops.services, self.handle
         async with handle.chunks.turn(self.ops.settings.session_queue_depth):
-            await self.ops.store.prepare(handle, None if latents is None else tuple(latents.shape))
+            await self.ops.store.prepare(handle, None if latents is None else tuple(latents.shape),
+                                         _prompt_tokens(embeds))
             work = Work(handle.engine_session, latents, embeds, mask, flush=flush, finite_checked=True,
                         on_unit=handle.deliveries.hand_over(received))
             try:
@@ -600,3 +601,11 @@ def _differences(existing: SessionHandle, config: SessionConfig, outputs: Output
     have = {**existing.config.to_dict(), **existing.outputs.to_dict(), **realtime.flags_of(existing)}
     want = {**config.to_dict(), **outputs.to_dict(), **flags}
     return ", ".join(f"{name}: {have[name]!r} there, {want[name]!r} asked" for name in want if have[name] != want[name])
+
+
+def _prompt_tokens(embeds) -> int | None:
+    """L of a prompt (B, L, caption_channels) a message brings (its bytes are reserved before it runs); None: none
+    (or a malformed one, which the session refuses with what to send instead)."""
+    if embeds is None or getattr(embeds, "ndim", 0) != 3:
+        return None
+    return int(embeds.shape[1])

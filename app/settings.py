@@ -112,6 +112,13 @@ class Settings(_SessionDefaults):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: str | None = Field(default=None, repr=False, description="unset: no authentication")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    forwarded_allow_ips: str | None = Field(
+        default=None,
+        description="the proxies whose X-Forwarded-For / X-Forwarded-Proto this server believes (uvicorn's "
+        "forwarded_allow_ips: comma-separated addresses or networks, '*' for any); unset: none, the headers are "
+        "ignored and the client is the connection's peer (uvicorn's own default trusts 127.0.0.1, where a client "
+        "reaching the replica directly chose its address in the log)",
+    )
 
     # --- browsers on other origins (app.cors) --------------------------------------------------------------
     cors_origins: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -148,6 +155,11 @@ class Settings(_SessionDefaults):
         "and closed"
     )
     max_ws_message_bytes: PositiveInt = 64 * MiB
+    ws_max_write_buffer_bytes: int = Field(
+        default=1 * MiB, ge=64 * 1024,
+        description="a WebSocket whose unsent output (pongs included: a ping is answered without back-pressure) "
+        "is over this is not read until its client reads; at least 64 KiB, asyncio's high-water mark"
+    )
     max_frames_per_chunk: PositiveInt = 64
     max_clip_frames: PositiveInt = 512
     max_prompt_tokens: PositiveInt = 1024
@@ -187,6 +199,15 @@ class Settings(_SessionDefaults):
     session_retention_s: PositiveFloat | None = Field(
         default=None, description="a session without a request this long is deleted (then 410), whether active, "
         "parked or spilled; unset: session_idle_timeout_s"
+    )
+    max_spilled_sessions: PositiveInt = Field(
+        default=1000, description="spilled sessions this replica keeps in snapshot_dir: at the bound a parked session "
+        "is no longer spilled (it stays parked, holding its max_sessions place) and a new session is refused (503 "
+        "over_capacity) once no spilled one is past session_retention_s"
+    )
+    max_spilled_bytes: PositiveInt | None = Field(
+        default=None, description="bytes of this replica's spilled sessions' files in snapshot_dir, bounded like "
+        "max_spilled_sessions (a spill starts only below it); unset: by count only"
     )
     evicted_ids_remembered: PositiveInt = 10_000
     engine_queue_depth: PositiveInt = 64

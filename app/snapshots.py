@@ -32,6 +32,7 @@ from models.snapshot import (
     SnapshotLimits,
     TensorHeader,
     check_header,
+    fsync_dir,
     read_tensors,
     session_from_tensors,
     session_to_tensors,
@@ -40,6 +41,7 @@ from models.snapshot import (
 
 from wm_refiner_client import spec
 
+from . import leases
 from .errors import ApiError
 from .outputs import Outputs
 from .resume import SentUnit
@@ -118,11 +120,21 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
 
 def write_record(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
                  writer: str = "", before_rename: Callable[[], None] | None = None) -> Path:
-    """``writer``: the replica id, in the temporary file's name (``is_own_leftover``); ``before_rename``: the
-    lease's fencing check (``app.leases.check``)."""
+    """``writer``: the replica id; ``before_rename``: the lease's fencing check (``app.leases.check``). With a
+    writer, every temporary file (this one's, and the one safetensors makes for itself beside it) is in a staging
+    folder of this write (``app.leases.staging``), which a sweep removes once its process is dead: a crash mid-write
+    leaves nothing anyone has to recognise by name. The rename from there is as atomic (one file system)."""
     folder.mkdir(parents=True, exist_ok=True)
-    return write_atomically(snapshot_path(folder, session_id), tensors, metadata, writer=writer,
-                            before_rename=before_rename)
+    path = snapshot_path(folder, session_id)
+    if not writer:
+        return write_atomically(path, tensors, metadata, before_rename=before_rename)
+    with leases.staging(folder, writer) as staged_in:
+        staged = write_atomically(staged_in / path.name, tensors, metadata)
+        if before_rename is not None:
+            before_rename()
+        os.replace(staged, path)
+    fsync_dir(folder)
+    return path
 
 
 # A temporary file of another writer is left alone until it is this old: no write of a session takes that long,
@@ -244,6 +256,32 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
                          outputs=replace(outputs, fps=session.config.fps), stages=session_stages,
                          created_at=fields.get("created_at"), checkpoint=bool(fields.get("checkpoint")),
                          realtime=fields.get("realtime") is True)
+
+
+@dataclass(frozen=True)
+class FolderView:
+    """What one listing of ``snapshot_dir`` saw: the sessions with a file and those with a lease file."""
+
+    saved: frozenset[str]
+    leased: frozenset[str]
+
+
+def folder_view(folder: Path) -> FolderView:
+    """One directory listing (``os.scandir``) of ``folder``: its cost is linear in the folder's size, whatever
+    is then asked of it."""
+    saved, leased = set(), set()
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.endswith(SUFFIX) and not name.startswith("."):
+                    if spec.is_session_id(name[: -len(SUFFIX)]):
+                        saved.add(name[: -len(SUFFIX)])
+                elif (lease := leases.parse_name(name)) is not None:
+                    leased.add(lease[0])
+    except FileNotFoundError:
+        pass
+    return FolderView(frozenset(saved), frozenset(leased))
 
 
 def has_snapshot(folder: Path, session_id: str) -> bool:

@@ -43,8 +43,8 @@ from .registry import Registry, SessionHandle
 from .resume import SentUnit
 from .settings import Settings
 from .snapshots import (
-    SUFFIX,
     SessionRecord,
+    folder_view,
     has_snapshot,
     leftover_temporaries,
     load_record,
@@ -124,20 +124,23 @@ class SessionStore:
         self.parking.require(need_bytes, what)
         self.realtime.check(realtime)
 
-    async def prepare(self, handle: SessionHandle, shape: tuple[int, ...] | None) -> None:
+    async def prepare(self, handle: SessionHandle, shape: tuple[int, ...] | None,
+                      prompt_tokens: int | None = None) -> None:
         """Right before work of ``handle`` (frames shaped ``shape``, or None) goes to the engine, within its turn:
-        a parked session is brought back to the device, and a session's first frames reserve its bytes (or are
-        refused with insufficient_memory) before anything of it is allocated."""
+        a parked session is brought back to the device, and its bytes with these frames (and a new prompt of
+        ``prompt_tokens`` tokens) are reserved, or refused with insufficient_memory, before anything is allocated."""
         handle.last_work = self.registry.clock()
         await self.parking.activate(handle)
         if shape is not None:
-            await self.parking.reserve(handle, shape)
+            await self.parking.reserve(handle, shape, prompt_tokens)
 
     def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
                session_id: str | None = None, realtime: bool = False) -> SessionHandle:
         """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id;
         ``realtime``: its blocks have deadlines (app.realtime)."""
         self.admit(realtime=config if realtime else None)
+        if self.snapshot_folder is not None:
+            self.parking.require_spill_room()
         handle = self.registry.adopt(session_id or uuid.uuid4().hex, RefinerSession(refiner, config, prompt),
                                      outputs=outputs)
         if self.checkpointing:
@@ -201,12 +204,12 @@ class SessionStore:
         self.registry.touch(handle)
         handle.last_work = self.registry.clock()
 
-    def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
+    async def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
         """A page of the sessions, live and spilled (``app.parking.Spilled``), oldest first; each has ``summary()``."""
         if not self.parking.spilled:
             return self.registry.listing(limit, after)
         self.registry.evict_idle()
-        entries = sorted(self.everything(), key=lambda e: (e.created_at, e.id))
+        entries = sorted(await self.everything(), key=lambda e: (e.created_at, e.id))
         if after is not None:
             ids = [entry.id for entry in entries]
             if after not in ids:
@@ -216,9 +219,10 @@ class SessionStore:
         page = entries[:limit]
         return page, (page[-1].id if len(entries) > limit else None)
 
-    def everything(self) -> list[Any]:
-        """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir."""
-        spilled = [stub for session_id in list(self.parking.spilled) if (stub := self.parking.stub(session_id))]
+    async def everything(self) -> list[Any]:
+        """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir
+        (one listing of the folder, off the event loop: ``Parking.stubs``)."""
+        spilled = await self.parking.stubs()
         return [*self.registry.handles(), *spilled]
 
     def handles(self) -> list[SessionHandle]:
@@ -459,29 +463,48 @@ class SessionStore:
         if folder is None or not folder.is_dir():
             return
         for leftover in leftover_temporaries(folder, self.settings.replica_id, time.time()):
-            leftover.unlink(missing_ok=True)
+            leftover.unlink(missing_ok=True)  # names of writes before staging folders (app.leases.staging_dir)
         self.forget_expired_files()
 
     def forget_expired_files(self) -> list[str]:
         """Delete the session files in ``snapshot_dir`` nobody asked for within ``session_retention_s``: a session
         spilled or drained by a replica that then restarted (or went away) is past its retention as a live one
         would be. A file under a lease is a live session's checkpoint on some replica, and one this replica
-        tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids."""
+        tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids.
+
+        What dead processes left goes too (``app.leases``): their staging folders (writes that never reached their
+        rename), and leases nobody renewed for ``session_retention_s`` past their expiry (a crashed replica's:
+        under the default random ``replica_id`` it never comes back to release them), with the session's file
+        when that is past its retention too."""
         folder = self.snapshot_folder
         if folder is None or not folder.is_dir():
             return []
-        cutoff, forgotten = time.time() - self.settings.retention_s, []
-        for path in folder.glob(f"*{SUFFIX}"):
-            session_id = path.name[: -len(SUFFIX)]
-            if (not spec.is_session_id(session_id) or self.registry.existing(session_id) is not None
-                    or session_id in self.parking.spilled):
+        now = time.time()
+        for staging in leases.dead_staging(folder, now):
+            leases.remove_staging(staging)
+        cutoff, forgotten = now - self.settings.retention_s, []
+        view = folder_view(folder)  # one listing: a folder of many files is not listed once per file
+        # A lease unrenewed for a session's whole retention past its expiry: its owner would have ended the
+        # session by now if it were alive (the owner of a live session renews its lease every third of it).
+        dead = leases.abandoned_leases(folder, now, self.settings.session_lease_s, self.settings.retention_s)
+        for session_id, generations in dead.items():
+            if session_id not in view.saved:
+                for generation in generations:  # only these: a successor taken meanwhile stays
+                    with contextlib.suppress(OSError):
+                        leases.lease_path(folder, session_id, generation).unlink()
+        for session_id in sorted((view.saved - view.leased) | (view.saved & dead.keys())):
+            if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
                 continue
+            path = snapshot_path(folder, session_id)
             try:
-                if path.stat().st_mtime >= cutoff or leases.generations(folder, session_id):
+                if path.stat().st_mtime >= cutoff:
                     continue
                 path.unlink()
             except OSError:  # gone meanwhile (adopted, removed by its owner): nothing to forget
                 continue
+            for generation in dead.get(session_id, ()):
+                with contextlib.suppress(OSError):
+                    leases.lease_path(folder, session_id, generation).unlink()
             forgotten.append(session_id)
         if forgotten:
             log.info("deleted %d session file(s) of snapshot_dir past session_retention_s", len(forgotten))

@@ -8,6 +8,13 @@
 - A handshake that websockets' own parser refuses (a header line over 8192 bytes, more than 128 headers: its
   limits, below ``max_header_bytes`` which httptools already checked) gets the 431/414 response websockets built;
   uvicorn logged it as sent but never wrote it, and the client waited for an answer that never came.
+
+And one bound: a client that sends pings and never reads made the server buffer a pong for each (uvicorn writes
+them into the transport without back-pressure; 85 MiB of pings grew a server by 120 MiB). Once a connection's
+unsent output passes ``ws_max_write_buffer_bytes`` the server stops reading it (TCP pushes back on the client)
+until the client has read enough for asyncio to resume writing: whatever the client sends, what is buffered for it
+stays within the limit plus one read's worth of pongs. The app's own messages were bounded already (uvicorn's
+``send`` waits while the transport's buffer is over its high-water mark).
 """
 
 from __future__ import annotations
@@ -19,6 +26,15 @@ WS_INVALID_PAYLOAD = 1007
 
 
 class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
+    max_write_buffer_bytes = 1024 * 1024  # ``configure`` sets the server's ``ws_max_write_buffer_bytes``
+    # Reading is paused for two reasons: uvicorn's (a message waits for the app: ``read_paused``) and ours (the
+    # client does not read what it is sent: ``write_backlog``); it resumes when neither holds.
+    write_backlog = False
+
+    @classmethod
+    def configure(cls, max_write_buffer_bytes: int) -> type:
+        return type(cls.__name__, (cls,), dict(max_write_buffer_bytes=max_write_buffer_bytes))
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if not self.handshake_initiated and self.conn.handshake_exc is not None and not self.close_sent:
@@ -29,6 +45,28 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             self.handshake_complete = True
             self.transport.write(b"".join(self.conn.data_to_send()))
             self.transport.close()
+            return
+        if not self.write_backlog and self.transport.get_write_buffer_size() > self.max_write_buffer_bytes:
+            # Past asyncio's high-water mark too (the limit is at least that), so the transport calls
+            # resume_writing once the client has read enough (or the connection is lost, which ends it all).
+            self.write_backlog = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.write_backlog:
+            self.write_backlog = False
+            if not self.read_paused:
+                self.transport.resume_reading()
+
+    async def receive(self):
+        # uvicorn's receive, except that reading stays paused while the client does not read what it is sent.
+        message = await self.queue.get()
+        if self.read_paused and self.queue.empty():
+            self.read_paused = False
+            if not self.write_backlog:
+                self.transport.resume_reading()
+        return message
 
     def send_receive_event_to_app(self) -> None:
         if self.curr_msg_data_type == "text" and not self.close_sent:

@@ -20,7 +20,12 @@ WebSocket floods from a client that never reads (issue 16 item 1): one-byte text
 frames on a stream, text frames on a watch, each for ``--flood-s`` seconds: ``/health`` must keep answering within
 2 s (before the fix a flood made it take 2-3.6 s; it is ~0.05 s on an idle machine), and (without ``--url``, where the server's queues can be looked at) no queue may grow past its limit.
 
-Without ``--url`` (they need a server whose snapshot folder and peers this tool controls), also items 2 and 3:
+WebSocket pings from a client that never reads (issue 25 item 2): the server must stop reading it long before
+32 MiB of pings went out (each ping's pong was buffered without bound), and ``/health`` must keep answering.
+
+Without ``--url`` (they need a server whose snapshot folder and peers this tool controls), also issue 25 item 1
+(a page of ``GET /v1/sessions`` with 2,000 spilled sessions within 0.5 s, ``/health`` within 0.1 s meanwhile) and
+issue 16 items 2 and 3:
 
 - snapshot files whose metadata lies (a geometry of [2, 128, 256, 256], a window of 1500 frames with 200 steps):
   each refused (404, set aside as ``.corrupt``) without the process growing, the genuine one still adopted;
@@ -305,6 +310,105 @@ def websocket_floods(url: str, api_key: str | None, deadline: float, seconds: fl
     return results
 
 
+def ping_flood(url: str, api_key: str | None, deadline: float, total_mib: int = 32) -> list[tuple[str, bool, str]]:
+    """Issue 25 item 2: a client that sends WebSocket pings and never reads made the server buffer a pong for each,
+    without bound (85 MiB of pings grew a server by 120 MiB). The server must stop reading it (TCP pushes back: the
+    client's sends block long before ``total_mib`` went out), and /health must keep answering."""
+    from websockets.client import ClientProtocol
+    from websockets.uri import parse_uri
+
+    parsed = urlparse(url)
+    http = httpx.Client(base_url=url, headers=_auth(api_key), timeout=deadline)
+    session_id = http.post("/v1/sessions").json()["session_id"]
+    client = ClientProtocol(parse_uri(f"ws://{parsed.hostname}:{parsed.port or 80}/v1/sessions/{session_id}/stream"))
+    request = client.connect()
+    for name, value in _auth(api_key).items():
+        request.headers[name] = value
+    sock = socket.create_connection((parsed.hostname, parsed.port or 80), timeout=deadline)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    client.send_request(request)
+    sock.sendall(b"".join(client.data_to_send()))
+    head = response_head(sock)
+    if not head.startswith(b"HTTP/1.1 101"):
+        sock.close()
+        http.close()
+        return [("ping flood that never reads", False, f"handshake answered {head[:40]!r}")]
+    client.receive_data(head)
+    for _ in range(1000):
+        client.send_ping(b"p" * 125)
+    burst = b"".join(client.data_to_send())
+    sent, total, stop = 0, total_mib * 1024 * 1024, time.monotonic() + deadline
+    sock.settimeout(2.0)
+    try:
+        while sent < total and time.monotonic() < stop:
+            sock.sendall(burst)
+            sent += len(burst)
+    except OSError:  # a send that blocked 2 s (the server stopped reading), or the server closed it
+        pass
+    started = time.monotonic()
+    healthy = http.get("/health").status_code == 200
+    took = time.monotonic() - started
+    sock.close()
+    http.close()
+    return [("ping flood that never reads", sent < total and healthy and took < 2.0,
+             f"{sent >> 20} of {total_mib} MiB of pings taken before the server stopped reading, "
+             f"/health within {took:.2f} s")]
+
+
+def spilled_listing(server, deadline: float, count: int = 2000) -> list[tuple[str, bool, str]]:
+    """Issue 25 item 1: one listing with many spilled sessions listed the snapshot folder once per session, on the
+    event loop (2,000: 12 s, and /health waited as long). ``count`` spilled sessions are put in place as a spill
+    leaves them (a file, a stub; cheap files: the listing reads names), then a page is listed while /health is
+    asked: the page must come within 0.5 s and /health within 0.1 s (the issue's bounds)."""
+    import asyncio
+
+    from app.parking import Spilled
+
+    store = server.services.store
+    folder = store.snapshot_folder
+    if folder is None:
+        return [("listing of many spilled sessions", False, "the server has no snapshot_dir")]
+    folder.mkdir(parents=True, exist_ok=True)
+
+    async def spill_stubs() -> None:
+        now = store.registry.clock()
+        for index in range(count):
+            session_id = f"hostile-spilled-{index:06d}"
+            (folder / f"{session_id}.session.safetensors").write_bytes(b"x")
+            summary = {"session_id": session_id, "created_at": float(index), "frames_received": 0}
+            store.parking.spilled[session_id] = Spilled(session_id, summary, dict(summary), float(index), now, 1)
+
+    asyncio.run_coroutine_threadsafe(spill_stubs(), server.loop).result(deadline)
+    http = httpx.Client(base_url=server.base_url, headers=_auth(server.settings.api_key), timeout=deadline)
+    waits, done = [], threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            http.get("/health")
+            waits.append(time.monotonic() - started)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    started = time.monotonic()
+    page = http.get("/v1/sessions", params={"limit": 10})
+    took = time.monotonic() - started
+    done.set()
+    poller.join(deadline)
+    http.close()
+
+    async def forget() -> None:  # the stubs are this tool's: gone again with their files
+        for session_id in [s for s in store.parking.spilled if s.startswith("hostile-spilled-")]:
+            store.parking.spilled.pop(session_id, None)
+            (folder / f"{session_id}.session.safetensors").unlink(missing_ok=True)
+
+    asyncio.run_coroutine_threadsafe(forget(), server.loop).result(deadline)
+    median = sorted(waits)[len(waits) // 2] if waits else 0.0
+    ok = page.status_code == 200 and took < 0.5 and median < 0.1
+    return [("listing of many spilled sessions", ok,
+             f"{count} spilled: a page in {took:.3f} s, /health median {median:.3f} s (max {max(waits or [0]):.3f})")]
+
+
 def _rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -443,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         results = run(args.url, args.api_key, args.deadline, args.body_bytes)
         results += websocket_floods(args.url, args.api_key, args.deadline, args.flood_s)
+        results += ping_flood(args.url, args.api_key, args.deadline)
     else:
         import tempfile
 
@@ -453,10 +558,13 @@ def main(argv: list[str] | None = None) -> int:
             settings = Settings(device="cpu", dtype="float32", cache_dir=cache, max_body_bytes=args.body_bytes,
                                 max_inflight_body_bytes=4 * args.body_bytes, request_header_timeout_s=2.0,
                                 request_body_timeout_s=3.0, api_key=args.api_key)
-            with ThreadServer(settings) as server:
+            # A snapshot folder of its own for the spilled listing (the lying snapshots get theirs).
+            with ThreadServer(settings.model_copy(update={"snapshot_dir": Path(cache) / "spilled"})) as server:
                 results = run(server.base_url, args.api_key, args.deadline, args.body_bytes)
                 results += websocket_floods(server.base_url, args.api_key, args.deadline, args.flood_s,
                                             server.services)
+                results += ping_flood(server.base_url, args.api_key, args.deadline)
+                results += spilled_listing(server, args.deadline)
             results += lying_snapshots(settings, Path(cache) / "snapshots", args.deadline)
             results += misbehaving_peers(settings, args.deadline)
     for name, ok, detail in results:

@@ -61,6 +61,8 @@ for ((i = 0; i < replicas; i++)); do
         export WM_REFINER_PORT="$replica_port" WM_REFINER_HOST=127.0.0.1 WM_REFINER_REPLICA_ID="$replica_id"
         export WM_REFINER_SNAPSHOT_DIR="$state_dir/snapshots" WM_REFINER_CACHE_DIR="$state_dir/cache"
         export WM_REFINER_PEERS="$peers"
+        # The router (on loopback) sets X-Forwarded-For (option forwardfor): believed from it alone.
+        export WM_REFINER_FORWARDED_ALLOW_IPS=127.0.0.1
         [[ -n "$model" ]] && export WM_REFINER_MODEL="$model"
         [[ -n "$api_key" ]] && export WM_REFINER_API_KEY="$api_key"
         [[ -n "$vae" ]] && export WM_REFINER_VAE="$vae"

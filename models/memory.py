@@ -56,23 +56,37 @@ FrameGeometry = Geometry
 
 
 def session_bytes_estimate(num_layers: int, inner_dim: int, config, geometry: FrameGeometry,
-                           dtype: torch.dtype) -> dict[str, int]:
+                           dtype: torch.dtype, *, prompt_tokens: int = 0, caption_channels: int = 0,
+                           chunk_frames: int = 0) -> dict[str, int]:
     """What a session of ``config`` on frames of ``geometry`` will hold on the device once its sink is captured, by
     part, computed without allocating: the KV window buffers exactly as ``models.kv.SessionKV`` allocates them (window
-    with its block slot, the sink's pre-RoPE keys, with rebased positions the history's pre-RoPE keys), and the
-    pending frames of one full step (``max(sink_frames, block_size)`` frames: what a session holds between two chunks
-    at most when its client sends block-sized chunks). A video decoder's state is not in it: it depends on the VAE
-    and is counted once it exists."""
+    with its block slot, the sink's pre-RoPE keys, with rebased positions the history's pre-RoPE keys), the pending
+    frames of one full step (``max(sink_frames, block_size)`` frames: what a session holds between two chunks at most
+    when its client sends block-sized chunks) or of one chunk of ``chunk_frames`` frames with what a previous one left
+    (``chunk_frames + block_size - 1``), the prompt of ``prompt_tokens`` tokens (its embeds as the session keeps them,
+    and what cross-attention reads of them: every layer's keys and values), and the rollback copies
+    a chunk of ``chunk_frames`` frames may make (``SessionKV._save_for_rollback``: the history frames it pushes out of
+    the window, each layer's K and V and, rebased, its pre-RoPE key). A video decoder's state is not in it: it depends
+    on the VAE and is counted once it exists. Every part a session may hold goes here, so admission
+    (``app.parking``) reserves it from this one function."""
     element = torch.empty((), dtype=dtype).element_size()
     tokens = geometry.tokens_per_frame
     capacity = (config.sink_frames + config.max_history_frames + config.block_size) * tokens
     per_token = geometry.batch * inner_dim * element  # one layer's K (or V) for one token
     rebased = config.positions == "rebased"
+    pending_frames = max(config.sink_frames, config.block_size, chunk_frames + config.block_size - 1)
+    # A chunk pushes out at most its own frames (rounded up to whole blocks) and never more than the history holds.
+    pushed_out = min(-(-chunk_frames // config.block_size) * config.block_size, config.max_history_frames)
     return {
         "kv_window": num_layers * 2 * capacity * per_token,
         "kv_sink": num_layers * config.sink_frames * tokens * per_token,
         "kv_history_keys": num_layers * (capacity - config.sink_frames * tokens) * per_token if rebased else 0,
-        "pending": max(config.sink_frames, config.block_size) * geometry.batch * geometry.channels * tokens * element,
+        "kv_rollback": num_layers * (3 if rebased else 2) * pushed_out * tokens * per_token,
+        "pending": pending_frames * geometry.batch * geometry.channels * tokens * element,
+        # (B, L, caption) embeds + every layer's cross-attention K/V (Y, 2, B, L, D) (models.step.prepare_prompt).
+        # A prompt mask that is not all ones adds (B, L) + (B, A, 1, L): left out, under 0.01% of the K/V at the
+        # released widths (A = 32 heads against 2 x 48 x 4096).
+        "prompt": geometry.batch * prompt_tokens * (caption_channels + 2 * num_layers * inner_dim) * element,
     }
 
 

@@ -89,14 +89,17 @@ def test_a_sessions_bytes_are_its_tensors_in_json_listing_metrics_and_info(make_
         assert memory["used"] == max(body["bytes"]["device"], handle.reserved_bytes) >= body["bytes"]["device"]
 
 
-def _one_session_bytes(refiner, frames_shape) -> int:
-    batch, channels, _, height, width = frames_shape
+def _one_session_bytes(refiner, frames_shape, prompt_tokens: int = 0) -> int:
+    """What admission reserves for a session whose chunk of ``frames_shape`` brings a prompt of ``prompt_tokens``."""
+    batch, channels, frames, height, width = frames_shape
     return sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, SessionConfig(),
-                                      FrameGeometry(batch, channels, height, width), refiner.dtype).values())
+                                      FrameGeometry(batch, channels, height, width), refiner.dtype,
+                                      prompt_tokens=prompt_tokens, caption_channels=refiner.info.caption_channels,
+                                      chunk_frames=frames).values())
 
 
 def test_admission_by_bytes_parks_idle_sessions_never_busy_ones_and_refuses_what_does_not_fit(make_settings, refiner):
-    one = _one_session_bytes(refiner, LATENTS.shape)
+    one = _one_session_bytes(refiner, LATENTS[:, :, :5].shape, EMBEDS.shape[1])
     settings = make_settings(device_memory_budget=int(one * 1.5), park_after_s=600, batching=True)
     with LiveServer(settings) as server, httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
         assert http.get("/v1/info").json()["memory"]["budget"] == int(one * 1.5)

@@ -124,6 +124,8 @@ def test_admission_refuses_the_session_that_would_overload_the_engine_by_the_mea
         for figure in ("4 real-time session(s) held need 1.00 s", "this one 0.25 s", "93.8 ms measured per row",
                        "48 tokens", "1.25 in all", "admission_max_load of 1"):
             assert figure in error["message"], (figure, error["message"])
+        # The same figures as fields (issue 25 item 6), so that a client never parses the prose.
+        assert (error["load_held"], error["load_needed"], error["max_load"]) == (1.0, 0.25, 1.0)
         assert client.post("/v1/sessions", json={}).status_code == 201  # not real time: by count only
         info = client.get("/v1/info").json()["engine"]["realtime"]
         assert info["realtime_sessions"] == 4 and info["realtime_load"] == pytest.approx(1.0)

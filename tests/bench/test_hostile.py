@@ -12,5 +12,6 @@ def test_every_hostile_case_is_refused_in_bounded_time(capsys):
     names = {line[5:].split(":")[0] for line in lines if line[:4] in ("ok  ", "FAIL")}
     assert {"unfinished head", "huge header", "trickled body", "bodies in flight", "huge finite latents",
             "lying snapshot metadata", "genuine snapshot beside them", "misbehaving peers",
-            "stream flood of text frames", "stream flood of invalid binary frames", "watch flood of text frames"} <= names, lines
+            "stream flood of text frames", "stream flood of invalid binary frames", "watch flood of text frames",
+            "ping flood that never reads", "listing of many spilled sessions"} <= names, lines
     assert code == 0, "\n".join(line for line in lines if line.startswith("FAIL"))

@@ -70,6 +70,10 @@ def test_the_routers_configurations_are_accepted_by_haproxy_and_agree(tmp_path):
     compose = (DEPLOY / "haproxy-compose.cfg").read_text()
     for rule in ("timeout http-request 10s", "tune.bufsize 32768", "tune.maxrewrite 1024"):
         assert rule in k8s and rule in local and rule in compose, rule
+    # The client's address is the router's header, never the client's own (issue 25 item 9).
+    for rule in ("option forwardfor", "http-request del-header X-Forwarded-For"):
+        assert rule in k8s and rule in local and rule in compose, rule
+    assert "WM_REFINER_FORWARDED_ALLOW_IPS=127.0.0.1" in (DEPLOY / "local-cluster.sh").read_text()
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs haproxy (apt-get install haproxy)")

@@ -42,6 +42,14 @@ def test_the_estimate_is_what_the_session_allocates_and_the_count_is_its_tensors
     assert sum(counted.values()) == sum(t.nbytes for t in _owned(session))
     session.push(latents[:, :, 5:6])  # one frame pending: at most a step's worth is estimated
     assert 0 < session_bytes(session)["pending"] <= estimate["pending"]
+    # With the prompt and one chunk's rollback copies (issue 25: admission left them out), per part.
+    whole = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config, FrameGeometry(batch, 128, 4, 3),
+                                   refiner.dtype, prompt_tokens=embeds.shape[1],
+                                   caption_channels=refiner.info.caption_channels, chunk_frames=5)
+    assert session_bytes(session)["prompt"] == whole["prompt"] > 0
+    assert whole["kv_rollback"] > 0 and whole["pending"] >= estimate["pending"]
+    assert {k: v for k, v in whole.items() if k not in ("prompt", "kv_rollback", "pending")} == \
+        {k: v for k, v in estimate.items() if k not in ("prompt", "kv_rollback", "pending")}
     assert sum(session_bytes(session).values()) == sum(t.nbytes for t in _owned(session))
 
 
