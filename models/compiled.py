@@ -78,8 +78,10 @@ class CompiledStep:
 
 
 def warmup_forwards(refiner, config, height: int, width: int, prompt_tokens: int) -> list[RowForward]:
-    """One forward of each kind a session runs, at this geometry: its sink capture, a denoising forward and a
-    commit forward of a block (from throwaway sessions, refined eagerly)."""
+    """One forward of each kind a session runs, at this geometry: its sink capture, and a denoising and a commit
+    forward of a full block and of every short last block a flush can leave (1 to ``block_size - 1`` frames: other
+    token counts, so other graphs), from throwaway sessions refined eagerly. Compiling all of them before ``/ready``
+    is what keeps a flushed session from compiling on the engine thread while others wait."""
     from .session import RefinerSession
 
     info = refiner.info
@@ -90,13 +92,16 @@ def warmup_forwards(refiner, config, height: int, width: int, prompt_tokens: int
 
     fresh = RefinerSession(refiner, config)
     fresh.append(fresh.check(latents[:, :, : config.sink_frames], embeds))
-    sink = fresh.next_forward(fresh.start(fresh.plan()))
-
-    session = RefinerSession(refiner, config)
-    session.push(latents[:, :, : config.sink_frames], embeds)
-    session.append(session.check(latents[:, :, config.sink_frames :]))
-    run = session.start(session.plan())
-    denoise = session.next_forward(run)
-    while (forward := session.next_forward(run)).mode != "commit":
-        session.advance(run, run_batch(refiner.model, [forward])[0])
-    return [sink, denoise, forward]
+    forwards = [fresh.next_forward(fresh.start(fresh.plan()))]  # the sink's
+    for block_frames in range(config.block_size, 0, -1):
+        session = RefinerSession(refiner, config)
+        session.push(latents[:, :, : config.sink_frames], embeds)
+        end = config.sink_frames + block_frames
+        session.append(session.check(latents[:, :, config.sink_frames : end]),
+                       flush=block_frames < config.block_size)
+        run = session.start(session.plan())
+        forwards.append(session.next_forward(run))  # denoising
+        while (forward := session.next_forward(run)).mode != "commit":
+            session.advance(run, run_batch(refiner.model, [forward])[0])
+        forwards.append(forward)
+    return forwards

@@ -43,7 +43,8 @@ def test_after_the_warm_up_no_mix_of_sessions_compiles_again_and_results_match_t
     refiner = from_model(build_model("tiny"))
     step = CompiledStep(refiner.model, max_rows=4, backend="eager")
     config = SessionConfig()
-    assert step.warm_up(warmup_forwards(refiner, config, 4, 4, 6)) == 3 * len(step.buckets)
+    # The sink, and a denoising and a commit forward for each block length a flush can leave (3, 2, 1 frames).
+    assert step.warm_up(warmup_forwards(refiner, config, 4, 4, 6)) == (1 + 2 * config.block_size) * len(step.buckets)
     frames_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     rng = random.Random(0)
     for trial in range(6):
@@ -75,3 +76,26 @@ def test_inductor_compiled_step_stays_within_parity_tolerance():
         eager = run_batch(refiner.model, forwards)
     compiled = step(refiner.model, forwards)
     assert max((a - b).abs().max().item() for a, b in zip(eager, compiled)) <= 1e-4
+
+
+def test_a_whole_flushed_session_compiles_nothing_after_the_warm_up():
+    """Every token count a session meets (the sink, full blocks, the short last block of a flush) is compiled by the
+    warm-up: refining whole sessions of every length afterwards adds no graph (dynamo's counters)."""
+    torch._dynamo.reset()
+    refiner = from_model(build_model("tiny"))
+    step = CompiledStep(refiner.model, max_rows=2, backend="eager")
+    config = SessionConfig()
+    step.warm_up(warmup_forwards(refiner, config, 4, 4, 6))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for frames in range(config.sink_frames + 1, config.sink_frames + 2 * config.block_size + 1):
+        session = RefinerSession(refiner, config)
+        generator = torch.Generator().manual_seed(frames)
+        session.append(session.check(torch.randn(1, 128, frames, 4, 4, generator=generator),
+                                     torch.randn(1, 6, 32, generator=generator)), flush=True)
+        while (plan := session.plan()) is not None:
+            run = session.start(plan)
+            while (forward := session.next_forward(run)) is not None:
+                session.advance(run, step(refiner.model, [forward])[0])
+            session.commit(run)
+        assert session.state.frames_returned == frames
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a session compiled after the warm-up"
