@@ -2,10 +2,11 @@
 ``WS /v1/sessions/{id}/watch`` and plays its video as it is refined, with a per-block latency chart; and
 ``GET /static/wm-refiner.js``, the ES module that speaks the protocol (the page imports it; so may any web app).
 
-One self-contained file (app/static/view.html: no build step, nothing fetched from elsewhere, so it works offline
-and behind any firewall), shipped as package data and read through ``importlib.resources``. The page itself holds
-no data, so it is public (app.main.PUBLIC_PATHS); when the server has an API key the page asks for it and sends it
-with its own requests. It is left out of the OpenAPI schema: a page for people, not an operation for clients.
+Both are files of app/static (no build step, nothing fetched from another origin, so the page works offline and
+behind any firewall), shipped as package data and read through ``importlib.resources``. The page itself holds no
+data, so it is public (``PUBLIC_PATHS``, which app.main adds to its own); when the server has an API key the page asks
+for it and sends it with its own requests. Both are left out of the OpenAPI schema: a page for people and a file,
+not operations for clients.
 
 The module is public for the same reason: it is code, no data, and a browser fetches a module script (``import``,
 ``<script type="module">``) without an ``Authorization`` header, so a key-protected module could not be imported by

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load, save
 
 from .conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload
-from .test_view_browser import CHROMEDRIVER, CHROMIUM, KEY, browser  # noqa: F401 (the fixture)
+from .test_view_browser import CHROMEDRIVER, CHROMIUM, KEY, browser, page_server  # noqa: F401 (the fixtures)
 
 pytestmark = pytest.mark.skipif(
     not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
@@ -29,23 +29,23 @@ pytestmark = pytest.mark.skipif(
 )
 AUTH = {"authorization": f"Bearer {KEY}"}
 
-# Runs in the page: imports the module, then calls window.testBody(module, ...arguments); the result (or the error)
-# goes back to Python.
+# Runs in the page: imports the module (from args[0]), then runs the body args[1] as an async function of the module
+# `m`, base64 helpers `b64` and the remaining arguments `args`; its result (or the error) goes back to Python.
 HARNESS = """
-const done = arguments[arguments.length - 1], args = Array.from(arguments).slice(0, -1);
+const done = arguments[arguments.length - 1], [url, ...args] = Array.from(arguments).slice(0, -1);
 const b64 = {
   decode: (text) => Uint8Array.from(atob(text), (c) => c.charCodeAt(0)),
   encode: (bytes) => { let s = ""; for (let i = 0; i < bytes.length; i += 0x8000) s += String.fromCharCode(...bytes.subarray(i, i + 0x8000)); return btoa(s); },
 };
-import("/static/wm-refiner.js")
+import(url)
   .then((m) => (new Function("m", "b64", "args", "return (async () => {" + args[0] + "})();"))(m, b64, args.slice(1)))
   .then((value) => done({ value }), (err) => done({ error: String(err && err.stack || err) }));
 """
 
 
-def run_js(browser, body: str, *args):
+def run_js(browser, body: str, *args, module: str = "/static/wm-refiner.js"):
     browser.set_script_timeout(DEADLINE_S)
-    out = browser.execute_async_script(HARNESS, body, *args)
+    out = browser.execute_async_script(HARNESS, module, body, *args)
     assert "error" not in out, out["error"]
     return out["value"]
 
@@ -266,3 +266,43 @@ def test_a_page_streams_resumes_chunks_and_watches_with_the_module(make_settings
     assert torch.equal(clip(out["watched"]), one_shot)
     assert out["watchEvents"][-1] == "done" and "block" in out["watchEvents"]
     assert out["deleted"] == [404, "session_not_found"]
+
+
+def test_a_page_on_an_allowed_origin_imports_the_module(make_settings, browser, page_server):
+    """A web app on its own origin (in cors_origins) imports the module from the server and calls the API with it;
+    on an origin not listed, the import itself is blocked (a module script is fetched with CORS)."""
+    allowed = f"http://localhost:{page_server}"
+    with LiveServer(make_settings(api_key=KEY, cors_origins=allowed)) as server:
+        module = f"{server.base_url}/static/wm-refiner.js"
+        body = """const client = new m.RefinerClient(args[0], { apiKey: args[1] });
+            const { session_id } = await client.createSession({ seed: 7 });
+            return [(await client.getSession(session_id)).config.seed, "limits" in (await client.info())];"""
+        browser.get(f"{allowed}/")
+        assert run_js(browser, body, server.base_url, KEY, module=module) == [7, True]
+
+        browser.get(f"http://127.0.0.1:{page_server}/")
+        browser.set_script_timeout(DEADLINE_S)
+        out = browser.execute_async_script(HARNESS, module, body, server.base_url, KEY)
+        assert "error" in out and "Failed to fetch dynamically imported module" in out["error"]
+
+
+def test_the_example_in_api_md_runs(make_settings, browser):
+    """docs/api.md's example, as written (its server's URL swapped for this one's), in the browser."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    section = text.split("## The JavaScript module", 1)[1].split("\n## ", 1)[0]
+    (example,) = [block.split("\n", 1)[1] for block in section.split("```")[1::2] if block.startswith("html")]
+    lines = example.strip().splitlines()
+    assert lines[0] == '<script type="module">' and lines[-1] == "</script>"
+    assert lines[1].startswith("import { RefinerClient, Tensor } from ")
+    with LiveServer(make_settings()) as server:
+        code = "\n".join(lines[2:-1]).replace("http://127.0.0.1:8000", server.base_url)
+        body = ("const { RefinerClient, Tensor } = m, logged = [];\n"
+                "const console = { log: (...values) => logged.push(JSON.parse(JSON.stringify(values, "
+                "(k, v) => (ArrayBuffer.isView(v) ? v.length : v)))) };\n" + code + "\nreturn logged;")
+        browser.get(f"{server.base_url}/health")
+        logged = run_js(browser, body)
+    assert logged[:2] == [["unit", 0, 1], ["unit", 1, 4]]
+    assert logged[2:] == [[[1, 128, 3, 4, 4], 128 * 3 * 16], [[1, 128, 3, 4, 4], 128 * 3 * 16],
+                          [[1, 128, 1, 4, 4], 128 * 16], [{"type": "done", "frames": 11}]]
