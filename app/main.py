@@ -35,8 +35,8 @@ from .settings import Settings
 log = logging.getLogger("app")
 
 # Probes and scrapers must work without credentials (orchestrators and Prometheus rarely carry them). The view page
-# holds no data; it asks for the key and sends it with the requests it makes.
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/view"})
+# holds no data; it asks for the key and sends it with the requests it makes; nor does the JS module it imports.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", *view.PUBLIC_PATHS})
 
 
 # --- the app ---------------------------------------------------------------------------------------------
