@@ -84,3 +84,23 @@ def test_a_session_with_a_rollback_point_open_is_never_moved():
     with pytest.raises(RuntimeError, match="rollback point"):
         move_session(session, torch.device("cpu"))
     session.release(mark)
+
+
+@pytest.mark.parametrize("positions", ["absolute", "rebased"])
+def test_the_rollback_copies_are_counted_while_a_point_is_open(positions):
+    """``SessionKV.rollback_tensors``: what an open rollback point holds (the history frames a chunk pushed out) is
+    in the session's bytes while it is open, and gone once it is released."""
+    refiner = from_model(build_model("tiny"))
+    session = RefinerSession(refiner, SessionConfig(positions=positions, block_size=2, kv_max_frames=5))
+    latents, embeds = make_inputs(frames=11, height=4, width=3)
+    session.push(latents[:, :, :5], embeds)  # the sink and two blocks: the history is full
+    assert not session.kv.rollback_open and session_bytes(session)["kv_rollback"] == 0
+    mark = session.checkpoint()
+    session.push(latents[:, :, 5:9])  # two more blocks push two blocks' frames out of the window
+    assert session.kv.rollback_open
+    saved = session.kv.rollback_tensors()
+    # K/V pieces, and with rebased positions a pre-RoPE key piece beside each: twice as many tensors.
+    assert saved and len(saved) == len(session.kv._checkpoints[0].saved) * (2 if positions == "rebased" else 1)
+    assert session_bytes(session)["kv_rollback"] == sum(t.nbytes for t in saved) == session.kv.checkpoint_bytes > 0
+    session.release(mark)
+    assert not session.kv.rollback_open and session_bytes(session)["kv_rollback"] == 0
