@@ -1,11 +1,23 @@
 """``python -m app plan``: the capacity plan of ``models.plan`` for a refiner folder or a settings file, on GPUs
-this machine does not need to have. Nothing is loaded but ``config.json``; the model is built on ``meta``."""
+this machine does not need to have. Nothing is loaded but ``config.json``; the model is built on ``meta``.
+
+The command line's side lives here: reading sizes (``app.memory.parse_bytes``, the one the settings use) and dtype
+names (``models.loading.DTYPES``, with the short names a person types), and printing the plan (``render``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and the model code load only when a plan is made: building the parser stays cheap
+    import torch
+
+    from models.plan import Gpu, Plan
+
+# The short names people type for the dtypes models.loading.DTYPES knows.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 # Memory sizes the plan is most often asked about; --gpu-memory takes any list.
 KNOWN_GPUS = {"H100": "80GB", "H200": "141GB", "B200": "180GB"}
@@ -45,7 +57,9 @@ def add_plan_parser(commands) -> None:
 
 def plan_command(args: argparse.Namespace) -> int:
     from app.settings import Settings, load_settings
-    from models.plan import Stream, make_plan, parse_bytes, parse_dtype, read_config, released_config, render
+    from models.plan import Stream, make_plan, read_config, released_config
+
+    from .memory import parse_bytes
 
     settings = load_settings(args.config) if args.config else Settings()
     if args.model:
@@ -78,7 +92,7 @@ def plan_command(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"--vae {vae!r}: no config.json there; pass an AutoencoderKLLTX2Video folder")
         vae_config = json.loads(file.read_text())
     dtype_name = args.dtype or (settings.dtype if settings.dtype != "auto" else "bf16")
-    gpus = _gpus(args.gpu_memory, args.tflops, parse_bytes)
+    gpus = _gpus(args.gpu_memory, args.tflops)
     plan = make_plan(config, stream, parse_dtype(dtype_name), gpus, source=source,
                      batch_rows=args.batch_rows or settings.max_batch_rows, reserve_bytes=parse_bytes(args.reserve),
                      vae_config=vae_config)
@@ -86,7 +100,27 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gpus(memory: str, tflops: str | None, parse_bytes) -> list:
+def parse_dtype(name: str) -> torch.dtype:
+    """A dtype by its name (``bfloat16``) or short name (``bf16``); ValueError naming the ones there are."""
+    from models.loading import DTYPES
+
+    dtype = DTYPES.get(DTYPE_ALIASES.get(name, name))
+    if dtype is None:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted([*DTYPES, *DTYPE_ALIASES])}")
+    return dtype
+
+
+def gpu_memory(text: str) -> int:
+    """A GPU's memory size (``141GiB``, ``80GB``, a byte count); ValueError unless it is a positive size."""
+    from .memory import parse_bytes
+
+    size = parse_bytes(text)
+    if size <= 0:
+        raise ValueError(f"{text!r}: a GPU's memory size must be positive")
+    return size
+
+
+def _gpus(memory: str, tflops: str | None) -> list[Gpu]:
     from models.plan import Gpu
 
     entries = [part.strip() for part in memory.split(",") if part.strip()]
@@ -109,5 +143,61 @@ def _gpus(memory: str, tflops: str | None, parse_bytes) -> list:
     gpus = []
     for entry, rate in zip(entries, rates):
         name, _, size = entry.rpartition("=")
-        gpus.append(Gpu(parse_bytes(size), rate, name))
+        gpus.append(Gpu(gpu_memory(size), rate, name))
     return gpus
+
+
+# Printed sizes: GiB for memory held, GB (as vendors state it) for a GPU's memory.
+GiB = 1024**3
+GB = 1000**3
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 1024**2:.1f} MiB"
+
+
+def _tf(n: float) -> str:
+    return f"{n / 1e12:.2f} TFLOP"
+
+
+def render(plan: Plan) -> str:
+    """The plan as text for a terminal."""
+    from models.plan import summarize
+
+    s, g = plan.stream, plan.geometry
+    forward, block = summarize(plan.flops_forward), summarize(plan.flops_block)
+    lines = [
+        f"capacity plan (arithmetic, not a measurement): {plan.source}",
+        f"stream: {s['width']}x{s['height']} px at {s['fps']:g} fps -> {g['latent_width']}x{g['latent_height']} latents "
+        f"({g['tokens_per_frame']} tokens/frame, {g['pixel_frames_per_latent_frame']} pixel frames per latent frame); "
+        f"sink {s['sink_frames']}, block {s['block_size']}, kv_max_frames {s['kv_max_frames']}, {s['steps']} steps + "
+        f"1 commit per block, batch {s['batch']}, prompt {s['prompt_tokens']} tokens, {s['positions']} positions, "
+        f"{plan.dtype}",
+        f"weights: {plan.weights['parameters'] / 1e9:.2f} B parameters loaded (the video path; the checkpoint holds "
+        f"{plan.weights['checkpoint_parameters'] / 1e9:.2f} B){' + the VAE' if 'vae_bytes' in plan.weights else ''} = "
+        f"{_gib(plan.weights['bytes'])}",
+        f"per session: {_gib(plan.session['total'])} = KV window {_gib(plan.session['kv_window'])} + sink keys "
+        f"{_gib(plan.session['kv_sink_keys'])} + rebased history keys {_gib(plan.session['kv_rebased_history_keys'])} "
+        f"+ prompt {_gib(plan.session['prompt'])}"
+        + (f" + video decoder state {_gib(plan.session['video_decoder_state'])}" if "video_decoder_state" in
+           plan.session else " (latents only: --vae DIR adds a video session's decoder state)"),
+        f"workspace (one call's activations, estimate): {_gib(plan.workspace_bytes)}",
+        f"FLOPs per forward ({g['block_tokens']} queries over {g['window_tokens']} keys): {_tf(forward['total'])} = "
+        f"projections {_tf(forward['projections'])} + attention {_tf(forward['attention'])} + feed-forward "
+        f"{_tf(forward['feed_forward'])}",
+        f"FLOPs per block ({s['steps'] + 1} forwards): {_tf(block['total'])}; plays for {plan.block_seconds:g} s -> "
+        f"{plan.flops_per_second_per_session / 1e12:.1f} TFLOP/s per real-time session; sink capture "
+        f"{_tf(plan.flops_sink)} once, caption projection and prompt K/V {_tf(plan.flops_prompt)} per prompt",
+        "",
+        f"{'GPU':<10} {'memory':>11} {'sessions by memory':>19} {'TFLOP/s':>8} {'block compute':>14} "
+        f"{'sessions by compute':>20} {'sessions':>9}",
+    ]
+    for row in plan.gpus:
+        name = row["name"] or "-"
+        if row["tflops"] is None:
+            compute = f"{'-':>8} {'-':>14} {'-':>20} {row['sessions_by_memory']:>9}"
+        else:
+            compute = (f"{row['tflops']:>8g} {row['block_compute_seconds']:>13.2f}s "
+                       f"{row['sessions_by_compute']:>20} {row['sessions']:>9}")
+        lines.append(f"{name:<10} {row['memory_bytes'] / GB:>8.0f} GB {row['sessions_by_memory']:>19} {compute}")
+    return "\n".join(lines)

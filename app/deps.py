@@ -7,7 +7,9 @@ from typing import Annotated
 
 import torch
 from fastapi import Depends
+from fastapi.dependencies.models import Dependant
 from pydantic import BeforeValidator
+from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from models import SessionConfig
@@ -51,18 +53,28 @@ def _plain_integer(value: object) -> object:
 PlainInteger = BeforeValidator(_plain_integer)
 
 
-def reject_unknown_query(request: Request, known: frozenset[str] = frozenset()) -> None:
+def reject_unknown_query(query: QueryParams, known: frozenset[str] = frozenset()) -> None:
     """422 for a query parameter the route does not take, or one given more than once: a misspelt ``flsuh=true``,
     a config field sent as ``POST /v1/sessions?seed=7`` or ``?seed=1&seed=2`` (of which the framework would keep one)
     would otherwise be ignored without a word, and the client get what it did not ask for. The schema says the same
-    (``QUERY_RULE``, in /openapi.json's description)."""
-    unknown = sorted(set(request.query_params) - known)
+    (``QUERY_RULE``, in /openapi.json's description). Called for every route by ``app.main.QueryRule``."""
+    unknown = sorted(set(query) - known)
     if unknown:
         takes = f"this route takes only {sorted(known)}" if known else "this route takes no query parameters"
         raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; {takes}")
-    repeated = sorted(name for name in set(request.query_params) if len(request.query_params.getlist(name)) > 1)
+    repeated = sorted(name for name in set(query) if len(query.getlist(name)) > 1)
     if repeated:
         raise ApiError("invalid_request", f"query parameter(s) {repeated} given more than once; give each at most once")
+
+
+def declared_query(dependant: Dependant) -> frozenset[str]:
+    """The query parameters a route declares: its endpoint's and its dependencies' (``/v1/refine`` takes the session
+    fields through one), by the name a client sends. What the route declares is what /openapi.json documents, so
+    the rule and the schema cannot disagree."""
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= declared_query(sub)
+    return frozenset(names)
 
 
 QUERY_RULE = ("Query parameters: each route takes only the ones it documents, each at most once; an unknown or repeated "

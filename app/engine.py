@@ -63,7 +63,7 @@ import torch
 from models.clip import check_clip_length
 from models.clock import CallClock
 from models.errors import NonFiniteOutputError
-from models.memory import release_finished
+from models.move import release_finished
 from models.session import BlockRun, RefinerSession, SessionCheckpoint, SessionState, Unit
 from models.step import RowForward, run_isolated
 from models.transfer import use_device
@@ -402,7 +402,7 @@ class Engine:
     def observe_calls(self) -> None:
         """Feed the calls the clock has measured since the last look (on CUDA: those the GPU finished; never waits)
         to /metrics and the real-time cost model."""
-        release_finished()  # page-ins' host buffers whose copies are done (models.memory)
+        release_finished()  # page-ins' host buffers whose copies are done (models.move)
         for tag, seconds in self.clock.finished():
             self.metrics.model_call_seconds.observe(seconds)
             if tag is not None and tag[0] > 0:

@@ -16,19 +16,22 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, WebSocketRoute, compile_path
+from starlette.websockets import WebSocket
 
 from models.errors import RefinerError
 
 from .auth import ApiKeyMiddleware
 from .cors import CrossOrigin
 from .engine_errors import EngineError
-from .deps import QUERY_RULE
+from .deps import QUERY_RULE, declared_query, reject_unknown_query
 from .errors import ApiError, envelope, from_exception
 from .openapi import document_api_key
 from .routes import admin, chunks, health, info, metrics, refine, sessions, stream, view, watch
+from .routes.stream import deny
 from .services import Services
 from .settings import Settings
 
@@ -37,6 +40,10 @@ log = logging.getLogger("app")
 # Probes and scrapers must work without credentials (orchestrators and Prometheus rarely carry them). The view page
 # holds no data; it asks for the key and sends it with the requests it makes; nor does the JS module it imports.
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", *view.PUBLIC_PATHS})
+# Pages whose query is read by their own script in the browser (the view's ?session= and ?format=), not by the
+# server, and the static files they import (a cache-busting ?v= is the page's business): the query rule
+# (QueryRule) leaves them alone.
+BROWSER_PAGES = frozenset(view.PUBLIC_PATHS)
 
 
 # --- the app ---------------------------------------------------------------------------------------------
@@ -71,7 +78,9 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
     install_error_handlers(app, services)
     if settings.api_key:
         document_api_key(app, PUBLIC_PATHS)
-    # Added first, so it runs innermost: errors raised by the routes, not by the middlewares around them.
+    # Innermost: after the API key (a caller without it learns nothing about the routes), before any route runs.
+    app.add_middleware(QueryRule, services=services)
+    # Errors raised by the routes, not by the middlewares around them.
     app.add_middleware(AnswerUnexpectedErrors, services=services)
     app.add_middleware(
         ApiKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS, on_reject=services.reject
@@ -209,6 +218,55 @@ class AnswerUnexpectedErrors:
                 raise
             log.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
             await error_response(from_exception(exc), self.services)(scope, receive, send)
+
+
+class QueryRule:
+    """The query rule (``QUERY_RULE``), in one place for every route of the API, HTTP and WebSocket alike: an unknown
+    or repeated query parameter is refused with 422 ``invalid_request`` before the route runs
+    (``deps.reject_unknown_query``). What a route takes is what it declares (``deps.declared_query``: its signature
+    and its dependencies', the same that /openapi.json documents), so a new route or parameter needs no list kept
+    by hand. A WebSocket is refused at the handshake like any other refusal of it (``routes.stream.deny``).
+
+    Left alone: FastAPI's own pages (/docs, /redoc, /openapi.json: no ``dependant``), ``BROWSER_PAGES``, and a
+    path no route fully matches (404 and 405 are answered as before)."""
+
+    def __init__(self, app, services: Services):
+        self.app = app
+        self.services = services
+        self._routes: list[tuple[object, frozenset[str]]] | None = None
+
+    def routes(self, app: FastAPI) -> list[tuple[object, frozenset[str]]]:
+        """(route, the query parameters it takes) for each route the rule covers; read once, on the first request,
+        when every router has been included."""
+        if self._routes is None:
+            self._routes = [
+                (context, declared_query(context.original_route.dependant))
+                for context in iter_route_contexts(app.routes)
+                if getattr(context.original_route, "dependant", None) is not None and context.path not in BROWSER_PAGES
+            ]
+        return self._routes
+
+    def takes(self, scope) -> frozenset[str] | None:
+        """What the route serving ``scope`` takes; None when the rule does not cover it."""
+        for route, known in self.routes(scope["app"]):
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return known
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket") and scope.get("query_string"):
+            known = self.takes(scope)
+            if known is not None:
+                try:
+                    reject_unknown_query(QueryParams(scope["query_string"]), known)
+                except ApiError as error:
+                    if scope["type"] == "http":
+                        await error_response(error, self.services)(scope, receive, send)
+                    else:
+                        await deny(WebSocket(scope, receive, send), error, self.services)
+                    return
+        await self.app(scope, receive, send)
 
 
 class HttpMetricsMiddleware:

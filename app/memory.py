@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from models.memory import session_bytes
+from models.session_bytes import session_bytes
 
-# The parts a parked session moves to the host (``models.memory.move_session``); the output stages' states (a video
+# The parts a parked session moves to the host (``models.move.move_session``); the output stages' states (a video
 # decoder's) stay where they are.
 MOVED_PARTS = ("kv_window", "kv_sink", "kv_history_keys", "kv_rollback", "pending", "prompt")
 

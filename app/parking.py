@@ -19,14 +19,14 @@ session excluded from scheduling: a session is parked or spilled only when it ha
 HTTP request in flight and no stream message in progress, and every state change of one session happens under
 its own lock (``SessionHandle.moving``), which ``activate`` (the step before any work of the session is handed to
 the engine) also takes: work never reaches the engine while the session's tensors are away or moving. On CUDA the
-copies themselves run on a side stream (``models.memory.Move``): the engine thread only queues them.
+copies themselves run on a side stream (``models.move.Move``): the engine thread only queues them.
 
 A spill writes the file with the lock held and commits it (drops the session from memory) only if nothing took the
 session meanwhile (no lookup handed it to a request, no stream or watcher attached, no work); otherwise the file is
 removed and the session stays parked. A GET reads a spilled session from what was saved, without bringing it back.
 
 Admission by bytes (``device_memory_budget``): a session's bytes are known once its geometry is, at its first chunk
-(``models.memory.session_bytes_estimate``, prompt and rollback copies included, before anything is allocated;
+(``models.session_bytes.session_bytes_estimate``, prompt and rollback copies included, before anything is allocated;
 again at a later chunk that makes it hold more); what does not fit is refused with 503
 ``insufficient_memory`` after the least recently used sessions with no work were parked to make room.
 """
@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from models.memory import FrameGeometry, move_session, session_bytes_estimate
+from models.move import move_session
+from models.session import Geometry
+from models.session_bytes import session_bytes_estimate
 from models.snapshot import SnapshotError, _read_metadata, read_header
 
 from . import leases
@@ -212,13 +214,13 @@ class Parking:
     def estimate(self, config: Any, shape: tuple[int, ...], prompt_tokens: int = 0) -> int:
         """Device bytes a session of ``config`` will hold once frames of ``shape`` (B, C, t, H, W) give it its
         geometry and a chunk of t frames runs, with a prompt of ``prompt_tokens`` tokens
-        (``models.memory.session_bytes_estimate``: every part, the prompt's and the rollback copies' included)."""
+        (``models.session_bytes.session_bytes_estimate``: every part, the prompt's and the rollback copies' included)."""
         refiner = self.store._refiner()
         if len(shape) != 5 or min(shape) <= 0:
             return 0  # no frames of a session: the session's own check refuses them, with what to send instead
         batch, channels, frames, height, width = (int(n) for n in shape)
         parts = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
-                                       FrameGeometry(batch, channels, height, width), refiner.dtype,
+                                       Geometry(batch, channels, height, width), refiner.dtype,
                                        prompt_tokens=prompt_tokens, caption_channels=refiner.info.caption_channels,
                                        chunk_frames=frames)
         return sum(parts.values())
@@ -264,7 +266,7 @@ class Parking:
         prompt = headers.get("prompt_embeds")  # (B, L, caption): what the file's session holds
         tokens = int(prompt.shape[1]) if prompt is not None and len(prompt.shape) == 3 else 0
         need = sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
-                                          FrameGeometry(*(int(n) for n in geometry)), refiner.dtype,
+                                          Geometry(*(int(n) for n in geometry)), refiner.dtype,
                                           prompt_tokens=tokens, caption_channels=refiner.info.caption_channels
                                           ).values())
         await self.make_room(need, f"session {session_id} (saved in snapshot_dir)")

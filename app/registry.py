@@ -11,16 +11,14 @@ does not extend the wait (a client polling GET is not back); a new stream, or a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from models import Prompt, Refiner, RefinerSession, SessionConfig
+from models import RefinerSession, SessionConfig
 
 from . import realtime
 from .delivery import Deliveries
@@ -187,13 +185,6 @@ class Registry:
     def handles(self) -> list[SessionHandle]:
         return list(self._sessions.values())
 
-    def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None = None,
-               outputs: Outputs = Outputs(), session_id: str | None = None) -> SessionHandle:
-        """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id."""
-        self._require_capacity()
-        session_id = session_id or uuid.uuid4().hex
-        return self.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs)
-
     def existing(self, session_id: str) -> SessionHandle | None:
         """The live session of that id, or None (unknown); ApiError 410 while it is remembered as evicted."""
         try:
@@ -229,16 +220,6 @@ class Registry:
         now = self.clock()
         waits = [at - now for at in map(self._release_at, self._sessions.values()) if at is not None]
         return max(min(waits), 0.0) if waits else None
-
-    @contextlib.contextmanager
-    def clip(self):
-        """A one-shot clip holds a session's place (and its memory) while it is refined."""
-        self._require_capacity()
-        self.clips += 1
-        try:
-            yield
-        finally:
-            self.clips -= 1
 
     def adopt(self, session_id: str, session: RefinerSession, detached: bool = False, outputs: Outputs = Outputs(),
               stages: SessionStages | None = None) -> SessionHandle:
@@ -303,10 +284,6 @@ class Registry:
         """Let go of a session this replica no longer owns (another replica took it over): its work fails with
         ``error`` and its id is not remembered as deleted or evicted (it lives on elsewhere)."""
         if self._sessions.get(handle.id) is handle:
-            self._close(handle, error)
-
-    def close_all(self, error: ApiError) -> None:
-        for handle in self.handles():
             self._close(handle, error)
 
     def evict_idle(self) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from models.errors import ModelLoadError
-from models.loading import WEIGHTS, WEIGHTS_INDEX, check_config, resolve_device
+from models.loading import WEIGHTS, WEIGHTS_INDEX, read_config_file, resolve_device
 
 from .guards import BodyBudget, GuardedHttpToolsProtocol
 from .main import create_app
@@ -117,15 +117,7 @@ def check_model_folder(folder: Path) -> None:
     from safetensors import safe_open
 
     config_path = folder / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{config_path} is not valid JSON ({exc}); pass the config.json the refiner was saved "
-                             "with (save_pretrained writes it)") from None
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{config_path} holds a JSON {type(config).__name__}, not the mapping of fields "
-                             "save_pretrained writes")
-    check_config(config, str(config_path))
+    config = read_config_file(config_path)  # parsed and checked as the loader will read it
     if (folder / WEIGHTS).is_file():
         files = [folder / WEIGHTS]
     elif (folder / WEIGHTS_INDEX).is_file():

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, load_refiner
 from models.compiled import CompiledStep, warmup_forwards
 from models.determinism import probe_batch_invariance
-from models.memory import keep_freed_memory
+from models.host_memory import keep_freed_memory
 from models.session import check_prompt
 from models.transfer import use_device
 from models.vae import StreamingDecoder, load_vae

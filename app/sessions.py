@@ -309,16 +309,16 @@ class SessionOps:
         return StreamSession(self, handle, resume_from)
 
     # --- watchers --------------------------------------------------------------------------------------------
-    async def watch(self, session_id: str, query: Mapping[str, str], subscribe: Callable[[str, Outputs], Any]) -> Any:
-        """Add a read-only subscriber: ``subscribe(session_id, outputs)`` builds it (``offer``, ``finish``, ``end``,
-        ``close``); it gets every unit published from now on. Done before the route's first await, so no unit
+    async def watch(
+        self, session_id: str, query: Mapping[str, str | None], subscribe: Callable[[str, Outputs], Any],
+    ) -> Any:
+        """Add a read-only subscriber asking for ``query`` (``outputs``, ``video_format``, ``video_quality``, each
+        text or None; any other parameter was refused before the route ran, ``app.main.QueryRule``):
+        ``subscribe(session_id, outputs)`` builds it (``offer``, ``finish``, ``end``, ``close``); it gets every unit
+        published from now on. Done before the route's first await, so no unit
         published meanwhile is missed."""
         self.services.require_ready()
         handle = await self.store.lookup(session_id)
-        unknown = sorted(set(query) - {"outputs", "video_format", "video_quality"})
-        if unknown:
-            raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; a watch takes only 'outputs', "
-                                              "'video_format' and 'video_quality'")
         outputs = handle.outputs.restrict(query.get("outputs"), query.get("video_format"), query.get("video_quality"))
         if len(handle.watchers) >= self.settings.max_watchers:
             raise ApiError(

@@ -225,9 +225,6 @@ class SessionStore:
         spilled = await self.parking.stubs()
         return [*self.registry.handles(), *spilled]
 
-    def handles(self) -> list[SessionHandle]:
-        return self.registry.handles()
-
     async def evict_forever(self) -> None:
         """Evict sessions past their retention (or grace, or TTL); park, spill and delete by idle time
         (``app.parking``)."""

@@ -8,7 +8,7 @@ from its config alone with random weights, in bfloat16 on the GPU, and measures:
   space) and 720p (1280x704 -> 22x40) for 1, 2 and 4 sessions, batched (one model call per step for all) and one
   at a time; device time from CUDA events (``models.clock``);
 - ``memory``: sessions of each geometry that fit the memory budget (free after the model, minus the service's
-  default ``device_memory_reserve``), from ``models.memory.session_bytes_estimate``;
+  default ``device_memory_reserve``), from ``models.session_bytes.session_bytes_estimate``;
 - ``realtime``: sessions of each geometry held at 16 fps within ``admission_max_load`` (0.9) of the engine, by
   the measured batched latency (the largest measured count that keeps up, and the per-row estimate past it);
 - ``parity``: bfloat16 vs float32 on a 4-layer slice at the real width (same weights);
@@ -38,7 +38,8 @@ import torch
 from models import RefinerSession, SessionConfig, from_model, refine_clip
 from models.checkpoints import PRESETS, VAE_PRESETS
 from models.clock import CallClock
-from models.memory import move_session, session_bytes, session_bytes_estimate
+from models.move import move_session
+from models.session_bytes import session_bytes, session_bytes_estimate
 from models.plan import meta_model, released_config
 from models.session import Geometry
 from models.step import run_batch

@@ -1,4 +1,4 @@
-"""Per-session configuration of the streaming refiner (see ``shared/spec/refiner.md``).
+"""Per-session configuration of the streaming refiner (the fields as a client sends them: docs/api.md, "Routes").
 
 A ``SessionConfig`` is frozen and validated on construction, so a session can never hold an invalid one.
 

@@ -260,6 +260,16 @@ class SessionKV:
     def checkpoint_bytes(self) -> int:
         return sum(mark.saved_bytes for mark in self._checkpoints)
 
+    @property
+    def rollback_open(self) -> bool:
+        """Whether a rollback point is open (a chunk is being refined): the cache must not move meanwhile."""
+        return bool(self._checkpoints)
+
+    def rollback_tensors(self) -> list[torch.Tensor]:
+        """The copies open rollback points hold (the history frames pushed out since; K and V, and with rebased
+        positions the pre-RoPE key): what they add to the session's bytes."""
+        return [t for mark in self._checkpoints for pieces in mark.saved for t in pieces if t is not None]
+
     def export(self) -> dict[str, list[torch.Tensor]]:
         """Per layer: ``sink_key`` (pre-RoPE), ``sink_value``, ``history_key`` (rotated with absolute positions,
         pre-RoPE with rebased ones), ``history_value``; each (B, n, D), views into the buffers."""

@@ -121,7 +121,11 @@ def read_config_file(config_path: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from None
+        raise ModelLoadError(f"{config_path} is not valid JSON ({exc}); pass the config.json the refiner was saved "
+                             "with (save_pretrained writes it)") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path} holds a JSON {type(config).__name__}, not the mapping of fields "
+                             "save_pretrained writes")
     check_config(config, str(config_path))
     return config
 

@@ -5,8 +5,9 @@ The refiner is built from its ``config.json`` on the ``meta`` device (shapes, no
 
 - **weights**: every parameter ``load_refiner`` loads (the video path: the audio branch, which diffusers keeps so
   checkpoints round-trip, is never read; ``checkpoint_parameters`` says what the files hold) at the serving dtype;
-- **per session**: the KV window exactly as ``models.kv.SessionKV`` allocates it (built on ``meta`` here, so the
-  figure follows kv.py), plus the prepared prompt (each layer's cross-attention K/V, once per prompt);
+- **per session**: the KV window as ``models.kv.SessionKV`` allocates it, plus the prepared prompt (each layer's
+  cross-attention K/V, once per prompt), from the estimate admission reserves by
+  (``models.session_bytes.session_bytes_estimate``; tests/models/test_plan.py checks it against a real session);
 - **FLOPs** of one forward and of one steady-state block, counted from the modules' shapes (2 per multiply-add;
   elementwise work -- norms, RoPE, softmax, GELU, modulation -- left out as GEMM counts do), split into
   projections, attention and feed-forward;
@@ -22,7 +23,8 @@ What the service does per forward (``models.step``) is what is counted: the time
 per token), the prompt's caption projection and every layer's cross-attention K/V once per prompt (reported
 apart).
 
-Plain arithmetic and torch's ``meta`` device: no web code, no weights, no device memory.
+Plain arithmetic and torch's ``meta`` device: no web code, no weights, no device memory. Reading the command line
+and printing the plan are the app's (``app/cli_plan.py``).
 """
 
 from __future__ import annotations
@@ -33,45 +35,16 @@ from typing import Any
 
 import torch
 
+from .config import SessionConfig
 from .errors import InvalidConfigError, ModelLoadError
-from .kv import SessionKV, WindowLayout
 from .loading import read_config_file
+from .session import Geometry
+from .session_bytes import session_bytes_estimate
 
 GiB = 1024**3
 GB = 1000**3
-DTYPE_NAMES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32,
-    "fp64": torch.float64, "float64": torch.float64,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPE_NAMES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPE_NAMES)}") from None
-
-
-def parse_bytes(text: str) -> int:
-    """``141GiB``, ``80GB``, ``192e9`` or a plain byte count; ValueError saying what to write."""
-    units = {"tib": 1024**4, "gib": GiB, "mib": 1024**2, "kib": 1024, "tb": 1000**4, "gb": GB, "mb": 1000**2,
-             "kb": 1000, "b": 1}
-    raw = text.strip().lower()
-    for suffix, scale in units.items():
-        if raw.endswith(suffix):
-            number, multiplier = raw[: -len(suffix)], scale
-            break
-    else:
-        number, multiplier = raw, 1
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size; write e.g. 141GiB, 80GB or a byte count") from None
-    if value <= 0:
-        raise ValueError(f"{text!r}: a memory size must be positive")
-    return int(value * multiplier)
+# diffusers' default for the class (LTX-2's latent channels), for a config.json that does not state it.
+DEFAULT_IN_CHANNELS = 128
 
 
 # --- the model, without weights -----------------------------------------------------------------------------------
@@ -137,49 +110,51 @@ class Stream:
         if problems:
             raise InvalidConfigError("; ".join(problems))
 
+    def session_config(self) -> SessionConfig:
+        """The session config this stream's sessions have (what the bytes estimate reads)."""
+        return SessionConfig(sink_frames=self.sink_frames, block_size=self.block_size,
+                             kv_max_frames=self.kv_max_frames, positions=self.positions)
 
-@dataclass(frozen=True)
-class Geometry:
-    latent_height: int
-    latent_width: int
-    temporal: int  # pixel frames per latent frame
-    spatial: tuple[int, int]
 
-    @property
-    def tokens_per_frame(self) -> int:
-        return self.latent_height * self.latent_width
+def vae_scale_factors(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(temporal, height, width): pixel frames per latent frame and pixels per latent along each side."""
+    temporal, down_h, down_w = (int(v) for v in config.get("vae_scale_factors", (8, 32, 32)))
+    return temporal, down_h, down_w
 
 
 def latent_geometry(config: dict[str, Any], stream: Stream) -> Geometry:
-    temporal, down_h, down_w = (int(v) for v in config.get("vae_scale_factors", (8, 32, 32)))
+    """The session's latent frames (``models.session.Geometry``: batch, channels, height, width) for ``stream``'s
+    pixels; InvalidConfigError naming a size the VAE cannot compress."""
+    _, down_h, down_w = vae_scale_factors(config)
     if stream.height % down_h or stream.width % down_w:
         raise InvalidConfigError(
             f"{stream.width}x{stream.height} pixels is not a multiple of the VAE's {down_w}x{down_h} compression; "
             f"use e.g. {stream.width // down_w * down_w}x{stream.height // down_h * down_h}"
         )
-    return Geometry(stream.height // down_h, stream.width // down_w, temporal, (down_h, down_w))
+    channels = int(config.get("in_channels", DEFAULT_IN_CHANNELS))
+    return Geometry(stream.batch, channels, stream.height // down_h, stream.width // down_w)
 
 
 # --- bytes ---------------------------------------------------------------------------------------------------------
-def session_bytes(model, stream: Stream, tokens_per_frame: int, dtype: torch.dtype) -> dict[str, int]:
-    """What one session holds on the device once its window is allocated: the KV window as ``SessionKV`` allocates
-    it (window with its block slot, the sink's pre-RoPE keys, with rebased positions the history's too), and the
-    prepared prompt cross-attention reads: every layer's K and V of the prompt (Y, 2, B, L, D), computed once per
-    prompt (``models.step.prepare_prompt``; a padded prompt's mask, (B, A, 1, L), is left out)."""
-    layout = WindowLayout(stream.sink_frames, stream.kv_max_frames - stream.sink_frames, stream.block_size,
-                          tokens_per_frame)
+def session_bytes(model, stream: Stream, geometry: Geometry, dtype: torch.dtype) -> dict[str, int]:
+    """What one session holds on the device once its window is allocated, from the one estimator admission uses
+    (``models.session_bytes.session_bytes_estimate``): the KV window as ``SessionKV`` allocates it (window with its
+    block slot, the sink's pre-RoPE keys, with rebased positions the history's too), and the prepared prompt
+    cross-attention reads: every layer's K and V of the prompt (Y, 2, B, L, D), computed once per prompt
+    (``models.step.prepare_prompt``). The plan leaves out what admission adds for safety (pending frames, a chunk's
+    rollback copies) and the prompt's (B, L, caption) embeds: it reports the steady state."""
     inner = int(model.config.num_attention_heads * model.config.attention_head_dim)
-    kv = SessionKV(len(model.transformer_blocks), stream.batch, layout, inner, dtype, torch.device("meta"),
-                   rebased=stream.positions == "rebased")
-    element = torch.empty((), dtype=dtype).element_size()
+    config = stream.session_config()
+    estimate = session_bytes_estimate(len(model.transformer_blocks), inner, config, geometry, dtype,
+                                      prompt_tokens=stream.prompt_tokens)  # caption_channels 0: the K/V alone
     parts = {
-        "kv_window": kv.window.nbytes,
-        "kv_sink_keys": kv.sink_key.nbytes,
-        "kv_rebased_history_keys": 0 if kv.history_key is None else kv.history_key.nbytes,
-        "prompt": 2 * len(model.transformer_blocks) * stream.batch * stream.prompt_tokens * inner * element,
+        "kv_window": estimate["kv_window"],
+        "kv_sink_keys": estimate["kv_sink"],
+        "kv_rebased_history_keys": estimate["kv_history_keys"],
+        "prompt": estimate["prompt"],
     }
-    parts["kv_total"] = kv.nbytes
-    parts["total"] = kv.nbytes + parts["prompt"]
+    parts["kv_total"] = parts["kv_window"] + parts["kv_sink_keys"] + parts["kv_rebased_history_keys"]
+    parts["total"] = parts["kv_total"] + parts["prompt"]
     return parts
 
 
@@ -320,12 +295,13 @@ def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: 
     weights)."""
     model = meta_model(config) if model is None else model
     geometry = latent_geometry(config, stream)
+    temporal = vae_scale_factors(config)[0]
     tokens = geometry.tokens_per_frame
     checkpoint = sum(p.numel() for p in meta_model(config, video_only=False).parameters())
     weights = weight_bytes(model, dtype, checkpoint)
-    session = session_bytes(model, stream, tokens, dtype)
+    session = session_bytes(model, stream, geometry, dtype)
     if vae_config is not None:
-        video = decoder_state_bytes(vae_config, stream, (geometry.latent_height, geometry.latent_width), dtype)
+        video = decoder_state_bytes(vae_config, stream, (geometry.height, geometry.width), dtype)
         session["video_decoder_state"] = video["decoder_state"]
         session["total"] += video["decoder_state"]
         weights["vae_bytes"] = video["vae_weights"]
@@ -337,7 +313,7 @@ def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: 
     block = {name: value * (stream.steps + 1) for name, value in forward.items()}
     sink_tokens = stream.sink_frames * tokens
     sink = forward_flops(model, stream.batch, sink_tokens, sink_tokens, stream.prompt_tokens)["total"]
-    block_seconds = stream.block_size * geometry.temporal / stream.fps
+    block_seconds = stream.block_size * temporal / stream.fps
     per_session = block["total"] / block_seconds
     rows = []
     for gpu in gpus:
@@ -355,8 +331,8 @@ def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: 
         source=source,
         dtype=str(dtype).removeprefix("torch."),
         stream=asdict(stream),
-        geometry={"latent_height": geometry.latent_height, "latent_width": geometry.latent_width,
-                  "tokens_per_frame": tokens, "pixel_frames_per_latent_frame": geometry.temporal,
+        geometry={"latent_height": geometry.height, "latent_width": geometry.width,
+                  "tokens_per_frame": tokens, "pixel_frames_per_latent_frame": temporal,
                   "block_tokens": queries, "window_tokens": keys},
         weights=weights,
         session=session,
@@ -369,52 +345,3 @@ def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: 
         flops_per_second_per_session=per_session,
         gpus=rows,
     )
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 1024**2:.1f} MiB"
-
-
-def _tf(n: float) -> str:
-    return f"{n / 1e12:.2f} TFLOP"
-
-
-def render(plan: Plan) -> str:
-    """The plan as text for a terminal."""
-    s, g = plan.stream, plan.geometry
-    forward, block = summarize(plan.flops_forward), summarize(plan.flops_block)
-    lines = [
-        f"capacity plan (arithmetic, not a measurement): {plan.source}",
-        f"stream: {s['width']}x{s['height']} px at {s['fps']:g} fps -> {g['latent_width']}x{g['latent_height']} latents "
-        f"({g['tokens_per_frame']} tokens/frame, {g['pixel_frames_per_latent_frame']} pixel frames per latent frame); "
-        f"sink {s['sink_frames']}, block {s['block_size']}, kv_max_frames {s['kv_max_frames']}, {s['steps']} steps + "
-        f"1 commit per block, batch {s['batch']}, prompt {s['prompt_tokens']} tokens, {s['positions']} positions, "
-        f"{plan.dtype}",
-        f"weights: {plan.weights['parameters'] / 1e9:.2f} B parameters loaded (the video path; the checkpoint holds "
-        f"{plan.weights['checkpoint_parameters'] / 1e9:.2f} B){' + the VAE' if 'vae_bytes' in plan.weights else ''} = "
-        f"{_gib(plan.weights['bytes'])}",
-        f"per session: {_gib(plan.session['total'])} = KV window {_gib(plan.session['kv_window'])} + sink keys "
-        f"{_gib(plan.session['kv_sink_keys'])} + rebased history keys {_gib(plan.session['kv_rebased_history_keys'])} "
-        f"+ prompt {_gib(plan.session['prompt'])}"
-        + (f" + video decoder state {_gib(plan.session['video_decoder_state'])}" if "video_decoder_state" in
-           plan.session else " (latents only: --vae DIR adds a video session's decoder state)"),
-        f"workspace (one call's activations, estimate): {_gib(plan.workspace_bytes)}",
-        f"FLOPs per forward ({g['block_tokens']} queries over {g['window_tokens']} keys): {_tf(forward['total'])} = "
-        f"projections {_tf(forward['projections'])} + attention {_tf(forward['attention'])} + feed-forward "
-        f"{_tf(forward['feed_forward'])}",
-        f"FLOPs per block ({s['steps'] + 1} forwards): {_tf(block['total'])}; plays for {plan.block_seconds:g} s -> "
-        f"{plan.flops_per_second_per_session / 1e12:.1f} TFLOP/s per real-time session; sink capture "
-        f"{_tf(plan.flops_sink)} once, caption projection and prompt K/V {_tf(plan.flops_prompt)} per prompt",
-        "",
-        f"{'GPU':<10} {'memory':>11} {'sessions by memory':>19} {'TFLOP/s':>8} {'block compute':>14} "
-        f"{'sessions by compute':>20} {'sessions':>9}",
-    ]
-    for row in plan.gpus:
-        name = row["name"] or "-"
-        if row["tflops"] is None:
-            compute = f"{'-':>8} {'-':>14} {'-':>20} {row['sessions_by_memory']:>9}"
-        else:
-            compute = (f"{row['tflops']:>8g} {row['block_compute_seconds']:>13.2f}s "
-                       f"{row['sessions_by_compute']:>20} {row['sessions']:>9}")
-        lines.append(f"{name:<10} {row['memory_bytes'] / GB:>8.0f} GB {row['sessions_by_memory']:>19} {compute}")
-    return "\n".join(lines)

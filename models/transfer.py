@@ -44,7 +44,7 @@ def _unregister(pointer: int) -> None:
 def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised page-locked host tensor. From ``EXACT_PIN_BYTES`` up, exactly its bytes are locked (see the
     module docstring); a caller that copies into or out of it asynchronously keeps it alive until the copy's event
-    has passed (``models.memory.Move`` does)."""
+    has passed (``models.move.Move`` does)."""
     tensor = torch.empty(shape, dtype=dtype)
     if tensor.nbytes < EXACT_PIN_BYTES:
         return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -158,9 +158,10 @@ class Client:
 
     # --- sessions ----------------------------------------------------------------------------------------------
     def create_session(self, **config: Any) -> Session:
-        """``POST /v1/sessions``: a new session. ``config``: any of ``seed``, ``fps``, ``sink_frames``,
-        ``block_size``, ``kv_max_frames``, ``sigmas``, ``positions``, ``outputs``, ``video_format``,
-        ``video_lookahead``; unset fields take the server's defaults (``info()["default_session_config"]``)."""
+        """``POST /v1/sessions``: a new session. ``config``: any of the session fields (``spec.FIELDS``: ``seed``,
+        ``fps``, ``sink_frames``, ``block_size``, ``kv_max_frames``, ``sigmas``, ``positions``, ``outputs``,
+        ``video_format``, ``video_quality``, ``video_lookahead``, ``realtime``); unset fields take the server's
+        defaults (``info()["default_session_config"]``)."""
         body = check_config(config)
         # Not idempotent: retried only when the request provably never arrived (or was refused with a 503).
         response = self._request("POST", "/v1/sessions", json=body, idempotent=False)

@@ -15,13 +15,11 @@ from ..deps import (
     PlainInteger,
     ServicesDep,
     read_body,
-    reject_unknown_query,
     require_content_type,
 )
 from ..openapi import errors
 
 router = APIRouter(tags=["sessions"])
-CHUNK_QUERY = frozenset({"seq", "flush"})
 
 
 @router.post(
@@ -38,8 +36,6 @@ async def post_chunk(
     ] = None,
     flush: Annotated[bool, Query(description="also refine the pending frames as a final block and end the stream")] = False,
 ) -> Response:
-    reject_unknown_query(request, CHUNK_QUERY)
-
     async def read_payload() -> bytes:
         require_content_type(request, OCTET_STREAM)
         return await read_body(request, services.settings.max_body_bytes)

@@ -24,7 +24,6 @@ from ..deps import (
     PlainInteger,
     ServicesDep,
     read_body,
-    reject_unknown_query,
     require_content_type,
 )
 from ..errors import ApiError
@@ -32,7 +31,6 @@ from ..openapi import errors
 from .sessions import check_fields
 
 router = APIRouter(tags=["refine"])
-REFINE_QUERY = frozenset(spec.QUERY_NAMES)
 # Lists and the look-ahead arrive as text (``outputs=latents,video``, ``video_lookahead=2``); these bound the text.
 _TEXT_MAX_LENGTH = {spec.CHOICES: 32, spec.LOOKAHEAD: 16}
 
@@ -90,8 +88,6 @@ async def refine(
     services: ServicesDep,
     given: Annotated[dict[str, Any], Depends(session_query)],
 ) -> Response:
-    reject_unknown_query(request, REFINE_QUERY)
-
     async def read_payload() -> bytes:
         require_content_type(request, OCTET_STREAM)
         return await read_body(request, services.settings.max_body_bytes)

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..deps import ServicesDep, read_body, reject_unknown_query, require_content_type
+from ..deps import ServicesDep, read_body, require_content_type
 from ..errors import ApiError
 from ..openapi import SessionCreate, SessionCreated, SessionDescription, SessionList, errors
 
@@ -37,7 +37,6 @@ CREATE_BODY = {
     responses={201: {"model": SessionCreated, "description": "the new session"}, **errors(400, 401, 413, 415, 422, 503)},
 )
 async def create_session(request: Request, services: ServicesDep) -> JSONResponse:
-    reject_unknown_query(request)  # the config goes in the body; ?seed=7 must not be ignored quietly
     return JSONResponse(await services.sessions.create(lambda: _read_fields(request, services)), status_code=201)
 
 
@@ -55,7 +54,6 @@ async def create_session(request: Request, services: ServicesDep) -> JSONRespons
 async def put_session(session_id: str, request: Request, services: ServicesDep) -> JSONResponse:
     """A session under a client-chosen id (``[A-Za-z0-9_-]{8,64}``), so that a router can hash the id in every
     path. Idempotent: the same id and config again answers 200 with the same body."""
-    reject_unknown_query(request)
     body, created = await services.sessions.put(session_id, lambda: _read_fields(request, services))
     return JSONResponse(body, status_code=201 if created else 200)
 
@@ -102,7 +100,6 @@ def check_fields(data: dict[str, Any]) -> dict[str, Any]:
     responses={200: {"model": SessionList, "description": "the live sessions, oldest first"}, **errors(401, 422)},
 )
 async def list_sessions(
-    request: Request,
     services: ServicesDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="sessions per page")] = 100,
     after: Annotated[str | None, Query(max_length=128, description="the 'next' of the previous page")] = None,
@@ -111,7 +108,6 @@ async def list_sessions(
         Query(description="deployment (default): every replica's sessions when `peers` is set; local: this one's"),
     ] = "deployment",
 ) -> dict[str, Any]:
-    reject_unknown_query(request, frozenset({"limit", "after", "scope"}))
     return await services.sessions.list(limit, after, scope)
 
 

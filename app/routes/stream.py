@@ -6,12 +6,13 @@ metadata ``frame_start``, ``frame_end``, ``latency_ms``), ``{"type": "error", "e
 rejected message (the session goes on as if it never arrived), and after a flush ``{"type": "done",
 "frames": N}`` and close 1000. The connection is closed with an error only when the session cannot continue.
 
-Reattach (README, "Reattach and restarts"): ``?resume_from=N`` on the URL makes the connection a resume of the session's stream.
-It takes the session over from a previous connection that is still open (a dropped client whose socket the
-server has not noticed yet), waits until every message that connection handed to the engine is done, then
-sends ``{"type": "session", ...}`` (frames received and returned, next seq, flushed) and again every retained
-unit holding frames at or after N, before any new unit. Units are retained per session (``ws_resume_units``),
-not per connection, so units committed while no client is attached are kept too.
+Reattach (docs/api.md, "Reattach: a dropped stream is not a lost session"): ``?resume_from=N`` on the URL makes
+the connection a resume of the session's stream. It takes the session over from a previous connection that is
+still open (a dropped client whose socket the server has not noticed yet), waits until every message that
+connection handed to the engine is done, then sends ``{"type": "session", ...}`` (frames received and returned,
+next seq, flushed) and again every retained unit holding frames at or after N, before any new unit. Units are
+retained per session (``ws_resume_units``), not per connection, so units committed while no client is attached
+are kept too.
 
 Flow control: one reader and one writer per connection. The reader submits a message only when the previous
 one is done and fewer than ``ws_outbound_queue`` units wait to be written, so a client that stops reading
@@ -59,10 +60,11 @@ _MAX_REASON = 120
 
 
 @router.websocket("/v1/sessions/{session_id}/stream")
-async def stream(websocket: WebSocket, session_id: str) -> None:
+async def stream(websocket: WebSocket, session_id: str, resume_from: str | None = None) -> None:
+    # resume_from is declared (as text: open_stream says what is wrong with it), so app.main.QueryRule lets it through.
     services: Services = websocket.app.state.services
     try:
-        session = await services.sessions.open_stream(session_id, websocket.query_params.get("resume_from"))
+        session = await services.sessions.open_stream(session_id, resume_from)
     except RefuseInBand as refused:
         await refuse(websocket, refused.error, services)
         return

@@ -46,12 +46,18 @@ _MAX_REASON = 120
 
 
 @router.websocket("/v1/sessions/{session_id}/watch")
-async def watch(websocket: WebSocket, session_id: str) -> None:
+async def watch(
+    websocket: WebSocket, session_id: str,
+    outputs: str | None = None, video_format: str | None = None, video_quality: str | None = None,
+) -> None:
+    # The query is declared (as text: Outputs.restrict says what is wrong with it), so app.main.QueryRule refuses
+    # anything else.
     services: Services = websocket.app.state.services
     try:
         # Subscribed before the first await: no unit published meanwhile is missed.
         watcher = await services.sessions.watch(
-            session_id, websocket.query_params, lambda sid, outputs: Watcher(websocket, sid, services, outputs))
+            session_id, {"outputs": outputs, "video_format": video_format, "video_quality": video_quality},
+            lambda sid, chosen: Watcher(websocket, sid, services, chosen))
     except ApiError as error:
         await deny(websocket, error, services)
         return

@@ -29,7 +29,8 @@ What a new output kind implements (subclass ``OutputStage``, in its own module),
 - ``build(**loaded)`` (a classmethod): the stage, given what the server loaded (``decoder``: the VAE's, or None),
   or a string saying why this server cannot produce the kind.
 
-Then register the class in ``STAGE_TYPES`` (below), add the kind to ``app.outputs.OUTPUT_KINDS``, and teach the
+Then register the class in ``STAGE_TYPES`` (below), add the kind to the choices of the ``outputs`` field in
+``wm_refiner_client.spec`` (``app.outputs.OUTPUT_KINDS`` is read from there), and teach the
 client to decode its tensors.
 """
 

@@ -433,3 +433,48 @@ def test_unknown_or_repeated_query_parameters_are_refused_and_change_nothing(cli
     assert error["code"] == "invalid_request" and query.split("=")[0] in error["message"]
     assert client.get(f"/v1/sessions/{session_id}").json()["frames_received"] == 0
     assert "refused with 422" in client.get("/openapi.json").json()["info"]["description"]
+
+
+def test_every_route_refuses_an_unknown_query_parameter_before_it_runs(make_settings):
+    """The rule holds on every route the app serves, probes, WebSockets and the drain included (the last would
+    drain the server if it ran): found from the app's own route table, so a route added later is covered without
+    a list to keep. The view page's query is its script's (app.main.BROWSER_PAGES), and is let through."""
+    from fastapi.routing import iter_route_contexts
+
+    from app.main import BROWSER_PAGES
+
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions", json={}).json()["session_id"]
+        checked = []
+        for route in iter_route_contexts(client.app.routes):
+            if getattr(route.original_route, "dependant", None) is None or route.path in BROWSER_PAGES:
+                continue  # FastAPI's own /docs, /redoc, /openapi.json; the view page
+            url = route.path.replace("{session_id}", session_id) + "?bogus=1"
+            if route.methods is None:  # a WebSocket: refused at the handshake, with the same envelope
+                with pytest.raises(WebSocketDenialResponse) as refused:
+                    with client.websocket_connect(url):
+                        pass
+                status, body = refused.value.status_code, json.loads(refused.value.content)
+            else:
+                (method,) = route.methods
+                reply = client.request(method, url)
+                status, body = reply.status_code, (reply.json() if method != "HEAD" else None)
+            assert status == 422, (route.path, route.methods, body)
+            if body is not None:
+                assert body["error"]["code"] == "invalid_request" and "bogus" in body["error"]["message"], body
+            checked.append(route.path)
+        # The probes and the WebSockets that ignored a stray parameter before are among them.
+        assert {"/health", "/ready", "/metrics", "/v1/sessions/{session_id}/stream",
+                "/v1/sessions/{session_id}/watch", "/v1/admin/drain"} <= set(checked)
+        assert client.get("/ready").status_code == 200  # the drain did not run
+        assert client.get(f"/v1/sessions/{session_id}").status_code == 200  # nor the DELETE
+        # Declared parameters still pass, repeats do not; the view page's own query is let through.
+        assert client.get("/health").status_code == 200
+        assert_error(client.get(f"/v1/sessions/{session_id}?x=1&x=2"), 422, "invalid_request")
+        with client.websocket_connect(f"/v1/sessions/{session_id}/watch?outputs=latents"):
+            pass
+        with pytest.raises(WebSocketDenialResponse) as repeated:
+            with client.websocket_connect(f"/v1/sessions/{session_id}/watch?outputs=latents&outputs=latents"):
+                pass
+        assert repeated.value.status_code == 422
+        assert client.get(f"/view?session={session_id}&format=h264").status_code == 200

@@ -145,14 +145,15 @@ def test_admission_reserves_the_prompt_and_a_later_chunk_that_grows_a_session(ma
     for it, a session that does not fit is refused with its figures as fields, and a later chunk that brings a
     longer prompt reserves the difference first."""
     from models import SessionConfig
-    from models.memory import FrameGeometry, session_bytes_estimate
+    from models.session import Geometry
+    from models.session_bytes import session_bytes_estimate
 
     latents = torch.randn(4, 128, 5, 4, 4, generator=torch.Generator().manual_seed(3))  # (B, C, T, H, W)
     long_prompt = torch.randn(4, 1024, refiner.info.caption_channels)  # (B, L, caption)
     short_prompt = long_prompt[:, :8].contiguous()
     def estimate(**extra):
         return sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, SessionConfig(),
-                                          FrameGeometry(4, 128, 4, 4), refiner.dtype, **extra).values())
+                                          Geometry(4, 128, 4, 4), refiner.dtype, **extra).values())
 
     # Room for the session with the short prompt: over twice what the old admission reserved for the long one.
     budget = int(estimate(prompt_tokens=8, caption_channels=refiner.info.caption_channels, chunk_frames=5) * 1.1)

@@ -16,7 +16,8 @@ import torch
 from websockets.sync.client import connect
 
 from models import SessionConfig
-from models.memory import FrameGeometry, session_bytes_estimate
+from models.session import Geometry
+from models.session_bytes import session_bytes_estimate
 
 from .conftest import (DEADLINE_S, OCTET, EngineHold, LiveServer, expected_clip, make_clip, payload, read_latents,
                        running_app, wait_until)
@@ -93,7 +94,7 @@ def _one_session_bytes(refiner, frames_shape, prompt_tokens: int = 0) -> int:
     """What admission reserves for a session whose chunk of ``frames_shape`` brings a prompt of ``prompt_tokens``."""
     batch, channels, frames, height, width = frames_shape
     return sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, SessionConfig(),
-                                      FrameGeometry(batch, channels, height, width), refiner.dtype,
+                                      Geometry(batch, channels, height, width), refiner.dtype,
                                       prompt_tokens=prompt_tokens, caption_channels=refiner.info.caption_channels,
                                       chunk_frames=frames).values())
 

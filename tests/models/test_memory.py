@@ -8,13 +8,15 @@ import torch
 
 from models import RefinerSession, SessionConfig, from_model
 from models.checkpoints import build_model
-from models.memory import FrameGeometry, move_session, session_bytes, session_bytes_estimate
+from models.move import move_session
+from models.session import Geometry
+from models.session_bytes import session_bytes, session_bytes_estimate
 
 from .conftest import make_inputs
 
 
 def _owned(session) -> list[torch.Tensor]:
-    """Every tensor the session owns, found by walking its objects (not through models.memory)."""
+    """Every tensor the session owns, found by walking its objects (not through models.session_bytes)."""
     found = [v for v in vars(session.kv).values() if isinstance(v, torch.Tensor)] if session.kv else []
     state = session.state
     found += [t for t in (state.pending,) if t is not None]
@@ -31,7 +33,7 @@ def test_the_estimate_is_what_the_session_allocates_and_the_count_is_its_tensors
     config = SessionConfig(positions=positions, block_size=2, kv_max_frames=5)
     latents, embeds = make_inputs(batch=batch, frames=6, height=4, width=3)
     estimate = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
-                                      FrameGeometry(batch, 128, 4, 3), refiner.dtype)
+                                      Geometry(batch, 128, 4, 3), refiner.dtype)
     session = RefinerSession(refiner, config)
     assert sum(session_bytes(session).values()) == 0, "nothing before the first chunk"
     session.push(latents[:, :, :5], embeds)  # the sink, two blocks; no frame pending
@@ -43,7 +45,7 @@ def test_the_estimate_is_what_the_session_allocates_and_the_count_is_its_tensors
     session.push(latents[:, :, 5:6])  # one frame pending: at most a step's worth is estimated
     assert 0 < session_bytes(session)["pending"] <= estimate["pending"]
     # With the prompt and one chunk's rollback copies (issue 25: admission left them out), per part.
-    whole = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config, FrameGeometry(batch, 128, 4, 3),
+    whole = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config, Geometry(batch, 128, 4, 3),
                                    refiner.dtype, prompt_tokens=embeds.shape[1],
                                    caption_channels=refiner.info.caption_channels, chunk_frames=5)
     assert session_bytes(session)["prompt"] == whole["prompt"] > 0
@@ -82,3 +84,23 @@ def test_a_session_with_a_rollback_point_open_is_never_moved():
     with pytest.raises(RuntimeError, match="rollback point"):
         move_session(session, torch.device("cpu"))
     session.release(mark)
+
+
+@pytest.mark.parametrize("positions", ["absolute", "rebased"])
+def test_the_rollback_copies_are_counted_while_a_point_is_open(positions):
+    """``SessionKV.rollback_tensors``: what an open rollback point holds (the history frames a chunk pushed out) is
+    in the session's bytes while it is open, and gone once it is released."""
+    refiner = from_model(build_model("tiny"))
+    session = RefinerSession(refiner, SessionConfig(positions=positions, block_size=2, kv_max_frames=5))
+    latents, embeds = make_inputs(frames=11, height=4, width=3)
+    session.push(latents[:, :, :5], embeds)  # the sink and two blocks: the history is full
+    assert not session.kv.rollback_open and session_bytes(session)["kv_rollback"] == 0
+    mark = session.checkpoint()
+    session.push(latents[:, :, 5:9])  # two more blocks push two blocks' frames out of the window
+    assert session.kv.rollback_open
+    saved = session.kv.rollback_tensors()
+    # K/V pieces, and with rebased positions a pre-RoPE key piece beside each: twice as many tensors.
+    assert saved and len(saved) == len(session.kv._checkpoints[0].saved) * (2 if positions == "rebased" else 1)
+    assert session_bytes(session)["kv_rollback"] == sum(t.nbytes for t in saved) == session.kv.checkpoint_bytes > 0
+    session.release(mark)
+    assert not session.kv.rollback_open and session_bytes(session)["kv_rollback"] == 0

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.memory import parse_bytes
 from models import RefinerSession, SessionConfig, from_model
 from models.checkpoints import PRESETS, build_model
-from models.plan import GB, Gpu, Stream, forward_flops, make_plan, meta_model, parse_bytes
+from models.plan import GB, Gpu, Stream, forward_flops, make_plan, meta_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,130 @@
+"""Moving a live session's tensors to another device (parking to the host, a page-in back) without a host wait:
+the copies run on a side stream of the CUDA device (``Move``), and ``move_session`` moves every tensor a session
+holds in place. Used by ``app.parking`` on the engine thread."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .transfer import pinned_copy, pinned_empty
+
+
+class Move:
+    """Tensors of a session on their way to another device, queued on a side stream without waiting.
+
+    Both ways the copies run on a side stream of the CUDA device, so neither the engine thread nor the engine's
+    (compute) stream waits for them:
+
+    - Device to host (parking): the side stream first waits for everything queued on the compute stream (the last
+      forwards that wrote the cache); the copies go into exact-size pinned host buffers
+      (``models.transfer.pinned_empty``: the caching host allocator would round a 9 GiB window up to 16 GiB and
+      keep it); the source tensors are marked as used by the side stream (``record_stream``), so the caching
+      allocator reuses their memory only once the copies are done.
+    - Host to device (a page-in): the side stream first waits for ``after`` (the park's own copies); the new device
+      tensors are allocated on the side stream and marked as used by the compute stream too (``record_stream``),
+      so freeing them later waits for the forwards that read them. The compute stream does *not* wait here: the
+      caller makes the session's next forward wait for ``ready`` (``app.engine.wait_for``), so forwards of other
+      sessions queued meanwhile run while the window is copied.
+
+    ``ready`` is the event the copies complete with: whoever reads the results waits for it (``after`` on the
+    device, ``synchronize`` on the host). The host buffers a page-in reads from are kept alive until ``ready`` has
+    passed (``_in_flight``). Elsewhere (CPU to CPU) nothing is copied unless ``copy`` asks for it (tests do, to prove
+    that no tensor of the moved session is shared with the one before)."""
+
+    def __init__(self, device: torch.device, copy: bool = False, after=None, cuda_device: torch.device | None = None):
+        self.device = torch.device(device)
+        self.copy = copy
+        self.after = after
+        # The CUDA device whose streams carry the copies: the target when it is CUDA, else the tensors' own device
+        # (``cuda_device``; the current device when not given).
+        self.cuda_device = self.device if self.device.type == "cuda" else cuda_device
+        self.ready = None
+        self._stream = None
+        self._compute = None
+        self._context = None
+        self._sources: list[torch.Tensor] = []
+
+    def __enter__(self) -> Move:
+        cuda = self.device.type == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized())
+        if cuda:
+            release_finished()
+            device = self.cuda_device or torch.device("cuda", torch.cuda.current_device())
+            self._compute = torch.cuda.current_stream(device)
+            self._stream = torch.cuda.Stream(device)
+            if self.device.type == "cpu":
+                self._stream.wait_stream(self._compute)  # the forwards that wrote what is parked
+            elif self.after is not None:
+                self._stream.wait_event(self.after)  # the park's copies into the host buffers
+            self._context = torch.cuda.stream(self._stream)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stream is not None:
+            self._context.__exit__(*exc)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self._stream)
+            if self._sources:
+                _in_flight.append((self.ready, self._sources))
+
+    def __call__(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        if tensor.device.type == self.device.type and (self.device.type == "cpu" or tensor.device == self.device):
+            return tensor.clone() if self.copy else tensor
+        if self.device.type == "cpu":  # from CUDA, on the side stream
+            host = pinned_empty(tensor.shape, tensor.dtype)
+            host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(self._stream)
+            return host
+        staged = pinned_copy(tensor)  # a spilled session's tensors come back from a file in plain memory
+        moved = staged.to(self.device, non_blocking=True)
+        moved.record_stream(self._compute)  # allocated on the side stream, read by the compute stream's forwards
+        self._sources.append(staged)
+        return moved
+
+    @staticmethod
+    def after_ready(ready) -> None:
+        """Make the current stream wait for a move's copies (no host wait)."""
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+
+
+# Host buffers page-ins read from, with the event their copies complete with: released (and their pinning undone)
+# once the event has passed, checked without waiting at the next move and at every engine commit.
+_in_flight: list[tuple[object, list[torch.Tensor]]] = []
+
+
+def release_finished() -> None:
+    """Drop the host buffers of page-ins whose copies have completed (never waits)."""
+    if _in_flight:
+        _in_flight[:] = [(event, tensors) for event, tensors in _in_flight if not event.query()]
+
+
+def move_session(session, device: torch.device, copy: bool = False, after=None):
+    """Move every tensor ``session`` holds (its KV cache, pending frames and prompt) to ``device`` in place, without
+    a host wait; returns the CUDA event the copies complete with (None elsewhere): reading the moved tensors on the
+    device (or on the host) must wait for it. ``after``: an event the copies must wait for first (a page-in waits
+    for the park's copies). The caption projection prepared
+    from the prompt is dropped (recomputed from the moved prompt by the next forward, bit for bit: it is the same
+    computation on the same values). Only the engine thread may call this, between two of its jobs, and only for a
+    session with no run in flight (nothing else reads those tensors then)."""
+    state = session.state
+    if session.kv is not None and session.kv.rollback_open:
+        raise RuntimeError("a session is moved between two pieces of work, never with a rollback point open")
+    held = session.kv.window if session.kv is not None else state.pending
+    source = held.device if held is not None and held.device.type == "cuda" else None
+    with Move(device, copy, after=after, cuda_device=source) as move:
+        kv = session.kv
+        if kv is not None:
+            kv.window = move(kv.window)
+            kv.sink_key = move(kv.sink_key)
+            kv.history_key = move(kv.history_key)
+        prompt = state.prompt
+        if prompt is not None:
+            prompt = type(prompt)(embeds=move(prompt.embeds), mask=move(prompt.mask))
+        session.load(dataclasses.replace(state, pending=move(state.pending), prompt=prompt), kv)
+        session._prepared = None
+    return move.ready
