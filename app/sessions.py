@@ -82,8 +82,8 @@ class SessionOps:
         fields = await read_fields()
         flags = realtime.take_flags(fields)
         config, outputs = self.resolve_config(fields)
-        handle = self.store.create(services.require_model(), config, services.default_prompt, outputs,
-                                   realtime=flags["realtime"])
+        handle = await self.store.create(services.require_model(), config, services.default_prompt, outputs,
+                                         realtime=flags["realtime"])
         return {"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict(), **flags}}
 
     async def put(self, session_id: str, read_fields: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[dict[str, Any], bool]:
@@ -99,18 +99,21 @@ class SessionOps:
         flags = realtime.take_flags(fields)
         config, outputs = self.resolve_config(fields)
         body = {"session_id": session_id, "config": {**config.to_dict(), **outputs.to_dict(), **flags}}
-        existing = await self._existing(session_id)
-        if existing is not None:
-            if existing.config == config and existing.outputs == outputs and realtime.flags_of(existing) == flags:
-                return body, False
-            raise ApiError(
-                "session_exists",
-                f"session {session_id} already exists with another config "
-                f"({_differences(existing, config, outputs, flags)}); PUT it with the same config to get it again, "
-                "or choose another id",
-            )
-        handle = self.store.create(services.require_model(), config, services.default_prompt, outputs,
-                                   session_id=session_id, realtime=flags["realtime"])
+        async with self.store.creating(session_id):  # the id checked free and taken in one turn
+            existing = await self._existing(session_id)
+            if existing is not None:
+                if existing.config == config and existing.outputs == outputs and realtime.flags_of(existing) == flags:
+                    return body, False
+                raise ApiError(
+                    "session_exists",
+                    f"session {session_id} already exists with another config "
+                    f"({_differences(existing, config, outputs, flags)}); PUT it with the same config to get it "
+                    "again, or choose another id",
+                )
+            # With a shared snapshot_dir, an id live on another replica is refused here (503 session_moved naming
+            # it): its lease is held from the session's creation (SessionStore.create).
+            handle = await self.store.create(services.require_model(), config, services.default_prompt, outputs,
+                                             session_id=session_id, realtime=flags["realtime"])
         return {**body, "session_id": handle.id}, True
 
     async def _existing(self, session_id: str) -> SessionHandle | None:
