@@ -22,7 +22,9 @@ retained as a tensor, encoded again when it is next sent (``app.resume.SentUnit`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -71,18 +73,39 @@ class UnitCopies:
             return self._host
 
 
+# How much lower than the rest of the process the watchers' encoder threads run (a Linux thread's nice value).
+# At nice 10 the kernel's scheduler gives a thread about a tenth of a normal one's share of a core when both want
+# it: a watcher's JPEG or H.264 runs in the CPU time the engine and the producer's encoding leave over.
+WATCH_NICE = 10
+
+
+def _lower_priority() -> None:
+    """The initializer of a watchers' encoder thread: lower its own CPU priority. Linux schedules threads one by
+    one, so ``setpriority`` of this thread's id touches no other thread; raising one's own nice value needs no
+    privilege. Elsewhere (no per-thread nice) the pool only stays smaller than the producers'."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WATCH_NICE)
+
+
 class Encoder:
     """Encodes units and responses on ``workers`` threads (the engine thread never waits for them), and watchers'
-    units on as many threads of their own: a producer's unit never queues behind a watcher's encoding. A unit's
-    video is encoded once per format whoever asks (``app.stages.video.HostVideo.encoded``); units of one session
-    encoded in parallel are still published in order (``Deliveries``)."""
+    units on a pool of their own: a producer's unit never queues behind a watcher's encoding. The watchers' pool
+    is smaller (half the threads, at least one) and its threads run at a lower CPU priority (``WATCH_NICE``), so
+    on a machine with few cores a watcher's encoding takes CPU time from neither the engine nor the producer's
+    encoding: watchers that fall behind lose units (their queues are bounded), the producer never waits. How many
+    distinct encodings a session's watchers may ask for is bounded too (``max_watch_encodings``,
+    ``app.sessions``). A unit's video is encoded once per format whoever asks
+    (``app.stages.video.HostVideo.encoded``); units of one session encoded in parallel are still published in
+    order (``Deliveries``)."""
 
     def __init__(self, metrics: Metrics, response_dtype: str, workers: int = 2):
         self.metrics = metrics
         self.response_dtype = response_dtype
         self.stages: OutputStages = build_stages()  # what puts each kind on the wire: the server's, once loaded
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unit-encoder")
-        self._watch_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="watch-encoder")
+        self.watch_workers = max(1, workers // 2)
+        self._watch_pool = ThreadPoolExecutor(max_workers=self.watch_workers, thread_name_prefix="watch-encoder",
+                                              initializer=_lower_priority)
 
     def unit_bytes(self, host: HostUnit, outputs: Outputs, received: float,
                    extra: dict[str, str] | None = None) -> bytes:

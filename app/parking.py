@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -370,10 +371,8 @@ class Parking:
                 # Asked for while it was written: it stays parked here, and no other replica may adopt the file.
                 if store.checkpointing:  # the file is its durable copy now (a newer checkpoint), under its lease
                     handle.durable_frames = max(handle.durable_frames or 0, frames)
-                else:
+                else:  # the lease stays: a live session holds it, checkpoints or not (SessionStore.create)
                     await asyncio.to_thread(remove_record, folder, handle.id)
-                    store.leases.pop(handle.id, None)
-                    await asyncio.to_thread(leases.release, folder, handle.id, held)
                 return False
             # Released, as a drain's file is: whichever replica is asked for the session next adopts it at once.
             store.leases.pop(handle.id, None)
@@ -482,7 +481,20 @@ class Parking:
         if stub is None:
             return None
         stub.last_active = self.store.registry.clock()
+        self.record_use(session_id)
         return stub.describe()
+
+    def record_use(self, session_id: str) -> None:
+        """Write down in the folder that the spilled session was used now, for every replica's sweep
+        (``SessionStore.forget_expired_files``) to see: the file's modification time is set to now. A spilled
+        session has no lease (it is adoptable at once), so its file is the only record every replica reads; its
+        write time alone would let another replica's sweep delete a session polled here within its retention.
+        One ``utime`` (it never creates the file: one adopted meanwhile stays gone)."""
+        folder = self.store.snapshot_folder
+        if folder is None:
+            return
+        with contextlib.suppress(OSError):
+            os.utime(snapshot_path(folder, session_id))
 
     def paged_in(self, session_id: str, started: float) -> None:
         """A spilled session was adopted back (``SessionStore.lookup``)."""

@@ -82,8 +82,8 @@ class SessionOps:
         fields = await read_fields()
         flags = realtime.take_flags(fields)
         config, outputs = self.resolve_config(fields)
-        handle = self.store.create(services.require_model(), config, services.default_prompt, outputs,
-                                   realtime=flags["realtime"])
+        handle = await self.store.create(services.require_model(), config, services.default_prompt, outputs,
+                                         realtime=flags["realtime"])
         return {"session_id": handle.id, "config": {**config.to_dict(), **outputs.to_dict(), **flags}}
 
     async def put(self, session_id: str, read_fields: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[dict[str, Any], bool]:
@@ -99,18 +99,21 @@ class SessionOps:
         flags = realtime.take_flags(fields)
         config, outputs = self.resolve_config(fields)
         body = {"session_id": session_id, "config": {**config.to_dict(), **outputs.to_dict(), **flags}}
-        existing = await self._existing(session_id)
-        if existing is not None:
-            if existing.config == config and existing.outputs == outputs and realtime.flags_of(existing) == flags:
-                return body, False
-            raise ApiError(
-                "session_exists",
-                f"session {session_id} already exists with another config "
-                f"({_differences(existing, config, outputs, flags)}); PUT it with the same config to get it again, "
-                "or choose another id",
-            )
-        handle = self.store.create(services.require_model(), config, services.default_prompt, outputs,
-                                   session_id=session_id, realtime=flags["realtime"])
+        async with self.store.creating(session_id):  # the id checked free and taken in one turn
+            existing = await self._existing(session_id)
+            if existing is not None:
+                if existing.config == config and existing.outputs == outputs and realtime.flags_of(existing) == flags:
+                    return body, False
+                raise ApiError(
+                    "session_exists",
+                    f"session {session_id} already exists with another config "
+                    f"({_differences(existing, config, outputs, flags)}); PUT it with the same config to get it "
+                    "again, or choose another id",
+                )
+            # With a shared snapshot_dir, an id live on another replica is refused here (503 session_moved naming
+            # it): its lease is held from the session's creation (SessionStore.create).
+            handle = await self.store.create(services.require_model(), config, services.default_prompt, outputs,
+                                             session_id=session_id, realtime=flags["realtime"])
         return {**body, "session_id": handle.id}, True
 
     async def _existing(self, session_id: str) -> SessionHandle | None:
@@ -325,11 +328,38 @@ class SessionOps:
                 "engine_busy",
                 f"session {session_id} already has {len(handle.watchers)} watchers (max_watchers); retry later",
             )
+        self._check_watch_encodings(handle, outputs)
         watcher = subscribe(handle.id, outputs)
         handle.watchers.add(watcher)
         self.store.connections.add(watcher)
         self._watching[watcher] = handle
         return watcher
+
+    def _check_watch_encodings(self, handle: SessionHandle, outputs: Outputs) -> None:
+        """503 over_capacity when a watcher of ``outputs`` would add a video encoding past ``max_watch_encodings``
+        (distinct (video_format, video_quality) pairs beyond the producer's). Each one costs encoder CPU per unit
+        however many watchers share it, on a machine whose cores the engine needs: bounded, so that watchers
+        never slow the producer down (issue 25 item 7). A watcher asking for an encoding already asked for, the
+        producer's own, or no video adds none."""
+        added = _watch_encoding(handle.outputs, outputs)
+        if added is None:
+            return
+        limit = self.settings.max_watch_encodings
+        asked = sorted({pair for watcher in handle.watchers
+                        if (pair := _watch_encoding(handle.outputs, getattr(watcher, "outputs", None))) is not None},
+                       key=repr)
+        if added in asked or len(asked) < limit:
+            return
+        named = ", ".join(f"video_format={fmt}" + ("" if quality is None else f"&video_quality={quality}")
+                          for fmt, quality in asked) or "none"
+        raise ApiError(
+            "over_capacity",
+            f"session {handle.id}'s watchers already ask for {len(asked)} video encoding(s) besides the producer's "
+            f"(max_watch_encodings {limit}): {named}. Watch with one of those, with the session's own video (no "
+            "video_format or video_quality), or without video (outputs=latents); or retry once a watcher leaves",
+            retry_after_s=self.settings.retry_after_s,
+            fields={"watch_encodings": [list(pair) for pair in asked], "max_watch_encodings": limit},
+        )
 
     def unwatch(self, watcher: Any) -> None:
         handle = self._watching.pop(watcher, None)
@@ -609,3 +639,14 @@ def _prompt_tokens(embeds) -> int | None:
     if embeds is None or getattr(embeds, "ndim", 0) != 3:
         return None
     return int(embeds.shape[1])
+
+
+def _watch_encoding(producer: Outputs, outputs: Outputs | None) -> tuple[str, int | None] | None:
+    """The video encoding (video_format, video_quality) a watcher of ``outputs`` adds to the producer's, or None:
+    no video, or the producer's own (its bytes are reused)."""
+    if outputs is None or not outputs.video:
+        return None
+    pair = (outputs.video_format, outputs.video_quality)
+    if producer.video and pair == (producer.video_format, producer.video_quality):
+        return None
+    return pair

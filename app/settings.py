@@ -248,9 +248,17 @@ class Settings(_SessionDefaults):
         default=8, description="units a watcher may fall behind before it loses some (it is told how many)"
     )
     max_watchers: PositiveInt = Field(default=8, description="most watchers of one session")
+    max_watch_encodings: int = Field(
+        default=2, ge=0,
+        description="distinct video encodings (video_format, video_quality) a session's watchers may ask for beyond "
+        "the producer's own: each costs CPU per unit however many watchers share it, so a watcher asking for one "
+        "more is refused with 503 over_capacity before its handshake is accepted; 0: watchers get the producer's "
+        "video (or no video) only",
+    )
     encode_workers: PositiveInt = Field(
         default=2, description="threads that put units on the wire (safetensors, JPEG, H.264) for producers and "
-        "responses; as many again serve watchers, so watchers never wait on (or delay) a producer's encoding"
+        "responses; watchers' encodings run on a pool of half as many (at least one), at a lower CPU priority, so "
+        "watchers never wait on (or delay) a producer's encoding"
     )
     retry_after_s: PositiveInt = 1
     drain_timeout_s: PositiveFloat = 30.0
@@ -392,6 +400,7 @@ class Settings(_SessionDefaults):
             "ws_resume_units",
             "watch_queue_units",
             "max_watchers",
+            "max_watch_encodings",
             "max_inflight_body_bytes",
             "max_header_bytes",
             "request_header_timeout_s",

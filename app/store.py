@@ -96,6 +96,7 @@ class SessionStore:
         # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
         self.draining = False
         self._adopting: dict[str, _Adoption] = {}
+        self._creating: dict[str, _Adoption] = {}  # PUTs in progress, by id (``creating``)
         # This replica's leases (app.leases) on the sessions it holds with a file in snapshot_dir, by id.
         self.leases: dict[str, Lease] = {}
         self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
@@ -134,15 +135,31 @@ class SessionStore:
         if shape is not None:
             await self.parking.reserve(handle, shape, prompt_tokens)
 
-    def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
-               session_id: str | None = None, realtime: bool = False) -> SessionHandle:
-        """A new session under ``session_id`` (a client's, already checked to be free) or a fresh id;
-        ``realtime``: its blocks have deadlines (app.realtime)."""
-        self.admit(realtime=config if realtime else None)
-        if self.snapshot_folder is not None:
+    async def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
+                     session_id: str | None = None, realtime: bool = False) -> SessionHandle:
+        """A new session under ``session_id`` (a client's, already checked to be free here) or a fresh id;
+        ``realtime``: its blocks have deadlines (app.realtime).
+
+        With ``snapshot_dir`` (a folder other replicas may share) the session takes its lease at once, checkpoints
+        or not: a live session is one replica's from its creation, so another replica asked to create the same id
+        answers 503 session_moved naming the owner instead of forking it (two live copies, whose spills would
+        later overwrite each other's file)."""
+        admitted = config if realtime else None
+        self.admit(realtime=admitted)
+        folder = self.snapshot_folder
+        if folder is not None:
             self.parking.require_spill_room()
-        handle = self.registry.adopt(session_id or uuid.uuid4().hex, RefinerSession(refiner, config, prompt),
-                                     outputs=outputs)
+        session_id = session_id or uuid.uuid4().hex
+        lease = None
+        if folder is not None:
+            lease = await self._claim(folder, session_id)
+            try:
+                self.admit(realtime=admitted)  # checked again: the place may have gone while the lease was taken
+            except BaseException:
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                raise
+            self.leases[session_id] = lease
+        handle = self.registry.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs)
         if self.checkpointing:
             handle.durable_frames = 0  # nothing survives a crash until its first checkpoint
         if realtime:
@@ -373,27 +390,49 @@ class SessionStore:
                     self.lose(handle, exc)
 
     # --- adoption --------------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def creating(self, session_id: str):
+        """One creation of ``session_id`` at a time in this process (a PUT's check that the id is free, then its
+        creation): two concurrent PUTs of one id must not both take its lease."""
+        turn = self._creating.get(session_id)
+        if turn is None:
+            turn = self._creating[session_id] = _Adoption()
+        turn.waiters += 1
+        try:
+            async with turn.lock:
+                yield
+        finally:
+            turn.waiters -= 1
+            if not turn.waiters:
+                del self._creating[session_id]
+
+    async def _claim(self, folder: Path, session_id: str) -> Lease:
+        """The session's lease for this replica (``app.leases.acquire``, on a worker thread); 503 session_moved
+        naming the owner while another replica holds a live one."""
+        settings = self.settings
+        try:
+            return await asyncio.to_thread(leases.acquire, folder, session_id, settings.replica_id,
+                                           settings.session_lease_s)
+        except LeaseHeld as held:
+            raise ApiError(
+                "session_moved",
+                f"{held}: the session lives there. Send its requests through the router (or to that replica); "
+                "if that replica is gone, this one takes the session once the lease expires: retry then",
+                retry_after_s=max(1, math.ceil(held.expires_in)),
+            ) from None
+
     async def _adopt(self, folder: Path, session_id: str) -> SessionHandle | None:
         """Take the session's lease, load its file and hold the session (None when the file went meanwhile or
         cannot be loaded). 503 session_moved while another replica holds the lease. An adopted session counts
-        against max_sessions: when full, the request gets 503 and the file stays for a replica with room. With
-        checkpoints on, the file stays (it is the session's durable copy, under this replica's lease); otherwise it
-        is deleted once loaded, as a drain's snapshot is taken exactly once."""
+        against max_sessions: when full, the request gets 503 and the file stays for a replica with room. The lease is
+        kept while the session lives here. With checkpoints on, the file stays (it is the session's durable copy);
+        otherwise it is deleted once loaded, as a drain's snapshot is taken exactly once."""
         settings = self.settings
         self.admit()
         # The place is held across the awaits below, so that concurrent adoptions cannot pass the check together.
         self.registry.clips += 1
         try:
-            try:
-                lease = await asyncio.to_thread(leases.acquire, folder, session_id, settings.replica_id,
-                                                settings.session_lease_s)
-            except LeaseHeld as held:
-                raise ApiError(
-                    "session_moved",
-                    f"{held}: the session lives there. Send its requests through the router (or to that replica); "
-                    "if that replica is gone, this one adopts the session once the lease expires: retry then",
-                    retry_after_s=max(1, math.ceil(held.expires_in)),
-                ) from None
+            lease = await self._claim(folder, session_id)
             path = snapshot_path(folder, session_id)
             refiner, stages = self._refiner(), self._stages()
             limits = snapshot_limits(settings)  # checked from the file's header before anything is allocated
@@ -420,16 +459,13 @@ class SessionStore:
         # An owner that stopped renewing crashed: its file may be a checkpoint its clients are ahead of, even one
         # that began as a drain's snapshot.
         handle.from_checkpoint = record.checkpoint or lease.previous != "none"
+        # The lease is kept either way: a live session is this replica's until it ends, spills or is drained.
+        self.leases[session_id] = lease
         if self.checkpointing:
-            self.leases[session_id] = lease
             handle.durable_frames = record.session.state.frames_received
             handle.checkpoint_blocks = record.session.state.blocks_refined
         else:
-            def take() -> None:
-                path.unlink(missing_ok=True)
-                leases.release(folder, session_id, lease)
-
-            await asyncio.to_thread(take)
+            await asyncio.to_thread(path.unlink, missing_ok=True)
         log.info("adopted session %s from %s (lease generation %d)", session_id, folder, lease.generation)
         return handle
 
@@ -468,6 +504,9 @@ class SessionStore:
         spilled or drained by a replica that then restarted (or went away) is past its retention as a live one
         would be. A file under a lease is a live session's checkpoint on some replica, and one this replica
         tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids.
+        A file's age is its last use by any replica: a spill writes it, and each GET of the spilled session on the
+        replica that spilled it sets its modification time (``Parking.record_use``), so a session polled there is
+        never deleted here.
 
         What dead processes left goes too (``app.leases``): their staging folders (writes that never reached their
         rename), and leases nobody renewed for ``session_retention_s`` past their expiry (a crashed replica's:

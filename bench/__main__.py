@@ -10,6 +10,7 @@
     python -m bench park   [...]   page-in latency of parked and spilled sessions, and their sizes
     python -m bench realtime [...] paced realtime sessions: how many each server mode keeps with no late block
     python -m bench encode [...]   encoded video (jpeg, h264): bytes and PSNR vs raw, encode ms, JPEG watchers
+    python -m bench watch-mix [...] a producer's time with 8 watchers of mixed encodings vs none
     python -m bench gpu OUT [--smoke] the GPU check's figures in one process (bench/gpu_check.sh runs it)
     python -m bench loadmodel [...] loading a released-width checkpoint: load_refiner vs safetensors' load_file
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.encode import main as encode_main
 
         return encode_main(rest)
+    if command == "watch-mix":
+        from bench.watch_mix import main as watch_mix_main
+
+        return watch_mix_main(rest)
     if command == "gpu":
         from bench.gpu import main as gpu_main
 

@@ -50,7 +50,8 @@ class HostVideo:
     start: int
     end: int
     _encoded: dict = field(default_factory=dict, compare=False, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)  # guards _locks
+    _locks: dict = field(default_factory=dict, compare=False, repr=False)  # one per encoding
 
     @property
     def nbytes(self) -> int:
@@ -59,9 +60,13 @@ class HostVideo:
     def encoded(self, video_format: str, quality: int, fps: float, batch: int, height: int,
                 width: int) -> EncodedVideo:
         """This unit's frames in ``video_format``, encoded by the first caller (the others wait for it, then share
-        it); an encoding that failed fails again for each caller (it is not retried: it would fail the same way)."""
+        it); an encoding that failed fails again for each caller (it is not retried: it would fail the same way).
+        One lock per encoding, not per unit: a producer's JPEG never waits behind a watcher's H.264 of the same
+        unit (issue 25 item 7)."""
         key = (video_format, quality, fps)
         with self._lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
             if key not in self._encoded:
                 try:
                     frames = video_tensor(self.frames, "uint8", batch, height, width).numpy()

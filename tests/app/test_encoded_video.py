@@ -20,7 +20,7 @@ from app.stages.video import HostVideo, VideoStage
 from models.checkpoints import write_vae_checkpoint
 from wm_refiner_client import EncodedVideo, Unit
 
-from .conftest import OCTET, make_clip, payload, running_app
+from .conftest import OCTET, make_clip, payload, running_app, wait_until
 
 # Error bounds (PSNR against the uint8 frames, dB) at the default qualities, on smooth content: what
 # docs/api.md promises for natural video. The tiny random VAE's frames are noise, which no codec keeps well:
@@ -207,11 +207,23 @@ def read_units(ws) -> list[Unit]:
 
 
 def test_the_setting_sizes_both_encoder_pools_and_shutdown_stops_them(make_settings):
+    import os
     import threading
+
+    from app.delivery import WATCH_NICE
 
     with running_app(make_settings(encode_workers=3)) as client:
         encoder = client.app.state.services.encoder
-        assert encoder._pool._max_workers == encoder._watch_pool._max_workers == 3
+        assert encoder._pool._max_workers == 3
+        # The watchers' pool is smaller, and its threads run at a lower priority than the producers' (issue 25
+        # item 7): getpriority of the calling thread's own id reads that thread's nice value on Linux.
+        assert encoder._watch_pool._max_workers == encoder.watch_workers == 1
+
+        def nice() -> int:
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        producers = encoder._pool.submit(nice).result(timeout=5)
+        assert encoder._watch_pool.submit(nice).result(timeout=5) == min(19, producers + WATCH_NICE) > producers
         # Every session's units go through the pool: a second worker takes work while the first is busy.
         started, release = threading.Event(), threading.Event()
         busy = encoder._pool.submit(lambda: (started.set(), release.wait(5)))
@@ -220,6 +232,39 @@ def test_the_setting_sizes_both_encoder_pools_and_shutdown_stops_them(make_setti
         release.set()
         busy.result(timeout=5)
     assert encoder._pool._shutdown and encoder._watch_pool._shutdown
+
+
+def test_a_sessions_watchers_get_at_most_max_watch_encodings_beyond_the_producers(make_settings, vae_dir):
+    """Issue 25 item 7: every distinct (video_format, video_quality) a watcher asks for costs encoder CPU per unit.
+    Two beyond the producer's (max_watch_encodings: 2) are accepted, a third is refused before the handshake is
+    accepted with 503 over_capacity naming the setting and the encodings asked for; the producer's own video, no
+    video, or an encoding already asked for are always accepted; once a watcher leaves, its encoding is free."""
+    with running_app(make_settings(vae=str(vae_dir), max_watch_encodings=2)) as client:
+        session_id = client.post("/v1/sessions", json={"outputs": ["latents", "video"],
+                                                       "video_format": "jpeg"}).json()["session_id"]
+        base = f"/v1/sessions/{session_id}/watch"
+        with client.websocket_connect(f"{base}?video_format=h264"), \
+                client.websocket_connect(f"{base}?video_format=jpeg&video_quality=50") as second:
+            for query in ("video_format=uint8", "video_format=h264&video_quality=30"):
+                with pytest.raises(WebSocketDenialResponse) as refused:
+                    with client.websocket_connect(f"{base}?{query}"):
+                        pass
+                error = json.loads(refused.value.content)["error"]
+                assert refused.value.status_code == 503 and refused.value.headers["retry-after"], error
+                assert error["code"] == "over_capacity" and "max_watch_encodings 2" in error["message"], error
+                assert "video_format=h264&video_quality=23" in error["message"], error
+                assert error["max_watch_encodings"] == 2
+                assert sorted(map(tuple, error["watch_encodings"])) == [("h264", 23), ("jpeg", 50)]
+            # None of these adds an encoding: the producer's own video, no video, one already asked for.
+            for query in ("outputs=video", "outputs=latents", "video_format=jpeg&video_quality=85",
+                          "video_format=h264&video_quality=23"):
+                with client.websocket_connect(f"{base}?{query}"):
+                    pass
+            second.close()
+            wait_until(lambda: len(client.app.state.services.store.registry.existing(session_id).watchers) == 1,
+                       "the second watcher to leave")
+            with client.websocket_connect(f"{base}?video_format=uint8"):
+                pass
 
 
 def test_a_slow_encoder_drops_watcher_units_never_the_producers(make_settings, vae_dir, monkeypatch):

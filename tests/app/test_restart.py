@@ -74,7 +74,10 @@ def test_sigterm_saves_sessions_and_the_next_server_continues_them_bit_identical
             # The corrupt file costs its own session only: 404, and the file is set aside.
             assert http.get("/v1/sessions/badc0ffee").status_code == 404
         names = sorted(p.name for p in snapshots.iterdir())
-        assert names == ["badc0ffee.session.safetensors.corrupt"], "adopted files are removed, the bad one set aside"
+        # The adopter holds the live sessions' leases (issue 25 item 4: checkpoints or not).
+        leases = sorted(f".{sid}.session.lease.0000000001" for sid in (streamed, chunked))
+        assert names == [*leases, "badc0ffee.session.safetensors.corrupt"], \
+            "adopted files are removed, the bad one set aside"
         assert "badc0ffee" in second.log() and "cannot be adopted" in second.log()
     finally:
         second.terminate()
