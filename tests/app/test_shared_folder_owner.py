@@ -37,7 +37,7 @@ def test_a_session_live_on_one_replica_is_not_created_again_on_another(make_sett
             assert error["code"] == "session_moved" and "replica-a" in error["message"], error
             assert 1 <= int(refused.headers["retry-after"]) <= 2
             time.sleep(0.6)
-        assert "forked-session-1" not in {h.id for h in b.services.store.handles()}
+        assert "forked-session-1" not in {h.id for h in b.services.registry.handles()}
         reply = on_a.post("/v1/sessions/forked-session-1/chunks?seq=0", content=payload(latents, embeds, mask),
                           headers=OCTET)
         assert reply.status_code == 200 and reply.headers["x-replica"] == "replica-a"
