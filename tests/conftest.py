@@ -21,6 +21,33 @@ def pytest_unconfigure(config):
     shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
+# What ``-m "not slow"`` leaves out of the inner loop (the README's test command and CI still run everything): by
+# file, with why. Measured with ``--durations=0`` on 2 cores: these files are ~80% of the suite's time.
+SLOW_FILES = {
+    "tests/bench/": "benchmarks and soaks (real servers, many blocks)",
+    "tests/deploy/test_cluster.py": "HAProxy in front of real replicas",
+    "tests/app/test_serve_command.py": "starts `python -m app serve` processes",
+    "tests/app/test_restart.py": "restarts real server processes",
+    "tests/app/test_view_browser.py": "headless Chromium",
+    "tests/app/test_js_client.py": "headless Chromium",
+    "tests/app/test_cors.py": "headless Chromium",
+    "tests/app/test_fuzz.py": "schemathesis over every operation",
+    "tests/client/test_cli.py": "the CLI in subprocesses and a pseudo-terminal",
+    "tests/client/test_packaging.py": "builds wheels",
+    "tests/models/test_batching.py": "batch invariance over many mixes of sessions",
+    "tests/models/test_invariance.py": "batch invariance over a family of refiner shapes, and under emulated AVX2",
+    "tests/models/test_compiled.py": "torch.compile",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        if any(path == name or (name.endswith("/") and path.startswith(name)) for name in SLOW_FILES):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     # Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP workers spinning against each
