@@ -401,6 +401,8 @@ class Settings(_SessionDefaults):
             "watch_queue_units",
             "max_watchers",
             "max_watch_encodings",
+            "max_spilled_sessions",
+            "max_spilled_bytes",
             "max_inflight_body_bytes",
             "max_header_bytes",
             "request_header_timeout_s",

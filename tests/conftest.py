@@ -22,7 +22,7 @@ def pytest_unconfigure(config):
 
 
 # What ``-m "not slow"`` leaves out of the inner loop (the README's test command and CI still run everything): by
-# file, with why. Measured with ``--durations=0`` on 2 cores: these files are ~80% of the suite's time.
+# file, with why. Chosen by ``--durations=0`` on 2 cores (docs/benchmarks.md, "The test suite").
 SLOW_FILES = {
     "tests/bench/": "benchmarks and soaks (real servers, many blocks)",
     "tests/deploy/test_cluster.py": "HAProxy in front of real replicas",
@@ -37,6 +37,15 @@ SLOW_FILES = {
     "tests/models/test_batching.py": "batch invariance over many mixes of sessions",
     "tests/models/test_invariance.py": "batch invariance over a family of refiner shapes, and under emulated AVX2",
     "tests/models/test_compiled.py": "torch.compile",
+    "tests/app/test_watch.py": "watchers over real streams",
+    "tests/app/test_leases.py": "waits for leases to expire",
+    "tests/app/test_parking.py": "waits for park and spill timers",
+    "tests/app/test_hardening.py": "hostile clients",
+    "tests/app/test_hardening_ws.py": "hostile WebSocket clients",
+    "tests/app/test_hardening_v2.py": "hostile clients, 2,000 spilled sessions, writers killed mid-write",
+    "tests/app/test_engine_v2.py": "many concurrent sessions against the reference",
+    "tests/client/test_durable.py": "kill -9 of server processes",
+    "tests/client/test_readme.py": "runs the guides against a live server",
 }
 
 
