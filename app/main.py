@@ -46,6 +46,10 @@ PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", *view.PUBLIC_PATHS})
 BROWSER_PAGES = frozenset(view.PUBLIC_PATHS)
 
 
+ASYNCAPI_LINK = ("The WebSocket routes (`/v1/sessions/{id}/stream`, `/v1/sessions/{id}/watch`) and their messages: "
+                 "[/asyncapi.yaml](/asyncapi.yaml) (AsyncAPI 3.0).")
+
+
 # --- the app ---------------------------------------------------------------------------------------------
 def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], None] | None = None) -> FastAPI:
     """The service. ``warmup_gate`` (tests) runs on the engine thread before the warm-up and may block it."""
@@ -68,7 +72,9 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         title="wm-refiner",
         version="1",
         summary="Streaming SANA-WM stage-2 refiner: latent chunks in, refined latents out",
-        description=QUERY_RULE,
+        # The WebSocket routes (/stream, /watch) and their messages are described in AsyncAPI, beside this document
+        # (a relative link: OpenAPI's externalDocs wants an absolute URL, which a server behind a router cannot know).
+        description=f"{QUERY_RULE}\n\n{ASYNCAPI_LINK}",
         lifespan=lifespan,
     )
     app.state.services = services

@@ -102,6 +102,9 @@ def test_every_websocket_route_event_and_error_code_is_documented():
 def test_the_server_serves_the_document(server):
     response = httpx.get(f"{server.base_url}/asyncapi.yaml")
     assert response.status_code == 200 and response.text == DOCUMENT_PATH.read_text()
+    # /openapi.json (the HTTP routes) points at it, where a client generator starts.
+    description = httpx.get(f"{server.base_url}/openapi.json").json()["info"]["description"]
+    assert "[/asyncapi.yaml](/asyncapi.yaml)" in description
 
 
 def test_what_a_live_server_sends_matches_the_document(server):
