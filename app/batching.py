@@ -98,11 +98,14 @@ class BatchingPolicy:
         return self.mode is True or (self.mode == "auto" and any(v.ok for v in list(self._verdicts.values())))
 
     # --- classes and their probes --------------------------------------------------------------------------
+    def unseen(self, group: Hashable) -> bool:
+        """Whether ``group`` is a class the policy has neither probed nor queued (and would queue)."""
+        return self.mode is not False and group not in self._verdicts and group not in self._pending
+
     def saw(self, group: Hashable, shape: ProbeShape) -> None:
         """A ready forward of ``group``: a class never seen before waits for its probe."""
-        if self.mode is False or group in self._verdicts or group in self._pending:
-            return
-        self._pending[group] = shape
+        if self.unseen(group):
+            self._pending[group] = shape
 
     def wants_probe(self, ready_groups: list[Hashable]) -> Hashable | None:
         """The pending class to probe before this iteration's call: one with two sessions ready at once (batching

@@ -366,7 +366,8 @@ class Engine:
             forward = self._next_forward(target)
             if forward is not None:
                 ready[target] = forward
-                self.policy.saw(forward.group, _probe_shape(target.session, forward))
+                if self.policy.unseen(forward.group):
+                    self.policy.saw(forward.group, _probe_shape(target.session, forward))
             elif target.run is None and not target.work:
                 self.scheduler.sleep(target)
         group = self.policy.wants_probe([forward.group for forward in ready.values()])
