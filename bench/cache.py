@@ -394,7 +394,7 @@ def forward_flops(model, batch: int, queries: int, keys: int, prompt_tokens: int
     built. Elementwise work (norms, RoPE, softmax, GELU, modulation) is left out, as GEMM-FLOP counts do.
 
     ``cached``: the service's step (``models.step``), which embeds the timestep once per row and projects the
-    prompt once per prompt (not per forward); otherwise diffusers' forward, which does both per forward, the
+    prompt, and each layer's cross-attention K/V of it, once per prompt (not per forward); otherwise diffusers' forward, which does both per forward, the
     timestep per token."""
     n, m, p = batch * queries, keys, prompt_tokens
     emb = model.time_embed.emb.timestep_embedder
@@ -421,7 +421,8 @@ def forward_flops(model, batch: int, queries: int, keys: int, prompt_tokens: int
         parts["attn2_q_out"] += _linear(a2.to_q, n) + _linear(a2.to_out[0], n)
         if a2.to_gate_logits is not None:
             parts["attn2_q_out"] += _linear(a2.to_gate_logits, n)
-        parts["attn2_kv"] += _linear(a2.to_k, batch * p) + _linear(a2.to_v, batch * p)
+        if not cached:  # the service projects each layer's prompt K/V once per prompt (models.step.prepare_prompt)
+            parts["attn2_kv"] += _linear(a2.to_k, batch * p) + _linear(a2.to_v, batch * p)
         parts["attn2_scores_av"] += 2 * (2 * n * p * a2.inner_dim)
         parts["ff"] += _linear(block.ff.net[0].proj, n) + _linear(block.ff.net[2], n)
     parts["total"] = sum(parts.values())
