@@ -95,8 +95,8 @@ class SessionStore:
         self.connections: set[Any] = set()
         # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
         self.draining = False
-        self._adopting: dict[str, _Adoption] = {}
-        self._creating: dict[str, _Adoption] = {}  # PUTs in progress, by id (``creating``)
+        self._adopting: dict[str, _Turn] = {}
+        self._creating: dict[str, _Turn] = {}  # PUTs in progress, by id (``creating``)
         # This replica's leases (app.leases) on the sessions it holds with a file in snapshot_dir, by id.
         self.leases: dict[str, Lease] = {}
         self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
@@ -194,17 +194,8 @@ class SessionStore:
             await self.parking.room_for_file(folder, session_id)  # its bytes, from the header, before the claim
             # One adoption per id in this process (other replicas are kept off by the lease). The entry stays in
             # the table while anyone waits on it, so a lookup arriving meanwhile queues on the same lock.
-            adoption = self._adopting.get(session_id)
-            if adoption is None:
-                adoption = self._adopting[session_id] = _Adoption()
-            adoption.waiters += 1
-            try:
-                async with adoption.lock:
-                    handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
-            finally:
-                adoption.waiters -= 1
-                if not adoption.waiters:
-                    del self._adopting[session_id]
+            async with _turn(self._adopting, session_id):
+                handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
             if handle is not None:
                 self.parking.paged_in(session_id, started)  # a spilled session of this replica is back
                 return handle
@@ -394,17 +385,8 @@ class SessionStore:
     async def creating(self, session_id: str):
         """One creation of ``session_id`` at a time in this process (a PUT's check that the id is free, then its
         creation): two concurrent PUTs of one id must not both take its lease."""
-        turn = self._creating.get(session_id)
-        if turn is None:
-            turn = self._creating[session_id] = _Adoption()
-        turn.waiters += 1
-        try:
-            async with turn.lock:
-                yield
-        finally:
-            turn.waiters -= 1
-            if not turn.waiters:
-                del self._creating[session_id]
+        async with _turn(self._creating, session_id):
+            yield
 
     async def _claim(self, folder: Path, session_id: str) -> Lease:
         """The session's lease for this replica (``app.leases.acquire``, on a worker thread); 503 session_moved
@@ -620,12 +602,29 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
     return build
 
 
-class _Adoption:
-    """The adoption lock of one id and how many lookups hold or wait for it."""
+class _Turn:
+    """One id's lock and how many coroutines hold or wait for it (its table entry lives as long as they do)."""
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.waiters = 0
+
+
+@contextlib.asynccontextmanager
+async def _turn(table: dict[str, _Turn], session_id: str):
+    """One holder of ``session_id``'s turn in ``table`` at a time; the entry stays while anyone waits on it, so a
+    coroutine arriving meanwhile queues on the same lock, and goes once nobody does."""
+    turn = table.get(session_id)
+    if turn is None:
+        turn = table[session_id] = _Turn()
+    turn.waiters += 1
+    try:
+        async with turn.lock:
+            yield
+    finally:
+        turn.waiters -= 1
+        if not turn.waiters:
+            del table[session_id]
 
 
 def _log_failed_checkpoint(task: asyncio.Future) -> None:

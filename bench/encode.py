@@ -161,21 +161,7 @@ def measure_watchers(watchers: int, blocks: int, threads: int | None, pixels: tu
                 readers = [threading.Thread(target=read, args=(i, ws), daemon=True) for i, ws in enumerate(sockets)]
                 for reader in readers:
                     reader.start()
-                latencies = []
-                with connect(f"{server.ws_url}/v1/sessions/{session_id}/stream", max_size=None,
-                             open_timeout=60) as ws:
-                    at = 1 + block
-                    ws.send(_payload(latents[:, :, :at], embeds))
-                    _wait_for(ws, at)
-                    for _ in range(blocks):
-                        began = time.perf_counter()
-                        ws.send(_payload(latents[:, :, at : at + block]))
-                        at += block
-                        _wait_for(ws, at)
-                        latencies.append(time.perf_counter() - began)
-                    ws.send(json.dumps({"type": "flush"}))
-                    while isinstance(ws.recv(timeout=600), bytes):
-                        pass
+                latencies = produce(server, session_id, latents, embeds, block, blocks)
                 for reader in readers:
                     reader.join(120)
                 for sock in sockets:
@@ -189,6 +175,28 @@ def measure_watchers(watchers: int, blocks: int, threads: int | None, pixels: tu
         finally:
             server.kill()
     return results
+
+
+def produce(server, session_id: str, latents: torch.Tensor, embeds: torch.Tensor, block: int, blocks: int) -> list[float]:
+    """The producer's stream: the sink and a first block, then ``blocks`` blocks one at a time, each timed from its
+    send to its unit; then a flush. Returns the blocks' latencies in seconds."""
+    from websockets.sync.client import connect
+
+    latencies = []
+    with connect(f"{server.ws_url}/v1/sessions/{session_id}/stream", max_size=None, open_timeout=60) as ws:
+        at = 1 + block
+        ws.send(_payload(latents[:, :, :at], embeds))
+        _wait_for(ws, at)
+        for _ in range(blocks):
+            began = time.perf_counter()
+            ws.send(_payload(latents[:, :, at : at + block]))
+            at += block
+            _wait_for(ws, at)
+            latencies.append(time.perf_counter() - began)
+        ws.send(json.dumps({"type": "flush"}))
+        while isinstance(ws.recv(timeout=600), bytes):
+            pass
+    return latencies
 
 
 def _payload(latents: torch.Tensor, embeds: torch.Tensor | None = None) -> bytes:

@@ -17,13 +17,12 @@ import os
 import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.encode import _payload, _wait_for, cpu_model
+from bench.encode import cpu_model, produce
 
 # What the watchers ask for, in turn (the producer gets uint8 video: none of these is its own).
 QUERIES = ("video_format=jpeg&video_quality=50", "video_format=h264", "video_format=jpeg&video_quality=90",
@@ -78,20 +77,7 @@ def run(watchers: int, blocks: int, rounds: int, max_watch_encodings: int, pixel
                     admitted.append(taken)
                 for reader in readers:
                     reader.start()
-                with connect(f"{server.ws_url}/v1/sessions/{session_id}/stream", max_size=None,
-                             open_timeout=60) as ws:
-                    at = 1 + block
-                    ws.send(_payload(latents[:, :, :at], embeds))
-                    _wait_for(ws, at)
-                    for _ in range(blocks):
-                        began = time.perf_counter()
-                        ws.send(_payload(latents[:, :, at : at + block]))
-                        at += block
-                        _wait_for(ws, at)
-                        phases[phase].append(time.perf_counter() - began)
-                    ws.send(json.dumps({"type": "flush"}))
-                    while isinstance(ws.recv(timeout=600), bytes):
-                        pass
+                phases[phase].extend(produce(server, session_id, latents, embeds, block, blocks))
                 for sock in sockets:
                     sock.close()
                 for reader in readers:
