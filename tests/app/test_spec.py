@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.cli import build_parser
-from app.cli_remote import session_flags
-from app.main import create_app
-from app.settings import Settings, check_replica_id, load_settings
-from app.leases import acquire
-from app.snapshots import has_snapshot, remove_record, snapshot_path
+from app.api.factory import create_app
+from app.cli.commands import build_parser
+from app.cli.remote import session_flags
+from app.core.settings import Settings, check_replica_id, load_settings
+from app.persistence.leases import acquire
+from app.persistence.records import has_snapshot, remove_record, snapshot_path
 from models.config import SessionConfig
 from models.errors import InvalidConfigError
 from wm_refiner_client import Client, spec
@@ -176,7 +176,7 @@ def test_flags_are_read_as_query_text_is():
     (["--video", "v.mp4", "--video-format", "float32"], "leave --video-format unset or h264"),
 ])
 def test_stream_refuses_outputs_its_files_cannot_hold_before_reading_anything(flags, fragment):
-    from app.cli_remote import stream_command
+    from app.cli.remote import stream_command
 
     args = build_parser().parse_args(["stream", "--input", "/nonexistent/in.safetensors", "--output", "o", *flags])
     with pytest.raises(ValueError, match=fragment):

@@ -1,4 +1,4 @@
-"""Output stages alone (app.stages), without an engine: the latents and video stages through one interface, their
+"""Output stages alone (app.outputs.stage), without an engine: the latents and video stages through one interface, their
 rollback point, their snapshot round trip, their wire format, and a failing stage that changes nothing."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.outputs import HostUnit, Outputs, payload
-from app.stages import OutputFailure, OutputStage, SessionStages, StageUnavailable, build_stages
+from app.outputs.kinds import HostUnit, Outputs, payload
+from app.outputs.catalog import build_stages, describe
+from app.outputs.stage import OutputFailure, OutputStage, SessionStages, StageUnavailable
 from models import SessionConfig
 from models.checkpoints import build_vae
 from models.session import Unit
@@ -56,13 +57,13 @@ def test_the_video_stage_decodes_as_the_vae_stream_does_and_carries_its_payload_
     assert tail.kind == "tail" and tail.frame_start == tail.frame_end == 7 and "latents" not in tail.payloads
     assert same(tail.payloads["video"].frames, last.frames) and session.done
     assert session.positions() == {"latents": 0, "video": last.end}
-    assert session.status() == {"video_state_bytes": video.nbytes, "video_frames_returned": last.end}
+    assert describe(session) == {"video_state_bytes": video.nbytes, "video_frames_returned": last.end}
 
 
 def test_a_latents_only_session_reports_no_video_and_needs_no_output_steps(stages):
     session = stages.for_session(Outputs(), CONFIG)
     assert session.done and not session.deferred and session.nbytes == 0
-    assert session.status() == {"video_state_bytes": 0, "video_frames_returned": 0}
+    assert describe(session) == {"video_state_bytes": 0, "video_frames_returned": 0}
 
 
 def test_the_rollback_point_puts_back_the_states_from_before(stages):

@@ -145,7 +145,7 @@ def test_stream_video_without_pyav_is_refused_before_anything_is_sent(video_serv
     with Client(video_server.base_url) as client:
         before = {s.session_id for s in client.sessions()}
     script = ("import sys; sys.modules['av'] = None\n"  # PyAV not installed
-              "from app.cli import main; sys.exit(main(sys.argv[1:]))")
+              "from app.cli.commands import main; sys.exit(main(sys.argv[1:]))")
     result = subprocess.run(
         [sys.executable, "-c", script, "stream", "--server", video_server.base_url, "--input", str(source),
          "--output", str(tmp_path / "out.safetensors"), "--video", str(tmp_path / "out.mp4")],
@@ -258,7 +258,7 @@ def raw_safetensors(tensors: dict[str, tuple[str, tuple[int, ...], bytes]], pad:
 def test_a_hand_built_payload_as_the_docs_describe_it_is_accepted(video_server):
     import httpx
 
-    from app.codec import read_metadata
+    from app.core.codec import read_metadata
 
     rng = np.random.default_rng(0)
     bf16 = lambda a: (a.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()  # noqa: E731 (truncated)

@@ -1,0 +1,120 @@
+"""Request plumbing shared by the routes: the app's services, the query rule, bounded body reading, content types."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi.dependencies.models import Dependant
+from pydantic import BeforeValidator
+from starlette.datastructures import QueryParams
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
+
+from app.core.codec import OCTET_STREAM
+from app.core.error_kinds import ApiError
+from app.runtime.services import Services
+
+
+def get_services(connection: HTTPConnection) -> Services:
+    return connection.app.state.services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+OCTET_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}},
+        "description": "a safetensors file: latents (B, C, t, H, W)[, prompt_embeds (B, L, D)"
+        "[, prompt_attention_mask (B, L)]]",
+    }
+}
+OCTET_RESPONSE = {
+    200: {
+        "content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}},
+        "description": "a safetensors file with latents (B, C, n, H, W) and metadata frame_start, frame_end",
+    }
+}
+
+
+def _plain_integer(value: object) -> object:
+    # Query values arrive as text, and pydantic's lax int takes "1.0", "+0.0" or "1_000" for numbers (found by
+    # the schema fuzzer); a seq or a seed written so is a client bug worth a 422, as the schema says integer.
+    if isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value):
+        raise ValueError(f"{value!r} is not a plain integer; write it like 3")
+    return value
+
+
+# Goes beside Query(...) on an integer query parameter: decimal digits only.
+PlainInteger = BeforeValidator(_plain_integer)
+
+
+def reject_unknown_query(query: QueryParams, known: frozenset[str] = frozenset()) -> None:
+    """422 for a query parameter the route does not take, or one given more than once: a misspelt ``flsuh=true``,
+    a config field sent as ``POST /v1/sessions?seed=7`` or ``?seed=1&seed=2`` (of which the framework would keep one)
+    would otherwise be ignored without a word, and the client get what it did not ask for. The schema says the same
+    (``QUERY_RULE``, in /openapi.json's description). Called for every route by ``app.api.factory.QueryRule``."""
+    unknown = sorted(set(query) - known)
+    if unknown:
+        takes = f"this route takes only {sorted(known)}" if known else "this route takes no query parameters"
+        raise ApiError("invalid_request", f"unknown query parameter(s) {unknown}; {takes}")
+    repeated = sorted(name for name in set(query) if len(query.getlist(name)) > 1)
+    if repeated:
+        raise ApiError("invalid_request", f"query parameter(s) {repeated} given more than once; give each at most once")
+
+
+def declared_query(dependant: Dependant) -> frozenset[str]:
+    """The query parameters a route declares: its endpoint's and its dependencies' (``/v1/refine`` takes the session
+    fields through one), by the name a client sends. What the route declares is what /openapi.json documents, so
+    the rule and the schema cannot disagree."""
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= declared_query(sub)
+    return frozenset(names)
+
+
+QUERY_RULE = ("Query parameters: each route takes only the ones it documents, each at most once; an unknown or repeated "
+              "query parameter is refused with 422 invalid_request (never ignored).")
+
+
+def require_content_type(request: Request, expected: str) -> None:
+    """415 unless the body is declared as ``expected`` (an absent header is taken as that)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type != expected:
+        raise ApiError(
+            "unsupported_media_type",
+            f"Content-Type {declared!r} is not accepted here; send the body as {expected}",
+        )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit``: from Content-Length before
+    reading anything, else while it streams in, so an oversized body is never held in memory."""
+    too_large = ApiError(
+        "payload_too_large",
+        f"the body is larger than the limit of {limit} bytes (max_body_bytes); send fewer frames per chunk",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ApiError("invalid_payload", f"Content-Length {declared!r} is not a number") from None
+        if size > limit:
+            raise too_large
+    parts: list[bytes] = []
+    received = 0
+    try:
+        async for part in request.stream():
+            received += len(part)
+            if received > limit:
+                raise too_large
+            parts.append(part)
+    except ClientDisconnect:
+        # Nobody is left to answer; end the request without logging it as a server error.
+        raise ApiError("invalid_payload", "the client disconnected before the body was complete") from None
+    return b"".join(parts)

@@ -1,0 +1,39 @@
+"""What a session holds, in bytes, by part and by where: the numbers the session JSON, the listing, ``/metrics``
+and ``/v1/info`` report, and the ones admission by bytes adds up.
+
+``device`` is the memory the model computes from (the GPU's; on a CPU server the host's own RAM, where nothing
+moves), ``host`` what the session keeps off it: on every device the units kept for a reattaching stream and the
+last response kept for a repeated ``seq``, and, while the session is *parked*, its KV cache, pending frames and
+prompt (pinned host memory on CUDA; on a CPU server the same tensors, counted out of the device budget). Plain
+bookkeeping over a handle's fields; no tensor is touched, nothing is awaited.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.session_bytes import session_bytes
+
+# The parts a parked session moves to the host (``models.move.move_session``); the output stages' states (a video
+# decoder's) stay where they are.
+MOVED_PARTS = ("kv_window", "kv_sink", "kv_history_keys", "kv_rollback", "pending", "prompt")
+
+
+def handle_parts(handle: Any) -> dict[str, int]:
+    """Every part the session ``handle`` holds, in bytes."""
+    parts = session_bytes(handle.session)
+    parts["decoder"] = handle.engine_session.stages.nbytes
+    parts["retained_units"] = handle.retained.nbytes
+    stored = handle.chunks.last_response
+    parts["last_response"] = 0 if stored is None else len(stored)
+    return parts
+
+
+def handle_bytes(handle: Any) -> dict[str, Any]:
+    """``{"device": n, "host": n, "parts": {...}}`` for the session JSON; device and host sum the parts."""
+    parts = handle_parts(handle)
+    parked = getattr(handle, "memory_state", "active") != "active"
+    on_host = {"retained_units", "last_response", *(MOVED_PARTS if parked else ())}
+    device = sum(n for name, n in parts.items() if name not in on_host)
+    host = sum(n for name, n in parts.items() if name in on_host)
+    return {"device": device, "host": host, "parts": parts}

@@ -1,0 +1,36 @@
+"""A live session as the record the persistence layer writes (``app.persistence.records.SessionRecord``).
+
+Read from the session's handle on the event loop (what it has sent, its seq, whether a stream held it); the record
+itself is built later on the engine thread, where the last response may be encoded. Checkpoints, spills and the
+drain all write this same record, so that any replica can adopt the file.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from app.outputs.delivery import Encoder
+from app.outputs.replay import SentUnit
+from app.persistence.records import SessionRecord
+from app.sessions.registry import SessionHandle
+
+
+def record_of(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionRecord]:
+    """What saving ``handle`` writes, read now (on the loop); the returned function builds the record (on the
+    engine thread: it may encode the last response)."""
+    chunks = handle.chunks
+    units = list(handle.retained)
+    streaming = handle.streaming or handle.detached
+    next_seq, last_seq = chunks.next_seq, chunks.last_seq
+    realtime = handle.engine_session.pacing is not None
+
+    def build() -> SessionRecord:
+        return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
+                             encode=encode, outputs=handle.outputs, stages=handle.engine_session.stages,
+                             created_at=handle.created_at, realtime=realtime)
+
+    def encode(unit: SentUnit) -> bytes:
+        return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
+
+    return build
