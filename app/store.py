@@ -597,7 +597,7 @@ def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionReco
                              created_at=handle.created_at, realtime=realtime)
 
     def encode(unit: SentUnit) -> bytes:
-        return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
+        return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter(), unit.metadata)
 
     return build
 
