@@ -35,6 +35,11 @@ EMPTY_CHUNK = (
     "body with ?flush=true"
 )
 EMPTY_PAYLOAD = "the body is empty; send a safetensors file (safetensors.torch.save) with a 'latents' tensor"
+# What an empty binary message on the WebSocket stream is told.
+EMPTY_MESSAGE = (
+    "the binary message is empty: send a safetensors file (safetensors.torch.save) with a 'latents' tensor, or the "
+    'text {"type": "flush"} to refine the pending frames as the final block'
+)
 
 
 def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = EMPTY_PAYLOAD) -> dict[str, torch.Tensor]:

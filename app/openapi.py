@@ -194,8 +194,8 @@ def _refined_payload(what: str, seq: str, example: dict[str, Any]) -> dict[int |
 
 
 def _example_header(seq: str, latency: str) -> dict[str, Any]:
-    # (1, 128, 4, 4, 4) float32: 8192 bytes.
-    return {"latents": {"dtype": "F32", "shape": [1, 128, 4, 4, 4], "data_offsets": [0, 8192]},
+    # (1, 128, 4, 4, 4) float32: 8192 values of 4 bytes.
+    return {"latents": {"dtype": "F32", "shape": [1, 128, 4, 4, 4], "data_offsets": [0, 32768]},
             "__metadata__": {"frame_start": "0", "frame_end": "4", "latency_ms": latency, "seq": seq}}
 
 

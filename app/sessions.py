@@ -29,7 +29,7 @@ from models.session import check_finite
 from wm_refiner_client import spec
 
 from . import realtime
-from .codec import EMPTY_CHUNK, LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
+from .codec import EMPTY_CHUNK, EMPTY_MESSAGE, LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
 from .delivery import Deliveries, UnitCopies, unit_metadata
 from .deps import check_config_limits, check_payload
 from .engine import EngineSession, Work
@@ -533,7 +533,7 @@ class StreamSession:
         """One binary message: a chunk payload, refined and published unit by unit."""
         received = time.perf_counter()
         services, settings = self.ops.services, self.ops.settings
-        tensors = decode(data)
+        tensors = decode(data, empty=EMPTY_MESSAGE)
         latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
                                 services.require_model().info.in_channels)
         await scan_finite(tensors)
