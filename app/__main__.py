@@ -1,6 +1,6 @@
-"""``python -m app``: see ``app.cli``."""
+"""``python -m app``: see ``app.cli.commands``."""
 
-from app.cli import main
+from app.cli.commands import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import torch
 
-from app.codec import decode_response, encode
+from app.core.codec import decode_response, encode
 from bench.live import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

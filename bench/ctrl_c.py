@@ -28,7 +28,7 @@ def exit_after_sigint(server, clip: Path, out_dir: Path, session_id: str, close_
     from wm_refiner_client import Client
 
     patch = "" if close_timeout is None else f"import wm_refiner_client.client as c; c.CLOSE_TIMEOUT_S = {close_timeout}; "
-    script = patch + "import sys; from app.cli import main; sys.exit(main(sys.argv[1:]))"
+    script = patch + "import sys; from app.cli.commands import main; sys.exit(main(sys.argv[1:]))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
     env["PYTHONPATH"] = str(ROOT)
     child = subprocess.Popen(
@@ -53,7 +53,7 @@ def exit_after_sigint(server, clip: Path, out_dir: Path, session_id: str, close_
 def main(rounds: int = 3) -> int:
     from safetensors.numpy import save_file
 
-    from app.settings import Settings
+    from app.core.settings import Settings
     from models.checkpoints import write_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-ctrl-c-"))

@@ -1,6 +1,6 @@
 """``python -m bench encode``: what encoded video (``video_format`` jpeg / h264) saves and costs.
 
-1. Codecs, offline, through the service's own encoder (``app.stages.encode``): bytes per frame against raw uint8,
+1. Codecs, offline, through the service's own encoder (``app.outputs.encoders``): bytes per frame against raw uint8,
    PSNR against the raw frames, and encode ms per frame on this CPU, for JPEG at quality 75/85/95 and H.264 at CRF
    23 and 28, encoded one unit (``--unit-frames``) at a time as the service does. On two clips at 832x480:
    a synthetic natural-looking one (smooth moving shapes and gradients, soft edges, a little sensor grain: not
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.stages.encode import encode_video
+from app.outputs.encoders import encode_video
 from wm_refiner_client import EncodedVideo
 
 HEIGHT, WIDTH = 480, 832
@@ -210,7 +210,7 @@ def _payload(latents: torch.Tensor, embeds: torch.Tensor | None = None) -> bytes
 
 def _wait_for(ws, frame_end: int) -> None:
     """Read the stream until the unit ending at latent frame ``frame_end`` arrived."""
-    from app.codec import read_metadata
+    from app.core.codec import read_metadata
 
     while True:
         message = ws.recv(timeout=600)

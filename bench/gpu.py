@@ -48,8 +48,8 @@ from models.transfer import use_device
 from .park import _cpu_model
 
 FPS = 16.0
-ADMISSION_MAX_LOAD = 0.9  # app.settings' default
-RESERVE_BYTES = 2 * 1024**3  # app.settings' default device_memory_reserve
+ADMISSION_MAX_LOAD = 0.9  # app.core.settings' default
+RESERVE_BYTES = 2 * 1024**3  # app.core.settings' default device_memory_reserve
 FULL = {
     "config": None,  # released_config()
     "vae": None,  # AutoencoderKLLTX2Video's defaults

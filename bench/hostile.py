@@ -362,7 +362,7 @@ def spilled_listing(server, deadline: float, count: int = 2000) -> list[tuple[st
     asked: the page must come within 0.5 s and /health within 0.1 s (the issue's bounds)."""
     import asyncio
 
-    from app.parking import Spilled
+    from app.sessions.parking import Spilled
 
     store = server.services.store
     folder = store.snapshot_folder
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import tempfile
 
-        from app.settings import Settings
+        from app.core.settings import Settings
         from bench.live import ThreadServer
 
         with tempfile.TemporaryDirectory() as cache:

@@ -55,7 +55,7 @@ class ThreadServer:
     """The service on a thread of this process, on 127.0.0.1 and a free port."""
 
     def __init__(self, settings, ready_timeout: float = 600.0):
-        from app.serve import build_server
+        from app.cli.serve import build_server
 
         self.settings = settings.model_copy(update={"host": "127.0.0.1", "port": free_port()})
         self.server = build_server(self.settings)

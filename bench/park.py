@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
 
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)

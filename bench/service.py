@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from app.settings import Settings
+from app.core.settings import Settings
 from bench.closed_loop import ClosedLoop
 from bench.live import ThreadServer
 from models import RefinerSession, SessionConfig, load_refiner

@@ -171,7 +171,7 @@ async def stream_session(index: int, session_id: str, clip: torch.Tensor, prompt
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-    from app.codec import decode_response
+    from app.core.codec import decode_response
 
     config = shared.config
     plan = FaultPlan.draw(config, index)

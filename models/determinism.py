@@ -20,7 +20,7 @@ What breaks it on a CPU, found by bisecting a forward module by module with forw
 
 So bit-identity under batching is a property of the loaded model on the device it runs on, measured:
 ``probe_batch_invariance`` runs the model as the service runs it, for one class of model call (tokens per row,
-dtype, device), and the service (``app.batching``) batches a class with ``batching: auto`` only once its probe
+dtype, device), and the service (``app.engine.batching``) batches a class with ``batching: auto`` only once its probe
 passed; the rest of the forward (attention, RoPE, gates, the time embedding, the prompt's projections) is per session
 on a solo forward's shapes, invariant by construction.
 """

@@ -1,6 +1,6 @@
 """Moving a live session's tensors to another device (parking to the host, a page-in back) without a host wait:
 the copies run on a side stream of the CUDA device (``Move``), and ``move_session`` moves every tensor a session
-holds in place. Used by ``app.parking`` on the engine thread."""
+holds in place. Used by ``app.sessions.parking`` on the engine thread."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Move:
     - Host to device (a page-in): the side stream first waits for ``after`` (the park's own copies); the new device
       tensors are allocated on the side stream and marked as used by the compute stream too (``record_stream``),
       so freeing them later waits for the forwards that read them. The compute stream does *not* wait here: the
-      caller makes the session's next forward wait for ``ready`` (``app.engine.wait_for``), so forwards of other
+      caller makes the session's next forward wait for ``ready`` (``app.engine.worker.wait_for``), so forwards of other
       sessions queued meanwhile run while the window is copied.
 
     ``ready`` is the event the copies complete with: whoever reads the results waits for it (``after`` on the

@@ -28,7 +28,7 @@ def session_bytes_estimate(num_layers: int, inner_dim: int, config, geometry: Ge
     a chunk of ``chunk_frames`` frames may make (``SessionKV._save_for_rollback``: the history frames it pushes out of
     the window, each layer's K and V and, rebased, its pre-RoPE key). A video decoder's state is not in it: it depends
     on the VAE and is counted once it exists. Every part a session may hold goes here, so admission
-    (``app.parking``) reserves it from this one function."""
+    (``app.sessions.parking``) reserves it from this one function."""
     element = torch.empty((), dtype=dtype).element_size()
     tokens = geometry.tokens_per_frame
     capacity = (config.sink_frames + config.max_history_frames + config.block_size) * tokens

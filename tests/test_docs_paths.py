@@ -3,7 +3,7 @@ pointing at nothing. Fast (no model, no server): it reads text only.
 
 What counts as a path: a backticked span or a link target that starts with one of the repository's top-level
 folders (``app/...``, ``models/...``, ``tests/...``); and, in the README's architecture picture, every file name
-on a line, looked up in that line's folder or one above it (``auth.py`` beside ``app/main.py`` is app/auth.py).
+on a line, looked up in that line's folder or one above it (``auth.py`` beside ``app/api/factory.py`` is app/api/auth.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GUIDES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 TOP = ("app", "models", "bench", "tests", "docs", "deploy", "configs", "clients", "examples", "wm_refiner_client")
 
-# `app/engine.py`, `tests/gpu/`, `bench/gpu_check.sh [--wheels DIR] OUT` (a command: its first word), and link
+# `app/engine/worker.py`, `tests/gpu/`, `bench/gpu_check.sh [--wheels DIR] OUT` (a command: its first word), and link
 # targets [text](docs/api.md#errors) (the anchor dropped).
 _TOP = "|".join(TOP)
 BACKTICKED = re.compile(r"`([^`\n]+)`")

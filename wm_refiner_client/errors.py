@@ -1,4 +1,4 @@
-"""Typed errors: one class per error code of the service's error table (docs/api.md "Errors", ``app.errors.ERRORS``).
+"""Typed errors: one class per error code of the service's error table (docs/api.md "Errors", ``app.core.error_kinds.ERRORS``).
 
 Every error the server answers with is ``{"error": {"code": ..., "message": ...}}``; the client raises the class
 registered for its code, a subclass of the class for its HTTP status, a subclass of ``APIError``. Catch as narrowly

@@ -2,9 +2,9 @@
 the settings that cap it, and its doc text.
 
 Everything else is derived from ``FIELDS``: the JSON body of ``POST``/``PUT /v1/sessions`` and its OpenAPI schema
-(``app.openapi``), ``/v1/refine``'s query parameters (``app.routes.refine``), the ``default_*`` settings and
-``/v1/info``'s session part (``app.settings``, ``app.routes.info``), the command line's flags (``app.cli``,
-``app.cli_remote``) and this client's keyword arguments (``_common``). A new field is one line in ``FIELDS`` plus
+(``app.api.openapi``), ``/v1/refine``'s query parameters (``app.api.routes.refine``), the ``default_*`` settings and
+``/v1/info``'s session part (``app.core.settings``, ``app.api.routes.info``), the command line's flags (``app.cli.commands``,
+``app.cli.remote``) and this client's keyword arguments (``_common``). A new field is one line in ``FIELDS`` plus
 the code that uses it.
 
 Plain Python on purpose: the client package installs without torch or the service, and the service imports this
@@ -43,8 +43,8 @@ AUTO = "auto"
 BOOLEAN = "boolean"  # a JSON true or false; text: true or false
 
 CONFIG = "config"  # the model's config (models.config.SessionConfig)
-OUTPUTS = "outputs"  # what the session's units carry (app.outputs.Outputs)
-FLAGS = "flags"  # how the service treats the session (app.realtime), neither the model's nor the outputs'
+OUTPUTS = "outputs"  # what the session's units carry (app.outputs.kinds.Outputs)
+FLAGS = "flags"  # how the service treats the session (app.engine.pacing), neither the model's nor the outputs'
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def is_session_id(session_id: object) -> bool:
     clients choose with ``PUT``; the ids the server makes, 32 hex digits of a UUID, obey it too). Being a plain
     token it is safe in a URL path, in a router's hash, in a log line and as a file name in ``snapshot_dir``: no
     '/', no '.', nothing a shell or a glob reads specially. Anything else names no session: the routes answer 404
-    (422 where a client tries to create one), the client refuses it before sending, and ``app.snapshots`` never
+    (422 where a client tries to create one), the client refuses it before sending, and ``app.persistence.records`` never
     turns it into a path.
     """
     return isinstance(session_id, str) and _SESSION_ID.fullmatch(session_id) is not None

@@ -14,9 +14,9 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save
 
-from app.codec import decode_response
-from app.main import create_app
-from app.settings import Settings
+from app.api.factory import create_app
+from app.core.codec import decode_response
+from app.core.settings import Settings
 from bench.live import ThreadServer
 from models import SessionConfig, load_refiner, refine_clip
 from models.checkpoints import write_checkpoint

@@ -8,9 +8,9 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-from app.metrics import Metrics
-from app.stages import build_stages
-from app.store import SessionStore
+from app.core.metrics import Metrics
+from app.outputs.stage import build_stages
+from app.sessions.store import SessionStore
 
 from .conftest import DEADLINE_S, OCTET, EngineHold, make_clip, payload, running_app, wait_until
 

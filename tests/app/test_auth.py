@@ -8,7 +8,7 @@ import re
 import pytest
 from starlette.testclient import WebSocketDenialResponse
 
-from app.main import PUBLIC_PATHS, registered_routes
+from app.api.factory import PUBLIC_PATHS, registered_routes
 
 from .conftest import OCTET, make_clip, payload, running_app
 
@@ -19,7 +19,7 @@ GOOD = {"authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def client(checkpoint_dir, tmp_path_factory):
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     settings = Settings(
         model=str(checkpoint_dir), device="cpu", dtype="float32", api_key=KEY, cache_dir=tmp_path_factory.mktemp("c")
@@ -163,7 +163,7 @@ def test_a_websocket_may_carry_the_key_as_a_subprotocol(client):
 
 def test_the_subprotocol_key_is_base64url():
     """A key whose base64 holds '+' and '/' travels as '-' and '_' (the only alphabet a subprotocol token allows)."""
-    from app.auth import ApiKeyMiddleware
+    from app.api.auth import ApiKeyMiddleware
 
     key = "wm>>>???key"  # base64 'd20+Pj4/Pz9rZXk=': both substitutions and the padding
     middleware = ApiKeyMiddleware(None, key, public_paths=())

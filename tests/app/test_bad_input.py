@@ -17,7 +17,7 @@ import torch
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 from tests.faults import failing_forwards
 
@@ -563,8 +563,8 @@ def test_session_caps_are_enforced(tmp_path):
     from fastapi.testclient import TestClient
     from safetensors.torch import save
 
-    from app.main import create_app
-    from app.settings import Settings
+    from app.api.factory import create_app
+    from app.core.settings import Settings
     from models.checkpoints import write_checkpoint
 
     folder = write_checkpoint(tmp_path / "tiny", preset="tiny")

@@ -34,7 +34,7 @@ def failing_probe(monkeypatch) -> list:
         calls.append(kwargs)
         return InvarianceProbe(False, 1, (1,), "a row stacked at position 1 of 2 differs (injected)")
 
-    monkeypatch.setattr("app.services.probe_batch_invariance", probe)
+    monkeypatch.setattr("app.runtime.services.probe_batch_invariance", probe)
     return calls
 
 

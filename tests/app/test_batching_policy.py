@@ -1,4 +1,4 @@
-"""app.batching alone: which classes of model call may hold several sessions, and which wait for their probe.
+"""app.engine.batching alone: which classes of model call may hold several sessions, and which wait for their probe.
 Plain bookkeeping, tested with a fake prober (the real probe is tested in tests/models/test_invariance.py and through
 a server in tests/app/test_batching_modes.py)."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.batching import BatchingPolicy, ProbeShape
+from app.engine.batching import BatchingPolicy, ProbeShape
 
 SHAPE = ProbeShape(height=4, width=4, block_frames=3, prompt_tokens=8)
 A, B = (48, "float32", "cpu"), (27, "float32", "cpu")

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 from starlette.testclient import WebSocketDenialResponse
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 from .conftest import running_app
 

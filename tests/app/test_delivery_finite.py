@@ -1,5 +1,5 @@
 """The finite check read off the engine thread (issue 22): on an accelerator a committed unit carries its finite
-flag unread (``models.session.FiniteCheck``), and ``app.delivery.UnitCopies`` reads it with the unit's host copy,
+flag unread (``models.session.FiniteCheck``), and ``app.outputs.delivery.UnitCopies`` reads it with the unit's host copy,
 failing with the error a CPU session's commit raises for the same block."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.delivery import UnitCopies
-from app.stages import OutUnit, build_stages
+from app.outputs.delivery import UnitCopies
+from app.outputs.stage import OutUnit, build_stages
 from models import RefinerSession, SessionConfig, from_model
 from models.checkpoints import build_model
 from models.errors import NonFiniteOutputError

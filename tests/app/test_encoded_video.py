@@ -13,10 +13,10 @@ import pytest
 import torch
 from starlette.testclient import WebSocketDenialResponse
 
-from app.codec import encode
-from app.outputs import Outputs
-from app.stages import video as video_stage
-from app.stages.video import HostVideo, VideoStage
+from app.core.codec import encode
+from app.outputs import video as video_stage
+from app.outputs.kinds import Outputs
+from app.outputs.video import HostVideo, VideoStage
 from models.checkpoints import write_vae_checkpoint
 from wm_refiner_client import EncodedVideo, Unit
 
@@ -210,7 +210,7 @@ def test_the_setting_sizes_both_encoder_pools_and_shutdown_stops_them(make_setti
     import os
     import threading
 
-    from app.delivery import WATCH_NICE
+    from app.outputs.delivery import WATCH_NICE
 
     with running_app(make_settings(encode_workers=3)) as client:
         encoder = client.app.state.services.encoder
@@ -314,7 +314,7 @@ def test_a_slow_encoder_drops_watcher_units_never_the_producers(make_settings, v
 
 
 def test_the_video_file_takes_segments_as_they_come_and_encodes_only_what_came_raw(tmp_path):
-    from app.cli_remote import SegmentFile
+    from app.cli.remote import SegmentFile
 
     frames = smooth_clip(14)
     outputs = Outputs(("video",), "h264", None, 23, fps=16.0)

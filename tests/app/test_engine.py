@@ -9,12 +9,12 @@ import asyncio
 import pytest
 import torch
 
-from app.engine import Engine, EngineSession, Work
-from app.engine_errors import Draining, EngineBusy, EngineError, OutputFailed
-from app.errors import from_exception
-from app.metrics import Metrics
-from app.services import warmup_work
-from app.settings import Settings
+from app.core.error_kinds import from_exception
+from app.core.metrics import Metrics
+from app.core.settings import Settings
+from app.engine.engine_errors import Draining, EngineBusy, EngineError, OutputFailed
+from app.engine.worker import Engine, EngineSession, Work
+from app.runtime.services import warmup_work
 from models import RefinerSession, SessionConfig
 
 from tests.faults import failing_forwards

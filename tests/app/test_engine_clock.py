@@ -8,8 +8,8 @@ import threading
 
 import torch
 
-from app.engine import Engine, EngineSession, Work
-from app.metrics import Metrics
+from app.core.metrics import Metrics
+from app.engine.worker import Engine, EngineSession, Work
 from models import RefinerSession, SessionConfig
 from models.clock import CallClock
 
@@ -21,7 +21,7 @@ from .conftest import DEADLINE_S
 def test_engine_thread_binds_the_models_device_before_its_next_job(monkeypatch, refiner):
     """The engine thread, not the thread that set the model, makes the model's device current."""
     bound = []
-    monkeypatch.setattr("app.engine.use_device", lambda device: bound.append((device, threading.current_thread().name)))
+    monkeypatch.setattr("app.engine.worker.use_device", lambda device: bound.append((device, threading.current_thread().name)))
     engine = Engine(Metrics(), 4, 4)
     engine.start()
     try:

@@ -225,7 +225,7 @@ class NeverReads:
 
 
 def test_a_client_that_neither_reads_nor_closes_cannot_hold_the_drain(make_settings):
-    from app.routes.stream import StreamConnection
+    from app.api.routes.stream import StreamConnection
 
     latents, embeds, mask = make_clip(frames=7)
     with running_app(make_settings(drain_timeout_s=0.5)) as client:
@@ -250,7 +250,7 @@ async def _never_reads(message):
 def test_a_unit_whose_hand_over_fails_still_reaches_its_client(make_settings, refiner, monkeypatch):
     """The engine's hand-over of a committed unit raises (the loop refused the callback): the unit is still in
     the work's result, and the stream delivers it, in order, before the next ones."""
-    from app import delivery
+    from app.outputs import delivery
 
     original = delivery.Deliveries.hand_over
     calls = {"n": 0}
@@ -280,7 +280,7 @@ def test_a_unit_whose_hand_over_fails_still_reaches_its_client(make_settings, re
 def test_a_unit_that_cannot_be_encoded_is_kept_and_sent_on_the_resume(make_settings, refiner, monkeypatch):
     """Encoding a unit fails once: the unit is retained as a tensor, the stream says so and closes (1011), and
     the client's resume gets the unit, encoded then, with nothing lost."""
-    from app import delivery
+    from app.outputs import delivery
 
     original = delivery.Encoder.unit_bytes
     calls = {"n": 0}

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine import Work
+from app.engine.worker import Work
 from models.checkpoints import build_vae
-from app.outputs import Outputs
-from app.stages import build_stages
+from app.outputs.kinds import Outputs
+from app.outputs.stage import build_stages
 from models.vae import StreamingDecoder
 from tests.faults import failing_forwards
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from starlette.testclient import WebSocketDenialResponse
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 from .conftest import (
     OCTET,
@@ -386,7 +386,7 @@ def test_not_ready_until_warm_up_is_503(make_settings):
     settings = make_settings()
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
+    from app.api.factory import create_app
 
     with TestClient(create_app(settings, warmup_gate=lambda: release.wait(30))) as client:
         try:
@@ -438,10 +438,10 @@ def test_unknown_or_repeated_query_parameters_are_refused_and_change_nothing(cli
 def test_every_route_refuses_an_unknown_query_parameter_before_it_runs(make_settings):
     """The rule holds on every route the app serves, probes, WebSockets and the drain included (the last would
     drain the server if it ran): found from the app's own route table, so a route added later is covered without
-    a list to keep. The view page's query is its script's (app.main.BROWSER_PAGES), and is let through."""
+    a list to keep. The view page's query is its script's (app.api.factory.BROWSER_PAGES), and is let through."""
     from fastapi.routing import iter_route_contexts
 
-    from app.main import BROWSER_PAGES
+    from app.api.factory import BROWSER_PAGES
 
     with running_app(make_settings()) as client:
         session_id = client.post("/v1/sessions", json={}).json()["session_id"]

@@ -43,9 +43,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from fastapi.routing import iter_route_contexts
-from app.settings import Settings
+from app.core.settings import Settings
 from models import SessionConfig
-from app import openapi
+from app.api import openapi
 
 from .conftest import DEADLINE_S, LiveServer, expected_clip, make_clip, payload, read_latents, wait_until
 

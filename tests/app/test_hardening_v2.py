@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from app.parking import Spilled
+from app.sessions.parking import Spilled
 
 from .conftest import DEADLINE_S, OCTET, LiveServer, payload, running_app, wait_until
 
@@ -106,7 +106,7 @@ def _ping_flood(base_url: str, path: str, total_bytes: int, give_up_s: float):
 
 
 async def _write_buffers(server) -> list[int]:
-    from app.ws_protocol import GuardedWebSocketProtocol
+    from app.api.uvicorn_websocket import GuardedWebSocketProtocol
 
     return [c.transport.get_write_buffer_size() for c in server.server.server_state.connections
             if isinstance(c, GuardedWebSocketProtocol) and c.transport is not None]
@@ -193,7 +193,7 @@ def test_admission_reserves_the_prompt_and_a_later_chunk_that_grows_a_session(ma
 
 
 async def _device_bytes(handle) -> int:
-    from app.memory import handle_bytes
+    from app.sessions.footprint import handle_bytes
 
     return handle_bytes(handle)["device"]
 
@@ -203,7 +203,7 @@ def test_lease_times_and_generations_read_from_the_folder_are_not_trusted(tmp_pa
     made the next one 11 digits, which the 10-digit filter no longer saw (a second owner got generation 1)."""
     import os
 
-    from app.leases import LeaseHeld, acquire, generations, lease_path
+    from app.persistence.leases import LeaseHeld, acquire, generations, lease_path
 
     lease_s = 30.0
     future = acquire(tmp_path, "future-session", "replica-a", lease_s)
@@ -253,7 +253,7 @@ def test_x_forwarded_for_is_believed_only_from_the_proxies_named(make_settings, 
     """Item 9: uvicorn believes X-Forwarded-For from 127.0.0.1 by default, so a client reaching a replica on loopback
     chose the address in its access log. Unset ``forwarded_allow_ips``: the header changes nothing; set to the
     router's address, the router's header is the client (the setting reaches uvicorn)."""
-    from app.serve import build_server
+    from app.cli.serve import build_server
 
     config = build_server(make_settings(warmup=False, forwarded_allow_ips=trusted)).config
     assert config.proxy_headers is (trusted is not None)
@@ -275,12 +275,12 @@ def test_x_forwarded_for_is_believed_only_from_the_proxies_named(make_settings, 
 
 
 # A writer of one session's file in a loop, as a spill or a checkpoint writes it (the lease, then the file through
-# app.snapshots.write_record): big enough that a kill lands in the middle of a write.
+# app.persistence.records.write_record): big enough that a kill lands in the middle of a write.
 _WRITER = """
 import sys, torch
 from pathlib import Path
 from app import leases
-from app.snapshots import write_record
+from app.persistence.records import write_record
 folder, replica, session_id = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 lease = leases.acquire(folder, session_id, replica, 30.0)
 tensors = {"kv": torch.zeros(96 * 1024 * 1024, dtype=torch.uint8)}
@@ -291,7 +291,7 @@ while True:
 
 def _temporaries(folder) -> list[str]:
     """Whatever in ``folder`` (at any depth) is neither a session's file nor a lease: a write's leftovers."""
-    from app.leases import parse_name
+    from app.persistence.leases import parse_name
 
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                   if not (p.parent == folder and (p.name.endswith(".session.safetensors") or parse_name(p.name))))

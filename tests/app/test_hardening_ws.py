@@ -396,7 +396,7 @@ def test_a_browser_offering_only_the_key_subprotocol_opens_the_stream_and_the_wa
 
 
 def test_the_subprotocol_selected_is_one_the_client_offered():
-    from app.auth import select_subprotocol
+    from app.api.auth import select_subprotocol
 
     bearer = "wm-refiner.bearer." + base64.urlsafe_b64encode(KEY.encode()).decode().rstrip("=")
     assert select_subprotocol(["wm-refiner", bearer]) == "wm-refiner"  # the key is not echoed when avoidable

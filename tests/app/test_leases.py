@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from app.leases import LeaseHeld, LeaseLost, acquire, check, generations, release, renew
-from app.snapshots import leftover_temporaries
+from app.persistence.leases import LeaseHeld, LeaseLost, acquire, check, generations, release, renew
+from app.persistence.records import leftover_temporaries
 from bench.live import ServerProcess, free_port
 
 from .conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, running_app, wait_until

@@ -196,7 +196,7 @@ class StalledClient:
 
 
 def test_a_slow_reader_stalls_only_its_own_stream(make_settings, refiner):
-    from app.routes.stream import StreamConnection
+    from app.api.routes.stream import StreamConnection
 
     with running_app(make_settings(ws_outbound_queue=1)) as client:
         services = client.app.state.services

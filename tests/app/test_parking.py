@@ -1,4 +1,4 @@
-"""Sessions by memory (app.parking): their bytes as reported match their tensors; admission by bytes parks idle
+"""Sessions by memory (app.sessions.parking): their bytes as reported match their tensors; admission by bytes parks idle
 sessions to make room and refuses what still does not fit; idle sessions park, spill to snapshot_dir and are
 deleted only after session_retention_s; and whatever brings one back (an HTTP chunk, a stream message, a stream
 reattach, a watcher), it continues bit-identically, with batching on and a second session sharing the calls."""
@@ -337,7 +337,7 @@ def test_session_files_nobody_asked_for_within_retention_are_deleted_unless_leas
     a leased one (a live session's checkpoint on another replica) and a recent one stay."""
     import os
 
-    from app import leases
+    from app.persistence import leases
 
     folder = tmp_path / "snapshots"
     folder.mkdir()

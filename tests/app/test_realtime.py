@@ -1,12 +1,12 @@
-"""Real-time pacing (app.realtime): block deadlines and late blocks on a deterministic clock, through the engine
+"""Real-time pacing (app.engine.pacing): block deadlines and late blocks on a deterministic clock, through the engine
 and the service (session JSON, /metrics), and admission by the measured cost per row (503 over_capacity)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.realtime import CostModel, Demand, Pacing, check_admission
-from app.errors import ApiError
+from app.core.error_kinds import ApiError
+from app.engine.pacing import CostModel, Demand, Pacing, check_admission
 
 from .conftest import OCTET, make_clip, payload, running_app, wait_until
 

@@ -16,8 +16,8 @@ import torch
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from app.errors import ApiError
-from app.resume import RetainedUnits, SentUnit
+from app.core.error_kinds import ApiError
+from app.outputs.replay import RetainedUnits, SentUnit
 
 from .conftest import DEADLINE_S, OCTET, LiveServer, expected_clip, make_clip, payload, read_latents, running_app, wait_until
 

@@ -1,10 +1,10 @@
-"""The scheduler alone, without a model: plain records in, a plan out (app.scheduler)."""
+"""The scheduler alone, without a model: plain records in, a plan out (app.engine.scheduler)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.scheduler import ModelCall, Ready, Scheduler
+from app.engine.scheduler import ModelCall, Ready, Scheduler
 
 
 def woken(*sessions, **kwargs) -> Scheduler:

@@ -1,13 +1,13 @@
-"""The session operations (app.sessions) driven directly, without HTTP or WebSocket framing: what a route calls."""
+"""The session operations (app.sessions.operations) driven directly, without HTTP or WebSocket framing: what a route calls."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from app.errors import ApiError
-from app.outputs import Outputs
-from app.sessions import RefuseInBand
+from app.core.error_kinds import ApiError
+from app.outputs.kinds import Outputs
+from app.sessions.operations import RefuseInBand
 
 from .conftest import expected_clip, make_clip, payload, read_latents, running_app
 

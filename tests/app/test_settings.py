@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.serve import settings_from_args
-from app.settings import Settings, load_settings
-from app.cli import build_parser
+from app.cli.commands import build_parser
+from app.cli.serve import settings_from_args
+from app.core.settings import Settings, load_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

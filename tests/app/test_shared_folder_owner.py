@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from app.leases import generations
+from app.persistence.leases import generations
 
 from .conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, wait_until
 

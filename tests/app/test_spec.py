@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.cli import build_parser
-from app.cli_remote import session_flags
-from app.main import create_app
-from app.settings import Settings, check_replica_id, load_settings
-from app.leases import acquire
-from app.snapshots import has_snapshot, remove_record, snapshot_path
+from app.api.factory import create_app
+from app.cli.commands import build_parser
+from app.cli.remote import session_flags
+from app.core.settings import Settings, check_replica_id, load_settings
+from app.persistence.leases import acquire
+from app.persistence.records import has_snapshot, remove_record, snapshot_path
 from models.config import SessionConfig
 from models.errors import InvalidConfigError
 from wm_refiner_client import Client, spec
@@ -156,7 +156,7 @@ def test_each_routes_400_and_409_say_exactly_when(schema):
     """The 400 and 409 of each route name the error codes it answers with, and no other route's."""
     import re
 
-    from app.errors import ERRORS
+    from app.core.error_kinds import ERRORS
 
     def said(path: str, method: str, status: str) -> str:
         return schema["paths"][path][method]["responses"][status]["description"]
@@ -230,7 +230,7 @@ def test_flags_are_read_as_query_text_is():
     (["--video", "v.mp4", "--video-format", "float32"], "leave --video-format unset or h264"),
 ])
 def test_stream_refuses_outputs_its_files_cannot_hold_before_reading_anything(flags, fragment):
-    from app.cli_remote import stream_command
+    from app.cli.remote import stream_command
 
     args = build_parser().parse_args(["stream", "--input", "/nonexistent/in.safetensors", "--output", "o", *flags])
     with pytest.raises(ValueError, match=fragment):

@@ -1,4 +1,4 @@
-"""Output stages alone (app.stages), without an engine: the latents and video stages through one interface, their
+"""Output stages alone (app.outputs.stage), without an engine: the latents and video stages through one interface, their
 rollback point, their snapshot round trip, their wire format, and a failing stage that changes nothing."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.outputs import HostUnit, Outputs, payload
-from app.stages import OutputFailure, OutputStage, SessionStages, StageUnavailable, build_stages
+from app.outputs.kinds import HostUnit, Outputs, payload
+from app.outputs.stage import OutputFailure, OutputStage, SessionStages, StageUnavailable, build_stages
 from models import SessionConfig
 from models.checkpoints import build_vae
 from models.session import Unit

@@ -14,7 +14,7 @@ import torch
 from diffusers import AutoencoderKLLTX2Video, SanaWMLTX2RefinerTransformer3DModel
 from websockets.sync.client import connect
 
-from app.codec import decode_response
+from app.core.codec import decode_response
 from models.checkpoints import write_vae_checkpoint
 from tests.faults import failing_forwards
 from tests.reference import reference_refine as reference_pipeline

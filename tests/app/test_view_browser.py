@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.codec import decode_response
+from app.core.codec import decode_response
 
 from .conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, wait_until
 
@@ -168,7 +168,7 @@ def test_the_page_plays_the_video_and_charts_every_block(make_settings, vae_dir,
         if page_format == "jpeg":
             from PIL import Image
 
-            from app.stages.encode import encode_jpeg
+            from app.outputs.encoders import encode_jpeg
 
             encoded = encode_jpeg(last[None, None].numpy(), 85)  # what the watcher was sent: quality "auto"
             pillow = torch.from_numpy(np.asarray(Image.open(io.BytesIO(encoded.data)).convert("RGB")).copy())
@@ -246,7 +246,7 @@ def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, 
         wait_until(lambda: browser.find_element(By.ID, "late-blocks").text == "2", "the stats counter to show 2")
 
 
-# --- a page on another origin (cors_origins, app/cors.py) ------------------------------------------------------
+# --- a page on another origin (cors_origins, app/api/cors.py) ------------------------------------------------------
 # What a web app on its own origin does: read /v1/info, create a session, read an error's JSON, open the stream's
 # WebSocket with the key as subprotocol. Each step's outcome is recorded; a step the browser blocks is "blocked".
 CROSS_ORIGIN_PAGE = """<!doctype html><meta charset="utf-8"><title>another origin</title><script>

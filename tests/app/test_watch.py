@@ -11,7 +11,7 @@ import torch
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from app.codec import decode_response
+from app.core.codec import decode_response
 from models.checkpoints import write_vae_checkpoint
 
 from .conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, wait_until

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.settings import Settings
+from app.core.settings import Settings
 from bench.live import ThreadServer
 from models.checkpoints import write_checkpoint
 

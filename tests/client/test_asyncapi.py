@@ -22,7 +22,7 @@ import yaml
 from starlette.routing import WebSocketRoute
 from websockets.sync.client import connect
 
-from app.errors import ERRORS
+from app.core.error_kinds import ERRORS
 from bench.live import ROOT
 from wm_refiner_client.units import encode, read_metadata
 
@@ -86,7 +86,7 @@ def test_the_document_is_asyncapi_3_and_its_references_resolve():
 def test_every_websocket_route_event_and_error_code_is_documented():
     routes = set()
     for module_path in (ROOT / "app" / "routes").glob("*.py"):
-        module = importlib.import_module(f"app.routes.{module_path.stem}")
+        module = importlib.import_module(f"app.api.routes.{module_path.stem}")
         router = getattr(module, "router", None)
         routes |= {r.path for r in getattr(router, "routes", []) if isinstance(r, WebSocketRoute)}
     assert routes == {channel["address"] for channel in DOCUMENT["channels"].values()}

@@ -145,7 +145,7 @@ def test_stream_video_without_pyav_is_refused_before_anything_is_sent(video_serv
     with Client(video_server.base_url) as client:
         before = {s.session_id for s in client.sessions()}
     script = ("import sys; sys.modules['av'] = None\n"  # PyAV not installed
-              "from app.cli import main; sys.exit(main(sys.argv[1:]))")
+              "from app.cli.commands import main; sys.exit(main(sys.argv[1:]))")
     result = subprocess.run(
         [sys.executable, "-c", script, "stream", "--server", video_server.base_url, "--input", str(source),
          "--output", str(tmp_path / "out.safetensors"), "--video", str(tmp_path / "out.mp4")],

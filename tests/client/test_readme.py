@@ -223,7 +223,7 @@ def test_the_reattach_example_resumes_and_gets_every_frame_once(server):
 
 
 def test_the_metrics_table_lists_every_metric_and_the_command_shows_them(server):
-    from app.metrics import Metrics
+    from app.core.metrics import Metrics
 
     metrics = section("## Metrics", "docs/operations.md")
     documented = set(re.findall(r"`(refiner_\w+?)(?:\{[\w,]+\})?`", metrics))

@@ -10,8 +10,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 import wm_refiner_client as wm
-from app.errors import ERRORS
-from app.settings import Settings
+from app.core.error_kinds import ERRORS
+from app.core.settings import Settings
 from bench.live import ThreadServer
 from wm_refiner_client import Client, RetryPolicy
 from wm_refiner_client.errors import ERROR_CLASSES

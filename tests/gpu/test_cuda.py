@@ -144,7 +144,7 @@ def test_exact_size_pinned_buffers_bypass_the_caching_host_allocator():
 def test_park_and_page_in_on_a_side_stream_keep_the_session_bit_exact(medium):
     """A session parked to host memory and paged in (copies on a side stream, its next forward waiting for them
     on the device) refines its next block exactly as its twin that never left the GPU."""
-    from app.engine import EngineSession, wait_for
+    from app.engine.worker import EngineSession, wait_for
     from models.move import move_session
 
     latents, embeds = clip(frames=19)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.memory import parse_bytes
+from app.sessions.footprint import parse_bytes
 from models import RefinerSession, SessionConfig, from_model
 from models.checkpoints import PRESETS, build_model
 from models.plan import GB, Gpu, Stream, forward_flops, make_plan, meta_model
@@ -113,7 +113,7 @@ def test_the_released_refiner_is_planned_without_weights():
     MB of this process at most (the weights alone are 35 GiB in bf16)."""
     # The child reports its own peak resident size: VmHWM of its own memory map. (Not getrusage's ru_maxrss: Linux
     # carries the forking parent's resident size into it across exec, so under a big test runner it says GBs.)
-    script = ("import re, sys; from pathlib import Path; from app.cli import main; "
+    script = ("import re, sys; from pathlib import Path; from app.cli.commands import main; "
               "code = main(['plan', '--config', 'configs/sana-wm.yaml', '--json', '--tflops', '400']); "
               "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1), file=sys.stderr); "
               "sys.exit(code)")

@@ -1,0 +1,120 @@
+"""Cross-origin access for browser pages served from another origin (``cors_origins``).
+
+One allow-list, two mechanisms, because browsers treat the two protocols differently:
+
+- HTTP: the browser enforces CORS. Starlette's ``CORSMiddleware`` answers the preflight ``OPTIONS`` and adds
+  ``Access-Control-Allow-Origin`` to every answer for an allowed origin. It wraps every other middleware, so a
+  preflight never reaches the API-key check (a browser never sends credentials on a preflight: refusing it with
+  401 would fail every authenticated cross-origin call), and the error answers (401, 404, 422, 503...) carry the
+  headers too: without them the page could not read the JSON error, only "network error".
+- WebSocket: browsers apply no CORS at all to a WebSocket; they only send ``Origin`` on the handshake, and it is
+  the server's to check. With ``cors_origins`` set, a handshake whose ``Origin`` is neither on the list nor this
+  server's own (the view page at ``/view``) is refused with 403 ``origin_not_allowed`` before it reaches auth or
+  a route. A handshake without ``Origin`` comes from a program, not a browser page, and is allowed: ``Origin`` is
+  what a browser sends, never a credential.
+
+Decisions: the default is no list: no CORS headers are sent, and WebSocket handshakes are not checked (the API key
+is the protection; the key is a header or a subprotocol the page must know, never a cookie that a foreign page's
+browser would send along). ``*`` allows every origin. Credentials (cookies) are never allowed: the key travels in
+``Authorization``, which the preflight allows explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Iterable
+from urllib.parse import urlsplit
+
+from starlette.middleware.cors import CORSMiddleware
+
+from app.core.error_kinds import WS_POLICY_VIOLATION, ApiError
+
+# What a cross-origin page may send beyond the CORS-safelisted headers: the key, and Content-Type for JSON and
+# application/octet-stream bodies (Starlette always allows Content-Type; named here for the reader).
+ALLOW_HEADERS = ("Authorization", "Content-Type")
+# Response headers a page may read besides the safelisted ones.
+EXPOSE_HEADERS = ("Retry-After", "X-Replica", "X-Replayed", "WWW-Authenticate")
+ALLOW_METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS")
+
+
+def check_origin(origin: str) -> str:
+    """``origin`` when it is ``*`` or a browser origin (``scheme://host[:port]``, no path); ValueError otherwise.
+
+    A browser's ``Origin`` is compared as a string, so ``http://localhost:3000/`` (a trailing slash) or a path would
+    never match anything: refused here rather than silently matching nothing."""
+    origin = origin.strip()
+    if origin == "*":
+        return origin
+    parts = urlsplit(origin)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or parts.fragment \
+            or parts.username or parts.password:
+        raise ValueError(
+            f"cors_origins entry {origin!r} is not an origin; give scheme://host[:port] exactly as the browser's "
+            "Origin header shows it (e.g. 'http://localhost:3000', 'https://app.example.com', no path or trailing "
+            "'/'), or '*' for any origin"
+        )
+    return origin.lower()
+
+
+def parse_origins(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    """The allow-list from a setting: a comma-separated string (environment, flag) or a list (YAML)."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(check_origin(str(item)) for item in items if str(item).strip())
+
+
+class CrossOrigin:
+    """The ``cors_origins`` policy for HTTP (CORS) and WebSocket handshakes (the ``Origin`` check)."""
+
+    def __init__(self, app, origins: Iterable[str], on_reject: Callable[[ApiError], None] | None = None):
+        self.app = app
+        self.origins = frozenset(origins)
+        self.any_origin = "*" in self.origins
+        self.on_reject = on_reject
+        self.http = CORSMiddleware(
+            app,
+            allow_origins=sorted(self.origins),
+            allow_methods=ALLOW_METHODS,
+            allow_headers=ALLOW_HEADERS,
+            expose_headers=EXPOSE_HEADERS,
+        )
+
+    async def __call__(self, scope, receive, send) -> None:
+        if not self.origins:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await self.http(scope, receive, send)
+        elif scope["type"] == "websocket" and not self.websocket_allowed(scope):
+            await self._refuse(scope, send)
+        else:
+            await self.app(scope, receive, send)
+
+    def websocket_allowed(self, scope) -> bool:
+        headers = dict(scope.get("headers", ()))
+        origin = headers.get(b"origin")
+        if origin is None or self.any_origin:
+            return True
+        origin_text = origin.decode("latin-1").lower()
+        if origin_text in self.origins:
+            return True
+        # This server's own pages (the view page): the Origin's host:port is the Host the browser connected to.
+        host = headers.get(b"host")
+        return host is not None and urlsplit(origin_text).netloc == host.decode("latin-1").lower()
+
+    async def _refuse(self, scope, send) -> None:
+        origin = dict(scope.get("headers", ())).get(b"origin", b"").decode("latin-1")
+        error = ApiError(
+            "origin_not_allowed",
+            f"WebSocket from a page on origin {origin!r}, which is not in this server's cors_origins; add it to "
+            "cors_origins (WM_REFINER_CORS_ORIGINS), or connect from an allowed origin",
+        )
+        if self.on_reject is not None:
+            self.on_reject(error)
+        body = json.dumps(error.envelope()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if "websocket.http.response" in scope.get("extensions", {}):
+            await send({"type": "websocket.http.response.start", "status": 403, "headers": headers})
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:  # a server without the denial-response extension: refuse the handshake the only way left
+            await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION, "reason": "origin_not_allowed"})

@@ -1,0 +1,132 @@
+"""Sessions: create (POST /v1/sessions), list (GET /v1/sessions), inspect (GET), end (DELETE)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.api.deps import ServicesDep, read_body, require_content_type
+from app.api.openapi import CONFIG_400, PUT_409, SessionCreate, SessionCreated, SessionDescription, SessionList, errors
+from app.core.error_kinds import ApiError
+
+router = APIRouter(tags=["sessions"])
+
+# A session config is a few numbers; a body beyond this is a mistake or an attack.
+MAX_CONFIG_BYTES = 64 * 1024
+
+
+CREATE_BODY = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": SessionCreate.model_json_schema()}},
+        "description": "the session config; an empty body (or {}) takes every default",
+    }
+}
+
+
+@router.post(
+    "/v1/sessions",
+    status_code=201,
+    openapi_extra=CREATE_BODY,
+    response_model=None,
+    responses={201: {"model": SessionCreated, "description": "the new session"},
+               **errors(400, 401, 413, 415, 422, 503, when={400: CONFIG_400})},
+)
+async def create_session(request: Request, services: ServicesDep) -> JSONResponse:
+    return JSONResponse(await services.sessions.create(lambda: _read_fields(request, services)), status_code=201)
+
+
+@router.put(
+    "/v1/sessions/{session_id}",
+    status_code=201,
+    openapi_extra=CREATE_BODY,
+    response_model=None,
+    responses={
+        201: {"model": SessionCreated, "description": "created under the client's id"},
+        200: {"model": SessionCreated, "description": "it already exists with this config (a safe retry)"},
+        **errors(400, 401, 409, 410, 413, 415, 422, 503, when={400: CONFIG_400, 409: PUT_409}),
+    },
+)
+async def put_session(session_id: str, request: Request, services: ServicesDep) -> JSONResponse:
+    """A session under a client-chosen id (``[A-Za-z0-9_-]{8,64}``), so that a router can hash the id in every
+    path. Idempotent: the same id and config again answers 200 with the same body."""
+    body, created = await services.sessions.put(session_id, lambda: _read_fields(request, services))
+    return JSONResponse(body, status_code=201 if created else 200)
+
+
+async def _read_fields(request: Request, services) -> dict[str, Any]:
+    body = await read_body(request, min(MAX_CONFIG_BYTES, services.settings.max_body_bytes))
+    return parse_config_body(request, body)
+
+
+def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
+    """The fields a client set; an empty body means all defaults."""
+    if not body.strip():
+        return {}
+    require_content_type(request, "application/json")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError("invalid_payload", f"the body is not JSON ({exc}); send a JSON object such as {{\"seed\": 7}}")
+    except RecursionError:
+        # Found by the schema fuzzer: a few kB of "[[[[..." exhaust the parser's stack; that is the client's 400.
+        raise ApiError(
+            "invalid_payload", "the body nests JSON too deeply; send a flat JSON object such as {\"seed\": 7}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ApiError("invalid_config", f"the body must be a JSON object of config fields, got {type(data).__name__}")
+    return check_fields(data)
+
+
+def check_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """The set fields of ``data`` (JSON values) after the spec's per-field checks (names, types, bounds); 422
+    invalid_config naming each problem. The body and /v1/refine's query both come through here."""
+    try:
+        parsed = SessionCreate.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        fields = ", ".join(SessionCreate.model_fields)
+        raise ApiError("invalid_config", f"invalid session config: {problems}; the fields are {fields}") from None
+    return parsed.model_dump(exclude_none=True)
+
+
+@router.get(
+    "/v1/sessions",
+    response_model=None,
+    responses={200: {"model": SessionList, "description": "the live sessions, oldest first"}, **errors(401, 422)},
+)
+async def list_sessions(
+    services: ServicesDep,
+    limit: Annotated[int, Query(ge=1, le=1000, description="sessions per page")] = 100,
+    after: Annotated[str | None, Query(max_length=128, description="the 'next' of the previous page")] = None,
+    scope: Annotated[
+        Literal["deployment", "local"],
+        Query(description="deployment (default): every replica's sessions when `peers` is set; local: this one's"),
+    ] = "deployment",
+) -> dict[str, Any]:
+    return await services.sessions.list(limit, after, scope)
+
+
+@router.get(
+    "/v1/sessions/{session_id}",
+    response_model=None,
+    responses={200: {"model": SessionDescription, "description": "the session's state"}, **errors(401, 404, 410, 422)},
+)
+async def get_session(session_id: str, services: ServicesDep) -> dict[str, Any]:
+    return await services.sessions.describe(session_id)
+
+
+@router.delete(
+    "/v1/sessions/{session_id}",
+    status_code=204,
+    response_class=Response,
+    responses={204: {"description": "ended; the cache is freed"}, **errors(401, 404, 410, 422)},
+)
+async def delete_session(session_id: str, services: ServicesDep) -> Response:
+    await services.sessions.delete(session_id)
+    return Response(status_code=204)

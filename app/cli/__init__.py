@@ -1,0 +1,1 @@
+"""The command line: ``refine``, ``make-checkpoint``, ``serve``, ``plan`` and the remote client commands."""

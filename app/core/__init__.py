@@ -1,0 +1,1 @@
+"""Shared vocabulary of every layer: settings, the error table, the wire codec, the metrics registry."""

@@ -1,0 +1,77 @@
+"""The wire format: safetensors bytes <-> named tensors plus string metadata (``frame_start``, ``frame_end``,
+``seq``, ``latency_ms``)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as _load
+from safetensors.torch import save as _save
+
+from app.core.error_kinds import ApiError
+
+LATENTS = "latents"
+PROMPT_EMBEDS = "prompt_embeds"
+PROMPT_MASK = "prompt_attention_mask"
+CHUNK_TENSORS = (LATENTS, PROMPT_EMBEDS, PROMPT_MASK)
+OCTET_STREAM = "application/octet-stream"
+
+
+def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None) -> bytes:
+    """safetensors bytes; tensors go to the CPU, metadata values become strings."""
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    return _save(cpu, metadata=meta or None)
+
+
+# What an empty body of POST /v1/sessions/{id}/chunks without flush=true is told (with flush=true it is a flush).
+EMPTY_CHUNK = (
+    "the body is empty and flush is not true: send a safetensors file (safetensors.torch.save) with a 'latents' "
+    "tensor (B, C, t, H, W), or, to refine the pending frames as the final block without new frames, an empty "
+    "body with ?flush=true"
+)
+EMPTY_PAYLOAD = "the body is empty; send a safetensors file (safetensors.torch.save) with a 'latents' tensor"
+# What an empty binary message on the WebSocket stream is told.
+EMPTY_MESSAGE = (
+    "the binary message is empty: send a safetensors file (safetensors.torch.save) with a 'latents' tensor, or the "
+    'text {"type": "flush"} to refine the pending frames as the final block'
+)
+
+
+def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = EMPTY_PAYLOAD) -> dict[str, torch.Tensor]:
+    """The tensors of a request payload; ``ApiError`` (400) when the bytes are not safetensors or hold a tensor
+    name the route does not know (a misspelt name must not be silently ignored). ``empty``: the message for no
+    bytes at all, which says what the route takes instead."""
+    if not data:
+        raise ApiError("invalid_payload", empty)
+    try:
+        tensors = _load(bytes(data))
+    except (SafetensorError, Exception) as exc:  # whatever the parser trips on, the bytes are the client's
+        raise ApiError(
+            "invalid_payload",
+            f"the body is not a safetensors file ({exc}); send the bytes of safetensors.torch.save({{'latents': "
+            "..., 'prompt_embeds': ...}})",
+        ) from None
+    unknown = sorted(set(tensors) - set(allowed))
+    if unknown:
+        raise ApiError(
+            "invalid_payload",
+            f"unknown tensor name(s) {unknown}; a payload holds only {list(allowed)}",
+        )
+    return tensors
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` map of safetensors bytes (safetensors.torch.load drops it)."""
+    (header_size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_size])
+    return dict(header.get("__metadata__") or {})
+
+
+def decode_response(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Client side: the tensors and metadata of a response payload."""
+    return _load(bytes(data)), read_metadata(data)

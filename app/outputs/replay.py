@@ -1,0 +1,92 @@
+"""What a session keeps so a WebSocket client can reattach without losing or duplicating a frame.
+
+Bookkeeping only (no tensors): the encoded units a stream already sent, newest last, bounded by a count. A
+client that reconnects names the first frame it has not received (``resume_from``); every retained unit that
+holds frames at or after it is sent again, and the older ones are no longer needed and are dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from app.core.error_kinds import ApiError
+
+
+@dataclass(frozen=True)
+class SentUnit:
+    """One finalized unit as it goes over the wire: frames ``[frame_start, frame_end)`` and its bytes, or, when
+    encoding it failed, its tensors on the host (``app.outputs.kinds.HostUnit``), the session's outputs and the
+    metadata its bytes carry besides frames and latency (``seq``, ...), encoded again when it is next sent."""
+
+    frame_start: int
+    frame_end: int
+    payload: bytes | None
+    host: Any = None
+    outputs: Any = None
+    metadata: Any = None
+
+    def data(self, encode: Callable[[SentUnit], bytes]) -> bytes:
+        return self.payload if self.payload is not None else encode(self)
+
+
+class RetainedUnits:
+    """The last ``capacity`` units of a session, in frame order."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._units: deque[SentUnit] = deque()
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def __iter__(self):
+        return iter(self._units)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(unit.payload) if unit.payload is not None else unit.host.nbytes for unit in self._units)
+
+    def add(self, unit: SentUnit) -> None:
+        if self._units and unit.frame_start != self._units[-1].frame_end:
+            # Frames in between went out another way (HTTP chunks of the same session); what is kept must be
+            # contiguous, or a resume would hand the client a stream with a hole in it.
+            self._units.clear()
+        self._units.append(unit)
+        while len(self._units) > self.capacity:
+            self._units.popleft()
+
+    def check(self, resume_from: int, frames_returned: int) -> None:
+        """ApiError when a client that has every frame before ``resume_from`` cannot be served; changes
+        nothing."""
+        if resume_from < 0 or resume_from > frames_returned:
+            raise ApiError(
+                "invalid_request",
+                f"resume_from={resume_from} is outside [0, {frames_returned}]: this session has returned "
+                f"{frames_returned} frames; pass the number of frames you received",
+            )
+        first = self.first_frame(frames_returned)
+        if resume_from < first:
+            raise ApiError(
+                "resume_unavailable",
+                f"frames [{resume_from}, {first}) are no longer kept (ws_resume_units={self.capacity}); "
+                f"reconnect with resume_from={first} to continue without them, or start a new session",
+            )
+
+    def resume(self, resume_from: int, frames_returned: int) -> list[SentUnit]:
+        """The units to send again to a client that has every frame before ``resume_from``; the older ones are
+        no longer needed and are dropped. ApiError (see ``check``) when it cannot be served."""
+        self.check(resume_from, frames_returned)
+        while self._units and self._units[0].frame_end <= resume_from:
+            self._units.popleft()
+        # A unit that straddles resume_from (a client counting frames, not units) is sent whole.
+        return list(self._units)
+
+    def first_frame(self, frames_returned: int) -> int:
+        """The earliest frame that can still be sent again (``frames_returned`` when none is kept: a client
+        holding every frame needs nothing resent)."""
+        return self._units[0].frame_start if self._units else frames_returned
+
+    def restore(self, units: list[SentUnit]) -> None:
+        self._units = deque(units[-self.capacity :])

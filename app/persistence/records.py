@@ -1,0 +1,298 @@
+"""Live sessions on disk: one safetensors file per session in ``snapshot_dir``, a folder every replica may share.
+
+A file holds what ``models.snapshot`` saves of the session (config, prompt, KV cache, generator state, pending
+frames, counters: ``session_to_tensors``) plus the service's own fields: the session id, ``next_seq``, the last
+``seq`` and its stored response (a retry after the restart gets the same bytes), the units retained for a
+reattaching stream, its creation time, its outputs and its output stages' states (``app.outputs.stage``; for video its
+decoder's state, ``models.vae.video_to_tensors``, under ``app.video``). Everything sits in one file so that one
+atomic rename commits all of it; a restart can never pair a session with another moment's seq counters or units.
+
+Sessions move through the folder: a draining replica writes its sessions (and a checkpoint is written the same
+way); the replica that next gets a request for one takes the session's *lease* (``app.persistence.leases``: of several racing
+replicas exactly one gets it, and none while the owner's lease is live), loads the file and holds the session. Every
+write of a session's file is fenced by its writer's lease, so a replica that lost a session can never write it
+again, and a later crash cannot bring back a stale owner's copy.
+
+Reading and building records run on the engine thread (the session's tensors are the engine's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from models import Refiner, RefinerSession
+from models.snapshot import (
+    SnapshotError,
+    SnapshotLimits,
+    TensorHeader,
+    check_header,
+    fsync_dir,
+    read_tensors,
+    session_from_tensors,
+    session_to_tensors,
+    write_atomically,
+)
+
+from wm_refiner_client import spec
+
+from app.core.error_kinds import ApiError
+from app.outputs.kinds import Outputs
+from app.outputs.replay import SentUnit
+from app.outputs.stage import OutputStages, SessionStages, StageUnavailable
+from app.persistence import leases
+
+APP_FORMAT = "wm-refiner-app/1"
+SUFFIX = ".session.safetensors"
+UNIT_TENSOR = "app.unit.{}"
+LAST_RESPONSE_TENSOR = "app.last_response"
+STAGES_PREFIX = "app"  # a stage's tensors are named app.<kind>.*
+
+
+@dataclass
+class SessionRecord:
+    """A session as it is saved and restored: the model-side session plus the service's fields."""
+
+    session_id: str
+    session: RefinerSession
+    next_seq: int
+    last_seq: int | None
+    last_response: bytes | None
+    units: list[SentUnit]
+    streaming: bool = False  # a WebSocket was attached when it was saved: its client will want to reattach
+    encode: Callable[[SentUnit], bytes] | None = None  # for a retained unit whose encoding failed earlier
+    outputs: Outputs = Outputs()
+    stages: SessionStages | None = None  # None: new ones (a session that outputs latents only)
+    created_at: float | None = None  # wall clock (time.time()) of the session's creation
+    checkpoint: bool = False  # read from a crash checkpoint rather than a drain's snapshot
+    realtime: bool = False  # its blocks have deadlines (app.engine.pacing): a moved or spilled session keeps them
+
+
+def snapshot_path(folder: Path, session_id: str) -> Path:
+    """The file of ``session_id`` in ``folder``. Every path to a session's file is made here, so the id rule
+    (``spec.check_session_id``: ValueError otherwise) keeps any '/', '..' or glob character out of the folder."""
+    return folder / f"{spec.check_session_id(session_id)}{SUFFIX}"
+
+
+def save_record(folder: Path, record: SessionRecord, *, writer: str = "",
+                before_rename: Callable[[], None] | None = None) -> Path:
+    """Write ``record`` atomically (temporary file, fsync, rename): a crash leaves the old file or none."""
+    tensors, metadata = record_tensors(record)
+    return write_record(folder, record.session_id, tensors, metadata, writer=writer, before_rename=before_rename)
+
+
+def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What a file of ``record`` holds. ``copy``: tensors that do not share memory with the live session (a
+    checkpoint is written while the session goes on); on the engine thread."""
+    app_fields = {
+        "format": APP_FORMAT,
+        "session_id": record.session_id,
+        "next_seq": record.next_seq,
+        "last_seq": record.last_seq,
+        "has_last_response": record.last_response is not None,
+        "units": [[unit.frame_start, unit.frame_end] for unit in record.units],
+        "streaming": record.streaming,
+        "created_at": record.created_at,
+        "outputs": record.outputs.to_dict(),
+        "checkpoint": copy,  # a crash checkpoint: its clients may be ahead of it
+        "realtime": record.realtime,
+    }
+    stage_tensors: dict[str, torch.Tensor] = {}
+    if record.stages is not None:
+        # Each stage's fields under its kind ("video": the decoder's, as before stages existed; None: stateless).
+        stage_tensors, stage_fields = record.stages.to_tensors(STAGES_PREFIX)
+        app_fields.update(stage_fields)
+    tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)})
+    if copy:
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    tensors.update(stage_tensors)  # immutable states: never written in place
+    for index, unit in enumerate(record.units):
+        tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.data(record.encode))
+    if record.last_response is not None:
+        tensors[LAST_RESPONSE_TENSOR] = _bytes_tensor(record.last_response)
+    return tensors, metadata
+
+
+def write_record(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
+                 writer: str = "", before_rename: Callable[[], None] | None = None) -> Path:
+    """``writer``: the replica id; ``before_rename``: the lease's fencing check (``app.persistence.leases.check``). With a
+    writer, every temporary file (this one's, and the one safetensors makes for itself beside it) is in a staging
+    folder of this write (``app.persistence.leases.staging``), which a sweep removes once its process is dead: a crash mid-write
+    leaves nothing anyone has to recognise by name. The rename from there is as atomic (one file system)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = snapshot_path(folder, session_id)
+    if not writer:
+        return write_atomically(path, tensors, metadata, before_rename=before_rename)
+    with leases.staging(folder, writer) as staged_in:
+        staged = write_atomically(staged_in / path.name, tensors, metadata)
+        if before_rename is not None:
+            before_rename()
+        os.replace(staged, path)
+    fsync_dir(folder)
+    return path
+
+
+# A temporary file of another writer is left alone until it is this old: no write of a session takes that long,
+# so it was abandoned (its writer crashed) rather than in progress on a live replica.
+STALE_TEMPORARY_S = 3600.0
+
+
+def leftover_temporaries(folder: Path, writer: str, now: float, stale_after_s: float = STALE_TEMPORARY_S
+                         ) -> list[Path]:
+    """The temporary files in ``folder`` a starting replica may delete: those ``writer`` (its replica id) left
+    behind in an earlier life, and anyone's older than ``stale_after_s``. Never another live replica's write in
+    progress."""
+    found = []
+    for path, marker in [*((p, f"{SUFFIX}.") for p in folder.glob(f".*{SUFFIX}.*.tmp")),
+                         *((p, ".session.lease.") for p in folder.glob(".*.session.lease.*.tmp"))]:
+        # .<id><marker>[<generation>.]<writer>.<random>.tmp; the random part has no dot, a writer may.
+        rest = path.name.split(marker, 1)[1][: -len(".tmp")]
+        if marker != f"{SUFFIX}.":
+            rest = rest.split(".", 1)[-1]
+        own = rest.rsplit(".", 1)[0] == writer
+        try:
+            old = now - path.stat().st_mtime > stale_after_s
+        except FileNotFoundError:
+            continue
+        if own or old:
+            found.append(path)
+    return found
+
+
+def remove_record(folder: Path, session_id: str) -> None:
+    """A session that ended (deleted, evicted, finished) must not come back from its last checkpoint."""
+    snapshot_path(folder, session_id).unlink(missing_ok=True)
+
+
+def snapshot_limits(settings) -> SnapshotLimits:
+    """The limits a file in ``snapshot_dir`` is held to: those of a session a client could have made here. Pending
+    frames: at most a window's worth plus one chunk that arrived before the blocks it completes were refined."""
+    return SnapshotLimits(
+        max_window_frames=settings.max_window_frames,
+        max_denoise_steps=settings.max_denoise_steps,
+        max_frame_tokens=settings.max_frame_tokens,
+        max_batch=settings.max_batch,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_pending_frames=settings.max_window_frames + settings.max_frames_per_chunk,
+    )
+
+
+def check_record_header(path: Path, refiner: Refiner, limits: SnapshotLimits, headers: dict[str, TensorHeader],
+                        metadata: dict[str, str]) -> None:
+    """Refuse a file from its header alone: the session's part against ``limits`` and the model
+    (``models.snapshot.check_header``), the service's tensors against the fields that declare them."""
+    try:
+        check_header(refiner, headers, metadata, limits, foreign=lambda name: name.startswith(f"{STAGES_PREFIX}."))
+        fields = json.loads(metadata["app"])
+        units = list(fields["units"])
+        has_last_response = bool(fields["has_last_response"])
+    except SnapshotError as exc:
+        raise SnapshotError(f"{path.name}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
+    byte_tensors = [UNIT_TENSOR.format(index) for index in range(len(units))]
+    if has_last_response:
+        byte_tensors.append(LAST_RESPONSE_TENSOR)
+    for name in byte_tensors:
+        header = headers.get(name)
+        if header is None or header.dtype != "U8" or len(header.shape) != 1:
+            raise SnapshotError(f"{path.name}: {name} is {header}, not the bytes its fields declare")
+    declared = set(byte_tensors)
+    extra = sorted(name for name in headers
+                   if name.startswith(("app.unit.", LAST_RESPONSE_TENSOR)) and name not in declared)
+    if extra:
+        raise SnapshotError(f"{path.name}: holds tensors its fields do not declare: {extra[:5]}")
+
+
+def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id: str | None = None,
+                limits: SnapshotLimits | None = None) -> SessionRecord:
+    """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model (or with an
+    output this server cannot produce: video without a VAE). ``stages``: the server's. ``expected_id``: the session
+    the file must hold (default: its name's). ``limits``: checked from the file's header before anything is read
+    (``check_record_header``), so a file cannot make this process allocate more than a client's session could."""
+    check = None if limits is None else (
+        lambda headers, metadata: check_record_header(path, refiner, limits, headers, metadata))
+    tensors, metadata = read_tensors(path, check)
+    try:
+        fields = json.loads(metadata["app"])
+        if fields.get("format") != APP_FORMAT:
+            raise SnapshotError(f"{path.name}: not a service snapshot (format {fields.get('format')!r})")
+        session_id = spec.check_session_id(str(fields["session_id"]))
+        if (expected_id is None and path.name != f"{session_id}{SUFFIX}") or expected_id not in (None, session_id):
+            raise SnapshotError(f"{path.name}: holds session {session_id}, not the one its name says")
+        units = [
+            SentUnit(int(start), int(end), _tensor_bytes(tensors[UNIT_TENSOR.format(index)]))
+            for index, (start, end) in enumerate(fields["units"])
+        ]
+        last_response = _tensor_bytes(tensors[LAST_RESPONSE_TENSOR]) if fields["has_last_response"] else None
+        next_seq = int(fields["next_seq"])
+        last_seq = None if fields["last_seq"] is None else int(fields["last_seq"])
+        outputs = Outputs.from_fields(fields.get("outputs") or {}, vae_configured=True)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
+    except ApiError as exc:
+        raise SnapshotError(f"{path.name}: outputs are unreadable ({exc.message})") from None
+    try:
+        session_stages = stages.from_tensors(outputs, tensors, fields, STAGES_PREFIX)
+    except StageUnavailable as exc:
+        raise SnapshotError(f"{path.name}: the session outputs {list(outputs.kinds)} but {exc}") from None
+    except Exception as exc:
+        raise SnapshotError(f"{path.name}: its output stages' state does not fit this server ({exc!r})") from None
+    session, _ = session_from_tensors(refiner, tensors, metadata)
+    for earlier, later in zip(units, units[1:]):
+        if later.frame_start != earlier.frame_end:
+            raise SnapshotError(f"{path.name}: retained units are not contiguous")
+    if units and units[-1].frame_end > session.state.frames_returned:
+        raise SnapshotError(
+            f"{path.name}: retained units end at frame {units[-1].frame_end}, after the session's "
+            f"{session.state.frames_returned} returned frames"
+        )
+    return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
+                         outputs=replace(outputs, fps=session.config.fps), stages=session_stages,
+                         created_at=fields.get("created_at"), checkpoint=bool(fields.get("checkpoint")),
+                         realtime=fields.get("realtime") is True)
+
+
+@dataclass(frozen=True)
+class FolderView:
+    """What one listing of ``snapshot_dir`` saw: the sessions with a file and those with a lease file."""
+
+    saved: frozenset[str]
+    leased: frozenset[str]
+
+
+def folder_view(folder: Path) -> FolderView:
+    """One directory listing (``os.scandir``) of ``folder``: its cost is linear in the folder's size, whatever
+    is then asked of it."""
+    saved, leased = set(), set()
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.endswith(SUFFIX) and not name.startswith("."):
+                    if spec.is_session_id(name[: -len(SUFFIX)]):
+                        saved.add(name[: -len(SUFFIX)])
+                elif (lease := leases.parse_name(name)) is not None:
+                    leased.add(lease[0])
+    except FileNotFoundError:
+        pass
+    return FolderView(frozenset(saved), frozenset(leased))
+
+
+def has_snapshot(folder: Path, session_id: str) -> bool:
+    return snapshot_path(folder, session_id).is_file()
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.to(torch.uint8).contiguous().numpy().tobytes()

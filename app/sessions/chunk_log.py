@@ -1,0 +1,91 @@
+"""The chunk protocol of one session: sequence numbers, safe retries, one chunk at a time.
+
+api.md: ``seq`` counts accepted chunks from 0, over HTTP and the WebSocket alike. Repeating the last accepted
+``seq`` returns the stored response again without recomputing (a safe retry); any other out-of-order ``seq`` is
+409 naming the expected one; a rejected request does not use up its ``seq``. Without ``seq`` a chunk is appended
+in arrival order.
+
+This lives in the service, not in the engine: the engine only appends chunks and runs forwards. Chunks of a
+session take turns here (an asyncio lock), so each one is checked against the counters its predecessor left,
+and at most ``session_queue_depth`` wait for their turn; beyond that a request is refused at once (503).
+Event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from app.core.error_kinds import ApiError
+
+
+@dataclass
+class ChunkLog:
+    next_seq: int = 0
+    last_seq: int | None = None
+    last_response: bytes | None = None  # the response of ``last_seq``, returned again for a repeat
+    build: Callable[[], bytes] | None = None  # encodes ``last_response`` (from its units) until it is stored
+    waiting: int = 0  # chunks holding or awaiting the turn
+    _turn: asyncio.Lock | None = field(default=None, repr=False)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, limit: int):
+        """Hold the session's chunk turn; 503 ``engine_busy`` when ``limit`` chunks already hold or await it."""
+        if self.waiting >= limit:
+            raise ApiError(
+                "engine_busy",
+                f"this session already has {self.waiting} chunks queued (session_queue_depth); wait for their "
+                "responses before sending more",
+            )
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        self.waiting += 1
+        try:
+            async with self._turn:
+                yield
+        finally:
+            self.waiting -= 1
+
+    def is_repeat(self, seq: int | None) -> bool:
+        """True when ``seq`` repeats the last accepted one (its response is sent again); 409 when it is out of
+        order; False when the chunk is new. Call while holding the turn."""
+        if seq is None:
+            return False
+        if seq == self.last_seq and (self.last_response is not None or self.build is not None):
+            return True
+        if seq != self.next_seq:
+            again = f", or seq={self.last_seq} to get the last response again" if self.last_seq is not None else ""
+            raise ApiError(
+                "seq_conflict",
+                f"seq={seq} is out of order: this session expects seq={self.next_seq} next{again}",
+            )
+        return False
+
+    def stored_response(self) -> bytes | None:
+        """The last ``seq``'s response, encoding it here if it was not stored yet (None without a ``seq``)."""
+        if self.last_response is None and self.build is not None:
+            self.last_response = self.build()
+        return self.last_response
+
+    def accept_request(self, seq: int | None, build: Callable[[], bytes]) -> int:
+        """Count an accepted HTTP chunk at once, before its response is encoded, so that a drain never finds the
+        session advanced and the chunk uncounted. With a ``seq`` the response is kept for a repeat: ``build``
+        makes it until ``store`` hands over the bytes. Returns the chunk's index."""
+        index = self.next_seq
+        self.next_seq += 1
+        self.last_seq = seq
+        self.last_response = None
+        self.build = build if seq is not None else None
+        return index
+
+    def store(self, index: int, response: bytes) -> None:
+        """The encoded response of chunk ``index``, kept if that chunk is still the last one."""
+        if index == self.next_seq - 1 and self.last_seq is not None:
+            self.last_response = response
+            self.build = None
+
+    def accept_message(self) -> None:
+        """Count an accepted WebSocket message (it has no ``seq`` and no response to repeat)."""
+        self.next_seq += 1

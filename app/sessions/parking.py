@@ -1,0 +1,546 @@
+"""Sessions by memory: byte accounting, admission by bytes, and parking, spilling and paging sessions back in.
+
+A session is in one of three states (``memory_state`` on its handle, ``state`` in its JSON and metrics):
+
+    active    its KV cache, pending frames and prompt are on the device, counted against device_memory_budget
+    parked    no work for park_after_s: those tensors moved to host memory (pinned, on CUDA); they come back
+              before its next work runs. On a CPU server the tensors already are in host memory and stay where
+              they are: parking there only moves the session's bytes out of the budget (the state machine, the
+              accounting and page-in run exactly as on CUDA)
+    spilled   no request for spill_after_s: written to snapshot_dir like a drain's snapshot (adoptable by any
+              replica) and dropped from memory; the next request adopts it back from the file
+              (``SessionStore.lookup``). Without snapshot_dir nothing spills: a session stays parked until
+              session_retention_s
+
+and is deleted (410 ``session_evicted``) only session_retention_s after its last request, whatever its state.
+
+Who moves tensors: only the engine thread (``engine.call``, between two of its iterations), and only for a
+session excluded from scheduling: a session is parked or spilled only when it has no work queued or running, no
+HTTP request in flight and no stream message in progress, and every state change of one session happens under
+its own lock (``SessionHandle.moving``), which ``activate`` (the step before any work of the session is handed to
+the engine) also takes: work never reaches the engine while the session's tensors are away or moving. On CUDA the
+copies themselves run on a side stream (``models.move.Move``): the engine thread only queues them.
+
+A spill writes the file with the lock held and commits it (drops the session from memory) only if nothing took the
+session meanwhile (no lookup handed it to a request, no stream or watcher attached, no work); otherwise the file is
+removed and the session stays parked. A GET reads a spilled session from what was saved, without bringing it back.
+
+Admission by bytes (``device_memory_budget``): a session's bytes are known once its geometry is, at its first chunk
+(``models.session_bytes.session_bytes_estimate``, prompt and rollback copies included, before anything is allocated;
+again at a later chunk that makes it hold more); what does not fit is refused with 503
+``insufficient_memory`` after the least recently used sessions with no work were parked to make room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from models.move import move_session
+from models.session import Geometry
+from models.session_bytes import session_bytes_estimate
+from models.snapshot import SnapshotError, _read_metadata, read_header
+
+from app.core.error_kinds import ApiError
+from app.persistence import leases
+from app.persistence.leases import LeaseHeld, LeaseLost
+from app.persistence.records import FolderView, folder_view, record_tensors, remove_record, snapshot_path, write_record
+from app.sessions.footprint import MOVED_PARTS, handle_bytes, handle_parts
+
+if TYPE_CHECKING:
+    from app.sessions.registry import SessionHandle
+    from app.sessions.store import SessionStore
+
+log = logging.getLogger("app")
+
+STATES = ("active", "parked", "spilled")
+WHERE = ("device", "host", "disk")
+
+
+@dataclass
+class Spilled:
+    """A session written to snapshot_dir and dropped from memory: what the listing and GET report of it until it is
+    adopted back (by this replica or another) or its retention ends."""
+
+    session_id: str
+    summary_fields: dict[str, Any]
+    description: dict[str, Any]
+    created_at: float
+    last_active: float  # registry clock
+    file_bytes: int
+
+    @property
+    def id(self) -> str:
+        return self.session_id
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.summary_fields, "state": "spilled",
+                "bytes": {"device": 0, "host": 0, "disk": self.file_bytes}}
+
+    def describe(self) -> dict[str, Any]:
+        # What it held is in its file now; nothing of it is allocated here.
+        held = {name: 0 for name in ("kv_cache_bytes", "video_state_bytes", "cache_bytes", "pending_bytes")
+                if name in self.description}
+        return {**self.description, **held, "state": "spilled",
+                "bytes": {"device": 0, "host": 0, "disk": self.file_bytes, "parts": {}}}
+
+
+class Parking:
+    """The store's memory side: accounting, admission by bytes, the park/spill/retention loop and page-in."""
+
+    def __init__(self, store: SessionStore):
+        self.store = store
+        self.settings = store.settings
+        self.spilled: dict[str, Spilled] = {}
+        self.budget: int | None = None  # resolved once the model is warm (``resolve_budget``)
+        self._moves: set[asyncio.Future] = set()  # CUDA copies of parked sessions not complete yet
+        self._clip_bytes = 0
+        metrics = store.metrics
+        self.page_in_seconds = metrics.page_in_seconds
+        self.moves = metrics.session_moves
+
+    # --- the budget ------------------------------------------------------------------------------------------
+    def resolve_budget(self, device: torch.device) -> None:
+        """``device_memory_budget`` as bytes: a number as set; ``auto``: on CUDA what is free now (after the
+        warm-up) minus device_memory_reserve, on the CPU no budget."""
+        setting = self.settings.device_memory_budget
+        if setting is None:
+            self.budget = None
+        elif setting == "auto":
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                self.budget = max(free - self.settings.device_memory_reserve, 0)
+            else:
+                self.budget = None
+        else:
+            self.budget = int(setting)
+        if self.budget is not None:
+            log.info("device memory budget for sessions: %d bytes", self.budget)
+
+    # --- accounting --------------------------------------------------------------------------------------------
+    def device_used(self, exclude: Any = None) -> int:
+        """Device bytes the sessions hold or have reserved (an active session counts at least what admission
+        reserved for it; a parked one only what stays on the device), plus clips being refined."""
+        used = self._clip_bytes
+        for handle in self.store.registry.handles():
+            if handle is exclude:
+                continue
+            device = handle_bytes(handle)["device"]
+            if handle.memory_state == "active" and (handle.session.state.geometry is not None
+                                                    or handle.chunks.waiting or handle.engine_session.queued):
+                # Its reservation holds once it has frames, or while its first chunk is on its way (a first chunk
+                # that was refused holds none).
+                device = max(device, handle.reserved_bytes)
+            used += device
+        return used
+
+    def totals(self) -> dict[tuple[str, str], int]:
+        """Bytes by (state, where), for /metrics."""
+        out = {(state, where): 0 for state in STATES for where in WHERE}
+        for handle in self.store.registry.handles():
+            counted = handle_bytes(handle)
+            out[(handle.memory_state, "device")] += counted["device"]
+            out[(handle.memory_state, "host")] += counted["host"]
+        for stub in self.spilled.values():
+            out[("spilled", "disk")] += stub.file_bytes
+        return out
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(STATES, 0)
+        for handle in self.store.registry.handles():
+            out[handle.memory_state] += 1
+        out["spilled"] = len(self.spilled)
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """``/v1/info``'s ``memory``."""
+        used = self.device_used()
+        totals = self.totals()
+        return {
+            "budget": self.budget,
+            "used": used,
+            "free": None if self.budget is None else max(self.budget - used, 0),
+            "host": sum(n for (state, where), n in totals.items() if where == "host"),
+            "disk": totals[("spilled", "disk")],
+            "sessions": self.counts(),
+            "park_after_s": self.settings.park_after_s,
+            "spill_after_s": self.settings.spill_after_s if self.store.snapshot_folder is not None else None,
+            "session_retention_s": self.settings.retention_s,
+        }
+
+    # --- admission by bytes -------------------------------------------------------------------------------------
+    def fits(self, need: int, exclude: Any = None) -> bool:
+        return self.budget is None or self.device_used(exclude) + need <= self.budget
+
+    def require(self, need: int, what: str, exclude: Any = None) -> None:
+        """ApiError 503 insufficient_memory unless ``need`` more device bytes fit the budget now."""
+        if self.fits(need, exclude):
+            return
+        used = self.device_used(exclude)
+        free = max(self.budget - used, 0)
+        raise ApiError(
+            "insufficient_memory",
+            f"{what} needs {need} bytes of device memory and {free} of the budget's {self.budget} are free "
+            f"(device_memory_budget; sessions hold {used}); nothing was allocated. Every session that could be "
+            "moved off the device has been: retry once a session finishes or goes idle, send smaller frames, a "
+            "smaller window (kv_max_frames) or batch, or use another replica",
+            retry_after_s=self.settings.retry_after_s,
+            fields={"bytes_needed": int(need), "bytes_free": int(free), "bytes_budget": int(self.budget)},
+        )
+
+    async def make_room(self, need: int, what: str, exclude: Any = None) -> None:
+        """Park the least recently used sessions with no work (never ``exclude``, never one with work queued) until
+        ``need`` bytes fit; 503 insufficient_memory when they still do not."""
+        if self.budget is None:
+            return
+        while not self.fits(need, exclude):
+            idle = sorted((h for h in self.store.registry.handles()
+                           if h is not exclude and h.memory_state == "active" and _idle(h)
+                           and handle_bytes(h)["device"] > 0),
+                          key=lambda h: h.last_work)
+            if not idle:
+                break
+            if not await self.park(idle[0], reason="admission"):
+                break
+        self.require(need, what, exclude)
+
+    def estimate(self, config: Any, shape: tuple[int, ...], prompt_tokens: int = 0) -> int:
+        """Device bytes a session of ``config`` will hold once frames of ``shape`` (B, C, t, H, W) give it its
+        geometry and a chunk of t frames runs, with a prompt of ``prompt_tokens`` tokens
+        (``models.session_bytes.session_bytes_estimate``: every part, the prompt's and the rollback copies' included)."""
+        refiner = self.store._refiner()
+        if len(shape) != 5 or min(shape) <= 0:
+            return 0  # no frames of a session: the session's own check refuses them, with what to send instead
+        batch, channels, frames, height, width = (int(n) for n in shape)
+        parts = session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
+                                       Geometry(batch, channels, height, width), refiner.dtype,
+                                       prompt_tokens=prompt_tokens, caption_channels=refiner.info.caption_channels,
+                                       chunk_frames=frames)
+        return sum(parts.values())
+
+    async def reserve(self, handle: SessionHandle, shape: tuple[int, ...], prompt_tokens: int | None = None) -> None:
+        """Before a chunk of frames ``shape`` (and a prompt of ``prompt_tokens`` tokens, None: the session's own or
+        the server's default) reaches the engine: what the session will hold with it, reserved (or refused with
+        insufficient_memory) before anything is allocated. The first chunk reserves the session's bytes; a later
+        one that makes it hold more (a longer prompt, a larger chunk) reserves the difference first."""
+        if prompt_tokens is None:
+            prompt = handle.session.state.prompt  # a new session starts with the server's default_prompt
+            prompt_tokens = 0 if prompt is None else int(prompt.embeds.shape[1])
+        need = self.estimate(handle.config, shape, prompt_tokens)
+        if need <= handle.reserved_bytes:
+            return
+        await self.make_room(need, f"session {handle.id} (frames {tuple(shape)}, a prompt of {prompt_tokens} "
+                             "tokens)", exclude=handle)
+        handle.reserved_bytes = need
+
+    @contextlib.asynccontextmanager
+    async def clip(self, need: int):
+        """A one-shot clip's bytes, held while it is refined."""
+        await self.make_room(need, "this clip")
+        self._clip_bytes += need
+        try:
+            yield
+        finally:
+            self._clip_bytes -= need
+
+    async def room_for_file(self, folder: Path, session_id: str) -> None:
+        """Before a session saved in ``folder`` is adopted: its bytes, from the file's header alone, must fit."""
+        if self.budget is None:
+            return
+        try:
+            headers, metadata = await asyncio.to_thread(read_header, snapshot_path(folder, session_id))
+            _, config, counters = _read_metadata(metadata)
+            geometry = counters.get("geometry")
+        except (SnapshotError, OSError):
+            return  # the adoption reports what is wrong with the file
+        if not isinstance(geometry, list) or len(geometry) != 4:
+            return
+        refiner = self.store._refiner()
+        prompt = headers.get("prompt_embeds")  # (B, L, caption): what the file's session holds
+        tokens = int(prompt.shape[1]) if prompt is not None and len(prompt.shape) == 3 else 0
+        need = sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
+                                          Geometry(*(int(n) for n in geometry)), refiner.dtype,
+                                          prompt_tokens=tokens, caption_channels=refiner.info.caption_channels
+                                          ).values())
+        await self.make_room(need, f"session {session_id} (saved in snapshot_dir)")
+
+    # --- park and page in ----------------------------------------------------------------------------------------
+    async def activate(self, handle: SessionHandle) -> None:
+        """Bring a parked session back to the device before work of it reaches the engine (room made for it
+        first). Called within the session's chunk turn, right before ``engine.run``."""
+        if handle.memory_state == "active" and not handle.moving.locked():
+            return
+        async with handle.moving:
+            if handle.memory_state != "parked":
+                return
+            started = time.perf_counter()
+            moved = sum(n for name, n in handle_parts(handle).items() if name in MOVED_PARTS)
+            await self.make_room(max(moved, handle.reserved_bytes), f"session {handle.id} (coming back from "
+                                 "host memory)", exclude=handle)
+            device, session, ready = self.store._refiner().device, handle.session, handle.park_ready
+
+            def page_in():
+                # On a side stream, after the copies that parked it; its next forward waits for these copies on the
+                # device (``app.engine.worker.wait_for``), other sessions' forwards do not.
+                moved = move_session(session, device, after=ready)
+                handle.engine_session.ready = moved
+                return moved
+
+            handle.park_ready = await self.store.engine.call(page_in)
+            handle.memory_state = "active"
+            self.page_in_seconds.labels(state="parked").observe(time.perf_counter() - started)
+            self.moves.labels(to="active").inc()
+
+    async def park(self, handle: SessionHandle, reason: str = "idle") -> bool:
+        """Move an active session with no work to host memory; False when it got work (or went) meanwhile, or
+        its tensors are being moved already (never waited for: a page-in making room holds its own session's
+        lock)."""
+        if handle.moving.locked():
+            return False
+        async with handle.moving:
+            if handle.memory_state != "active" or not _idle(handle) or self.store.draining:
+                return False
+            if not self.store.registry.holds(handle):
+                return False
+            device, session = torch.device("cpu"), handle.session
+            ready = await self.store.engine.call(lambda: move_session(session, device))
+            handle.memory_state = "parked"
+            handle.park_ready = ready
+            self.moves.labels(to="parked").inc()
+            if ready is not None:
+                # Accounted as host bytes at once; the drain waits for the copies before it reads them.
+                waiting = asyncio.ensure_future(asyncio.to_thread(ready.synchronize))
+                self._moves.add(waiting)
+                waiting.add_done_callback(self._moves.discard)
+            log.debug("parked session %s (%s)", handle.id, reason)
+            return True
+
+    async def settle(self) -> None:
+        """Every queued device-to-host copy complete (before a drain reads the parked sessions)."""
+        if self._moves:
+            await asyncio.wait(set(self._moves))
+
+    # --- spill ---------------------------------------------------------------------------------------------------
+    async def spill(self, handle: SessionHandle) -> bool:
+        """Write a parked session to snapshot_dir and drop it from memory; False when it was kept (asked for
+        meanwhile, or it cannot be spilled: no folder, a stream or watcher attached, flushed)."""
+        folder, store = self.store.snapshot_folder, self.store
+        if folder is None:
+            return False
+        if self.spill_full():
+            return False  # at max_spilled_sessions / max_spilled_bytes: it stays parked, holding its place
+        async with handle.moving:
+            if not _spillable(handle) or store.draining or not store.registry.holds(handle):
+                return False
+            if handle.checkpoint_write is not None and not handle.checkpoint_write.done():
+                return False  # the same file: the next round spills it
+            if handle.deliveries is not None:
+                await handle.deliveries.flush()
+            await self.settle()
+            seen = handle.taken
+            from app.sessions.store import (
+                _record  # the drain's record of a session: the same file, adoptable by any replica,
+            )
+
+            record = _record(handle, store.encoder)
+            frames = handle.session.state.frames_received
+            tensors, metadata = await store.engine.call(lambda: record_tensors(record()))
+            settings, lease = store.settings, store.leases.get(handle.id)
+
+            def write():
+                # Like a checkpoint: the file is written under the session's lease, fenced by it (app.persistence.leases).
+                held = lease or leases.acquire(folder, handle.id, settings.replica_id, settings.session_lease_s)
+                return held, write_record(folder, handle.id, tensors, metadata, writer=settings.replica_id,
+                                          before_rename=lambda: leases.check(held))
+
+            try:
+                held, path = await asyncio.to_thread(write)
+            except (LeaseHeld, LeaseLost) as exc:
+                store.lose(handle, exc)
+                return False
+            store.leases[handle.id] = held
+            if store.draining:
+                return False  # the drain saves it (over this file): it must find it live
+            if not _spillable(handle) or handle.taken != seen or not store.registry.holds(handle):
+                # Asked for while it was written: it stays parked here, and no other replica may adopt the file.
+                if store.checkpointing:  # the file is its durable copy now (a newer checkpoint), under its lease
+                    handle.durable_frames = max(handle.durable_frames or 0, frames)
+                else:  # the lease stays: a live session holds it, checkpoints or not (SessionStore.create)
+                    await asyncio.to_thread(remove_record, folder, handle.id)
+                return False
+            # Released, as a drain's file is: whichever replica is asked for the session next adopts it at once.
+            store.leases.pop(handle.id, None)
+            await asyncio.to_thread(leases.release, folder, handle.id, held)
+            summary, description = handle.summary(), handle.describe()
+            self.spilled[handle.id] = Spilled(handle.id, summary, description, handle.created_at, handle.last_active,
+                                              path.stat().st_size)
+            store.registry.release(handle, ApiError(
+                "session_not_found", f"session {handle.id} was moved to snapshot_dir; send the request again"))
+            handle.memory_state = "spilled"
+            self.moves.labels(to="spilled").inc()
+            log.debug("spilled session %s to %s", handle.id, path.name)
+            return True
+
+    # --- the bound on spilled sessions ---------------------------------------------------------------------------
+    def spilled_bytes(self) -> int:
+        return sum(stub.file_bytes for stub in self.spilled.values())
+
+    def spill_full(self) -> bool:
+        """At ``max_spilled_sessions`` (or ``max_spilled_bytes``) once the spilled sessions past their retention
+        are deleted (oldest first)."""
+        settings = self.settings
+
+        def full() -> bool:
+            return len(self.spilled) >= settings.max_spilled_sessions or (
+                settings.max_spilled_bytes is not None and self.spilled_bytes() >= settings.max_spilled_bytes)
+
+        if not full():
+            return False
+        self.expire_spilled()
+        return full()
+
+    def require_spill_room(self) -> None:
+        """Before a new session is created: 503 over_capacity when the spilled sessions are at their bound (it
+        could never be spilled, and a live session is never deleted to make room)."""
+        if not self.spill_full():
+            return
+        settings = self.settings
+        limit = (f"max_spilled_sessions {settings.max_spilled_sessions}" if len(self.spilled) >=
+                 settings.max_spilled_sessions else f"max_spilled_bytes {settings.max_spilled_bytes}")
+        raise ApiError(
+            "over_capacity",
+            f"this replica holds {len(self.spilled)} spilled sessions ({self.spilled_bytes()} bytes in "
+            f"snapshot_dir), its {limit}, and none is past session_retention_s; no session is deleted before its "
+            "retention ends. Retry after the Retry-After seconds, end sessions you no longer need (DELETE), or use "
+            "another replica",
+            retry_after_s=self.settings.retry_after_s,
+            fields={"spilled_sessions": len(self.spilled), "spilled_bytes": self.spilled_bytes(),
+                    "max_spilled_sessions": settings.max_spilled_sessions,
+                    "max_spilled_bytes": settings.max_spilled_bytes},
+        )
+
+    def expire_spilled(self, view: FolderView | None = None) -> int:
+        """Delete the spilled sessions past session_retention_s, oldest first (their files too; 410 from then on);
+        how many. One adopted by another replica meanwhile is not this one's to delete: it is only forgotten."""
+        registry, retention = self.store.registry, self.settings.retention_s
+        now = registry.clock()
+        expired = sorted((stub.last_active, session_id) for session_id, stub in self.spilled.items()
+                         if now - stub.last_active > retention)
+        deleted = 0
+        for _, session_id in expired:
+            stub = self.stub(session_id, view)
+            if stub is None or now - stub.last_active <= retention:
+                continue  # adopted elsewhere, or asked for while the folder was listed
+            self.spilled.pop(session_id, None)
+            with contextlib.suppress(OSError):
+                remove_record(self.store.snapshot_folder, session_id)
+            registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+            deleted += 1
+        return deleted
+
+    def stub(self, session_id: str, view: FolderView | None = None) -> Spilled | None:
+        """The spilled session ``session_id`` if its file is still there (another replica may have adopted it).
+        ``view``: the folder as one listing saw it (``folder_view``), for a caller asking about many sessions;
+        without it this looks at the folder for this one session."""
+        stub = self.spilled.get(session_id)
+        if stub is None:
+            return None
+        folder = self.store.snapshot_folder
+        if folder is None:
+            gone = True
+        elif view is not None:
+            gone = session_id not in view.saved or session_id in view.leased
+        else:
+            gone = not snapshot_path(folder, session_id).is_file() or bool(leases.generations(folder, session_id))
+        # A lease on it now is another replica's (a spill releases this one's): that replica adopted it.
+        if gone:
+            self.spilled.pop(session_id, None)
+            return None
+        return stub
+
+    async def stubs(self) -> list[Spilled]:
+        """Every spilled session whose file is still there: one listing of the folder, on a worker thread (so the
+        cost of a page of sessions does not grow with the folder's size, and the event loop, /health included,
+        never waits on it)."""
+        folder = self.store.snapshot_folder
+        if not self.spilled:
+            return []
+        view = None if folder is None else await asyncio.to_thread(folder_view, folder)
+        return [stub for session_id in list(self.spilled) if (stub := self.stub(session_id, view)) is not None]
+
+    def read(self, session_id: str) -> dict[str, Any] | None:
+        """GET of a spilled session: its description, without bringing it back (a request all the same: its
+        retention restarts, as a GET of a live session's does)."""
+        stub = self.stub(session_id)
+        if stub is None:
+            return None
+        stub.last_active = self.store.registry.clock()
+        self.record_use(session_id)
+        return stub.describe()
+
+    def record_use(self, session_id: str) -> None:
+        """Write down in the folder that the spilled session was used now, for every replica's sweep
+        (``SessionStore.forget_expired_files``) to see: the file's modification time is set to now. A spilled
+        session has no lease (it is adoptable at once), so its file is the only record every replica reads; its
+        write time alone would let another replica's sweep delete a session polled here within its retention.
+        One ``utime`` (it never creates the file: one adopted meanwhile stays gone)."""
+        folder = self.store.snapshot_folder
+        if folder is None:
+            return
+        with contextlib.suppress(OSError):
+            os.utime(snapshot_path(folder, session_id))
+
+    def paged_in(self, session_id: str, started: float) -> None:
+        """A spilled session was adopted back (``SessionStore.lookup``)."""
+        if self.spilled.pop(session_id, None) is not None:
+            self.page_in_seconds.labels(state="spilled").observe(time.perf_counter() - started)
+            self.moves.labels(to="active").inc()
+
+    def forget(self, session_id: str) -> bool:
+        """Delete a spilled session (its file); False if it is not one."""
+        if self.stub(session_id) is None:
+            return False
+        self.spilled.pop(session_id, None)
+        remove_record(self.store.snapshot_folder, session_id)
+        return True
+
+    # --- the timer ------------------------------------------------------------------------------------------------
+    async def tick(self) -> None:
+        """One round: park the active sessions idle for park_after_s, spill the parked ones idle for
+        spill_after_s, delete the spilled ones past session_retention_s."""
+        settings, registry, now = self.settings, self.store.registry, self.store.registry.clock()
+        for handle in registry.handles():
+            idle_for = now - handle.last_work
+            if handle.memory_state == "active" and idle_for >= settings.park_after_s and _idle(handle):
+                await self.park(handle)
+            if (handle.memory_state == "parked" and idle_for >= settings.spill_after_s
+                    and self.store.snapshot_folder is not None):
+                try:
+                    await self.spill(handle)
+                except Exception:  # a full disk must not stop parking; the session stays parked
+                    log.exception("spilling session %s failed; it stays parked", handle.id)
+        retention = settings.retention_s
+        if any(now - stub.last_active > retention for stub in self.spilled.values()):
+            view = None
+            if self.store.snapshot_folder is not None:
+                view = await asyncio.to_thread(folder_view, self.store.snapshot_folder)
+            self.expire_spilled(view)
+
+
+def _idle(handle: SessionHandle) -> bool:
+    """No work queued, running or on its way (the only sessions whose tensors may move)."""
+    return not (handle.requests_in_flight or handle.engine_session.queued or handle.stream_jobs
+                or handle.chunks.waiting or handle.engine_session.run is not None)
+
+
+def _spillable(handle: SessionHandle) -> bool:
+    return (handle.memory_state == "parked" and _idle(handle) and not handle.streaming and not handle.watchers
+            and not handle.session.state.flushed)

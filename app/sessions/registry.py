@@ -1,0 +1,370 @@
+"""The session registry: admission (a maximum count), lookup, idle eviction, and cache-byte accounting.
+
+Lives on the event loop. The sessions' tensors are only touched by the engine; the registry reads their
+immutable ``SessionState`` snapshots for accounting.
+
+A session whose client left its WebSocket before a flush is *detached*: it is kept ``ws_reattach_grace_s`` from
+the moment the stream ended for the client to reconnect a stream, and evicted after that. Reading its state
+does not extend the wait (a client polling GET is not back); a new stream, or a chunk accepted over HTTP, ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from models import RefinerSession, SessionConfig
+
+from app.core.error_kinds import ApiError
+from app.engine import pacing as realtime
+from app.engine.worker import EngineSession
+from app.outputs.delivery import Deliveries
+from app.outputs.kinds import Outputs
+from app.outputs.replay import RetainedUnits, SentUnit
+from app.outputs.stage import OutputStages, SessionStages, build_stages
+from app.sessions.chunk_log import ChunkLog
+from app.sessions.footprint import handle_bytes
+
+
+@dataclass(eq=False)
+class SessionHandle:
+    id: str
+    config: SessionConfig
+    engine_session: EngineSession
+    created_at: float = field(default_factory=time.time)
+    last_active: float = 0.0  # registry clock
+    last_active_wall: float = field(default_factory=time.time)
+    streaming: bool = False  # a WebSocket is attached
+    requests_in_flight: int = 0
+    # The stream dropped before a flush; the session waits ws_reattach_grace_s for a reconnect.
+    detached: bool = False
+    detached_at: float = 0.0  # registry clock
+    # Units the streams of this session sent, for a client that reattaches (app.outputs.replay).
+    retained: RetainedUnits = field(default_factory=lambda: RetainedUnits(32))
+    # The connection units go to now (app.api.routes.stream.StreamConnection), or None while detached.
+    stream: Any = None
+    # Engine futures of stream jobs not settled yet; a reattaching stream waits for them before it reports
+    # where the stream stands, so its frame counts include every message the old connection handed over.
+    stream_jobs: set = field(default_factory=set)
+    # Sequence numbers and the stored response of the last chunk (app.sessions.chunk_log).
+    chunks: ChunkLog = field(default_factory=ChunkLog)
+    # Stream units between commit and publication (app.outputs.delivery); set by the registry.
+    deliveries: Deliveries | None = None
+    first_block_done: bool = False
+    # What its units carry (latents, video) and how (api.md 1.1).
+    outputs: Outputs = field(default_factory=Outputs)
+    # Read-only subscribers (app.api.routes.watch.Watcher): they get every unit published from when they joined.
+    watchers: set = field(default_factory=set)
+    # Crash checkpoints (app.sessions.store.SessionStore.checkpoint): blocks and time of the last, and its write in flight.
+    checkpoint_blocks: int = 0
+    checkpoint_at: float = field(default_factory=time.monotonic)
+    checkpoint_write: Any = None
+    from_checkpoint: bool = False  # adopted from a file that may be behind its clients (a crash checkpoint)
+    # Input frames the session's last crash checkpoint covers (the client keeps what it may have to resend until
+    # then); None when this server writes no checkpoints (snapshot_dir or checkpointing unset: a crash loses it).
+    durable_frames: int | None = None
+    # Where its tensors are (app.sessions.parking): active (device), parked (host), spilled (snapshot_dir, handle dropped).
+    memory_state: str = "active"
+    last_work: float = 0.0  # registry clock: when work of it last started or ended (parking's idle clock)
+    taken: int = 0  # lookups that handed it to a request (a spill in progress gives way to them)
+    reserved_bytes: int = 0  # device bytes admission reserved at its first chunk (app.sessions.parking.Parking.reserve)
+    park_ready: Any = None  # CUDA event of the copies that last moved its tensors (None on a CPU)
+    moving: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while its tensors move (app.sessions.parking)
+
+    @property
+    def session(self) -> RefinerSession:
+        return self.engine_session.session
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the session holds on the device between chunks: its KV cache and its output stages' states (a
+        decoder's)."""
+        return self.session.cache_bytes + self.engine_session.stages.nbytes
+
+    def publish(self, unit: SentUnit) -> None:
+        """A stream unit is ready (called on the loop, in commit order): keep it, and send it if a client is
+        attached. A unit published while detached is only kept, for the client's reconnect."""
+        self.retained.add(unit)
+        if self.stream is not None:
+            self.stream.send_unit(unit)
+
+    def summary(self) -> dict[str, Any]:
+        """Its line in ``GET /v1/sessions``."""
+        state = self.session.state
+        return {
+            "session_id": self.id,
+            "created_at": _iso(self.created_at),
+            "last_active_at": _iso(self.last_active_wall),
+            "frames_received": state.frames_received,
+            "frames_returned": state.frames_returned,
+            "flushed": state.flushed,
+            "streaming": self.streaming,
+            "outputs": list(self.outputs.kinds),
+            "watchers": len(self.watchers),
+            "state": self.memory_state,
+            "bytes": {**{k: v for k, v in handle_bytes(self).items() if k != "parts"}, "disk": 0},
+            "realtime": self.engine_session.pacing is not None,
+            "late_blocks": realtime.status(self.engine_session)["late_blocks"],
+        }
+
+    def describe(self) -> dict[str, Any]:
+        state = self.session.state
+        return {
+            "session_id": self.id,
+            "config": {**self.config.to_dict(), **self.outputs.to_dict(), **realtime.flags_of(self)},
+            "frames_received": state.frames_received,
+            "frames_returned": state.frames_returned,
+            "pending_frames": state.pending_frames,
+            "history_frames": state.history_frames,
+            "blocks_refined": state.blocks_refined,
+            "flushed": state.flushed,
+            "next_seq": self.chunks.next_seq,
+            "kv_cache_bytes": self.session.cache_bytes,
+            # What the output stages hold and where they stand (video: its decoder's state, frames returned), and
+            # everything together: what the session holds.
+            **self.engine_session.stages.status(),
+            "cache_bytes": self.cache_bytes,
+            # A realtime session's deadlines: blocks committed late, the last and worst lateness (s; < 0: early).
+            **realtime.status(self.engine_session),
+            "watchers": len(self.watchers),
+            "pending_bytes": state.pending_bytes,
+            "streaming": self.streaming,
+            "detached": self.detached,
+            # The earliest frame a reattaching stream can ask for again (resume_from).
+            "resumable_from": self.retained.first_frame(state.frames_returned),
+            **({} if self.durable_frames is None else {"durable_frames": self.durable_frames}),
+            "created_at": _iso(self.created_at),
+            "last_active_at": _iso(self.last_active_wall),
+            # Where it is (app.sessions.parking) and what it holds there, by part (app.sessions.footprint).
+            "state": self.memory_state,
+            "bytes": {**handle_bytes(self), "disk": 0},
+        }
+
+
+class Registry:
+    def __init__(
+        self,
+        max_sessions: int,
+        idle_timeout_s: float,
+        remember_evicted: int,
+        retry_after_s: int,
+        reattach_grace_s: float = 60.0,
+        resume_units: int = 32,
+        flushed_ttl_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        deliveries: Callable[[SessionHandle], Deliveries] | None = None,
+        on_close: Callable[[SessionHandle], None] | None = None,
+        stages: Callable[[], OutputStages] = build_stages,
+        idle_setting: str = "session_idle_timeout_s",
+    ):
+        self.max_sessions = max_sessions
+        self.idle_setting = idle_setting  # the setting idle_timeout_s came from, named in an eviction's reason
+        self.idle_timeout_s = idle_timeout_s
+        self.reattach_grace_s = reattach_grace_s
+        self.flushed_ttl_s = flushed_ttl_s
+        self.resume_units = resume_units
+        self.remember_evicted = remember_evicted
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self._deliveries = deliveries
+        self._on_close = on_close  # a session ended (deleted, evicted): forget its checkpoint
+        self._stages = stages  # the server's output stages, once loaded: a new session's come from there
+        self._sessions: dict[str, SessionHandle] = {}
+        self.clips = 0  # one-shot clips being refined: they count against max_sessions while they run
+        # Evicted ids answer 410 (the client should start over), unknown or deleted ones 404; the value says why.
+        self._evicted: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def handles(self) -> list[SessionHandle]:
+        return list(self._sessions.values())
+
+    def existing(self, session_id: str) -> SessionHandle | None:
+        """The live session of that id, or None (unknown); ApiError 410 while it is remembered as evicted."""
+        try:
+            return self.get(session_id)
+        except ApiError as error:
+            if error.kind == "session_evicted":
+                raise
+            return None
+
+    def require_capacity(self) -> None:
+        self._require_capacity()
+
+    def _require_capacity(self) -> None:
+        self.evict_idle()
+        if len(self._sessions) + self.clips >= self.max_sessions:
+            clips = f" ({self.clips} of them one-shot clips being refined)" if self.clips else ""
+            soonest = self._soonest_release()
+            if soonest is None:
+                when, retry = ("every session is in use, so none will be released on its own: retry once a client "
+                               "deletes or finishes one"), None
+            else:
+                retry = max(1, math.ceil(soonest))
+                when = f"the next idle session is released in {soonest:.0f} s: retry then"
+            raise ApiError(
+                "too_many_sessions",
+                f"the server holds its maximum of {self.max_sessions} sessions (max_sessions){clips}; delete one "
+                f"you no longer need, or {when}",
+                retry_after_s=retry,
+            )
+
+    def _soonest_release(self) -> float | None:
+        """Seconds until the first session that is not in use would be evicted or released (None: all in use)."""
+        now = self.clock()
+        waits = [at - now for at in map(self._release_at, self._sessions.values()) if at is not None]
+        return max(min(waits), 0.0) if waits else None
+
+    def adopt(self, session_id: str, session: RefinerSession, detached: bool = False, outputs: Outputs = Outputs(),
+              stages: SessionStages | None = None) -> SessionHandle:
+        """Register a session under ``session_id`` (a new one, or one restored from a snapshot; no capacity
+        check there: those sessions were admitted before the restart). ``stages``: its output stages as restored
+        (default: new ones for ``outputs``)."""
+        if stages is None:
+            stages = self._stages().for_session(outputs, session.config)
+        handle = SessionHandle(
+            id=session_id,
+            config=session.config,
+            engine_session=EngineSession(session=session, name=f"session {session_id}", stages=stages),
+            last_active=self.clock(),
+            last_work=self.clock(),
+            retained=RetainedUnits(self.resume_units),
+            outputs=outputs,
+        )
+        if self._deliveries is not None:
+            handle.deliveries = self._deliveries(handle)
+        if detached:
+            self.detach(handle)
+        self._sessions[session_id] = handle
+        return handle
+
+    def detach(self, handle: SessionHandle) -> None:
+        """The session's stream ended before a flush: the grace period starts now."""
+        handle.detached = True
+        handle.detached_at = self.clock()
+
+    def attach(self, handle: SessionHandle) -> None:
+        handle.detached = False
+
+    def get(self, session_id: str) -> SessionHandle:
+        """The live session, touched; ApiError 404 (unknown or deleted) or 410 (evicted) otherwise."""
+        handle = self._sessions.get(session_id)
+        if handle is not None and self._idle(handle, self.clock()):
+            self._evict(handle)
+            handle = None
+        if handle is None:
+            reason = self._evicted.get(session_id)
+            if reason is not None:
+                raise ApiError(
+                    "session_evicted",
+                    f"session {session_id} was evicted after {reason}; create a new session and send the stream "
+                    "again",
+                )
+            raise ApiError(
+                "session_not_found", f"no session {session_id!r}; create one with POST /v1/sessions"
+            )
+        self.touch(handle)
+        return handle
+
+    def touch(self, handle: SessionHandle) -> None:
+        handle.last_active = self.clock()
+        handle.last_active_wall = time.time()
+
+    def delete(self, session_id: str) -> None:
+        handle = self.get(session_id)
+        self._close(handle, ApiError("session_not_found", f"session {session_id} was deleted"))
+
+    def drop(self, handle: SessionHandle, error: ApiError) -> None:
+        """Let go of a session this replica no longer owns (another replica took it over): its work fails with
+        ``error`` and its id is not remembered as deleted or evicted (it lives on elsewhere)."""
+        if self._sessions.get(handle.id) is handle:
+            self._close(handle, error)
+
+    def evict_idle(self) -> list[str]:
+        now = self.clock()
+        idle = [h for h in self._sessions.values() if self._idle(h, now)]
+        for handle in idle:
+            self._evict(handle)
+        return [h.id for h in idle]
+
+    def holds(self, handle: SessionHandle) -> bool:
+        """Whether ``handle`` is the live session of its id (without touching it)."""
+        return self._sessions.get(handle.id) is handle
+
+    def release(self, handle: SessionHandle, error: ApiError) -> None:
+        """Drop a session that lives on elsewhere (spilled to snapshot_dir): nothing of it ends, its file stays."""
+        handle.engine_session.closed = error
+        self._sessions.pop(handle.id, None)
+
+    def mark_evicted(self, session_id: str, reason: str) -> None:
+        """A session that was not live here (spilled) ended: its id answers 410 with ``reason``."""
+        self._evicted[session_id] = reason
+        while len(self._evicted) > self.remember_evicted:
+            self._evicted.popitem(last=False)
+
+    def total_cache_bytes(self) -> int:
+        return sum(h.cache_bytes for h in self._sessions.values())
+
+    def listing(self, limit: int, after: str | None) -> tuple[list[SessionHandle], str | None]:
+        """Sessions oldest first (creation order), ``limit`` of them after the id ``after``; and the id to pass
+        as ``after`` for the next page (None at the end)."""
+        self.evict_idle()
+        handles = sorted(self._sessions.values(), key=lambda h: (h.created_at, h.id))
+        if after is not None:
+            ids = [h.id for h in handles]
+            if after not in ids:
+                raise ApiError(
+                    "invalid_request",
+                    f"after={after!r} is not a live session of this server; pass the 'next' of the previous page",
+                )
+            handles = handles[ids.index(after) + 1 :]
+        page = handles[:limit]
+        return page, (page[-1].id if len(handles) > limit else None)
+
+    # --- internals -----------------------------------------------------------------------------------------
+    def _idle(self, handle: SessionHandle, now: float) -> bool:
+        release_at = self._release_at(handle)
+        return release_at is not None and now > release_at
+
+    def _release_at(self, handle: SessionHandle) -> float | None:
+        """When (registry clock) the session is released if nothing happens; None while it is in use."""
+        # A session with an open stream or work in the engine is in use however long since its last request.
+        if handle.streaming or handle.requests_in_flight or handle.engine_session.queued:
+            return None
+        if handle.detached:
+            return handle.detached_at + self.reattach_grace_s
+        if handle.session.state.flushed:
+            # Finished: kept long enough to repeat the last seq or reconnect for the tail, then released so that
+            # finished sessions never exhaust max_sessions.
+            return handle.last_active + min(self.flushed_ttl_s, self.idle_timeout_s)
+        return handle.last_active + self.idle_timeout_s
+
+    def _evict(self, handle: SessionHandle) -> None:
+        if handle.session.state.flushed and not handle.detached:
+            reason = f"it was flushed and finished {self.flushed_ttl_s:g} s ago (flushed_session_ttl_s)"
+        elif handle.detached:
+            reason = f"its stream dropped and none reattached within {self.reattach_grace_s:g} s (ws_reattach_grace_s)"
+        else:
+            reason = f"{self.idle_timeout_s:g} s without activity ({self.idle_setting})"
+        self._close(handle, ApiError("session_evicted", f"session {handle.id} was evicted after {reason}"))
+        self._evicted[handle.id] = reason
+        while len(self._evicted) > self.remember_evicted:
+            self._evicted.popitem(last=False)
+
+    def _close(self, handle: SessionHandle, error: ApiError) -> None:
+        handle.engine_session.closed = error
+        self._sessions.pop(handle.id, None)
+        if self._on_close is not None:
+            self._on_close(handle)
+        for watcher in list(handle.watchers):
+            watcher.end(error)
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()

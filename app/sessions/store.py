@@ -1,0 +1,623 @@
+"""The session store: where sessions live and how they move.
+
+It holds the live sessions (``app.sessions.registry.Registry``, the in-memory index: lookup, eviction, listing), admits new
+ones (``admit``: a count; bytes at a session's first chunk, ``prepare``), parks, spills and brings back idle ones
+(``app.sessions.parking``, its memory side), adopts sessions other lives of this server or other replicas saved to
+``snapshot_dir`` (``lookup``), writes crash checkpoints between two pieces of a session's work (``checkpoint``)
+and, for a drain, settles and saves every live session (``settle``, ``save_all``). It also keeps the set of open
+connections (streams and watchers) that a drain closes once the sessions are saved.
+
+The registry stays a module of its own: it is plain bookkeeping over handles (no files, no engine, no awaits),
+which is what its eviction and admission rules need to be read and tested alone; the store adds what touches the
+disk and the engine around it.
+
+Lives on the event loop. The sessions' tensors are touched only on the engine thread (``engine.call``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from models import Prompt, Refiner, RefinerSession, SessionConfig
+from wm_refiner_client import spec
+
+from app.core.error_kinds import WS_SERVICE_RESTART, ApiError
+from app.core.metrics import Metrics
+from app.core.settings import Settings
+from app.engine.engine_errors import Draining
+from app.engine.pacing import Admission
+from app.engine.worker import Engine
+from app.outputs.delivery import Deliveries, Encoder
+from app.outputs.kinds import Outputs
+from app.outputs.replay import SentUnit
+from app.outputs.stage import OutputStages
+from app.persistence import leases
+from app.persistence.leases import Lease, LeaseHeld, LeaseLost
+from app.persistence.records import (
+    SessionRecord, folder_view, has_snapshot, leftover_temporaries, load_record, record_tensors, remove_record,
+    save_record, snapshot_limits, snapshot_path, write_record,
+)
+from app.sessions.parking import Parking
+from app.sessions.registry import Registry, SessionHandle
+
+log = logging.getLogger("app")
+
+
+class SessionStore:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        engine: Engine,
+        encoder: Encoder,
+        refiner: Callable[[], Refiner | None],
+        stages: Callable[[], OutputStages],
+        deliveries: Callable[[SessionHandle], Deliveries],
+    ):
+        self.settings = settings
+        self.metrics = metrics
+        self.engine = engine
+        self.encoder = encoder
+        self._refiner = refiner
+        self._stages = stages
+        self.registry = Registry(
+            max_sessions=settings.max_sessions,
+            idle_timeout_s=settings.retention_s,
+            idle_setting="session_retention_s" if settings.session_retention_s is not None else "session_idle_timeout_s",
+            remember_evicted=settings.evicted_ids_remembered,
+            retry_after_s=settings.retry_after_s,
+            reattach_grace_s=settings.ws_reattach_grace_s,
+            resume_units=settings.ws_resume_units,
+            flushed_ttl_s=settings.flushed_session_ttl_s,
+            deliveries=deliveries,
+            on_close=self._forget_checkpoint,
+            stages=stages,
+        )
+        # Open streams and watchers (app.api.routes.stream.StreamConnection, app.api.routes.watch.Watcher): a drain
+        # closes them with a code saying whether their session was saved.
+        self.connections: set[Any] = set()
+        # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
+        self.draining = False
+        self._adopting: dict[str, _Turn] = {}
+        self._creating: dict[str, _Turn] = {}  # PUTs in progress, by id (``creating``)
+        # This replica's leases (app.persistence.leases) on the sessions it holds with a file in snapshot_dir, by id.
+        self.leases: dict[str, Lease] = {}
+        self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
+        # Bytes: accounting, admission by bytes, park / spill / page-in (app.sessions.parking).
+        self.parking = Parking(self)
+        # Real-time admission (setting ``admission``): by the engine's measured cost per row (app.engine.pacing).
+        self.realtime = Admission(settings, engine.pacer, self.registry.handles, refiner)
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.settings.snapshot_dir is not None and bool(
+            self.settings.checkpoint_every_blocks or self.settings.checkpoint_interval_s)
+
+    @property
+    def snapshot_folder(self) -> Path | None:
+        folder = self.settings.snapshot_dir
+        return None if folder is None else Path(folder).expanduser()
+
+    # --- admission -----------------------------------------------------------------------------------------
+    def admit(self, need_bytes: int = 0, what: str = "a new session", realtime: SessionConfig | None = None) -> None:
+        """Room for one more session (or clip): ApiError 503 too_many_sessions past ``max_sessions``, 503
+        insufficient_memory when ``need_bytes`` more device bytes do not fit ``device_memory_budget``. A new
+        session's bytes are unknown until its first chunk (``prepare``), so they are checked there. A new
+        real-time session (``realtime``: its config) must also fit the engine's time (503 over_capacity)."""
+        self.registry.require_capacity()
+        self.parking.require(need_bytes, what)
+        self.realtime.check(realtime)
+
+    async def prepare(self, handle: SessionHandle, shape: tuple[int, ...] | None,
+                      prompt_tokens: int | None = None) -> None:
+        """Right before work of ``handle`` (frames shaped ``shape``, or None) goes to the engine, within its turn:
+        a parked session is brought back to the device, and its bytes with these frames (and a new prompt of
+        ``prompt_tokens`` tokens) are reserved, or refused with insufficient_memory, before anything is allocated."""
+        handle.last_work = self.registry.clock()
+        await self.parking.activate(handle)
+        if shape is not None:
+            await self.parking.reserve(handle, shape, prompt_tokens)
+
+    async def create(self, refiner: Refiner, config: SessionConfig, prompt: Prompt | None, outputs: Outputs,
+                     session_id: str | None = None, realtime: bool = False) -> SessionHandle:
+        """A new session under ``session_id`` (a client's, already checked to be free here) or a fresh id;
+        ``realtime``: its blocks have deadlines (app.engine.pacing).
+
+        With ``snapshot_dir`` (a folder other replicas may share) the session takes its lease at once, checkpoints
+        or not: a live session is one replica's from its creation, so another replica asked to create the same id
+        answers 503 session_moved naming the owner instead of forking it (two live copies, whose spills would
+        later overwrite each other's file)."""
+        admitted = config if realtime else None
+        self.admit(realtime=admitted)
+        folder = self.snapshot_folder
+        if folder is not None:
+            self.parking.require_spill_room()
+        session_id = session_id or uuid.uuid4().hex
+        lease = None
+        if folder is not None:
+            lease = await self._claim(folder, session_id)
+            try:
+                self.admit(realtime=admitted)  # checked again: the place may have gone while the lease was taken
+            except BaseException:
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                raise
+            self.leases[session_id] = lease
+        handle = self.registry.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs)
+        if self.checkpointing:
+            handle.durable_frames = 0  # nothing survives a crash until its first checkpoint
+        if realtime:
+            handle.engine_session.pacing = self.realtime.pacing(config)
+        return handle
+
+    @contextlib.contextmanager
+    def clip(self) -> Iterator[None]:
+        """A one-shot clip holds a session's place (and its memory) while it is refined."""
+        self.admit()
+        self.registry.clips += 1
+        try:
+            yield
+        finally:
+            self.registry.clips -= 1
+
+    # --- the index -----------------------------------------------------------------------------------------
+    async def lookup(self, session_id: str) -> SessionHandle:
+        """The session ``session_id``: a live one of this replica, else one adopted from ``snapshot_dir`` (saved by
+        a drain or a checkpoint, here or on another replica); ApiError 404 / 410 otherwise."""
+        if not spec.is_session_id(session_id):
+            # No session was ever given such an id, and it must never reach the snapshot folder as a path.
+            raise ApiError("session_not_found", f"no session {session_id[:80]!r}: session ids are "
+                                                f"{spec.SESSION_ID_RULE}; use the session_id POST /v1/sessions returned")
+        handle = self.registry.existing(session_id)
+        if handle is not None:
+            handle.taken += 1  # a spill of it now gives way (app.sessions.parking)
+            return handle
+        folder = self.snapshot_folder
+        if folder is not None and has_snapshot(folder, session_id):
+            started = time.perf_counter()
+            await self.parking.room_for_file(folder, session_id)  # its bytes, from the header, before the claim
+            # One adoption per id in this process (other replicas are kept off by the lease). The entry stays in
+            # the table while anyone waits on it, so a lookup arriving meanwhile queues on the same lock.
+            async with _turn(self._adopting, session_id):
+                handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
+            if handle is not None:
+                self.parking.paged_in(session_id, started)  # a spilled session of this replica is back
+                return handle
+        return self.registry.get(session_id)
+
+    def delete(self, session_id: str) -> None:
+        self.registry.delete(session_id)
+        for connection in list(self.connections):
+            if connection.session_id == session_id:
+                connection.close(1000, "session deleted")
+
+    def touch(self, handle: SessionHandle) -> None:
+        """Work of the session started or ended (a chunk, a stream message): its idle clocks restart."""
+        self.registry.touch(handle)
+        handle.last_work = self.registry.clock()
+
+    async def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
+        """A page of the sessions, live and spilled (``app.sessions.parking.Spilled``), oldest first; each has ``summary()``."""
+        if not self.parking.spilled:
+            return self.registry.listing(limit, after)
+        self.registry.evict_idle()
+        entries = sorted(await self.everything(), key=lambda e: (e.created_at, e.id))
+        if after is not None:
+            ids = [entry.id for entry in entries]
+            if after not in ids:
+                raise ApiError("invalid_request", f"after={after!r} is not a live session of this server; pass the "
+                                                  "'next' of the previous page")
+            entries = entries[ids.index(after) + 1 :]
+        page = entries[:limit]
+        return page, (page[-1].id if len(entries) > limit else None)
+
+    async def everything(self) -> list[Any]:
+        """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir
+        (one listing of the folder, off the event loop: ``Parking.stubs``)."""
+        spilled = await self.parking.stubs()
+        return [*self.registry.handles(), *spilled]
+
+    async def evict_forever(self) -> None:
+        """Evict sessions past their retention (or grace, or TTL); park, spill and delete by idle time
+        (``app.sessions.parking``)."""
+        settings = self.settings
+        interval = min(settings.retention_s / 2, settings.ws_reattach_grace_s / 2, settings.park_after_s / 2,
+                       settings.spill_after_s / 2, 5.0)
+        next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)  # start-up swept already
+        while True:
+            await asyncio.sleep(interval)
+            if self.draining:
+                # The sessions are saved as they stand; evicting them now would not remove their snapshots.
+                continue
+            evicted = self.registry.evict_idle()
+            if evicted:
+                log.info("evicted %d idle session(s)", len(evicted))
+            try:
+                await self.parking.tick()
+            except Exception:  # parking is an optimisation: a failure must never stop eviction
+                log.exception("parking sessions failed")
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)
+                await asyncio.to_thread(self.forget_expired_files)
+
+    # --- crash checkpoints ---------------------------------------------------------------------------------------
+    async def checkpoint(self, handle: SessionHandle) -> None:
+        """Write the session's checkpoint when one is due (``checkpoint_every_blocks`` / ``checkpoint_interval_s``).
+        Called by a chunk or stream message that just finished, within the session's turn, so the session is
+        between two pieces of work: the engine copies its tensors (one ``call``, between two model calls), and the
+        file is serialized and written on a worker thread while the session goes on. A write still in flight makes
+        this one wait for the next chance; the drain waits for them before it saves."""
+        settings, folder = self.settings, self.snapshot_folder
+        every, interval = settings.checkpoint_every_blocks, settings.checkpoint_interval_s
+        if folder is None or self.draining or not (every or interval):
+            return
+        blocks = handle.session.state.blocks_refined
+        due = (every and blocks - handle.checkpoint_blocks >= every) or (
+            interval and blocks != handle.checkpoint_blocks and time.monotonic() - handle.checkpoint_at >= interval)
+        if not due or (handle.checkpoint_write is not None and not handle.checkpoint_write.done()):
+            return
+        if handle.deliveries is not None:
+            await handle.deliveries.flush()  # the units it streamed are retained, for a resume after the crash
+        record = _record(handle, self.encoder)
+        frames = handle.session.state.frames_received  # the session's turn: nothing of it runs meanwhile
+        try:
+            tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
+        except Draining:  # the engine stopped (drain): the drain saves the session itself
+            return
+        handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
+        metrics, settings, lease = self.metrics, self.settings, self.leases.get(handle.id)
+
+        def write() -> Lease:
+            started = time.perf_counter()
+            # A session's first checkpoint takes its lease; every write is fenced by it.
+            held = lease or leases.acquire(folder, handle.id, settings.replica_id, settings.session_lease_s)
+            path = write_record(folder, handle.id, tensors, metadata, writer=settings.replica_id,
+                                before_rename=lambda: leases.check(held))
+            metrics.checkpoint_seconds.observe(time.perf_counter() - started)
+            metrics.checkpoint_bytes.inc(path.stat().st_size)
+            return held
+
+        async def run() -> None:
+            try:
+                held = await asyncio.to_thread(write)
+            except (LeaseHeld, LeaseLost) as exc:
+                self.lose(handle, exc)
+                return
+            # Kept even if the session ended meanwhile: its removal (which waits for this write) releases it.
+            self.leases[handle.id] = held
+            handle.durable_frames = max(handle.durable_frames or 0, frames)
+
+        handle.checkpoint_write = asyncio.ensure_future(run())
+        handle.checkpoint_write.add_done_callback(_log_failed_checkpoint)
+
+    def _forget_checkpoint(self, handle: SessionHandle) -> None:
+        """A session that ended must never be adopted back from its last checkpoint: its file and its lease go
+        (only while the lease is still this replica's: a session another replica took over is not ours to
+        remove)."""
+        folder = self.snapshot_folder
+        if folder is None:
+            return
+        pending = handle.checkpoint_write
+
+        async def remove() -> None:
+            if pending is not None:
+                await asyncio.wait({pending})
+            lease = self.leases.pop(handle.id, None)
+            if lease is None:
+                return
+
+            def drop() -> None:
+                try:
+                    leases.check(lease)
+                except LeaseLost:
+                    return
+                remove_record(folder, handle.id)
+                leases.release(folder, handle.id, lease)
+
+            await asyncio.to_thread(drop)
+
+        self._spawn(remove())
+
+    def _spawn(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def lose(self, handle: SessionHandle, reason: BaseException) -> None:
+        """Another replica holds the session's lease now (this one stalled past session_lease_s, or two replicas
+        were asked for it): drop this copy without touching the files, and send its clients to the new owner
+        (503 session_moved for its work; streams close with 1012, and reconnect through the router)."""
+        self.leases.pop(handle.id, None)
+        log.warning("session %s: %s; dropping this replica's copy", handle.id, reason)
+        error = ApiError("session_moved", f"session {handle.id} moved to another replica ({reason}); retry: "
+                                          "through the router the request reaches the replica that holds it now")
+        self.registry.drop(handle, error)
+        for connection in list(self.connections):
+            if connection.session_id == handle.id:
+                connection.close(WS_SERVICE_RESTART, "session moved to another replica; reconnect with resume_from")
+
+    async def renew_leases_forever(self) -> None:
+        """Renew every lease this replica holds, every third of session_lease_s; a lease found lost drops its
+        session (``lose``)."""
+        interval = self.settings.session_lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            held = dict(self.leases)
+            if not held:
+                continue
+
+            def renew_all() -> dict[str, LeaseLost]:
+                lost = {}
+                for session_id, lease in held.items():
+                    try:
+                        leases.renew(lease)
+                    except LeaseLost as exc:
+                        lost[session_id] = exc
+                    except OSError as exc:  # a shared folder that fails now: try again next time, keep the session
+                        log.warning("renewing the lease on session %s failed: %r", session_id, exc)
+                return lost
+
+            lost = await asyncio.to_thread(renew_all)
+            live = {handle.id: handle for handle in self.registry.handles()}
+            for session_id, exc in lost.items():
+                handle = live.get(session_id)
+                if handle is not None and self.leases.get(session_id) is held[session_id]:
+                    self.lose(handle, exc)
+
+    # --- adoption --------------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def creating(self, session_id: str):
+        """One creation of ``session_id`` at a time in this process (a PUT's check that the id is free, then its
+        creation): two concurrent PUTs of one id must not both take its lease."""
+        async with _turn(self._creating, session_id):
+            yield
+
+    async def _claim(self, folder: Path, session_id: str) -> Lease:
+        """The session's lease for this replica (``app.persistence.leases.acquire``, on a worker thread); 503 session_moved
+        naming the owner while another replica holds a live one."""
+        settings = self.settings
+        try:
+            return await asyncio.to_thread(leases.acquire, folder, session_id, settings.replica_id,
+                                           settings.session_lease_s)
+        except LeaseHeld as held:
+            raise ApiError(
+                "session_moved",
+                f"{held}: the session lives there. Send its requests through the router (or to that replica); "
+                "if that replica is gone, this one takes the session once the lease expires: retry then",
+                retry_after_s=max(1, math.ceil(held.expires_in)),
+            ) from None
+
+    async def _adopt(self, folder: Path, session_id: str) -> SessionHandle | None:
+        """Take the session's lease, load its file and hold the session (None when the file went meanwhile or
+        cannot be loaded). 503 session_moved while another replica holds the lease. An adopted session counts
+        against max_sessions: when full, the request gets 503 and the file stays for a replica with room. The lease is
+        kept while the session lives here. With checkpoints on, the file stays (it is the session's durable copy);
+        otherwise it is deleted once loaded, as a drain's snapshot is taken exactly once."""
+        settings = self.settings
+        self.admit()
+        # The place is held across the awaits below, so that concurrent adoptions cannot pass the check together.
+        self.registry.clips += 1
+        try:
+            lease = await self._claim(folder, session_id)
+            path = snapshot_path(folder, session_id)
+            refiner, stages = self._refiner(), self._stages()
+            limits = snapshot_limits(settings)  # checked from the file's header before anything is allocated
+            try:
+                if not path.is_file():
+                    raise FileNotFoundError(path)
+                record = await self.engine.call(lambda: load_record(path, refiner, stages, session_id, limits))
+            except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                return None
+            except Draining:
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                raise
+            except Exception as exc:
+                aside = folder / f"{path.name}.corrupt"
+                log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
+                with contextlib.suppress(OSError):
+                    os.replace(path, aside)
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                return None
+        finally:
+            self.registry.clips -= 1
+        handle = self._hold(record)
+        # An owner that stopped renewing crashed: its file may be a checkpoint its clients are ahead of, even one
+        # that began as a drain's snapshot.
+        handle.from_checkpoint = record.checkpoint or lease.previous != "none"
+        # The lease is kept either way: a live session is this replica's until it ends, spills or is drained.
+        self.leases[session_id] = lease
+        if self.checkpointing:
+            handle.durable_frames = record.session.state.frames_received
+            handle.checkpoint_blocks = record.session.state.blocks_refined
+        else:
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+        log.info("adopted session %s from %s (lease generation %d)", session_id, folder, lease.generation)
+        return handle
+
+    def _hold(self, record: SessionRecord) -> SessionHandle:
+        # A session whose stream was open when it was saved waits ws_reattach_grace_s for its client.
+        detached = record.streaming and not record.session.state.flushed
+        handle = self.registry.adopt(record.session_id, record.session, detached=detached,
+                                     outputs=record.outputs, stages=record.stages)
+        if record.created_at is not None:
+            handle.created_at = record.created_at
+        handle.from_checkpoint = record.checkpoint
+        if record.realtime:
+            handle.engine_session.pacing = self.realtime.pacing(record.session.config)
+        chunks = handle.chunks
+        chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
+        handle.first_block_done = record.session.state.blocks_refined > 0
+        handle.retained.restore(record.units)
+        if handle.deliveries is not None and record.units:
+            handle.deliveries.handed_until = handle.engine_session.stages.key_at(record.units[-1].frame_end)
+        return handle
+
+    def clean_snapshot_dir(self) -> None:
+        """Writes that never reached their rename are garbage: this replica id's own (from an earlier life) and
+        anyone's older than ``snapshots.STALE_TEMPORARY_S``; another live replica's write in progress is left
+        alone. Nothing else is touched: sessions are adopted on their first request, by whichever replica the
+        router sends it to."""
+        folder = self.snapshot_folder
+        if folder is None or not folder.is_dir():
+            return
+        for leftover in leftover_temporaries(folder, self.settings.replica_id, time.time()):
+            leftover.unlink(missing_ok=True)  # names of writes before staging folders (app.persistence.leases.staging_dir)
+        self.forget_expired_files()
+
+    def forget_expired_files(self) -> list[str]:
+        """Delete the session files in ``snapshot_dir`` nobody asked for within ``session_retention_s``: a session
+        spilled or drained by a replica that then restarted (or went away) is past its retention as a live one
+        would be. A file under a lease is a live session's checkpoint on some replica, and one this replica
+        tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids.
+        A file's age is its last use by any replica: a spill writes it, and each GET of the spilled session on the
+        replica that spilled it sets its modification time (``Parking.record_use``), so a session polled there is
+        never deleted here.
+
+        What dead processes left goes too (``app.persistence.leases``): their staging folders (writes that never reached their
+        rename), and leases nobody renewed for ``session_retention_s`` past their expiry (a crashed replica's:
+        under the default random ``replica_id`` it never comes back to release them), with the session's file
+        when that is past its retention too."""
+        folder = self.snapshot_folder
+        if folder is None or not folder.is_dir():
+            return []
+        now = time.time()
+        for staging in leases.dead_staging(folder, now):
+            leases.remove_staging(staging)
+        cutoff, forgotten = now - self.settings.retention_s, []
+        view = folder_view(folder)  # one listing: a folder of many files is not listed once per file
+        # A lease unrenewed for a session's whole retention past its expiry: its owner would have ended the
+        # session by now if it were alive (the owner of a live session renews its lease every third of it).
+        dead = leases.abandoned_leases(folder, now, self.settings.session_lease_s, self.settings.retention_s)
+        for session_id, generations in dead.items():
+            if session_id not in view.saved:
+                for generation in generations:  # only these: a successor taken meanwhile stays
+                    with contextlib.suppress(OSError):
+                        leases.lease_path(folder, session_id, generation).unlink()
+        for session_id in sorted((view.saved - view.leased) | (view.saved & dead.keys())):
+            if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
+                continue
+            path = snapshot_path(folder, session_id)
+            try:
+                if path.stat().st_mtime >= cutoff:
+                    continue
+                path.unlink()
+            except OSError:  # gone meanwhile (adopted, removed by its owner): nothing to forget
+                continue
+            for generation in dead.get(session_id, ()):
+                with contextlib.suppress(OSError):
+                    leases.lease_path(folder, session_id, generation).unlink()
+            forgotten.append(session_id)
+        if forgotten:
+            log.info("deleted %d session file(s) of snapshot_dir past session_retention_s", len(forgotten))
+        return forgotten
+
+    # --- drain snapshots ---------------------------------------------------------------------------------------
+    async def settle(self) -> list[SessionHandle]:
+        """Once the engine is paused: every committed unit delivered (so retained), and no checkpoint write still
+        in flight (it must not land after, and over, the drain's snapshot). Returns the live sessions."""
+        handles = self.registry.handles()
+        await asyncio.gather(*(h.deliveries.flush() for h in handles if h.deliveries is not None),
+                             return_exceptions=True)
+        await self.parking.settle()  # parked sessions' copies to the host complete before they are read
+        writes = [h.checkpoint_write for h in handles if h.checkpoint_write is not None]
+        if writes:
+            await asyncio.wait(writes)
+        return handles
+
+    async def save_all(self, handles: list[SessionHandle]) -> set[str]:
+        """Write every session of ``handles`` to ``snapshot_dir`` (none when unset), on the engine thread (paused by
+        now, so no forward can run while a session is read). Returns the ids written."""
+        folder = self.snapshot_folder
+        if folder is None:
+            return set()
+        # The service's fields that live on the loop are read here, on the loop.
+        records = {handle.id: _record(handle, self.encoder) for handle in handles}
+
+        settings, held = self.settings, dict(self.leases)
+
+        def save_all() -> set[str]:
+            written = set()
+            for session_id, record in records.items():
+                try:
+                    lease = held.get(session_id) or leases.acquire(folder, session_id, settings.replica_id,
+                                                                   settings.session_lease_s)
+                    save_record(folder, record(), writer=settings.replica_id,
+                                before_rename=lambda: leases.check(lease))
+                    # Released at once: the next replica asked for it adopts it without waiting for the lease.
+                    leases.release(folder, session_id, lease)
+                except (LeaseHeld, LeaseLost) as exc:
+                    log.warning("drain: session %s is another replica's now (%s); not saved", session_id, exc)
+                    continue
+                except Exception:  # one session that cannot be saved must not cost the others
+                    log.exception("drain: could not save session %s", session_id)
+                    continue
+                written.add(session_id)
+            return written
+
+        try:
+            written = await self.engine.call(save_all)
+        except Exception:
+            log.exception("drain: saving sessions to %s failed", folder)
+            return set()
+        for session_id in written:
+            self.leases.pop(session_id, None)
+        log.info("drain: saved %d of %d session(s) to %s", len(written), len(handles), folder)
+        return written
+
+
+def _record(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionRecord]:
+    """What saving ``handle`` writes, read now (on the loop); the returned function builds the record (on the
+    engine thread: it may encode the last response)."""
+    chunks = handle.chunks
+    units = list(handle.retained)
+    streaming = handle.streaming or handle.detached
+    next_seq, last_seq = chunks.next_seq, chunks.last_seq
+    realtime = handle.engine_session.pacing is not None
+
+    def build() -> SessionRecord:
+        return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
+                             encode=encode, outputs=handle.outputs, stages=handle.engine_session.stages,
+                             created_at=handle.created_at, realtime=realtime)
+
+    def encode(unit: SentUnit) -> bytes:
+        return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter(), unit.metadata)
+
+    return build
+
+
+class _Turn:
+    """One id's lock and how many coroutines hold or wait for it (its table entry lives as long as they do)."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.waiters = 0
+
+
+@contextlib.asynccontextmanager
+async def _turn(table: dict[str, _Turn], session_id: str):
+    """One holder of ``session_id``'s turn in ``table`` at a time; the entry stays while anyone waits on it, so a
+    coroutine arriving meanwhile queues on the same lock, and goes once nobody does."""
+    turn = table.get(session_id)
+    if turn is None:
+        turn = table[session_id] = _Turn()
+    turn.waiters += 1
+    try:
+        async with turn.lock:
+            yield
+    finally:
+        turn.waiters -= 1
+        if not turn.waiters:
+            del table[session_id]
+
+
+def _log_failed_checkpoint(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("writing a checkpoint failed: %r", task.exception())
