@@ -194,8 +194,10 @@ class Unit:
     (B, F, H_px, W_px, 3) RGB or float32 (B, F, 3, H_px, W_px) in [0, 1], None without video outputs, and for
     encoded video (``jpeg``, ``h264``) until decoded: ``encoded_video`` holds its bytes, ``decode_video()`` the
     frames. ``video_error``: the server could not encode this unit's video as asked and sent it as uint8 instead.
-    ``latency_ms``: the server's time for the block (stream units). ``seq``/``replayed``: HTTP chunk responses
-    (``replayed``: the server returned its stored response to a retried seq)."""
+    ``seq`` and ``latency_ms``, on every unit (HTTP chunks, refine, streams, watchers; None only from a server
+    older than both): the index of the chunk (HTTP request or stream message, the flush included) that finalized
+    it, and the server's milliseconds from that chunk having been read to the unit being ready (api.md defines
+    it). ``replayed``: the server returned its stored response to a retried seq."""
 
     frame_start: int
     frame_end: int

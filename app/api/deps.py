@@ -30,12 +30,7 @@ OCTET_BODY = {
         "[, prompt_attention_mask (B, L)]]",
     }
 }
-OCTET_RESPONSE = {
-    200: {
-        "content": {OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}},
-        "description": "a safetensors file with latents (B, C, n, H, W) and metadata frame_start, frame_end",
-    }
-}
+# The 200 bodies (a refined payload) are described in app.api.openapi (CHUNK_RESPONSE, REFINE_RESPONSE).
 
 
 def _plain_integer(value: object) -> object:

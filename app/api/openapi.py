@@ -8,6 +8,7 @@ safetensors), and the errors are raised from anywhere, so each route lists them 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Callable, Iterable, Literal
 
 from fastapi import FastAPI
@@ -106,15 +107,110 @@ _WHEN = {
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 
 
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The ``responses=`` entries of a route that can fail with ``statuses``, each with the envelope."""
+def errors(*statuses: int, when: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` entries of a route that can fail with ``statuses``, each with the envelope. ``when``:
+    the route's own words for a status whose causes differ by route (the 400s and 409s: exactly when each
+    happens there)."""
     responses: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        entry: dict[str, Any] = {"model": ErrorEnvelope, "description": _WHEN[status]}
+        entry: dict[str, Any] = {"model": ErrorEnvelope, "description": (when or {}).get(status, _WHEN[status])}
         if status == 503:
             entry["headers"] = _RETRY_AFTER
         responses[status] = entry
     return responses
+
+
+# Each route's own causes of a 400 and a 409 (``errors(..., when=...)``): what the generic words would blur.
+CONFIG_400 = "invalid_payload: the body is not JSON, or nests it too deeply (an empty body takes every default)"
+PUT_409 = ("session_exists: a session with this id exists with another config (the same config again answers 200 "
+           "with the session); PUT it with that config, or choose another id")
+CHUNK_400 = ("invalid_payload: the body is not a safetensors file, holds a tensor name other than latents, "
+             "prompt_embeds, prompt_attention_mask, or is empty while flush is not true (an empty body with "
+             "flush=true is a flush without new frames); missing_input: no latents tensor, or the session's first "
+             "chunk has no prompt_embeds and the server no default_prompt")
+CHUNK_409 = ("seq_conflict: seq is neither the next one nor the last accepted one (the message names the expected "
+             "seq); stream_closed: the session was flushed and takes no more chunks")
+REFINE_400 = ("invalid_payload: the body is empty, not a safetensors file, or holds a tensor name other than "
+              "latents, prompt_embeds, prompt_attention_mask; missing_input: no latents tensor, or no prompt_embeds "
+              "while the server has no default_prompt")
+
+
+# --- the binary 200 bodies ----------------------------------------------------------------------------------
+# What /openapi.json says a refined payload holds: OpenAPI cannot describe the inside of a binary body, so the
+# tensors and metadata are listed in ``x-safetensors`` (the shape the AsyncAPI document's units use) and in words.
+_STRING_INTEGER = {"type": "string", "pattern": "^[0-9]+$"}
+UNIT_TENSORS = {
+    "latents": "(B, C, n, H, W), n >= 0: the refined latent frames [frame_start, frame_end); float32 (the model's "
+               "dtype with response_dtype: model); absent when the outputs exclude latents",
+    "video": "with video outputs: uint8 (B, F, H_px, W_px, 3) RGB, float32 (B, F, 3, H_px, W_px) in [0, 1], or for "
+             "video_format jpeg/h264 uint8 (N,), the encoded bytes (api.md, Encoded video)",
+    "video_sizes": "int64, jpeg/h264 only: the bytes of each encoded piece",
+    "video_init_sizes": "int64 (B,), h264 only: the init segment's bytes at the start of each row",
+}
+
+
+def _unit_metadata(seq: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["frame_start", "frame_end", "seq", "latency_ms"],
+        "properties": {
+            "frame_start": {**_STRING_INTEGER, "description": "first latent frame (absolute index) in this payload"},
+            "frame_end": {**_STRING_INTEGER, "description": "end, exclusive: frame_start + n"},
+            "seq": {**_STRING_INTEGER, "description": seq},
+            "latency_ms": {"type": "string", "pattern": "^[0-9]+[.][0-9]{3}$",
+                           "description": "milliseconds on the server's clock from the request's body having been "
+                                          "read to this payload being ready (checks, queue, forwards, output "
+                                          "stages); api.md defines it"},
+            "video_frame_start": {**_STRING_INTEGER, "description": "with video: first pixel frame of the session's "
+                                                                    "video in this payload"},
+            "video_frame_end": {**_STRING_INTEGER, "description": "with video: end, exclusive"},
+            "durable_frames": {**_STRING_INTEGER, "description": "with crash checkpoints: the input frames the "
+                                                                 "session's last checkpoint covers"},
+            "video_format": {"type": "string", "description": "with an encoded video_format: the format the video "
+                                                              "is in (uint8 when encoding it failed)"},
+            "video_codec": {"type": "string"},
+            "video_quality": _STRING_INTEGER,
+            "video_error": {"type": "string", "description": "why the video could not be encoded as asked"},
+        },
+    }
+
+
+def _refined_payload(what: str, seq: str, example: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
+    header = json.dumps(example, separators=(",", ":"))
+    return {200: {
+        "description": (
+            f"{what} A safetensors file: 8 bytes, the header's length N as an unsigned 64-bit little-endian "
+            "integer; N bytes of JSON, the header; the tensors' bytes. Tensors (x-safetensors.tensors): "
+            + "; ".join(f"{name} {doc}" for name, doc in UNIT_TENSORS.items())
+            + ". The header's __metadata__ (every value a string, x-safetensors.metadata): frame_start, frame_end, "
+            f"seq ({seq}), latency_ms, and with video video_frame_start, video_frame_end. Example header (latents "
+            f"only, frames [0, 4) at 4x4): {header}"
+        ),
+        "content": {"application/octet-stream": {
+            "schema": {"type": "string", "format": "binary"},
+            "x-safetensors": {"tensors": UNIT_TENSORS, "metadata": _unit_metadata(seq), "example_header": example},
+        }},
+    }}
+
+
+def _example_header(seq: str, latency: str) -> dict[str, Any]:
+    # (1, 128, 4, 4, 4) float32: 8192 values of 4 bytes.
+    return {"latents": {"dtype": "F32", "shape": [1, 128, 4, 4, 4], "data_offsets": [0, 32768]},
+            "__metadata__": {"frame_start": "0", "frame_end": "4", "latency_ms": latency, "seq": seq}}
+
+
+CHUNK_RESPONSE = _refined_payload(
+    "The frames this chunk finalized (possibly none: n = 0), in the session's outputs; a repeated seq gets the "
+    "stored bytes again (header X-Replayed: true), metadata included.",
+    "this chunk's index among the session's accepted chunks, HTTP and WebSocket, from 0: the query's seq when "
+    "given",
+    _example_header("0", "412.337"),
+)
+REFINE_RESPONSE = _refined_payload(
+    "The whole refined clip, every frame, in the outputs asked for.",
+    "always 0: the clip is its throwaway session's only chunk",
+    _example_header("0", "1893.054"),
+)
 
 
 # --- response bodies ---------------------------------------------------------------------------------------
@@ -188,7 +284,7 @@ def document_api_key(app: FastAPI, public_paths: Iterable[str]) -> None:
     the fuzzer's auth checks know which routes need it. Only called when a key is configured: a server
     without one must not claim to need it."""
     public = frozenset(public_paths)
-    build: Callable[[], dict[str, Any]] = app.openapi
+    build: Callable[[], dict[str, Any]] = app.api.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -206,5 +302,5 @@ def document_api_key(app: FastAPI, public_paths: Iterable[str]) -> None:
         app.openapi_schema = schema
         return schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.api.openapi = openapi  # type: ignore[method-assign]
 

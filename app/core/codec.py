@@ -28,14 +28,26 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | No
     return _save(cpu, metadata=meta or None)
 
 
-def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS) -> dict[str, torch.Tensor]:
+# What an empty body of POST /v1/sessions/{id}/chunks without flush=true is told (with flush=true it is a flush).
+EMPTY_CHUNK = (
+    "the body is empty and flush is not true: send a safetensors file (safetensors.torch.save) with a 'latents' "
+    "tensor (B, C, t, H, W), or, to refine the pending frames as the final block without new frames, an empty "
+    "body with ?flush=true"
+)
+EMPTY_PAYLOAD = "the body is empty; send a safetensors file (safetensors.torch.save) with a 'latents' tensor"
+# What an empty binary message on the WebSocket stream is told.
+EMPTY_MESSAGE = (
+    "the binary message is empty: send a safetensors file (safetensors.torch.save) with a 'latents' tensor, or the "
+    'text {"type": "flush"} to refine the pending frames as the final block'
+)
+
+
+def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = EMPTY_PAYLOAD) -> dict[str, torch.Tensor]:
     """The tensors of a request payload; ``ApiError`` (400) when the bytes are not safetensors or hold a tensor
-    name the route does not know (a misspelt name must not be silently ignored)."""
+    name the route does not know (a misspelt name must not be silently ignored). ``empty``: the message for no
+    bytes at all, which says what the route takes instead."""
     if not data:
-        raise ApiError(
-            "invalid_payload",
-            "the body is empty; send a safetensors file (safetensors.torch.save) with a 'latents' tensor",
-        )
+        raise ApiError("invalid_payload", empty)
     try:
         tensors = _load(bytes(data))
     except (SafetensorError, Exception) as exc:  # whatever the parser trips on, the bytes are the client's

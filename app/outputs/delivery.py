@@ -110,13 +110,14 @@ class Encoder:
 
     def unit_bytes(self, host: HostUnit, outputs: Outputs, received: float,
                    extra: dict[str, str] | None = None) -> bytes:
-        """A stream unit: its outputs with metadata frame_start, frame_end (video_frame_start, video_frame_end with
-        video), latency_ms (since its chunk arrived) and ``extra`` (the session's durable_frames)."""
+        """A stream or watcher unit: its outputs with metadata frame_start, frame_end (video_frame_start,
+        video_frame_end with video), latency_ms (since its chunk was read, up to now: its outputs are on the wire)
+        and ``extra`` (``unit_metadata``: the seq of the chunk that finalized it, the session's durable_frames)."""
         tensors, metadata = payload(
             [host], outputs, self.stages, latent_shape=host.latent_shape, frame_at=host.frame_start, positions={},
             response_dtype=self.response_dtype,
         )
-        metadata["latency_ms"] = f"{(time.perf_counter() - received) * 1000.0:.3f}"
+        metadata["latency_ms"] = latency_ms(received)
         metadata.update(extra or {})
         return encode(tensors, metadata)
 
@@ -140,14 +141,19 @@ class Encoder:
 
     def response(self, units, state: SessionState, request_shape: tuple[int, ...],
                  metadata: dict[str, object] | None = None, outputs: Outputs = Outputs(),
-                 positions: dict[str, int] | None = None) -> Callable[[], bytes]:
+                 positions: dict[str, int] | None = None, received: float | None = None) -> Callable[[], bytes]:
         """What encodes an HTTP response: the frames ``units`` finalized as one payload (latents (B, C, n, H, W),
-        n >= 0, and/or video), with metadata frame_start, frame_end (video_frame_start, video_frame_end) and
-        ``metadata``. ``positions``: where each output kind stands (``WorkResult.positions``), for a response
-        without units. Block latencies are observed the first time. ``units``: ``OutUnit``s, or their ``UnitCopies``
-        when the same units go to watchers too (one host copy and one video encoding for all)."""
+        n >= 0, and/or video), with metadata frame_start, frame_end (video_frame_start, video_frame_end),
+        latency_ms (since ``received``, when the request's body was read) and ``metadata`` (the seq).
+        ``positions``: where each output kind stands (``WorkResult.positions``), for a response without units.
+        Block latencies are observed the first time. ``units``: ``OutUnit``s, or their ``UnitCopies`` when the same
+        units go to watchers too (one host copy and one video encoding for all).
+
+        The latency is taken at the first build and kept: a response built again (a repeated seq asking before the
+        first build was stored, a snapshot) is the same bytes."""
         copies = [unit if isinstance(unit, UnitCopies) else UnitCopies(unit, self.stages) for unit in units]
         units, observed = tuple(c.unit for c in copies), []
+        latency: list[str] = []
 
         def build() -> bytes:
             hosts = [c.wait() for c in copies]
@@ -158,7 +164,9 @@ class Encoder:
                 shape = (*request_shape[:2], 0, *request_shape[3:5])
             tensors, meta = payload(hosts, outputs, self.stages, latent_shape=shape, frame_at=state.frames_returned,
                                     positions=positions or {}, response_dtype=self.response_dtype)
-            data = encode(tensors, {**meta, **(metadata or {})})
+            if received is not None and not latency:
+                latency.append(latency_ms(received))
+            data = encode(tensors, {**meta, **({"latency_ms": latency[0]} if latency else {}), **(metadata or {})})
             if not observed:  # once the bytes are on the host
                 observed.append(True)
                 for unit in units:
@@ -176,11 +184,24 @@ class Encoder:
         self._watch_pool.shutdown(wait=False, cancel_futures=True)
 
 
+def latency_ms(received: float) -> str:
+    """A unit's ``latency_ms`` metadata (api.md defines it): milliseconds from ``received``, when the message or
+    body that completed it was read, to now, its payload ready to go out."""
+    return f"{(time.perf_counter() - received) * 1000.0:.3f}"
+
+
+def unit_metadata(seq: int, durable: dict[str, str] | None = None) -> dict[str, str]:
+    """The metadata a unit carries besides its frames and latency: ``seq``, the index of the chunk (HTTP request
+    or WebSocket message, the flush included) that finalized it, and the session's ``durable_frames``."""
+    return {"seq": str(seq), **(durable or {})}
+
+
 @dataclass
 class _Outgoing:
     unit: OutUnit
     copies: UnitCopies
     received: float
+    metadata: dict[str, str]  # seq, durable_frames: what the unit's bytes say besides its frames
     encoded: asyncio.Future  # (host unit, bytes)
 
 
@@ -188,10 +209,12 @@ class Deliveries:
     """One session's stream units between commit and publication, kept in commit order. Event loop only, except
     ``hand_over``'s callback, which runs on the engine thread."""
 
-    def __init__(self, encoder: Encoder, publish: Callable[[OutUnit, SentUnit, float, HostUnit], None],
+    def __init__(self, encoder: Encoder,
+                 publish: Callable[[OutUnit, SentUnit, float, HostUnit, dict[str, str]], None],
                  outputs: Outputs = Outputs()):
         self.encoder = encoder
-        self.publish = publish  # (unit, what goes on the wire, when its chunk arrived, its tensors on the host)
+        # (unit, what goes on the wire, when its chunk arrived, its tensors on the host, its metadata: seq, ...)
+        self.publish = publish
         self.outputs = outputs
         self.handed_until: tuple[int, ...] = (0,)  # the key (OutUnit.key) of the newest unit handed over
         # Metadata for every unit, read when it is handed over (the session's durable_frames: app.sessions.store).
@@ -204,26 +227,27 @@ class Deliveries:
         """Units handed over and not yet published."""
         return len(self._queue)
 
-    def hand_over(self, received: float) -> Callable[[OutUnit], None]:
-        """An ``on_unit`` for the engine thread: start the unit's host copy, continue on the loop."""
+    def hand_over(self, received: float, seq: int) -> Callable[[OutUnit], None]:
+        """An ``on_unit`` for the engine thread: start the unit's host copy, continue on the loop. ``seq``: the
+        index of the message whose units these are (``ChunkLog.next_seq`` while it holds the session's turn)."""
         loop = asyncio.get_running_loop()
 
         def on_unit(unit: OutUnit) -> None:
             copies = UnitCopies(unit, self.encoder.stages)
-            loop.call_soon_threadsafe(self.push, unit, copies, received)
+            loop.call_soon_threadsafe(self.push, unit, copies, received, seq)
 
         return on_unit
 
-    def push(self, unit: OutUnit, copies: UnitCopies | None, received: float) -> None:
+    def push(self, unit: OutUnit, copies: UnitCopies | None, received: float, seq: int) -> None:
         """Encode and publish ``unit`` after every unit before it; a unit already handed over is ignored."""
         if unit.key <= self.handed_until:
             return
         self.handed_until = unit.key
         loop = asyncio.get_running_loop()
         copies = copies or UnitCopies(unit, self.encoder.stages)
-        encoded = self.encoder.submit(loop, copies, self.outputs, received,
-                                      None if self.metadata is None else self.metadata())
-        self._queue.append(_Outgoing(unit, copies, received, encoded))
+        metadata = unit_metadata(seq, None if self.metadata is None else self.metadata())
+        encoded = self.encoder.submit(loop, copies, self.outputs, received, metadata)
+        self._queue.append(_Outgoing(unit, copies, received, metadata, encoded))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._publish_in_order())
 
@@ -242,9 +266,9 @@ class Deliveries:
                 log.exception("encoding units [%d, %d) failed; kept as tensors, encoded again when next sent",
                               item.unit.frame_start, item.unit.frame_end)
                 host = item.copies.wait()
-                sent = SentUnit(item.unit.frame_start, item.unit.frame_end, None, host, self.outputs)
+                sent = SentUnit(item.unit.frame_start, item.unit.frame_end, None, host, self.outputs, item.metadata)
             self._queue.popleft()
-            self.publish(item.unit, sent, item.received, host)
+            self.publish(item.unit, sent, item.received, host, item.metadata)
 
     async def flush(self) -> None:
         """Return once every unit handed over so far is published."""

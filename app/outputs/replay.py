@@ -17,14 +17,15 @@ from app.core.error_kinds import ApiError
 @dataclass(frozen=True)
 class SentUnit:
     """One finalized unit as it goes over the wire: frames ``[frame_start, frame_end)`` and its bytes, or, when
-    encoding it failed, its tensors on the host (``app.outputs.kinds.HostUnit``) and the session's outputs, encoded
-    again when it is next sent."""
+    encoding it failed, its tensors on the host (``app.outputs.kinds.HostUnit``), the session's outputs and the
+    metadata its bytes carry besides frames and latency (``seq``, ...), encoded again when it is next sent."""
 
     frame_start: int
     frame_end: int
     payload: bytes | None
     host: Any = None
     outputs: Any = None
+    metadata: Any = None
 
     def data(self, encode: Callable[[SentUnit], bytes]) -> bytes:
         return self.payload if self.payload is not None else encode(self)

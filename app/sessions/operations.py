@@ -29,13 +29,13 @@ from models.session import check_finite
 from models.vae import StreamingDecoder
 from wm_refiner_client import spec
 
-from app.core.codec import LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
+from app.core.codec import EMPTY_CHUNK, EMPTY_MESSAGE, LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
 from app.core.error_kinds import ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
 from app.engine import pacing
 from app.engine.worker import Engine, EngineSession, Work
-from app.outputs.delivery import Deliveries, Encoder, UnitCopies
+from app.outputs.delivery import Deliveries, Encoder, UnitCopies, unit_metadata
 from app.outputs.kinds import HostUnit, Outputs
 from app.outputs.replay import SentUnit
 from app.outputs.stage import OutputStages, OutUnit
@@ -200,17 +200,22 @@ class SessionOps:
     async def submit_chunk(self, session_id: str, seq: int | None, flush: bool, read_payload: ReadBody,
                            ) -> tuple[bytes, bool]:
         """One chunk, all or nothing: (the response's bytes, replayed). A repeat of the last ``seq`` gets the
-        stored response again instead of appending the frames twice."""
+        stored response again instead of appending the frames twice. An empty body with ``flush`` is a flush
+        without new frames (the stream's ``{"type": "flush"}``); without ``flush`` it is refused (400)."""
         services, settings = self.services, self.settings
         services.require_ready()
         handle = await self.store.lookup(session_id)
         handle.requests_in_flight += 1
         try:
-            received = time.perf_counter()
-            tensors = decode(await read_payload())
-            latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
-                                    services.require_model().info.in_channels)
-            await scan_finite(tensors)
+            data = await read_payload()
+            received = time.perf_counter()  # the body read: where the response's latency_ms starts (api.md)
+            if not data and flush:
+                tensors, latents = {}, None
+            else:
+                tensors = decode(data, empty=EMPTY_CHUNK)
+                latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
+                                        services.require_model().info.in_channels)
+                await scan_finite(tensors)
             # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
             # retry of its seq gets the stored response instead of appending the frames twice.
             chunk = asyncio.ensure_future(self._chunk(handle, seq, flush, tensors, latents, received))
@@ -227,7 +232,10 @@ class SessionOps:
         async with chunks.turn(self.settings.session_queue_depth):
             if chunks.is_repeat(seq):
                 return await encoder.run(chunks.stored_response), True
-            await self.store.prepare(handle, tuple(latents.shape), _prompt_tokens(tensors.get(PROMPT_EMBEDS)))
+            await self.store.prepare(handle, None if latents is None else tuple(latents.shape),
+                                     _prompt_tokens(tensors.get(PROMPT_EMBEDS)))
+            # No frames (an empty flush): the shape of the zero-frame chunk the engine appends for it.
+            shape = tuple((handle.session.empty_latents() if latents is None else latents).shape)
             work = Work(handle.engine_session, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK),
                         flush=flush, atomic=True, finite_checked=True)
             result = await services.engine.run(work)
@@ -235,16 +243,16 @@ class SessionOps:
             # chunk uncounted. Until it is encoded, the response is kept (for a repeated seq) as what builds it.
             # One host copy of each unit for the response and the watchers (its video encoded once for all).
             copies = [UnitCopies(unit, services.stages) for unit in result.units]
-            build = encoder.response(copies, result.state, tuple(latents.shape),
-                                     {"seq": chunks.next_seq, **durable_metadata(handle)},
-                                     outputs=handle.outputs, positions=result.positions)
+            metadata = unit_metadata(chunks.next_seq, durable_metadata(handle))
+            build = encoder.response(copies, result.state, shape, metadata, outputs=handle.outputs,
+                                     positions=result.positions, received=received)
             index = chunks.accept_request(seq, build)
             # A chunk accepted over HTTP means the client is back: a detached session's grace period ends (a stream
             # message of the dropped connection, still finishing, does not count).
             self.store.registry.attach(handle)
             services.metrics.frames_in.inc(result.frames_in)
             self.count_out(result.units, handle, received)
-            self._offer(handle, copies, received, done=result.state.flushed)
+            self._offer(handle, copies, received, metadata, done=result.state.flushed)
             payload = await encoder.run(build)
             chunks.store(index, payload)
             await self.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
@@ -258,7 +266,9 @@ class SessionOps:
         services, settings = self.services, self.settings
         services.require_ready()
         config, wanted = self.resolve_config(read_fields())
-        tensors = decode(await read_payload())
+        data = await read_payload()
+        received = time.perf_counter()  # the body read: where the response's latency_ms starts (api.md)
+        tensors = decode(data)
         latents = check_payload(tensors, settings, settings.max_clip_frames, "max_clip_frames",
                                 services.require_model().info.in_channels)
         await scan_finite(tensors)
@@ -276,8 +286,10 @@ class SessionOps:
             with self.store.clip():
                 result = await self._clip(config, wanted, latents, tensors)
         self.count_out(result.units)
+        # The clip is its throwaway session's one chunk: seq 0, as the first chunk of a session would say.
         return await services.encoder.run(services.encoder.response(
-            result.units, result.state, tuple(latents.shape), outputs=wanted, positions=result.positions))
+            result.units, result.state, tuple(latents.shape), unit_metadata(0), outputs=wanted,
+            positions=result.positions, received=received))
 
     async def _clip(self, config, wanted, latents, tensors):
         services = self.services
@@ -403,19 +415,21 @@ class SessionOps:
     def deliveries_for(self, handle: SessionHandle) -> Deliveries:
         """Where a session's stream units go once committed: counted, retained, sent to its stream and offered to
         its watchers (the session's own bytes, when a watcher wants the same outputs)."""
-        def published(unit: OutUnit, sent: SentUnit, received: float, host: HostUnit) -> None:
+        def published(unit: OutUnit, sent: SentUnit, received: float, host: HostUnit,
+                      metadata: dict[str, str]) -> None:
             self.count_out([unit], handle, received)
             handle.publish(sent)
             for watcher in list(handle.watchers):
-                watcher.offer(host, received, sent if watcher.outputs == handle.outputs else None)
+                watcher.offer(host, received, sent if watcher.outputs == handle.outputs else None, metadata)
 
         deliveries = Deliveries(self.services.encoder, published, handle.outputs)
         deliveries.metadata = lambda: durable_metadata(handle)
         return deliveries
 
-    def _offer(self, handle: SessionHandle, units, received: float, done: bool = False) -> None:
-        """Offer units that went out another way (an HTTP response) to the session's watchers; ``done``: the
-        session was flushed with them."""
+    def _offer(self, handle: SessionHandle, units, received: float, metadata: dict[str, str],
+               done: bool = False) -> None:
+        """Offer units that went out another way (an HTTP response) to the session's watchers, with the response's
+        ``metadata`` (seq, durable_frames); ``done``: the session was flushed with them."""
         watchers = list(handle.watchers)
         if watchers:
             # One host copy per unit, whatever the number of watchers.
@@ -423,7 +437,7 @@ class SessionOps:
                       for unit in units]
             for watcher in watchers:
                 for unit in copies:
-                    watcher.offer(unit, received)
+                    watcher.offer(unit, received, None, metadata)
         if done:
             self._finish_watchers(handle)
 
@@ -539,7 +553,7 @@ class StreamSession:
         """One binary message: a chunk payload, refined and published unit by unit."""
         received = time.perf_counter()
         services, settings = self.ops.services, self.ops.settings
-        tensors = decode(data)
+        tensors = decode(data, empty=EMPTY_MESSAGE)
         latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
                                 services.require_model().info.in_channels)
         await scan_finite(tensors)
@@ -564,7 +578,7 @@ class StreamSession:
 
     def encode_again(self, unit: SentUnit) -> bytes:
         """A retained unit's bytes when its first encoding failed (a resume sends it again)."""
-        return self.ops.services.encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
+        return self.ops.services.encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter(), unit.metadata)
 
     async def _run(self, latents, embeds, mask, flush: bool, received: float) -> None:
         """Hand one message to the session and wait for it; it runs to the end even if the connection goes."""
@@ -585,10 +599,11 @@ class StreamSession:
         every unit it committed is handed to the session's deliveries (again, if a hand-over failed)."""
         services, handle = self.ops.services, self.handle
         async with handle.chunks.turn(self.ops.settings.session_queue_depth):
+            seq = handle.chunks.next_seq  # this message's, once accepted below: its units say so
             await self.ops.store.prepare(handle, None if latents is None else tuple(latents.shape),
                                          _prompt_tokens(embeds))
             work = Work(handle.engine_session, latents, embeds, mask, flush=flush, finite_checked=True,
-                        on_unit=handle.deliveries.hand_over(received))
+                        on_unit=handle.deliveries.hand_over(received, seq))
             try:
                 await services.engine.run(work)
             finally:
@@ -597,7 +612,7 @@ class StreamSession:
                     handle.chunks.accept_message()
                     services.metrics.frames_in.inc(work.frames_in)
                 for unit in work.units:
-                    handle.deliveries.push(unit, None, received)
+                    handle.deliveries.push(unit, None, received, seq)
             if work.started and not work.rolled_back:
                 await self.ops.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
 

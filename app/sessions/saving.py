@@ -31,6 +31,6 @@ def record_of(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionRe
                              created_at=handle.created_at, realtime=realtime)
 
     def encode(unit: SentUnit) -> bytes:
-        return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter())
+        return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter(), unit.metadata)
 
     return build

@@ -11,7 +11,7 @@
 //   into the message, `data` a typed array (copied once only when the view is not aligned for its element size).
 // - F16 and BF16 have no typed array everywhere yet: their `data` is the raw bits as a Uint16Array, `toFloat32()`
 //   converts, and `Tensor.from` rounds float32 values to them (round to nearest, ties to even, like torch).
-// - Sockets are async iterators of messages: a unit (`{type: "unit", tensors, metadata, frameStart, frameEnd}`)
+// - Sockets are async iterators of messages: a unit (`{type: "unit", tensors, metadata, frameStart, frameEnd, seq, latencyMs}`)
 //   or the server's JSON event as sent (`{type: "block" | "done" | "error" | "session" | "dropped", ...}`). A binary
 //   message that is not safetensors arrives as `{type: "error", error: {code: "unreadable_unit", ...}}`, so one loop
 //   handles both kinds of failure and goes on.
@@ -260,7 +260,8 @@ export class RefinerClient {
   async deleteSession(id) { await this.request("DELETE", "/v1/sessions/" + encodeURIComponent(id)); }
 
   /** Sends one chunk (`{latents, prompt_embeds?, prompt_attention_mask?}` as Tensors, or encoded bytes) and
-   * resolves to the unit it finalized: `{tensors, metadata, frameStart, frameEnd, replayed}`.
+   * resolves to the unit it finalized: `{tensors, metadata, frameStart, frameEnd, seq, latencyMs, replayed}`.
+   * `payload` null with `flush: true` flushes without new frames (an empty body).
    *
    * With `seq` the call is safe to retry, and it does so itself up to `retries` times, with the same seq: when the
    * request failed on the network (the server may have taken the chunk and lost the answer: repeating the last
@@ -268,7 +269,8 @@ export class RefinerClient {
    * Without `seq` nothing is retried (a repeat would append the frames twice). A 409 seq_conflict names the seq
    * the server expects. */
   async sendChunk(id, payload, { seq, flush = false, retries = 3, maxWaitMs = 10000 } = {}) {
-    const bytes = body(payload), path = `/v1/sessions/${encodeURIComponent(id)}/chunks`;
+    const bytes = payload == null && flush ? new Uint8Array(0) : body(payload);
+    const path = `/v1/sessions/${encodeURIComponent(id)}/chunks`;
     for (let attempt = 0; ; attempt++) {
       try {
         const response = await this.request("POST", path, { payload: bytes, query: { seq, flush } });
@@ -312,10 +314,14 @@ function queryString(query) {
   return entries.length ? "?" + new URLSearchParams(entries.map(([k, v]) => [k, String(v)])).toString() : "";
 }
 
-/** A unit's bytes as `{type: "unit", tensors, metadata, frameStart, frameEnd, bytes}` (frames: latent indices). */
+/** A unit's bytes as `{type: "unit", tensors, metadata, frameStart, frameEnd, seq, latencyMs, bytes}` (frames:
+ * latent indices; `seq`: the chunk that finalized it; `latencyMs`: the server's time for it, api.md; each null when
+ * the metadata lacks it). */
 export function readUnit(buffer) {
   const { tensors, metadata } = decodeSafetensors(buffer);
-  return { type: "unit", tensors, metadata, frameStart: Number(metadata.frame_start), frameEnd: Number(metadata.frame_end), bytes: buffer };
+  const number = (key) => (metadata[key] === undefined ? null : Number(metadata[key]));
+  return { type: "unit", tensors, metadata, frameStart: Number(metadata.frame_start), frameEnd: Number(metadata.frame_end),
+           seq: number("seq"), latencyMs: number("latency_ms"), bytes: buffer };
 }
 
 // --- WebSockets --------------------------------------------------------------------------------------------------

@@ -255,8 +255,8 @@ def test_a_unit_whose_hand_over_fails_still_reaches_its_client(make_settings, re
     original = delivery.Deliveries.hand_over
     calls = {"n": 0}
 
-    def flaky_hand_over(self, received):
-        deliver = original(self, received)
+    def flaky_hand_over(self, received, seq):
+        deliver = original(self, received, seq)
 
         def on_unit(unit):
             calls["n"] += 1

@@ -124,6 +124,60 @@ def test_the_config_in_responses_is_the_spec(schema):
     assert sorted(out["required"]) == sorted(spec.NAMES)
 
 
+@pytest.mark.parametrize("path", ["/v1/sessions/{session_id}/chunks", "/v1/refine"])
+def test_openapi_describes_the_refined_payload_of_chunks_and_refine(schema, path):
+    """The 200 body is safetensors only (no JSON), its tensors and metadata listed, seq and latency_ms required,
+    and the example header is one a reader of the documented layout decodes."""
+    import json
+    import struct
+
+    import jsonschema
+    from safetensors.torch import load
+
+    ok = schema["paths"][path]["post"]["responses"]["200"]
+    assert list(ok["content"]) == ["application/octet-stream"]
+    for words in ("little-endian", "__metadata__", "seq", "latency_ms", "frame_start", "frame_end"):
+        assert words in ok["description"], words
+    described = ok["content"]["application/octet-stream"]["x-safetensors"]
+    assert {"latents", "video"} <= set(described["tensors"])
+    metadata = described["metadata"]
+    assert {"frame_start", "frame_end", "seq", "latency_ms"} <= set(metadata["required"])
+    jsonschema.Draft202012Validator.check_schema(metadata)
+    example = described["example_header"]
+    jsonschema.validate(example["__metadata__"], metadata)
+    assert json.dumps(example, separators=(",", ":")) in ok["description"]
+    header = json.dumps(example).encode()
+    end = example["latents"]["data_offsets"][1]
+    tensors = load(struct.pack("<Q", len(header)) + header + bytes(end))
+    assert list(tensors["latents"].shape) == example["latents"]["shape"]
+
+
+def test_each_routes_400_and_409_say_exactly_when(schema):
+    """The 400 and 409 of each route name the error codes it answers with, and no other route's."""
+    import re
+
+    from app.core.error_kinds import ERRORS
+
+    def said(path: str, method: str, status: str) -> str:
+        return schema["paths"][path][method]["responses"][status]["description"]
+
+    def codes(text: str) -> set[str]:
+        return set(re.findall(r"\b([a-z]+_[a-z_]+):", text))
+
+    chunks, refine = "/v1/sessions/{session_id}/chunks", "/v1/refine"
+    assert codes(said("/v1/sessions/{session_id}", "put", "409")) == {"session_exists"}
+    assert codes(said(chunks, "post", "409")) == {"seq_conflict", "stream_closed"}
+    assert codes(said("/v1/sessions", "post", "400")) == {"invalid_payload"}
+    assert "JSON" in said("/v1/sessions", "post", "400") and "safetensors" not in said("/v1/sessions", "post", "400")
+    assert said("/v1/sessions", "post", "400") == said("/v1/sessions/{session_id}", "put", "400")
+    for path in (chunks, refine):
+        assert codes(said(path, "post", "400")) == {"invalid_payload", "missing_input"}
+    assert "empty while flush is not true" in said(chunks, "post", "400")
+    assert all(ERRORS[code] for path in (chunks, refine) for code in codes(said(path, "post", "400")))
+    body = schema["paths"][chunks]["post"]["requestBody"]
+    assert body["required"] is False and "empty with flush=true" in body["description"]
+
+
 def test_refines_query_parameters_are_the_specs_query_fields(schema):
     parameters = {p["name"]: p for p in schema["paths"]["/v1/refine"]["post"]["parameters"] if p["in"] == "query"}
     assert list(parameters) == list(spec.QUERY_NAMES)

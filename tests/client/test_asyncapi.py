@@ -85,14 +85,14 @@ def test_the_document_is_asyncapi_3_and_its_references_resolve():
 
 def test_every_websocket_route_event_and_error_code_is_documented():
     routes = set()
-    for module_path in (ROOT / "app" / "routes").glob("*.py"):
+    for module_path in (ROOT / "app" / "api" / "routes").glob("*.py"):
         module = importlib.import_module(f"app.api.routes.{module_path.stem}")
         router = getattr(module, "router", None)
         routes |= {r.path for r in getattr(router, "routes", []) if isinstance(r, WebSocketRoute)}
     assert routes == {channel["address"] for channel in DOCUMENT["channels"].values()}
     sent = set()
     for module in ("stream.py", "watch.py"):
-        sent |= set(re.findall(r'"type": "(\w+)"', (ROOT / "app" / "routes" / module).read_text()))
+        sent |= set(re.findall(r'"type": "(\w+)"', (ROOT / "app" / "api" / "routes" / module).read_text()))
     sent.discard("flush")  # received, not sent
     assert sent and sent <= set(event_schemas()), f"undocumented events: {sent - set(event_schemas())}"
     codes = DOCUMENT["components"]["schemas"]["ErrorBody"]["properties"]["code"]["enum"]

@@ -56,6 +56,7 @@ def test_http_chunks_equal_refine_with_automatic_seq(server, reference):
         units.append(session.flush())
         state = session.state()
     assert [u.seq for u in units] == [0, 1, 2, 3, 4]
+    assert all(u.latency_ms is not None and u.latency_ms > 0 for u in units)  # HTTP responses carry it too
     assert [(u.frame_start, u.frame_end) for u in units] == [(0, 4), (4, 7), (7, 10), (10, 13), (13, 14)]
     assert np.array_equal(concat(units), reference)
     assert state.next_seq == 5 and state.flushed and state.frames_returned == 14
@@ -72,7 +73,9 @@ def test_stream_equals_refine_and_takes_torch_tensors(server, reference):
         units = list(stream)
     assert all(isinstance(u.latents, torch.Tensor) for u in units)
     assert [u.frames for u in units] == [1, 3, 3, 3, 3, 1]  # the sink, blocks of 3, the final short block
-    assert all(u.latency_ms is not None for u in units)
+    assert all(u.latency_ms is not None and u.latency_ms > 0 for u in units)
+    # Each unit's seq is the message that finalized it: messages of 2, 5, 1, 3, 3 frames (0-4), then the flush (5).
+    assert [u.seq for u in units] == [0, 1, 1, 3, 4, 5]
     assert torch.equal(concat(units), torch.from_numpy(reference))
     assert stream.stats.frames_sent == stream.stats.frames_refined == 14 and stream.stats.reconnects == 0
 
@@ -124,6 +127,9 @@ def test_sessions_info_state_watch_and_delete(server):
         units = list(session.stream([LATENTS[:, :, :8]], prompt=PROMPT, prompt_mask=MASK))
         watching.join(30)
         assert [type(item).__name__ for item in seen].count("Unit") == len(units)
+        watched = [item for item in seen if isinstance(item, wm.Unit)]
+        assert [(w.seq, w.latency_ms) for w in watched] == [(u.seq, u.latency_ms) for u in units]  # the same bytes
+        assert [u.seq for u in units] == [0, 0, 0, 0, 1]  # one message of 8 frames, then the flush
         blocks = [item for item in seen if isinstance(item, wm.BlockEvent)]
         assert [(b.frame_start, b.frame_end) for b in blocks] == [(u.frame_start, u.frame_end) for u in units[1:]]
         listed = {s.session_id: s for s in client.sessions(page_size=1)}  # several pages

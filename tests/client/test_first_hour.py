@@ -255,6 +255,14 @@ def raw_safetensors(tensors: dict[str, tuple[str, tuple[int, ...], bytes]], pad:
     return struct.pack("<Q", len(text)) + text + data
 
 
+def raw_metadata(data: bytes) -> dict[str, str]:
+    """The header's ``__metadata__`` as docs/api.md lays the format out (no safetensors library, no project codec)."""
+    import struct
+
+    (size,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + size])["__metadata__"]
+
+
 def test_a_hand_built_payload_as_the_docs_describe_it_is_accepted(video_server):
     import httpx
 
@@ -273,14 +281,31 @@ def test_a_hand_built_payload_as_the_docs_describe_it_is_accepted(video_server):
         session = http.post("/v1/sessions", json={}).json()["session_id"]
         first = http.post(f"/v1/sessions/{session}/chunks", content=body, headers=octet)
         assert first.status_code == 200, first.text
-        assert read_metadata(first.content)["seq"] == "0"
-        # a flush without new frames: latents of 0 frames (an empty body is refused)
-        empty = raw_safetensors({"latents": ("F32", (1, 128, 0, 4, 4), b"")})
-        flushed = http.post(f"/v1/sessions/{session}/chunks", params={"flush": "true"}, content=empty, headers=octet)
-        assert flushed.status_code == 200, flushed.text
-        assert read_metadata(flushed.content)["frame_end"] == "5"
-        refused = http.post(f"/v1/sessions/{session}/chunks", params={"flush": "true"}, content=b"", headers=octet)
+        # Every unit says its chunk's seq and its latency_ms (a string, like every metadata value).
+        metadata = raw_metadata(first.content)
+        assert (metadata["frame_start"], metadata["frame_end"], metadata["seq"]) == ("0", "4", "0")
+        assert float(metadata["latency_ms"]) > 0
+        # An empty body without flush=true is refused, saying what to send instead.
+        refused = http.post(f"/v1/sessions/{session}/chunks", content=b"", headers=octet)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_payload"
+        assert "flush=true" in refused.json()["error"]["message"]
+        # A flush without new frames: an empty body with flush=true (or latents of 0 frames, api.md).
+        flushed = http.post(f"/v1/sessions/{session}/chunks", params={"flush": "true"}, content=b"", headers=octet)
+        assert flushed.status_code == 200, flushed.text
+        metadata = raw_metadata(flushed.content)
+        assert (metadata["frame_start"], metadata["frame_end"], metadata["seq"]) == ("4", "5", "1")
+        assert float(metadata["latency_ms"]) > 0
+        # The stream's units say the same: the seq of the message that finalized them (the flush counts).
+        from websockets.sync.client import connect
+
+        session = http.post("/v1/sessions", json={}).json()["session_id"]
+        with connect(f"{video_server.ws_url}/v1/sessions/{session}/stream", max_size=None) as ws:
+            ws.send(body)
+            ws.send(json.dumps({"type": "flush"}))
+            units = [raw_metadata(message) for message in ws if isinstance(message, bytes)]
+        assert [(m["frame_start"], m["frame_end"], m["seq"]) for m in units] == [("0", "1", "0"), ("1", "4", "0"),
+                                                                                 ("4", "5", "1")]
+        assert all(float(m["latency_ms"]) > 0 for m in units)
     example = raw_safetensors({"prompt_attention_mask": ("I64", (1, 2), np.ones(2, "<i8").tobytes())})
     assert json.loads(example[8:-16]) == {"prompt_attention_mask": {"dtype": "I64", "shape": [1, 2],
                                                                     "data_offsets": [0, 16]}}

@@ -184,8 +184,11 @@ def test_the_wire_format_snippets_print_what_their_comments_say(server):
     namespace: dict = {}
     printed = [run_block(code, namespace, server) for code in blocks]
     assert printed[0].split()[:4] == ["torch.Size([1,", "128,", "4,", "4,"] and printed[0].split()[-1] == "4"
-    promised = ast.literal_eval(blocks[1].split("#", 1)[1].strip())  # the comment after the print
-    assert ast.literal_eval(printed[1].strip()) == promised == {"frame_start": "0", "frame_end": "4", "seq": "0"}
+    # The print and the comment after it: latency_ms (any positive figure), then the other metadata, exactly.
+    latency, _, rest = printed[1].strip().partition(" ")
+    promised = blocks[1].split("#", 1)[1].strip().partition(" ")
+    assert float(latency) > 0 and float(promised[0]) > 0
+    assert ast.literal_eval(rest) == ast.literal_eval(promised[2]) == {"frame_start": "0", "frame_end": "4", "seq": "0"}
     streamed = printed[2].splitlines()
     frames = [int(re.search(r"Size\(\[1, 128, (\d+),", line).group(1)) for line in streamed if line.startswith("unit")]
     assert "the last short one" in blocks[2] and frames == [1, 3, 3, 3, 1]

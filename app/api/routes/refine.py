@@ -4,6 +4,9 @@ A clip is admitted like a session: while it is refined it holds one of ``max_ses
 ``too_many_sessions`` when none is free), and its memory is bounded by ``max_clip_frames`` and ``max_body_bytes``.
 In the engine it is one more session: its forwards take turns (and share model calls) with the streams', so a long
 clip cannot hold the engine. A client that goes away stops its clip at the next block.
+
+The response's metadata has ``seq`` 0 (the clip is its throwaway session's one chunk, so a client reads every
+refined payload the same way) and ``latency_ms`` from the body having been read to the clip's payload being ready.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from starlette.responses import Response
 
 from wm_refiner_client import spec
 
-from app.api.deps import OCTET_BODY, OCTET_RESPONSE, PlainInteger, ServicesDep, read_body, require_content_type
-from app.api.openapi import errors
+from app.api.deps import OCTET_BODY, PlainInteger, ServicesDep, read_body, require_content_type
+from app.api.openapi import REFINE_400, REFINE_RESPONSE, errors
 from app.api.routes.sessions import check_fields
 from app.core.codec import OCTET_STREAM
 from app.core.error_kinds import ApiError
@@ -74,7 +77,8 @@ session_query.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
 @router.post(
     "/v1/refine",
     openapi_extra=OCTET_BODY,
-    responses={**OCTET_RESPONSE, **errors(400, 401, 413, 415, 422, 500, 503)},
+    response_class=Response,  # not FastAPI's default JSON: /openapi.json then lists only the octet-stream 200
+    responses={**REFINE_RESPONSE, **errors(400, 401, 413, 415, 422, 500, 503, when={400: REFINE_400})},
 )
 async def refine(
     request: Request,

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.api.deps import ServicesDep, read_body, require_content_type
-from app.api.openapi import SessionCreate, SessionCreated, SessionDescription, SessionList, errors
+from app.api.openapi import CONFIG_400, PUT_409, SessionCreate, SessionCreated, SessionDescription, SessionList, errors
 from app.core.error_kinds import ApiError
 
 router = APIRouter(tags=["sessions"])
@@ -34,7 +34,8 @@ CREATE_BODY = {
     status_code=201,
     openapi_extra=CREATE_BODY,
     response_model=None,
-    responses={201: {"model": SessionCreated, "description": "the new session"}, **errors(400, 401, 413, 415, 422, 503)},
+    responses={201: {"model": SessionCreated, "description": "the new session"},
+               **errors(400, 401, 413, 415, 422, 503, when={400: CONFIG_400})},
 )
 async def create_session(request: Request, services: ServicesDep) -> JSONResponse:
     return JSONResponse(await services.sessions.create(lambda: _read_fields(request, services)), status_code=201)
@@ -48,7 +49,7 @@ async def create_session(request: Request, services: ServicesDep) -> JSONRespons
     responses={
         201: {"model": SessionCreated, "description": "created under the client's id"},
         200: {"model": SessionCreated, "description": "it already exists with this config (a safe retry)"},
-        **errors(400, 401, 409, 410, 413, 415, 422, 503),
+        **errors(400, 401, 409, 410, 413, 415, 422, 503, when={400: CONFIG_400, 409: PUT_409}),
     },
 )
 async def put_session(session_id: str, request: Request, services: ServicesDep) -> JSONResponse:

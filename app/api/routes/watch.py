@@ -93,8 +93,10 @@ class Watcher:
         await self.done_event.wait()
 
     # --- fed from the loop (never waits) -------------------------------------------------------------------
-    def offer(self, unit: HostUnit | UnitCopies, received: float, sent: SentUnit | None = None) -> None:
-        """A unit the session finalized; ``sent``: its bytes in the session's outputs, when they are ours too."""
+    def offer(self, unit: HostUnit | UnitCopies, received: float, sent: SentUnit | None = None,
+              metadata: dict[str, str] | None = None) -> None:
+        """A unit the session finalized; ``sent``: its bytes in the session's outputs, when they are ours too;
+        ``metadata``: what the unit's bytes say besides frames and latency (seq, durable_frames)."""
         if self.closing:
             return
         if sum(1 for item in self.queue if item[0] == "unit") >= self.limit:
@@ -102,7 +104,7 @@ class Watcher:
             self.services.metrics.watch_units_dropped.inc()
             return
         latency_ms = (time.perf_counter() - received) * 1000.0
-        self.queue.append(("unit", unit, received, sent, latency_ms))
+        self.queue.append(("unit", unit, received, sent, latency_ms, metadata))
         self.wakeup.set()
 
     def finish(self, frames: int) -> None:
@@ -183,7 +185,7 @@ class Watcher:
             log.info("watcher of %s went away (%r)", self.session_id, exc)
 
     async def _send_unit(self, unit: HostUnit | UnitCopies, received: float, sent: SentUnit | None,
-                         latency_ms: float) -> None:
+                         latency_ms: float, metadata: dict[str, str] | None) -> None:
         if sent is not None and sent.payload is not None:
             data = sent.payload
         else:
@@ -191,7 +193,7 @@ class Watcher:
 
             def build() -> bytes:
                 host = unit.wait() if isinstance(unit, UnitCopies) else unit
-                return encoder.unit_bytes(host, self.outputs, received)
+                return encoder.unit_bytes(host, self.outputs, received, metadata)
 
             data = await encoder.run_for_watcher(build)
         await self.websocket.send_bytes(data)
