@@ -247,7 +247,7 @@ class QueryRule:
         if self._routes is None:
             self._routes = [
                 (context, declared_query(context.original_route.dependant))
-                for context in iter_route_contexts(app.api.routes)
+                for context in iter_route_contexts(app.routes)
                 if getattr(context.original_route, "dependant", None) is not None and context.path not in BROWSER_PAGES
             ]
         return self._routes
@@ -312,7 +312,7 @@ class HttpMetricsMiddleware:
 def registered_routes(app: FastAPI) -> list[tuple[str, frozenset[str], bool]]:
     """Every route the app serves, through included routers: (path template, methods, is_websocket)."""
     routes = []
-    for context in iter_route_contexts(app.api.routes):
+    for context in iter_route_contexts(app.routes):
         websocket = isinstance(context.original_route, WebSocketRoute) or context.methods is None
         routes.append((context.path, frozenset(context.methods or ()), websocket))
     return routes

@@ -284,7 +284,7 @@ def document_api_key(app: FastAPI, public_paths: Iterable[str]) -> None:
     the fuzzer's auth checks know which routes need it. Only called when a key is configured: a server
     without one must not claim to need it."""
     public = frozenset(public_paths)
-    build: Callable[[], dict[str, Any]] = app.api.openapi
+    build: Callable[[], dict[str, Any]] = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -302,5 +302,5 @@ def document_api_key(app: FastAPI, public_paths: Iterable[str]) -> None:
         app.openapi_schema = schema
         return schema
 
-    app.api.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]
 
