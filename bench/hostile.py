@@ -14,7 +14,7 @@ in bounded time, never answered after holding what it sent:
 - a text message that is not UTF-8 (must be closed with 1007);
 - a browser-style handshake offering only ``wm-refiner.bearer.<key>`` (the 101 must name it, or browsers fail it).
 
-(The server's log is not visible from here: tests/app/test_hardening_ws.py checks that none of these logs an ERROR.)
+(The server's log is not visible from here: tests/app/api/test_hardening_ws.py checks that none of these logs an ERROR.)
 
 WebSocket floods from a client that never reads (issue 16 item 1): one-byte text frames and invalid 3-byte binary
 frames on a stream, text frames on a watch, each for ``--flood-s`` seconds: ``/health`` must keep answering within

@@ -4,7 +4,7 @@ A ``SessionConfig`` is frozen and validated on construction, so a session can ne
 
 Its fields, defaults and per-field bounds are the ones ``wm_refiner_client.spec`` declares for the wire (the service
 and the client derive everything from there); they are written out here because ``models/`` depends on nothing
-above it, and tests/app/test_spec.py checks that the two stay equal.
+above it, and tests/app/api/test_spec.py checks that the two stay equal.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ reserves it; the capacity plan, ``models.plan``, prints it) and counted from the
 (accounting, and what parking moves: ``models.move``).
 
 The estimate is a pure function of plain values (model shape, session config, frame geometry, dtype), so it needs
-no model; tests/models/test_memory.py checks it against what a session really allocates.
+no model; tests/models/test_session_bytes.py checks it against what a session really allocates.
 """
 
 from __future__ import annotations

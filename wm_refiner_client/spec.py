@@ -9,7 +9,7 @@ the code that uses it.
 
 Plain Python on purpose: the client package installs without torch or the service, and the service imports this
 module rather than the other way round. ``models.config.SessionConfig`` (the model's frozen config) keeps its own
-defaults, since ``models/`` depends on nothing above it; tests/app/test_spec.py checks that the two agree.
+defaults, since ``models/`` depends on nothing above it; tests/app/api/test_spec.py checks that the two agree.
 
 Also here: the one rule for session ids (``check_session_id``), shared by the routes, the client and the snapshot
 files.

@@ -204,7 +204,7 @@ class AnswerUnexpectedErrors:
     every other error, on a connection that stays usable.
 
     Starlette's catch-all ``Exception`` handler would answer too, but it then re-raises to the server, and
-    uvicorn closes the connection right after the response; found by tests/app/test_bad_input.py, the client
+    uvicorn closes the connection right after the response; found by tests/app/api/test_bad_input.py, the client
     could read a connection reset instead of the 500.
     """
 

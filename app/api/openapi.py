@@ -1,4 +1,4 @@
-"""What /openapi.json tells clients (and the schema fuzzer in tests/app/test_fuzz.py): the error envelope on every
+"""What /openapi.json tells clients (and the schema fuzzer in tests/app/api/test_fuzz.py): the error envelope on every
 route, the statuses each route can answer with, the session config's fields (from ``wm_refiner_client.spec``),
 and the API key.
 
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from wm_refiner_client import spec
 
 # --- the session config -----------------------------------------------------------------------------------
-# Declared once in wm_refiner_client.spec; the bounds are re-exported for the routes and tests/app/test_fuzz.py
+# Declared once in wm_refiner_client.spec; the bounds are re-exported for the routes and tests/app/api/test_fuzz.py
 # (which checks that SessionConfig accepts each bound and refuses the value just past it). Rules across fields
 # (kv_max_frames >= sink_frames + block_size; sigmas strictly decreasing to 0.0) cannot be written in a JSON schema:
 # they stay the model's, answered with 422 invalid_config.

@@ -1,0 +1,203 @@
+"""Hostile inputs that must be bounded: snapshot files whose metadata lies, request bodies held open, slow and
+huge requests, inputs that turn a session's output non-finite (issue 16, items 2, 4, 5 and 6)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tests.app.conftest import OCTET, make_clip, payload, running_app
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def _saved_session(make_settings, folder: Path) -> Path:
+    """A real drain snapshot of a session that has its sink and some history."""
+    latents, embeds, mask = make_clip(frames=8)
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        reply = client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(latents, embeds, mask),
+                            headers=OCTET)
+        assert reply.status_code == 200, reply.text
+    return folder / f"{session_id}.session.safetensors"
+
+
+def _rewrite(source: Path, target_id: str, edit) -> Path:
+    """A copy of ``source`` under session ``target_id`` with its metadata changed by ``edit(metadata)``."""
+    tensors = load_file(str(source))
+    with safe_open(str(source), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    app_fields = json.loads(metadata["app"])
+    app_fields["session_id"] = target_id
+    metadata["app"] = json.dumps(app_fields)
+    edit(metadata)
+    target = source.with_name(f"{target_id}.session.safetensors")
+    save_file(tensors, str(target), metadata=metadata)
+    return target
+
+
+def _huge_geometry(metadata: dict) -> None:
+    state = json.loads(metadata["state"])
+    state["geometry"] = [2, 128, 256, 256]
+    metadata["state"] = json.dumps(state)
+
+
+def _huge_window(metadata: dict) -> None:
+    config = json.loads(metadata["config"])
+    config.update(kv_max_frames=1000, block_size=500, sigmas=[1.0 - i / 200 for i in range(201)])
+    metadata["config"] = json.dumps(config)
+
+
+def test_snapshot_metadata_is_checked_against_limits_and_tensors_before_anything_is_allocated(make_settings,
+                                                                                             tmp_path):
+    folder = tmp_path / "snapshots"
+    saved = _saved_session(make_settings, folder)
+    ids = [f"hugegeom{i}" for i in range(3)]
+    for session_id in ids:
+        _rewrite(saved, session_id, _huge_geometry)
+    _rewrite(saved, "hugewindow", _huge_window)
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        before = _rss_mib()
+        for session_id in ids:
+            assert client.get(f"/v1/sessions/{session_id}").status_code == 404
+        grown = _rss_mib() - before
+        # Each file would allocate a ~800 MiB KV cache from its declared geometry alone.
+        assert grown < 150, f"refused snapshots moved RSS by {grown:.0f} MiB"
+        # Past max_window_frames=64 and max_denoise_steps=16: refused, as a corrupt file is.
+        assert client.get("/v1/sessions/hugewindow").status_code == 404
+        # The genuine snapshot is still adopted (and saved again by this app's drain).
+        assert client.get(f"/v1/sessions/{saved.name.split('.')[0]}").status_code == 200
+    names = sorted(p.name for p in folder.iterdir() if p != saved)
+    assert names == sorted(f"{i}.session.safetensors.corrupt" for i in [*ids, "hugewindow"])
+
+
+def test_a_chunk_that_refines_to_non_finite_values_is_refused_and_the_session_is_unchanged(make_settings, refiner):
+    from tests.app.conftest import expected_clip, read_latents, session_state
+
+    latents, embeds, mask = make_clip(frames=10, seed=5)
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        first = client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(latents[:, :, :4], embeds, mask),
+                            headers=OCTET)
+        assert first.status_code == 200
+        before = session_state(client, session_id)
+        poisoned = latents[:, :, 4:].clone()
+        poisoned[:, :, :, 0, 0] = 3e38  # finite: passes the input checks, overflows in the model
+        refused = client.post(f"/v1/sessions/{session_id}/chunks?seq=1&flush=true", content=payload(poisoned),
+                              headers=OCTET)
+        assert refused.status_code == 422, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "invalid_input" and "NaN or Inf" in error["message"]
+        assert "3e+38" in error["message"] and "send latents and prompt_embeds" in error["message"]
+        assert session_state(client, session_id) == before
+        retry = client.post(f"/v1/sessions/{session_id}/chunks?seq=1&flush=true", content=payload(latents[:, :, 4:]),
+                            headers=OCTET)
+        assert retry.status_code == 200, retry.text
+        refined = torch.cat([read_latents(first.content)[0], read_latents(retry.content)[0]], dim=2)
+    assert torch.equal(refined, expected_clip(refiner, latents, embeds, mask))
+
+
+# --- real servers on loopback: bodies in flight, huge and slow requests --------------------------------------------
+import socket  # noqa: E402
+import time  # noqa: E402
+
+from tests.app.conftest import LiveServer  # noqa: E402
+from bench.hostile import response_head  # noqa: E402
+
+
+def _connect(server, timeout: float = 10.0) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=timeout)
+    return sock
+
+
+def _chunk_head(session_id: str, length: int, seq: int = 0) -> bytes:
+    return (f"POST /v1/sessions/{session_id}/chunks?seq={seq} HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def test_request_bodies_in_flight_are_bounded_across_connections(make_settings):
+    body = 1024 * 1024
+    with LiveServer(make_settings(max_body_bytes=body, max_inflight_body_bytes=4 * body)) as server:
+        import httpx
+
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        held = []
+        for _ in range(4):  # four large bodies, each one byte short: they fill the budget
+            sock = _connect(server)
+            sock.sendall(_chunk_head(session_id, body) + b"\0" * (body - 1))
+            held.append(sock)
+        time.sleep(0.3)
+        refused = _connect(server)
+        started = time.monotonic()
+        refused.sendall(_chunk_head(session_id, body))  # headers only: refused before its body is read
+        head = response_head(refused)
+        assert head.startswith(b"HTTP/1.1 503"), head[:200]
+        assert b"retry-after: 1" in head.lower() and time.monotonic() - started < 5
+        refused.close()
+        held.pop().close()  # a client that goes away gives its share back
+        time.sleep(0.3)
+        accepted = _connect(server)
+        accepted.sendall(_chunk_head(session_id, 10) + b"\0" * 10)
+        head = response_head(accepted)
+        assert not head.startswith(b"HTTP/1.1 503"), head[:200]  # read, and refused for what it is
+        accepted.close()
+        for sock in held:
+            sock.close()
+
+
+def test_a_huge_header_is_refused_without_being_buffered(make_settings):
+    with LiveServer(make_settings(max_header_bytes=64 * 1024)) as server:
+        from tests.app.api.test_hardening import _rss_mib as rss
+
+        before = rss()
+        sock = _connect(server)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent, piece = 0, b"a" * (1024 * 1024)
+        try:
+            while sent < 128 * 1024 * 1024:
+                sock.sendall(piece)
+                sent += len(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        head = response_head(sock)
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 431") or head == b"", head[:200]
+        assert sent < 64 * 1024 * 1024, f"the server read {sent} bytes of one header"
+        assert rss() - before < 100, "a refused header grew the server"
+
+
+def test_slow_headers_and_trickled_bodies_are_cut_off(make_settings):
+    with LiveServer(make_settings(request_header_timeout_s=1.0, request_body_timeout_s=2.0)) as server:
+        idle = _connect(server)  # connects and sends nothing
+        partial = _connect(server)
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never ends its headers
+        import httpx
+
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        trickle = _connect(server)
+        trickle.sendall(_chunk_head(session_id, 100))
+        started = time.monotonic()
+        for sock in (idle, partial):
+            head = response_head(sock)
+            assert head.startswith(b"HTTP/1.1 408"), head[:200]
+        assert time.monotonic() - started < 5
+        try:
+            for _ in range(8):  # one byte a second, past the body's time
+                trickle.sendall(b"\0")
+                time.sleep(1.0)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        head = response_head(trickle)
+        assert head.startswith(b"HTTP/1.1 408") or head == b"", head[:200]
+        assert time.monotonic() - started < 9, "the trickled body was not cut off"
+        for sock in (idle, partial, trickle):
+            sock.close()

@@ -1,0 +1,407 @@
+"""The WebSocket half of the hostile-client pass (issue 16): a stream message whose block refines to NaN/Inf
+(item 6), and the protocol details of item 7 (refused handshakes, invalid UTF-8, websockets' own header limit,
+subprotocol selection from a real browser, the watch route's pool)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from tests.app.conftest import make_clip, payload, read_latents, running_app, session_state, wait_until
+
+
+# --- item 6: a poisoned stream message ------------------------------------------------------------------------
+def _poisoned(latents: torch.Tensor) -> torch.Tensor:
+    bad = latents.clone()
+    bad[:, :, :, 0, 0] = 3e38  # finite: passes the input checks, overflows in the model
+    return bad
+
+
+def _units_until(ws, frames: int) -> list[torch.Tensor]:
+    """Binary units until ``frames`` frames came back; a text event on the way fails the test."""
+    units, got = [], 0
+    while got < frames:
+        message = ws.receive()
+        assert message.get("bytes") is not None, f"expected a unit, got {message}"
+        unit = read_latents(message["bytes"])[0]
+        units.append(unit)
+        got += unit.shape[2]
+    return units
+
+
+def _event(ws) -> dict:
+    message = ws.receive()
+    assert message.get("text") is not None, f"expected an event, got {message}"
+    return json.loads(message["text"])
+
+
+def _flush(ws, frames: int) -> list[torch.Tensor]:
+    ws.send_text('{"type": "flush"}')
+    units = []
+    while True:
+        message = ws.receive()
+        if message.get("bytes") is not None:
+            units.append(read_latents(message["bytes"])[0])
+            continue
+        assert json.loads(message["text"]) == {"type": "done", "frames": frames}
+        return units
+
+
+def test_a_stream_message_that_refines_to_non_finite_values_is_refused_and_rolled_back(make_settings, refiner):
+    """Poisoned latents, then a poisoned prompt: each message gets an error event, commits nothing, and the
+    connection goes on; the good messages that follow give the bytes an untroubled session gives."""
+    from tests.app.conftest import expected_clip
+
+    latents, embeds, mask = make_clip(frames=10, seed=5)
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+            ws.send_bytes(payload(latents[:, :, :4], embeds, mask))
+            units = _units_until(ws, 4)
+            # Its units can arrive before the message is counted (next_seq) and checkpointed.
+            before = wait_until(lambda: (lambda state: state["next_seq"] == 1 and state)(
+                session_state(client, session_id)), "the first message to be counted")
+
+            ws.send_bytes(payload(_poisoned(latents[:, :, 4:7])))
+            error = _event(ws)["error"]
+            assert error["code"] == "invalid_input" and "NaN or Inf" in error["message"], error
+            assert "3e+38" in error["message"] and "send latents and prompt_embeds" in error["message"]
+            assert session_state(client, session_id) == before
+
+            huge_prompt = embeds.clone()
+            huge_prompt[:, :, 0] = 3e38
+            ws.send_bytes(payload(latents[:, :, 4:7], huge_prompt, mask))
+            error = _event(ws)["error"]
+            assert error["code"] == "invalid_input" and "prompt_embeds |x| = 3e+38" in error["message"], error
+            assert session_state(client, session_id) == before
+
+            ws.send_bytes(payload(latents[:, :, 4:7]))
+            units += _units_until(ws, 3)
+            ws.send_bytes(payload(latents[:, :, 7:]))
+            units += _flush(ws, 10)
+    assert torch.equal(torch.cat(units, dim=2), expected_clip(refiner, latents, embeds, mask))
+
+
+def test_poisoned_frames_pending_from_an_earlier_message_are_dropped_not_kept(make_settings, refiner):
+    """One poisoned frame, too few for a block, is taken; the good message completing the block fails on it. The
+    session then drops every frame not yet refined (it cannot tell whose frame broke the block) and says from
+    which frame to send again, so the stream recovers instead of failing every following block."""
+    from tests.app.conftest import expected_clip
+
+    latents, embeds, mask = make_clip(frames=10, seed=5)
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+            ws.send_bytes(payload(latents[:, :, :4], embeds, mask))
+            units = _units_until(ws, 4)
+            ws.send_bytes(payload(_poisoned(latents[:, :, 4:5])))  # pending: no event
+            ws.send_bytes(payload(latents[:, :, 5:7]))
+            event = _event(ws)
+            assert event["error"]["code"] == "invalid_input", event
+            assert event["frames_received"] == 4, event
+            assert "frames [4, 7) were dropped" in event["error"]["message"], event
+            state = session_state(client, session_id)
+            assert (state["frames_received"], state["frames_returned"]) == (4, 4)
+
+            ws.send_bytes(payload(latents[:, :, 4:]))
+            units += _flush(ws, 10)
+    assert torch.equal(torch.cat(units, dim=2), expected_clip(refiner, latents, embeds, mask))
+
+
+def test_a_flush_whose_final_block_refines_to_non_finite_values_leaves_the_stream_open(make_settings, refiner):
+    """The poisoned frames wait for the flush (too few for a block): the flush fails, drops them and does not
+    flush the session; the client resends good frames and flushes again."""
+    from tests.app.conftest import expected_clip
+
+    latents, embeds, mask = make_clip(frames=6, seed=5)
+    with running_app(make_settings()) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+            ws.send_bytes(payload(latents[:, :, :4], embeds, mask))
+            units = _units_until(ws, 4)
+            ws.send_bytes(payload(_poisoned(latents[:, :, 4:])))
+            ws.send_text('{"type": "flush"}')
+            event = _event(ws)
+            assert event["error"]["code"] == "invalid_input" and event["frames_received"] == 4, event
+            state = session_state(client, session_id)
+            assert (state["frames_received"], state["flushed"]) == (4, False)
+            ws.send_bytes(payload(latents[:, :, 4:]))
+            units += _flush(ws, 6)
+    assert torch.equal(torch.cat(units, dim=2), expected_clip(refiner, latents, embeds, mask))
+
+
+def test_the_nan_scan_runs_before_the_engine_so_a_busy_engine_does_not_delay_the_refusal(make_settings):
+    """A chunk holding NaN is refused with the session's own error while the engine thread is busy with other
+    work: the scan runs before submitting, not on the engine thread ahead of other sessions' forwards."""
+    import threading
+    import time
+
+    from tests.app.conftest import OCTET, EngineHold
+
+    latents, embeds, mask = make_clip(frames=4)
+    bad = latents.clone()
+    bad[0, 0, 0, 0, 0] = float("nan")
+    with running_app(make_settings()) as client:
+        services = client.app.state.services
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        hold = EngineHold()
+        held = client.portal.start_task_soon(lambda: services.engine.call(hold))
+        hold.wait_started()
+        # Released late, so a refusal that waited for the engine is seen to have waited.
+        timer = threading.Timer(30.0, hold.release.set)
+        timer.start()
+        try:
+            started = time.monotonic()
+            refused = client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(bad, embeds, mask),
+                                  headers=OCTET)
+            http_s = time.monotonic() - started
+            with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+                started = time.monotonic()
+                ws.send_bytes(payload(bad, embeds, mask))
+                event = _event(ws)
+                ws_s = time.monotonic() - started
+        finally:
+            hold.release.set()
+            timer.cancel()
+        held.result(10)
+        assert refused.status_code == 422, refused.text
+        message = "latents holds 1 NaN or Inf values; send finite numbers only"
+        assert refused.json()["error"] == {"code": "invalid_input", "message": message}
+        assert event["error"]["code"] == "invalid_input" and event["error"]["message"] == message, event
+        assert http_s < 15.0 and ws_s < 15.0, (http_s, ws_s)
+
+
+# --- item 7: protocol details on a real server (uvicorn) ------------------------------------------------------
+import base64  # noqa: E402
+import logging  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.app.conftest import DEADLINE_S, LiveServer  # noqa: E402
+
+KEY = "wm>>>???key"  # base64 holds '+' and '/': the browser sends it as base64url
+
+
+class _Records(logging.Handler):
+    """What uvicorn logs (its loggers do not propagate to the root, so caplog would see nothing)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def errors(self) -> list[str]:
+        return [f"{r.levelname} {r.getMessage()}" for r in self.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.fixture
+def uvicorn_log():
+    """Attach with ``uvicorn_log.attach()`` once the server runs: uvicorn's logging config replaces the handlers
+    of its loggers when it starts."""
+    handler = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "app")]
+    handler.attach = lambda: [logger.addHandler(handler) for logger in loggers]
+    try:
+        yield handler
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def _settled(server) -> None:
+    """Every connection's ASGI task has returned (uvicorn logs a bad handshake when it does)."""
+    wait_until(lambda: not server.server.server_state.tasks, "the server's connection tasks to end")
+
+
+def _handshake(server, path: str, headers: dict[str, str] | None = None, extra: bytes = b"") -> tuple[socket.socket, bytes]:
+    """A raw WebSocket handshake; returns the socket and the response head (b'' when none came)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    lines = [f"GET {path} HTTP/1.1", "Host: x", "Upgrade: websocket", "Connection: Upgrade",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version: 13",
+             *(f"{name}: {value}" for name, value in (headers or {}).items())]
+    sock.sendall("\r\n".join(lines).encode() + b"\r\n" + extra + b"\r\n")
+    head = b""
+    try:
+        while b"\r\n\r\n" not in head:
+            part = sock.recv(65536)
+            if not part:
+                break
+            head += part
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return sock, head
+
+
+def _masked(opcode: int, data: bytes) -> bytes:
+    mask = b"\x01\x02\x03\x04"
+    assert len(data) < 126
+    return bytes([0x80 | opcode, 0x80 | len(data)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+def _close_code(sock: socket.socket) -> int:
+    """The code of the close frame the server sends next (skipping other frames)."""
+    data = b""
+    while True:
+        while len(data) < 2:
+            part = sock.recv(65536)
+            assert part, "the server closed the connection without a close frame"
+            data += part
+        length = data[1] & 0x7F
+        header = 2 + (2 if length == 126 else 8 if length == 127 else 0)
+        while len(data) < header:
+            data += sock.recv(65536)
+        if length >= 126:
+            length = struct.unpack("!H" if length == 126 else "!Q", data[2:header])[0]
+        while len(data) < header + length:
+            data += sock.recv(65536)
+        opcode, body, data = data[0] & 0x0F, data[header : header + length], data[header + length :]
+        if opcode == 0x8:
+            return struct.unpack("!H", body[:2])[0]
+
+
+def test_refused_handshakes_are_answered_and_logged_without_an_error(make_settings, uvicorn_log):
+    """A 401, a 404 and a 409 at the handshake: the status reaches the client and nothing is logged as an ERROR
+    (uvicorn logged 'ASGI callable returned without completing handshake' for each)."""
+    with LiveServer(make_settings(api_key=KEY)) as server:
+        uvicorn_log.attach()
+        auth = {"Authorization": f"Bearer {KEY}"}
+        session_id = httpx.post(f"{server.base_url}/v1/sessions", headers=auth).json()["session_id"]
+        statuses = []
+        for path, headers in ((f"/v1/sessions/{session_id}/stream", {}),
+                              (f"/v1/sessions/{session_id}/watch", {}),
+                              ("/v1/sessions/no-such-session/stream", auth),
+                              ("/v1/sessions/no-such-session/watch", auth)):
+            sock, head = _handshake(server, path, headers)
+            sock.close()
+            statuses.append(head.split(b" ", 2)[1] if head else b"nothing")
+        assert statuses == [b"401", b"401", b"404", b"404"]
+        _settled(server)
+        assert sum('"WebSocket /v1/sessions/' in r.getMessage() for r in uvicorn_log.records) == 4
+    assert uvicorn_log.errors() == []
+
+
+def test_a_text_message_that_is_not_utf8_is_closed_with_1007_without_a_traceback(make_settings, uvicorn_log):
+    with LiveServer(make_settings()) as server:
+        uvicorn_log.attach()
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream")
+        assert head.startswith(b"HTTP/1.1 101"), head
+        sock.sendall(_masked(0x1, b'{"type": "\xff\xfe"}'))
+        assert _close_code(sock) == 1007
+        sock.close()
+        # The session is untouched and takes a stream again (the dropped client may reattach).
+        wait_until(lambda: not server.services.registry.get(session_id).streaming, "the stream to end")
+        _settled(server)
+    assert uvicorn_log.errors() == []
+    assert any("not valid UTF-8" in r.getMessage() for r in uvicorn_log.records)
+
+
+def test_a_handshake_with_a_header_line_over_websockets_limit_gets_431(make_settings, uvicorn_log):
+    """httptools takes the head (under max_header_bytes); websockets' own parser refuses a line over 8192 bytes.
+    Its 431 must reach the client, which otherwise waits for an answer forever."""
+    with LiveServer(make_settings()) as server:
+        uvicorn_log.attach()
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream", extra=b"X-Big: " + b"a" * 8200 + b"\r\n")
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 431"), head
+        # A handshake under the limit still opens.
+        sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream", extra=b"X-Big: " + b"a" * 8000 + b"\r\n")
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 101"), head
+        _settled(server)
+    assert uvicorn_log.errors() == []
+
+
+def test_the_watch_pool_belongs_to_the_app_and_is_shut_down_with_it(make_settings):
+    with running_app(make_settings()) as first, running_app(make_settings()) as second:
+        pools = first.app.state.services.encoder._watch_pool, second.app.state.services.encoder._watch_pool
+        assert pools[0] is not pools[1]
+    assert all(pool._shutdown for pool in pools)
+
+
+# --- item 7d: a browser offering only the key's subprotocol -----------------------------------------------------
+_CHROMIUM, _CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+_OPEN_SOCKET = """
+const [url, protocols, send] = arguments;
+window.wsLog = {protocol: null, events: [], binary: 0, closed: null, failed: false};
+const ws = new WebSocket(url, protocols);
+ws.binaryType = "arraybuffer";
+ws.onopen = () => { window.wsLog.protocol = ws.protocol; if (send) ws.send(send); };
+ws.onmessage = (m) => { if (typeof m.data === "string") window.wsLog.events.push(JSON.parse(m.data));
+                        else window.wsLog.binary += 1; };
+ws.onerror = () => { window.wsLog.failed = true; };
+ws.onclose = (e) => { window.wsLog.closed = e.code; };
+"""
+
+
+@pytest.mark.skipif(not (os.path.exists(_CHROMIUM) and os.path.exists(_CHROMEDRIVER)),
+                    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+def test_a_browser_offering_only_the_key_subprotocol_opens_the_stream_and_the_watch(make_settings):
+    """Chromium fails a WebSocket whose 101 names none of the subprotocols it offered: with only
+    ``wm-refiner.bearer.<key>`` offered, both routes must answer with it, and the sockets get their events."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = _CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking"):
+        options.add_argument(flag)
+    bearer = "wm-refiner.bearer." + base64.urlsafe_b64encode(KEY.encode()).decode().rstrip("=")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    latents, embeds, mask = make_clip(frames=4)
+    with LiveServer(make_settings(api_key=KEY)) as server:
+        browser = webdriver.Chrome(options=options, service=Service(_CHROMEDRIVER))
+        try:
+            browser.get(f"{server.base_url}/health")
+            log = lambda: browser.execute_script("return window.wsLog")  # noqa: E731
+            watched = httpx.post(f"{server.base_url}/v1/sessions", headers=auth).json()["session_id"]
+            browser.execute_script(_OPEN_SOCKET, f"{server.ws_url}/v1/sessions/{watched}/watch", [bearer], None)
+            wait_until(lambda: log()["protocol"] is not None or log()["closed"] is not None, "the watch to open")
+            assert log()["protocol"] == bearer, log()
+            response = httpx.post(f"{server.base_url}/v1/sessions/{watched}/chunks?seq=0&flush=true",
+                                  content=payload(latents, embeds, mask),
+                                  headers={**auth, "content-type": "application/octet-stream"}, timeout=DEADLINE_S)
+            assert response.status_code == 200, response.text
+            wait_until(lambda: log()["closed"] is not None, "the watch to end")
+            watch = log()
+            assert not watch["failed"] and watch["closed"] == 1000, watch
+            assert watch["events"][-1] == {"type": "done", "frames": 4} and watch["binary"] >= 2, watch
+
+            streamed = httpx.post(f"{server.base_url}/v1/sessions", headers=auth).json()["session_id"]
+            browser.execute_script(_OPEN_SOCKET, f"{server.ws_url}/v1/sessions/{streamed}/stream", [bearer],
+                                   '{"type": "flush"}')
+            wait_until(lambda: log()["closed"] is not None, "the stream to end")
+            stream = log()
+            assert stream["protocol"] == bearer and not stream["failed"], stream
+            assert stream["events"] == [{"type": "done", "frames": 0}] and stream["closed"] == 1000, stream
+
+            # Offered beside the plain subprotocol, the key is not echoed back.
+            other = httpx.post(f"{server.base_url}/v1/sessions", headers=auth).json()["session_id"]
+            browser.execute_script(_OPEN_SOCKET, f"{server.ws_url}/v1/sessions/{other}/stream",
+                                   ["wm-refiner", bearer], '{"type": "flush"}')
+            wait_until(lambda: log()["closed"] is not None, "the second stream to end")
+            assert log()["protocol"] == "wm-refiner" and log()["events"] == [{"type": "done", "frames": 0}], log()
+        finally:
+            browser.quit()
+
+
+def test_the_subprotocol_selected_is_one_the_client_offered():
+    from app.api.auth import select_subprotocol
+
+    bearer = "wm-refiner.bearer." + base64.urlsafe_b64encode(KEY.encode()).decode().rstrip("=")
+    assert select_subprotocol(["wm-refiner", bearer]) == "wm-refiner"  # the key is not echoed when avoidable
+    assert select_subprotocol([bearer, "wm-refiner"]) == "wm-refiner"
+    assert select_subprotocol(["chat", bearer]) == bearer
+    # Nothing of ours offered (or a malformed key): no subprotocol, as before.
+    assert select_subprotocol([]) is None
+    assert select_subprotocol(["chat", "wm-refiner.bearer.", "wm-refiner.bearer.a", "wm-refiner.bearer.\u00e9"]) is None

@@ -1,0 +1,308 @@
+"""The JavaScript client (app/static/wm-refiner.js, GET /static/wm-refiner.js) in a real headless Chromium.
+
+A page on the server's origin imports the module and drives the service with it: safetensors written by Python
+decode in the browser and come back bit-identical, each dtype; values the browser rounds to F16/BF16 equal torch's
+rounding; a clip streamed over the WebSocket, cut after two units and resumed with ``?resume_from``, a clip sent as
+HTTP chunks (a repeated ``seq`` replayed) and a watcher's units all equal, bit for bit, what ``POST /v1/refine``
+returns for the same clip to Python (the same block shapes by construction: the e2e test asserts the same
+identity). With an API key, so the key travels as ``Authorization`` and as the WebSocket subprotocol.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload
+from tests.app.api.test_view_browser import CHROMEDRIVER, CHROMIUM, KEY, browser, page_server  # noqa: F401 (the fixtures)
+
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+)
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+# Runs in the page: imports the module (from args[0]), then runs the body args[1] as an async function of the module
+# `m`, base64 helpers `b64` and the remaining arguments `args`; its result (or the error) goes back to Python.
+HARNESS = """
+const done = arguments[arguments.length - 1], [url, ...args] = Array.from(arguments).slice(0, -1);
+const b64 = {
+  decode: (text) => Uint8Array.from(atob(text), (c) => c.charCodeAt(0)),
+  encode: (bytes) => { let s = ""; for (let i = 0; i < bytes.length; i += 0x8000) s += String.fromCharCode(...bytes.subarray(i, i + 0x8000)); return btoa(s); },
+};
+import(url)
+  .then((m) => (new Function("m", "b64", "args", "return (async () => {" + args[0] + "})();"))(m, b64, args.slice(1)))
+  .then((value) => done({ value }), (err) => done({ error: String(err && err.stack || err) }));
+"""
+
+
+def run_js(browser, body: str, *args, module: str = "/static/wm-refiner.js"):
+    browser.set_script_timeout(DEADLINE_S)
+    out = browser.execute_async_script(HARNESS, module, body, *args)
+    assert "error" not in out, out["error"]
+    return out["value"]
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers, so NaNs and -0.0 compare by their bits."""
+    return tensor.contiguous().view(torch.uint8)
+
+
+def test_the_module_is_served_as_javascript_without_the_key(make_settings):
+    with LiveServer(make_settings(api_key=KEY)) as server, httpx.Client(base_url=server.base_url) as http:
+        response = http.get("/static/wm-refiner.js")  # no key, like /view
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/javascript; charset=utf-8"
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert "export class RefinerClient" in response.text
+        assert http.get("/static/view.html").status_code == 401  # nothing else under /static is public
+        assert http.get("/static/view.html", headers=AUTH).status_code == 404  # nor served at all
+        assert "script-src 'self'" in http.get("/view").headers["content-security-policy"]
+
+
+# F16/BF16 cases: exact ties (to even), the largest finite values and past them, subnormals, underflow, specials.
+SOURCE = torch.tensor(
+    [0.0, -0.0, 1.0, -2.5, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 65504.0, 65519.0, 65520.0, 1e6,
+     2**-24, 2**-25, 1.5 * 2**-24, 2**-14 - 2**-25, 1e-30, 1e-40, 3.0e38, float("inf"), float("-inf"), float("nan")],
+    dtype=torch.float32,
+)
+
+
+def test_safetensors_round_trip_of_each_dtype(make_settings, browser):
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randn(2, 3, 50, generator=generator) * torch.logspace(-8, 8, 50)
+    tensors = {
+        "f32": torch.cat([SOURCE, random.flatten()]).reshape(2, -1),
+        "f16": torch.cat([SOURCE, random.flatten()]).to(torch.float16),
+        "bf16": torch.cat([SOURCE, random.flatten()]).to(torch.bfloat16).reshape(1, 1, -1),
+        "i64": torch.tensor([[-(2**63), -(2**53) - 1, -1, 0], [1, 2**53 + 1, 2**62, 2**63 - 1]], dtype=torch.int64),
+        "i32": torch.tensor([-(2**31), -1, 0, 7, 2**31 - 1], dtype=torch.int32),
+        "u8": torch.arange(256, dtype=torch.uint8).reshape(16, 16),
+        "bool": torch.tensor([[True, False, True]]),
+        "empty": torch.zeros(1, 128, 0, 4, 4),  # a flush's 0-frame latents
+    }
+    metadata = {"frame_start": "0", "frame_end": "4", "note": "ünïcode"}
+    source = torch.cat([SOURCE, random.flatten()])
+    with LiveServer(make_settings(api_key=KEY)) as server:
+        browser.get(f"{server.base_url}/health")  # a page of the server's origin (no CSP), to import from
+        out = run_js(browser, """
+            const [file, source] = [b64.decode(args[0]), new Float32Array(b64.decode(args[1]).buffer)];
+            const { tensors, metadata } = m.decodeSafetensors(file);
+            const show = (v) => (Object.is(v, -0) ? "-0" : String(v));  // String(-0) is "0"
+            const described = Object.fromEntries(Object.entries(tensors).map(([name, t]) =>
+              [name, { dtype: t.dtype, shape: t.shape, values: Array.from(t.dtype === "I64" ? t.data : t.toFloat32(), show) }]));
+            const again = m.encodeSafetensors(tensors, metadata);
+            const built = m.encodeSafetensors({
+              f16: m.Tensor.from("F16", [source.length], source), bf16: m.Tensor.from("BF16", [source.length], source),
+              f32: m.Tensor.from("F32", [2], [1.5, -0]), i64: m.Tensor.from("I64", [3], [-1, 2n ** 62n, 3]),
+              i32: m.Tensor.from("I32", [2], [-5, 6]), u8: m.Tensor.from("U8", [2], [0, 255]),
+              bool: m.Tensor.from("BOOL", [1, 3], [true, false, 1]),
+            });
+            const refusals = [];
+            for (const bad of [() => m.Tensor.from("F64", [1], [1]), () => m.Tensor.from("F32", [2], [1]),
+                               () => m.decodeSafetensors(new Uint8Array([255, 0, 0, 0, 0, 0, 0, 0, 123])),
+                               () => m.encodeSafetensors({}, { n: 1 })]) {
+              try { bad(); refusals.push(null); } catch (err) { refusals.push(err.message); }
+            }
+            return { described, metadata, again: b64.encode(again), built: b64.encode(built), refusals };
+        """, b64(save(tensors, metadata=metadata)), b64(source.numpy().tobytes()))
+
+    assert out["metadata"] == metadata
+    for name, tensor in tensors.items():
+        described = out["described"][name]
+        assert described["dtype"] == {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                                      torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
+                                      torch.bool: "BOOL"}[tensor.dtype]
+        assert described["shape"] == list(tensor.shape)
+        if tensor.dtype == torch.int64:  # exact, as decimal strings (BigInt)
+            assert described["values"] == [str(v) for v in tensor.flatten().tolist()]
+        else:  # the browser's float32 view (a JS number printed in full) equals torch's cast
+            shown = torch.tensor([float(v) for v in described["values"]], dtype=torch.float64).to(torch.float32)
+            expected = tensor.flatten().to(torch.float32)
+            nan = expected.isnan()  # a NaN's payload does not survive the trip as text ("NaN"); its NaN-ness must
+            assert torch.equal(shown.isnan(), nan), name
+            assert torch.equal(bits(shown[~nan]), bits(expected[~nan])), name
+
+    again = base64.b64decode(out["again"])
+    header = struct.unpack("<Q", again[:8])[0]
+    assert (8 + header) % 8 == 0, "the header is padded so the data is 8-byte aligned"
+    back = load(again)
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape
+        assert torch.equal(bits(back[name]), bits(tensor)), name
+    assert json.loads(again[8 : 8 + header])["__metadata__"] == metadata  # the browser's encoder keeps it
+
+    built = load(base64.b64decode(out["built"]))
+    assert torch.equal(bits(built["f16"]), bits(source.to(torch.float16))), "F16 rounding differs from torch's"
+    nan = source.isnan()  # torch writes one NaN for bf16 (0x7FC0); any quiet NaN is a NaN
+    assert torch.equal(bits(built["bf16"][~nan]), bits(source[~nan].to(torch.bfloat16)))
+    assert built["bf16"][nan].isnan().all()
+    assert torch.equal(bits(built["f32"]), bits(torch.tensor([1.5, -0.0])))
+    assert built["i64"].tolist() == [-1, 2**62, 3] and built["i32"].tolist() == [-5, 6]
+    assert built["u8"].tolist() == [0, 255] and built["bool"].tolist() == [[True, False, True]]
+
+    unknown, count, not_safetensors, metadata_type = out["refusals"]
+    assert unknown and "F64" in unknown and "F32, F16, BF16" in unknown
+    assert count and "holds 2 values, got 1" in count
+    assert not_safetensors and "header length 255" in not_safetensors
+    assert metadata_type and "metadata values are strings" in metadata_type
+
+
+# Runs in the page: the clip's float32 latents (1, C, T, H, W), prompt and mask in; the units of each way out.
+DRIVE = """
+const [base, key, clipB64, clipShape, promptB64, promptShape, maskValues] = args;
+const [B, C, T, H, W] = clipShape, clip = new Float32Array(b64.decode(clipB64).buffer);
+const prompt = m.Tensor.from("F32", promptShape, new Float32Array(b64.decode(promptB64).buffer));
+const mask = m.Tensor.from("I64", [1, maskValues.length], maskValues);
+const frames = (start, end) => {  // latents[:, :, start:end] (B = 1): each channel's run of frames
+  const out = new Float32Array(C * (end - start) * H * W), run = (end - start) * H * W;
+  for (let c = 0; c < C; c++) out.set(clip.subarray((c * T + start) * H * W, (c * T + end) * H * W), c * run);
+  return m.Tensor.from("F32", [B, C, end - start, H, W], out);
+};
+const first = (start, end) => ({ latents: frames(start, end), prompt_embeds: prompt, prompt_attention_mask: mask });
+const latents = (unit) => ({ start: unit.frameStart, end: unit.frameEnd, shape: unit.tensors.latents.shape,
+                             bytes: b64.encode(unit.tensors.latents.bytes) });
+const client = new m.RefinerClient(base, { apiKey: key });
+const out = { info: Object.keys(await client.info()).sort() };
+
+// One shot, through the module.
+out.refined = latents(await client.refine(first(0, T)));
+
+// The stream: 5 frames, two units, the connection cut; resumed from the frames received, the rest, the flush.
+const { session_id: streamed } = await client.createSession({});
+let stream = client.stream(streamed), units = [];
+await stream.send(first(0, 5));
+for await (const message of stream) {
+  if (message.type !== "unit") throw new Error("unexpected " + JSON.stringify(message));
+  units.push(latents(message));
+  if (units.length === 2) break;
+}
+out.cutAt = stream.framesReturned;
+stream = stream.reconnect();
+const session = await stream.receive();
+out.session = session;
+for (let at = session.frames_received; at < T; at += 3) await stream.send({ latents: frames(at, Math.min(T, at + 3)) });
+await stream.flush();
+out.events = [];
+for await (const message of stream) message.type === "unit" ? units.push(latents(message)) : out.events.push(message);
+out.closeCode = stream.closeEvent.code;
+out.streamed = units;
+
+// HTTP chunks with seq, watched: seq 1 sent twice (the stored answer), a wrong seq refused, then the flush.
+const { session_id: chunked } = await client.createSession({}, { id: "js-chunks" });
+const watch = client.watch(chunked, { outputs: ["latents"] });
+await watch.opened;
+out.chunks = [];
+out.replayed = [];
+const bounds = [[0, 3, 0], [3, 7, 1], [3, 7, 1], [7, T, 2]];
+for (const [start, end, seq] of bounds) {
+  if (seq === 2) {
+    try { await client.sendChunk(chunked, { latents: frames(start, end) }, { seq: 7 }); } catch (err) {
+      out.conflict = [err.status, err.code, err.detail];
+    }
+  }
+  const unit = await client.sendChunk(chunked, start === 0 ? first(start, end) : { latents: frames(start, end) },
+                                      { seq, flush: end === T });
+  out.replayed.push(unit.replayed);
+  if (!unit.replayed) out.chunks.push(latents(unit));
+}
+out.watched = [];
+out.watchEvents = [];
+for await (const message of watch) message.type === "unit" ? out.watched.push(latents(message)) : out.watchEvents.push(message.type);
+await client.deleteSession(chunked);
+try { await client.getSession(chunked); } catch (err) { out.deleted = [err.status, err.code]; }
+return out;
+"""
+
+
+def test_a_page_streams_resumes_chunks_and_watches_with_the_module(make_settings, browser):
+    latents, embeds, mask = make_clip(frames=11, seed=3)
+    with LiveServer(make_settings(api_key=KEY)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S, headers=AUTH) as http:
+        response = http.post("/v1/refine", content=payload(latents, embeds, mask), headers=OCTET)
+        assert response.status_code == 200, response.text
+        one_shot = load(response.content)["latents"]
+
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, DRIVE, server.base_url, KEY, b64(latents.numpy().tobytes()), list(latents.shape),
+                     b64(embeds.numpy().tobytes()), list(embeds.shape), mask.flatten().tolist())
+
+    def clip(units: list[dict]) -> torch.Tensor:
+        position = 0
+        for unit in units:
+            assert unit["start"] == position, f"unit starts at {unit['start']}, expected {position}"
+            position = unit["end"]
+        assert position == 11
+        parts = [torch.frombuffer(bytearray(base64.b64decode(u["bytes"])), dtype=torch.float32).reshape(u["shape"])
+                 for u in units]
+        return torch.cat(parts, dim=2)
+
+    assert {"model", "limits", "ready"} <= set(out["info"])
+    assert torch.equal(clip([out["refined"]]), one_shot)
+
+    assert out["cutAt"] == 4  # the sink frame, then the block [1, 4)
+    assert out["session"]["type"] == "session" and out["session"]["frames_received"] == 5
+    assert out["session"]["resume_from"] == 4
+    assert out["events"] == [{"type": "done", "frames": 11}] and out["closeCode"] == 1000
+    assert [(u["start"], u["end"]) for u in out["streamed"]] == [(0, 1), (1, 4), (4, 7), (7, 10), (10, 11)]
+    assert torch.equal(clip(out["streamed"]), one_shot)
+
+    assert out["replayed"] == [False, False, True, False]
+    assert torch.equal(clip(out["chunks"]), one_shot)
+    status, code, detail = out["conflict"]
+    assert (status, code) == (409, "seq_conflict") and "2" in detail  # names the seq it expects
+    assert torch.equal(clip(out["watched"]), one_shot)
+    assert out["watchEvents"][-1] == "done" and "block" in out["watchEvents"]
+    assert out["deleted"] == [404, "session_not_found"]
+
+
+def test_a_page_on_an_allowed_origin_imports_the_module(make_settings, browser, page_server):
+    """A web app on its own origin (in cors_origins) imports the module from the server and calls the API with it;
+    on an origin not listed, the import itself is blocked (a module script is fetched with CORS)."""
+    allowed = f"http://localhost:{page_server}"
+    with LiveServer(make_settings(api_key=KEY, cors_origins=allowed)) as server:
+        module = f"{server.base_url}/static/wm-refiner.js"
+        body = """const client = new m.RefinerClient(args[0], { apiKey: args[1] });
+            const { session_id } = await client.createSession({ seed: 7 });
+            return [(await client.getSession(session_id)).config.seed, "limits" in (await client.info())];"""
+        browser.get(f"{allowed}/")
+        assert run_js(browser, body, server.base_url, KEY, module=module) == [7, True]
+
+        browser.get(f"http://127.0.0.1:{page_server}/")
+        browser.set_script_timeout(DEADLINE_S)
+        out = browser.execute_async_script(HARNESS, module, body, server.base_url, KEY)
+        assert "error" in out and "Failed to fetch dynamically imported module" in out["error"]
+
+
+def test_the_example_in_api_md_runs(make_settings, browser):
+    """docs/api.md's example, as written (its server's URL swapped for this one's), in the browser."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[3] / "docs" / "api.md").read_text()
+    section = text.split("## The JavaScript module", 1)[1].split("\n## ", 1)[0]
+    (example,) = [block.split("\n", 1)[1] for block in section.split("```")[1::2] if block.startswith("html")]
+    lines = example.strip().splitlines()
+    assert lines[0] == '<script type="module">' and lines[-1] == "</script>"
+    assert lines[1].startswith("import { RefinerClient, Tensor } from ")
+    with LiveServer(make_settings()) as server:
+        code = "\n".join(lines[2:-1]).replace("http://127.0.0.1:8000", server.base_url)
+        body = ("const { RefinerClient, Tensor } = m, logged = [];\n"
+                "const console = { log: (...values) => logged.push(JSON.parse(JSON.stringify(values, "
+                "(k, v) => (ArrayBuffer.isView(v) ? v.length : v)))) };\n" + code + "\nreturn logged;")
+        browser.get(f"{server.base_url}/health")
+        logged = run_js(browser, body)
+    assert logged[:2] == [["unit", 0, 1], ["unit", 1, 4]]
+    assert logged[2:] == [[[1, 128, 3, 4, 4], 128 * 3 * 16], [[1, 128, 3, 4, 4], 128 * 3 * 16],
+                          [[1, 128, 1, 4, 4], 128 * 16], [{"type": "done", "frames": 11}]]

@@ -1,0 +1,336 @@
+"""The live view (GET /view) in a real headless Chromium, against a real server with a VAE.
+
+The page attaches to a session through ``?session=ID`` (or a click in its list), the test streams a clip over
+HTTP, and the page must have drawn every pixel frame of the session's video (F = 8(T-1)+1-S) and charted one bar
+per refined block, the blocks the HTTP responses finalized; the canvas must show the video's last frame: exactly
+when the page plays the session's raw frames (``&format=raw``), within the codec's error when it plays JPEG (its
+default) or H.264 (MediaSource): PSNR against the server's uint8 frame above ``PSNR_BOUND_DB``. With an
+API key the page lists nothing until the key is typed in, then watches with it (the WebSocket subprotocol form).
+
+Needs Debian's ``chromium`` and ``chromium-driver`` (.ci/run installs them). ``WM_VIEW_SCREENSHOT=PATH`` saves a
+screenshot of the page once the uint8 video has played (docs/view.png was made so).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from app.core.codec import decode_response
+
+from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+)
+# The tiny random VAE's frames are noise, the worst case for a codec (natural video at the same settings: >= 35 dB,
+# tests/app/outputs/test_encoded_video.py, docs/benchmarks.md); measured here, drawn by Chromium against the server's uint8
+# frame: JPEG q85 16.0 dB, H.264 CRF 23 15.4 dB. So besides that bound, the drawn frame must be nearer its own raw
+# frame than any other frame of the video, and (JPEG) equal Pillow's decode of the same bytes within
+# JPEG_DECODERS_DB (two libjpeg-turbo builds differ only in IDCT and chroma upsampling).
+PSNR_BOUND_DB = {"jpeg": 14.0, "h264": 13.0}
+JPEG_DECODERS_DB = 30.0
+KEY = "wm>>>???key"  # base64 'd20+Pj4/Pz9rZXk=': the page must send it as base64url, unpadded
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory) -> Path:
+    from models.checkpoints import write_vae_checkpoint
+
+    return write_vae_checkpoint(tmp_path_factory.mktemp("tiny-vae"), "tiny-vae")
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--window-size=1280,900"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def page_state(browser) -> dict:
+    """window.wmView plus the numbers and status the page shows."""
+    return browser.execute_script(
+        """const text = (id) => document.getElementById(id).textContent;
+        return {...window.wmView, status: text("status"), shown: {drawn: text("frames-drawn"),
+                received: text("frames-received"), blocks: text("blocks-charted")}};"""
+    )
+
+
+def wait_for_page(browser, predicate, what: str) -> dict:
+    return wait_until(lambda: (lambda state: predicate(state) and state)(page_state(browser)), f"the page: {what}")
+
+
+def stream_clip(http: httpx.Client, session_id: str, config: dict, frames: int, headers=None):
+    """Stream ``frames`` latent frames as chunks of at most one block each, then flush; returns the refined blocks
+    ((frame_start, frame_end) of each) and the video tensors the HTTP responses carried, in the session's format."""
+    sink, block = config["sink_frames"], config["block_size"]
+    latents, embeds, mask = make_clip(frames=frames)
+    bounds = [0, sink, *range(sink + block, frames, block), frames]
+    blocks, video = [], []
+    for seq, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        body = payload(latents[:, :, start:end], *((embeds, mask) if seq == 0 else ()))
+        response = http.post(
+            f"/v1/sessions/{session_id}/chunks", params={"seq": seq, "flush": end == frames}, content=body,
+            headers={**OCTET, **(headers or {})},
+        )
+        assert response.status_code == 200, response.text
+        tensors, metadata = decode_response(response.content)
+        frame_start, frame_end = int(metadata["frame_start"]), int(metadata["frame_end"])
+        if frame_end > max(frame_start, sink):  # each chunk past the sink completes at most one block
+            blocks.append((max(frame_start, sink), frame_end))
+        video.append(tensors["video"])
+    return blocks, video
+
+
+def canvas_frame(browser, height: int, width: int) -> tuple[float, list[int]]:
+    """The scale the video canvas draws at and the RGB it shows at the centre of each source pixel, row-major (the
+    page letterboxes, and draws unsmoothed when it enlarges 2x or more: then these are the frame's own values)."""
+    return browser.execute_script(
+        """const [h, w] = arguments, canvas = document.getElementById("video"), ratio = window.devicePixelRatio || 1;
+        const cw = canvas.clientWidth, ch = canvas.clientHeight, scale = Math.min(cw / w, ch / h);
+        const x0 = (cw - w * scale) / 2, y0 = (ch - h * scale) / 2;
+        const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data, out = [];
+        for (let y = 0; y < h; y++) for (let x = 0; x < w; x++) {
+          const px = Math.floor((x0 + (x + 0.5) * scale) * ratio), py = Math.floor((y0 + (y + 0.5) * scale) * ratio);
+          const i = (py * canvas.width + px) * 4;
+          out.push(data[i], data[i + 1], data[i + 2]);
+        }
+        return [scale, out];""",
+        height, width,
+    )
+
+
+@pytest.mark.parametrize("video_format,page_format", [("uint8", "raw"), ("float32", "raw"), ("uint8", "jpeg"),
+                                                      ("uint8", "h264")])
+def test_the_page_plays_the_video_and_charts_every_block(make_settings, vae_dir, browser, video_format, page_format):
+    latent_frames = 13
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        # 6 blocks, 96 frames played in 3 s
+        config = {"outputs": ["latents", "video"], "video_format": video_format, "block_size": 2, "fps": 32.0}
+        created = http.post("/v1/sessions", json=config)
+        assert created.status_code == 201, created.text
+        session_id, config = created.json()["session_id"], created.json()["config"]
+        shown_as = "" if page_format == "jpeg" else f"&format={page_format}"  # JPEG: the page's default
+        browser.get(f"{server.base_url}/view?session={session_id}{shown_as}")
+        wait_for_page(browser, lambda state: state["status"] == "attached", "attached")
+        assert page_state(browser)["format"] == page_format
+
+        blocks, video = stream_clip(http, session_id, config, latent_frames)
+        expected = 8 * (latent_frames - 1) + 1 - config["sink_frames"]
+        assert sum(part.shape[1] for part in video) == expected
+        state = wait_for_page(browser, lambda state: state["done"] and state["framesDrawn"] >= expected,
+                              f"{expected} frames drawn")
+        if os.environ.get("WM_VIEW_SCREENSHOT") and video_format == "uint8" and page_format == "jpeg":
+            row = f'#sessions li[data-session-id="{session_id}"]'
+            wait_until(lambda: browser.execute_script(f"return document.querySelector('{row}')"), "the list")
+            browser.save_screenshot(os.environ["WM_VIEW_SCREENSHOT"])
+
+    assert state["framesReceived"] == state["framesDrawn"] == expected
+    assert len(blocks) == 6
+    assert [(b["frame_start"], b["frame_end"]) for b in state["blocks"]] == blocks
+    assert all(b["latency_ms"] > 0 for b in state["blocks"])
+    assert state["shown"] == {"drawn": str(expected), "received": str(expected), "blocks": str(len(blocks))}
+    assert state["dropped"] == 0 and state["error"] is None
+    assert state["status"] == "done"
+    last = next(part for part in reversed(video) if part.shape[1])[0, -1]  # batch row 0
+    if video_format == "float32":  # (3, H, W) in [0, 1] -> (H, W, 3) levels, as the page rounds them
+        last = (last.permute(1, 2, 0) * 255).round().clamp(0, 255).to(torch.uint8)
+    scale, shown = canvas_frame(browser, last.shape[0], last.shape[1])
+    assert scale >= 2, f"the canvas shows the {tuple(last.shape)} frames at {scale:.2f}x: smoothed, not comparable"
+    if page_format != "raw":  # decoded by the browser: within the codec's error
+        drawn = torch.tensor(shown, dtype=torch.float64)
+        psnr = psnr_db(drawn, last.flatten())
+        assert psnr >= PSNR_BOUND_DB[page_format], f"{page_format}: {psnr:.2f} dB"
+        frames = torch.cat(video, dim=1)[0]  # (F, H, W, 3), uint8
+        nearest = min(range(frames.shape[0]), key=lambda f: (drawn - frames[f].flatten().double()).abs().mean().item())
+        assert nearest == frames.shape[0] - 1, f"the page shows frame {nearest}, not the last one"
+        if page_format == "jpeg":
+            from PIL import Image
+
+            from app.outputs.encoders import encode_jpeg
+
+            encoded = encode_jpeg(last[None, None].numpy(), 85)  # what the watcher was sent: quality "auto"
+            pillow = torch.from_numpy(np.asarray(Image.open(io.BytesIO(encoded.data)).convert("RGB")).copy())
+            assert psnr_db(drawn, pillow.flatten()) >= JPEG_DECODERS_DB
+        return
+    # uint8: the frame's own bytes; float32: the page scales in float64, so a value on a rounding tie may go either way
+    difference = (torch.tensor(shown, dtype=torch.int16) - last.flatten().to(torch.int16)).abs().max().item()
+    assert difference <= (0 if video_format == "uint8" else 1)
+
+
+def psnr_db(a: torch.Tensor, b: torch.Tensor) -> float:
+    error = (a.double() - b.double()).pow(2).mean().item()
+    return 10 * math.log10(255**2 / max(error, 1e-12))
+
+
+def test_with_an_api_key_the_page_lists_and_watches_once_the_key_is_entered(make_settings, vae_dir, browser):
+    from selenium.webdriver.common.by import By
+
+    latent_frames = 4
+    auth = {"authorization": f"Bearer {KEY}"}
+    with LiveServer(make_settings(vae=str(vae_dir), api_key=KEY)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        assert http.get("/view").status_code == 200  # the page itself needs no key
+        created = http.post("/v1/sessions", json={"outputs": ["video"], "fps": 32.0}, headers=auth)
+        assert created.status_code == 201, created.text
+        session_id, config = created.json()["session_id"], created.json()["config"]
+        row = f'#sessions li[data-session-id="{session_id}"]'
+
+        browser.get(f"{server.base_url}/view")
+        note = lambda: browser.find_element(By.ID, "sessions-note").text
+        wait_until(lambda: "API key" in note(), "the page to ask for the key")
+        assert browser.find_elements(By.CSS_SELECTOR, "#sessions li") == []
+        browser.find_element(By.ID, "api-key").send_keys(KEY)
+        browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, row), "the session in the list")
+        browser.find_element(By.CSS_SELECTOR, row).click()
+        wait_for_page(browser, lambda state: state["status"] == "attached", "attached with the key")
+
+        stream_clip(http, session_id, config, latent_frames, headers=auth)
+        expected = 8 * (latent_frames - 1) + 1 - config["sink_frames"]
+        state = wait_for_page(browser, lambda state: state["done"] and state["framesDrawn"] >= expected,
+                              f"{expected} frames drawn")
+        assert state["framesDrawn"] == expected and state["error"] is None
+        assert len(state["blocks"]) == 1
+
+        # The key is remembered: a reload lists the sessions without asking again.
+        browser.refresh()
+        wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, row), "the session listed after a reload")
+        assert browser.find_element(By.ID, "api-key").get_attribute("value") == KEY
+
+
+def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, browser):
+    """A realtime session whose engine clock runs 30 s behind (every block late): its line in the list and the
+    stats' counter show its late blocks; a session that is not real time shows none."""
+    from selenium.webdriver.common.by import By
+
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        pacer = server.services.engine.pacer
+        real_clock = pacer.clock
+        pacer.clock = lambda: real_clock() + 30.0
+        plain = http.post("/v1/sessions", json={}).json()["session_id"]
+        created = http.post("/v1/sessions", json={"realtime": True, "outputs": ["video"]})
+        assert created.status_code == 201, created.text
+        session_id, config = created.json()["session_id"], created.json()["config"]
+        stream_clip(http, session_id, config, 7)  # sink + 2 blocks
+        assert http.get(f"/v1/sessions/{session_id}").json()["late_blocks"] == 2
+
+        browser.get(f"{server.base_url}/view?session={session_id}")
+        row = lambda sid: browser.find_element(By.CSS_SELECTOR, f'#sessions li[data-session-id="{sid}"]').text
+        wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, f'#sessions li[data-session-id="{plain}"]'),
+                   "both sessions listed")
+        wait_until(lambda: "late 2" in row(session_id), "the list line to show 2 late blocks")
+        assert "late" not in row(plain)
+        wait_until(lambda: browser.find_element(By.ID, "late-blocks").text == "2", "the stats counter to show 2")
+
+
+# --- a page on another origin (cors_origins, app/api/cors.py) ------------------------------------------------------
+# What a web app on its own origin does: read /v1/info, create a session, read an error's JSON, open the stream's
+# WebSocket with the key as subprotocol. Each step's outcome is recorded; a step the browser blocks is "blocked".
+CROSS_ORIGIN_PAGE = """<!doctype html><meta charset="utf-8"><title>another origin</title><script>
+async function probe(base, key) {
+  const auth = {Authorization: "Bearer " + key}, out = {};
+  const step = async (name, run) => { try { out[name] = await run(); } catch (e) { out[name] = "blocked"; } };
+  await step("info", async () => { const r = await fetch(base + "/v1/info", {headers: auth});
+    return [r.status, "limits" in (await r.json())]; });
+  await step("create", async () => { const r = await fetch(base + "/v1/sessions", {method: "POST",
+    headers: {...auth, "Content-Type": "application/json"}, body: "{}"});
+    const body = await r.json(); out.session = body.session_id; return [r.status, typeof body.session_id]; });
+  await step("error", async () => { const r = await fetch(base + "/v1/sessions/no-such-session");
+    return [r.status, (await r.json()).error.code, r.headers.get("X-Replica") !== null]; });
+  return out;
+}
+function openSocket(url, key) {
+  const b64url = btoa(key).replace(/\\+/g, "-").replace(/\\//g, "_").replace(/=+$/, "");
+  return new Promise((resolve) => {
+    const ws = new WebSocket(url, ["wm-refiner", "wm-refiner.bearer." + b64url]);
+    ws.onopen = () => { const protocol = ws.protocol; ws.close(); resolve(["open", protocol]); };
+    ws.onclose = (event) => resolve(["closed", event.code]);
+  });
+}
+</script>"""
+
+
+@pytest.fixture
+def page_server():
+    """Serves CROSS_ORIGIN_PAGE on 127.0.0.1 and a free port: loaded as http://localhost:PORT and as
+    http://127.0.0.1:PORT, two origins, both other than the API's (another port)."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = CROSS_ORIGIN_PAGE.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run_probe(browser, page_url: str, server) -> dict:
+    browser.get(page_url)
+    browser.set_script_timeout(DEADLINE_S)
+    out = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1]; probe(arguments[0], arguments[1]).then(done);",
+        server.base_url, KEY)
+    return out
+
+
+def test_a_page_on_an_allowed_origin_calls_the_api_and_opens_the_websocket(make_settings, browser, page_server):
+    allowed = f"http://localhost:{page_server}"
+    with LiveServer(make_settings(api_key=KEY, cors_origins=allowed)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        out = run_probe(browser, f"{allowed}/", server)
+        assert out["info"] == [200, True]
+        assert out["create"] == [201, "string"]
+        assert out["error"] == [401, "unauthorized", True]  # the error's JSON and the exposed headers are readable
+        session_id = out["session"]
+        assert http.get(f"/v1/sessions/{session_id}", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+        opened = browser.execute_async_script(
+            "const done = arguments[arguments.length - 1]; openSocket(arguments[0], arguments[1]).then(done);",
+            f"{server.ws_url}/v1/sessions/{session_id}/stream", KEY)
+        assert opened == ["open", "wm-refiner"]
+
+        # The same page from an origin not on the list: every step fails in the browser, the WebSocket with 403.
+        out = run_probe(browser, f"http://127.0.0.1:{page_server}/", server)
+        assert out == {"info": "blocked", "create": "blocked", "error": "blocked"}
+        refused = browser.execute_async_script(
+            "const done = arguments[arguments.length - 1]; openSocket(arguments[0], arguments[1]).then(done);",
+            f"{server.ws_url}/v1/sessions/{session_id}/watch", KEY)
+        assert refused == ["closed", 1006]  # what a page learns of a refused handshake
+        assert server.services.metrics.rejected_requests.labels(reason="origin_not_allowed")._value.get() >= 1

@@ -1,0 +1,84 @@
+"""Settings: defaults < YAML < environment < flags; every shipped config file loads; mistakes are loud."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.cli.commands import build_parser
+from app.cli.serve import settings_from_args
+from app.core.settings import Settings, load_settings
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("WM_REFINER_"):
+            monkeypatch.delenv(name)
+
+
+def test_precedence_flags_over_env_over_yaml_over_defaults(tmp_path, monkeypatch):
+    config = tmp_path / "c.yaml"
+    config.write_text("port: 9001\nmax_sessions: 3\ndefault_block_size: 2\ndevice: cpu\n")
+    monkeypatch.setenv("WM_REFINER_MAX_SESSIONS", "5")
+    monkeypatch.setenv("WM_REFINER_DEVICE", "cuda")
+    monkeypatch.setenv("WM_REFINER_DEFAULT_SIGMAS", "[0.9, 0.5, 0.0]")
+    settings = load_settings(config, device="cpu", host=None)
+    assert settings.port == 9001  # YAML over the default
+    assert settings.max_sessions == 5  # environment over YAML
+    assert settings.device == "cpu"  # flag over environment
+    assert settings.host == "127.0.0.1"  # an unset flag falls through
+    assert settings.default_block_size == 2
+    assert settings.default_sigmas == (0.9, 0.5, 0.0)
+    assert type(settings) is Settings
+
+
+def test_cli_flags_reach_the_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("WM_REFINER_PORT", "7000")
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--api-key", "key-0451", "--dtype", "float32"])
+    settings = settings_from_args(args)
+    assert (settings.model, settings.api_key, settings.dtype, settings.port) == (str(tmp_path), "key-0451", "float32", 7000)
+    assert "key-0451" not in repr(settings), "the API key is kept out of logs"
+
+
+def test_config_file_from_the_environment(tmp_path, monkeypatch):
+    config = tmp_path / "c.yaml"
+    config.write_text("max_frames_per_chunk: 7\n")
+    monkeypatch.setenv("WM_REFINER_CONFIG", str(config))
+    assert load_settings().max_frames_per_chunk == 7
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "sana-wm.yaml", "bench.yaml"])
+def test_shipped_configs_load(name):
+    settings = load_settings(CONFIGS / name)
+    settings.session_defaults()
+    if name == "sana-wm.yaml":
+        assert (settings.device, settings.dtype) == ("cuda", "bfloat16")
+        assert (settings.warmup_height, settings.warmup_width) == (22, 40)
+    if name == "default.yaml":
+        assert settings.model is None and settings.device == "cpu"
+
+
+def test_mistakes_are_loud(tmp_path):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("max_sesions: 3\n")
+    with pytest.raises(ValidationError, match="max_sesions"):
+        load_settings(typo)
+    with pytest.raises(FileNotFoundError):
+        load_settings(tmp_path / "missing.yaml")
+    with pytest.raises(ValidationError, match="kv_max_frames"):
+        Settings(default_kv_max_frames=2)
+    with pytest.raises(ValidationError):
+        Settings(max_sessions=0)
+
+
+def test_every_setting_is_documented():
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "operations.md").read_text()
+    for name in Settings.model_fields:
+        assert f"`WM_REFINER_{name.upper()}`" in doc, f"docs/operations.md does not list {name}"

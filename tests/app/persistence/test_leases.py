@@ -1,0 +1,158 @@
+"""Who owns a session in a shared snapshot folder (issue 16 item 9): a replica adopts a session's file only once
+its owner released it or the owner's lease expired; a replica that lost its lease has its writes refused and drops
+its copy; a starting replica leaves other replicas' writes in progress alone."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from app.persistence.leases import LeaseHeld, LeaseLost, acquire, check, generations, release, renew
+from app.persistence.records import leftover_temporaries
+from bench.live import ServerProcess, free_port
+
+from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, running_app, wait_until
+
+
+def test_a_lease_has_one_owner_and_a_successor_fences_the_predecessor(tmp_path):
+    first = acquire(tmp_path, "leased-session", "replica-a", lease_s=30.0)
+    with pytest.raises(LeaseHeld, match="replica-a"):
+        acquire(tmp_path, "leased-session", "replica-b", lease_s=30.0)
+    # Expired (its owner stopped renewing 31 s ago): of the replicas racing for it, exactly one wins.
+    os.utime(first.path, (time.time() - 31, time.time() - 31))
+    results: dict[str, object] = {}
+    start = threading.Barrier(4)
+
+    def take(name: str) -> None:
+        start.wait()
+        try:
+            results[name] = acquire(tmp_path, "leased-session", name, lease_s=30.0)
+        except LeaseHeld as held:
+            results[name] = held
+
+    threads = [threading.Thread(target=take, args=(f"replica-{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(DEADLINE_S)
+    winners = [lease for lease in results.values() if not isinstance(lease, LeaseHeld)]
+    assert len(winners) == 1 and winners[0].generation == 2 and winners[0].previous == "expired"
+    with pytest.raises(LeaseLost):
+        check(first)
+    with pytest.raises(LeaseLost):
+        renew(first)
+    release(tmp_path, "leased-session", first)  # the loser's release leaves the winner's lease alone
+    assert generations(tmp_path, "leased-session") == [2]
+    release(tmp_path, "leased-session", winners[0])
+    assert generations(tmp_path, "leased-session") == []
+    assert acquire(tmp_path, "leased-session", "replica-b", lease_s=30.0).previous == "none"
+
+
+def test_a_starting_replica_removes_only_its_own_or_abandoned_temporaries(make_settings, tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    ours = folder / ".some-session-1.session.safetensors.replica-b.k2j4h1.tmp"
+    theirs = folder / ".some-session-2.session.safetensors.replica-a.x9q8w7.tmp"  # replica-a writing it right now
+    abandoned = folder / ".some-session-3.session.safetensors.replica-c.p0o9i8.tmp"
+    lease_ours = folder / ".some-session-4.session.lease.0000000002.replica-b.ab12cd34.tmp"
+    lease_theirs = folder / ".some-session-5.session.lease.0000000001.replica-a.ef56ab78.tmp"
+    similar = folder / ".some-session-6.session.safetensors.replica-b.x.aaaaaa.tmp"  # replica "replica-b.x"'s
+    for path in (ours, theirs, abandoned, lease_ours, lease_theirs, similar):
+        path.write_bytes(b"partial")
+    os.utime(abandoned, (time.time() - 7200, time.time() - 7200))
+    assert sorted(leftover_temporaries(folder, "replica-b", time.time())) == sorted([ours, abandoned, lease_ours])
+    with running_app(make_settings(snapshot_dir=folder, replica_id="replica-b")):
+        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in (theirs, lease_theirs, similar))
+
+
+def checkpointed_session(base_url: str, session_id: str, latents, embeds, mask) -> httpx.Response:
+    with httpx.Client(base_url=base_url, timeout=DEADLINE_S) as http:
+        assert http.put(f"/v1/sessions/{session_id}", json={"block_size": 2}).status_code == 201
+        reply = http.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(latents[:, :, :5], embeds, mask),
+                          headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        wait_until(lambda: http.get(f"/v1/sessions/{session_id}").json().get("durable_frames") == 5,
+                   "the checkpoint to be written")
+        return reply
+
+
+def test_a_live_replicas_session_is_not_adopted_until_its_lease_expires(make_settings, tmp_path):
+    """Replica A (a process) holds a session with a checkpoint; replica B on the same folder is asked for it: 503
+    session_moved, nothing adopted, while A lives. A is killed (kill -9): once its lease expires B adopts the
+    checkpoint."""
+    folder = tmp_path / "shared"
+    latents, embeds, mask = make_clip(frames=9)
+    a = ServerProcess(free_port(), tmp_path / "cache", folder, tmp_path / "a.log", replica_id="replica-a",
+                      checkpoint_every_blocks=1, session_lease_s=2.0, model=make_settings().model)
+    a.start()
+    try:
+        checkpointed_session(a.base_url, "leased-session-1", latents, embeds, mask)
+        with LiveServer(make_settings(snapshot_dir=folder, replica_id="replica-b", checkpoint_every_blocks=1,
+                                      session_lease_s=2.0)) as b:
+            http = httpx.Client(base_url=b.base_url, timeout=DEADLINE_S)
+            for _ in range(4):  # across more than a lease period: A keeps renewing it
+                refused = http.get("/v1/sessions/leased-session-1")
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["error"]["code"] == "session_moved"
+                assert "replica-a" in refused.json()["error"]["message"]
+                assert 1 <= int(refused.headers["retry-after"]) <= 2
+                time.sleep(0.7)
+            assert len(b.services.registry) == 0
+            assert httpx.get(f"{a.base_url}/v1/sessions/leased-session-1").status_code == 200
+            a.kill()
+            killed = time.monotonic()
+            adopted = wait_until(lambda: (r := http.get("/v1/sessions/leased-session-1")).status_code == 200 and r,
+                                 "B to adopt the session once A's lease expired")
+            assert time.monotonic() - killed < 10.0, "adopted within about a lease period (2 s) of the kill"
+            assert adopted.json()["frames_received"] == 5 and adopted.json()["durable_frames"] == 5
+            assert adopted.headers["x-replica"] == "replica-b"
+    finally:
+        a.kill()
+
+
+def test_a_replica_that_lost_its_lease_has_its_writes_refused_and_drops_its_copy(make_settings, tmp_path):
+    """Replica A stalls (its renewals stop) past session_lease_s; B adopts the session. A's next checkpoint is
+    refused (the file stays B's), A drops its copy, and A answers 503 session_moved for it from then on."""
+    folder = tmp_path / "shared"
+    latents, embeds, mask = make_clip(frames=9)
+    settings = dict(snapshot_dir=folder, checkpoint_every_blocks=1, session_lease_s=1.0)
+    with LiveServer(make_settings(replica_id="replica-a", **settings)) as a, \
+            LiveServer(make_settings(replica_id="replica-b", **settings)) as b:
+        checkpointed_session(a.base_url, "leased-session-2", latents, embeds, mask)
+        renewals = next(t for t in a.services._tasks if t.get_name() == "renew-leases")
+        a.loop.call_soon_threadsafe(renewals.cancel)  # A stalls: alive, but it no longer renews
+        adopted = wait_until(lambda: (r := httpx.get(f"{b.base_url}/v1/sessions/leased-session-2")).status_code
+                             == 200 and r, "B to adopt the session once A's lease expired")
+        assert adopted.json()["frames_received"] == 5
+        path = folder / "leased-session-2.session.safetensors"
+        before = hashlib.sha256(path.read_bytes()).hexdigest()
+        late = httpx.post(f"{a.base_url}/v1/sessions/leased-session-2/chunks?seq=1", headers=OCTET,
+                          content=payload(latents[:, :, 5:]), timeout=DEADLINE_S)
+        assert late.status_code == 200  # refined by A's stale copy: the same bytes B would give
+        wait_until(lambda: len(a.services.registry) == 0, "A to drop its copy")
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == before, "A's checkpoint was written over B's file"
+        moved = httpx.get(f"{a.base_url}/v1/sessions/leased-session-2")
+        assert moved.status_code == 503 and moved.json()["error"]["code"] == "session_moved"
+        assert "replica-b" in moved.json()["error"]["message"]
+        assert httpx.get(f"{b.base_url}/v1/sessions/leased-session-2").status_code == 200
+
+
+def test_a_session_that_ends_takes_its_checkpoint_and_lease_with_it(make_settings, tmp_path):
+    """Deleted: its checkpoint and its lease go (a tracked background removal), so no replica can adopt it back and
+    the id is free at once."""
+    folder = tmp_path / "shared"
+    latents, embeds, mask = make_clip(frames=9)
+    with LiveServer(make_settings(snapshot_dir=folder, replica_id="replica-a", checkpoint_every_blocks=1)) as a:
+        checkpointed_session(a.base_url, "ending-session-1", latents, embeds, mask)
+        store = a.services.store
+        assert "ending-session-1" in store.leases
+        assert generations(folder, "ending-session-1") == [1]
+        assert httpx.delete(f"{a.base_url}/v1/sessions/ending-session-1").status_code == 204
+        wait_until(lambda: not list(folder.iterdir()), "the checkpoint and the lease to be removed")
+        wait_until(lambda: not store._background, "the removal to be done and forgotten")
+        assert store.leases == {}

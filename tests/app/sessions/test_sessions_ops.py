@@ -1,0 +1,153 @@
+"""The session operations (app.sessions.operations) driven directly, without HTTP or WebSocket framing: what a route calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.core.error_kinds import ApiError
+from app.outputs.kinds import Outputs
+from app.sessions.operations import RefuseInBand
+
+from tests.app.conftest import expected_clip, make_clip, payload, read_latents, running_app
+
+
+class FakeConnection:
+    """What an operation needs of a stream or watcher connection: where its units go, and how it is closed."""
+
+    def __init__(self, session_id: str = "", outputs: Outputs | None = None):
+        self.session_id = session_id
+        self.outputs = outputs
+        self.sent = []
+        self.offered = []
+        self.finished = None
+        self.closed_with = None
+        self.ended = None
+
+    def send_unit(self, unit, force=False):
+        self.sent.append(unit)
+
+    def offer(self, unit, received, sent=None):
+        self.offered.append(unit)
+
+    def finish(self, frames):
+        self.finished = frames
+
+    def end(self, error):
+        self.ended = error
+
+    def close(self, code, reason):
+        self.closed_with = (code, reason)
+
+    # What a drain asks of the connections it closes (one of these may still be open at the app's shutdown).
+    is_closed = True
+
+    async def closed(self):
+        return None
+
+    def abort(self):
+        pass
+
+
+def _body(data: bytes):
+    async def read() -> bytes:
+        return data
+
+    return read
+
+
+def _fields(fields: dict):
+    async def read() -> dict:
+        return dict(fields)
+
+    return read
+
+
+def test_chunks_through_the_operation_refine_replay_and_reach_watchers(make_settings, refiner):
+    latents, embeds, mask = make_clip(frames=10)
+    with running_app(make_settings()) as client:
+        ops = client.app.state.services.sessions
+        created = client.portal.call(ops.create, _fields({"seed": 42}))
+        session_id = created["session_id"]
+        assert created["config"]["seed"] == 42
+        watcher = client.portal.call(ops.watch, session_id, {},
+                                     lambda sid, outputs: FakeConnection(sid, outputs))
+        chunk = payload(latents[:, :, :7], embeds, mask)
+        first, replayed = client.portal.call(ops.submit_chunk, session_id, 0, False, _body(chunk))
+        assert not replayed
+        again, replayed = client.portal.call(ops.submit_chunk, session_id, 0, False, _body(chunk))
+        assert replayed and again == first, "a repeated seq must answer the stored response, not run again"
+        last, _ = client.portal.call(ops.submit_chunk, session_id, 1, True, _body(payload(latents[:, :, 7:])))
+        refined = torch.cat([read_latents(first)[0], read_latents(last)[0]], dim=2)
+        assert torch.equal(refined, expected_clip(refiner, latents, embeds, mask))
+        assert len(watcher.offered) >= 2 and watcher.finished == 10
+        described = client.portal.call(ops.describe, session_id)
+        assert described["frames_returned"] == 10 and described["next_seq"] == 2 and described["watchers"] == 1
+        ops.unwatch(watcher)
+        assert client.portal.call(ops.describe, session_id)["watchers"] == 0
+
+
+def test_put_is_idempotent_for_one_config_and_refuses_another(make_settings):
+    with running_app(make_settings()) as client:
+        ops = client.app.state.services.sessions
+        body, created = client.portal.call(ops.put, "client-id-0001", _fields({"seed": 3}))
+        assert created and body["session_id"] == "client-id-0001"
+        again, created = client.portal.call(ops.put, "client-id-0001", _fields({"seed": 3}))
+        assert not created and again == body
+        with pytest.raises(ApiError) as refused:
+            client.portal.call(ops.put, "client-id-0001", _fields({"seed": 4}))
+        assert refused.value.kind == "session_exists" and "seed: 3 there, 4 asked" in refused.value.message
+        with pytest.raises(ApiError) as bad:
+            client.portal.call(ops.put, "short", _fields({}))
+        assert bad.value.kind == "invalid_request"
+
+
+def test_a_stream_claims_its_session_and_a_dropped_one_detaches_it(make_settings):
+    with running_app(make_settings()) as client:
+        services = client.app.state.services
+        ops = services.sessions
+        session_id = client.portal.call(ops.create, _fields({}))["session_id"]
+        stream = client.portal.call(ops.open_stream, session_id, None)
+        connection = FakeConnection(session_id)
+        stream.claim(connection)
+        assert connection in services.store.connections
+        assert client.portal.call(ops.describe, session_id)["streaming"] is True
+        with pytest.raises(ApiError) as in_use:
+            client.portal.call(ops.open_stream, session_id, None)
+        assert in_use.value.kind == "stream_in_use"
+        with pytest.raises(RefuseInBand) as bad_resume:
+            client.portal.call(ops.open_stream, session_id, "-1")
+        assert bad_resume.value.error.kind == "invalid_request"
+        stream.release(connection, dropped=True)
+        described = client.portal.call(ops.describe, session_id)
+        assert described["streaming"] is False and described["detached"] is True
+        assert connection not in services.store.connections
+
+
+def test_delete_ends_the_session_and_closes_its_connections(make_settings):
+    with running_app(make_settings()) as client:
+        ops = client.app.state.services.sessions
+        session_id = client.portal.call(ops.create, _fields({}))["session_id"]
+        stream = client.portal.call(ops.open_stream, session_id, None)
+        connection = FakeConnection(session_id)
+        stream.claim(connection)
+        client.portal.call(ops.delete, session_id)
+        assert connection.closed_with == (1000, "session deleted")
+        with pytest.raises(ApiError) as gone:
+            client.portal.call(ops.describe, session_id)
+        assert gone.value.kind == "session_not_found"
+
+
+def test_admission_counts_sessions_and_clips_alike(make_settings):
+    with running_app(make_settings(max_sessions=2)) as client:
+        services = client.app.state.services
+        ops = services.sessions
+        client.portal.call(ops.create, _fields({}))
+        with services.store.clip():
+            assert services.registry.clips == 1
+            with pytest.raises(ApiError) as full:
+                client.portal.call(ops.create, _fields({}))
+            assert full.value.kind == "too_many_sessions" and "1 of them one-shot clips" in full.value.message
+        assert services.registry.clips == 0
+        client.portal.call(ops.create, _fields({}))
+        assert len(services.registry) == 2
