@@ -26,12 +26,23 @@ log = logging.getLogger(__name__)
 class BodyBudget:
     """ASGI middleware: the sum of request-body bytes held across all connections stays under ``limit``."""
 
-    def __init__(self, app, limit: int, max_body_bytes: int, retry_after_s: int):
+    def __init__(self, app, limit: int, max_body_bytes: int, retry_after_s: int, gauge=None):
         self.app = app
         self.limit = limit
         self.max_body_bytes = max_body_bytes  # a body declared larger is the route's to refuse (413), unread
         self.retry_after_s = retry_after_s
-        self.held = 0  # the event loop's only: no lock needed
+        self.gauge = gauge  # what is held, on /metrics (refiner_request_body_bytes_in_flight)
+        self._held = 0  # the event loop's only: no lock needed
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    @held.setter
+    def held(self, value: int) -> None:
+        self._held = value
+        if self.gauge is not None:
+            self.gauge.set(value)
 
     def __getattr__(self, name: str):
         # The app's own attributes (state, routes) stay reachable through the server's config.app.

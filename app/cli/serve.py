@@ -47,7 +47,8 @@ class DrainingServer(uvicorn.Server):
 
 def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
     app = create_app(settings)
-    guarded = BodyBudget(app, settings.max_inflight_body_bytes, settings.max_body_bytes, settings.retry_after_s)
+    guarded = BodyBudget(app, settings.max_inflight_body_bytes, settings.max_body_bytes, settings.retry_after_s,
+                         gauge=app.state.services.metrics.request_body_bytes_in_flight)
     # What a client may hold before a route sees its request: head size, time to send head and body (app.api.guards).
     http = GuardedHttpToolsProtocol.configure(settings.max_header_bytes, settings.request_header_timeout_s,
                                               settings.request_body_timeout_s)

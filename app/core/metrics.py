@@ -66,6 +66,11 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.checkpoint_bytes = Counter("refiner_checkpoint_bytes", "Bytes written by crash checkpoints", registry=r)
+        self.request_body_bytes_in_flight = Gauge(
+            "refiner_request_body_bytes_in_flight",
+            "Request-body bytes held across connections while bodies arrive (max_inflight_body_bytes bounds it)",
+            registry=r,
+        )
         self.engine_queue_depth = Gauge(
             "refiner_engine_queue_depth", "Jobs submitted to the engine and not finished", registry=r
         )

@@ -107,10 +107,11 @@ def test_a_chunk_that_refines_to_non_finite_values_is_refused_and_the_session_is
 
 
 # --- real servers on loopback: bodies in flight, huge and slow requests --------------------------------------------
+import re  # noqa: E402
 import socket  # noqa: E402
 import time  # noqa: E402
 
-from tests.app.conftest import LiveServer  # noqa: E402
+from tests.app.conftest import LiveServer, wait_until  # noqa: E402
 from bench.hostile import response_head  # noqa: E402
 
 
@@ -124,6 +125,13 @@ def _chunk_head(session_id: str, length: int, seq: int = 0) -> bytes:
             f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n\r\n").encode()
 
 
+def _bodies_in_flight(server) -> float:
+    import httpx
+
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return float(re.search(r"^refiner_request_body_bytes_in_flight (\S+)$", text, re.M).group(1))
+
+
 def test_request_bodies_in_flight_are_bounded_across_connections(make_settings):
     body = 1024 * 1024
     with LiveServer(make_settings(max_body_bytes=body, max_inflight_body_bytes=4 * body)) as server:
@@ -135,7 +143,8 @@ def test_request_bodies_in_flight_are_bounded_across_connections(make_settings):
             sock = _connect(server)
             sock.sendall(_chunk_head(session_id, body) + b"\0" * (body - 1))
             held.append(sock)
-        time.sleep(0.3)
+        # The budget is taken when a request's head is read: wait until the server holds all four.
+        wait_until(lambda: _bodies_in_flight(server) == 4 * body, "four bodies in flight")
         refused = _connect(server)
         started = time.monotonic()
         refused.sendall(_chunk_head(session_id, body))  # headers only: refused before its body is read
@@ -144,7 +153,7 @@ def test_request_bodies_in_flight_are_bounded_across_connections(make_settings):
         assert b"retry-after: 1" in head.lower() and time.monotonic() - started < 5
         refused.close()
         held.pop().close()  # a client that goes away gives its share back
-        time.sleep(0.3)
+        wait_until(lambda: _bodies_in_flight(server) == 3 * body, "a closed connection's share given back")
         accepted = _connect(server)
         accepted.sendall(_chunk_head(session_id, 10) + b"\0" * 10)
         head = response_head(accepted)
