@@ -24,7 +24,7 @@ per token), the prompt's caption projection and every layer's cross-attention K/
 apart).
 
 Plain arithmetic and torch's ``meta`` device: no web code, no weights, no device memory. Reading the command line
-and printing the plan are the app's (``app/cli/plan.py``).
+and printing the plan are the app's (``app/cli/plan_command.py``).
 """
 
 from __future__ import annotations

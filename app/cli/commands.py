@@ -1,5 +1,5 @@
 """Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service), ``plan``
-(a capacity plan, no weights: ``app.cli.plan``),
+(a capacity plan, no weights: ``app.cli.plan_command``),
 ``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli.remote``). Errors go to
 stderr with a non-zero exit status; progress bars go to stderr only when it is a terminal. The benchmarks are not a
 service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks).
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stream_parser(commands)
     add_sessions_parser(commands)
-    from app.cli.plan import add_plan_parser
+    from app.cli.plan_command import add_plan_parser
 
     add_plan_parser(commands)
     return parser
@@ -103,7 +103,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return serve_command(args)
     if args.command == "plan":
-        from app.cli.plan import plan_command
+        from app.cli.plan_command import plan_command
 
         return plan_command(args)
     if args.command in ("stream", "sessions"):
