@@ -27,7 +27,7 @@ class FakeConnection:
     def send_unit(self, unit, force=False):
         self.sent.append(unit)
 
-    def offer(self, unit, received, sent=None):
+    def offer(self, unit, received, sent=None, metadata=None):
         self.offered.append(unit)
 
     def finish(self, frames):
