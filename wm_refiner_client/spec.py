@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from . import formats
+
 # --- bounds a single field can state (rules across fields stay with models.config: 422 invalid_config) ---------------
 SEED_MAX = 2**63 - 1
 FPS_MAX = 1000.0
@@ -30,6 +32,7 @@ SIGMAS_MIN_ITEMS = 2
 # The 3-step distilled schedule of the public SANA-WM refiner release.
 DEFAULT_SIGMAS: tuple[float, ...] = (0.909375, 0.725, 0.421875, 0.0)
 EXACT = "exact"
+RAW_FORMATS: tuple[str, ...] = ("uint8", "float32")  # video_format's unencoded choices (the encoded: ``formats``)
 
 # The value kinds a field can have. Text (a query parameter, a command-line flag) becomes a JSON value by kind.
 INTEGER = "integer"  # a JSON integer; text: decimal digits
@@ -141,6 +144,37 @@ class SessionField:
             return int(text)
         raise AssertionError(f"unknown field kind {self.kind!r}")
 
+    def expects(self) -> str:
+        """What a value of this field is, in words (an error's "send ... instead")."""
+        def bound(value: float | None) -> str:
+            return "" if value is None else (str(int(value)) if self.kind != NUMBER else f"{value:g}")
+
+        low = "(" if self.exclusive_minimum else "["
+        if self.kind in (INTEGER, NUMBER) and self.minimum is not None and self.maximum is not None:
+            what = "an integer" if self.kind == INTEGER else "a number"
+            return f"{what} in {low}{bound(self.minimum)}, {bound(self.maximum)}]"
+        if self.kind == CHOICE:
+            return f"one of {list(self.choices)}"
+        if self.kind == CHOICES:
+            return f"a list of distinct {list(self.choices)}"
+        if self.kind == NUMBERS:
+            return f"a list of numbers in [{bound(self.minimum)}, {bound(self.maximum)}]"
+        if self.kind == WORD_OR_INTEGER:
+            return f"{self.word!r} or an integer in [{bound(self.minimum)}, {bound(self.maximum)}]"
+        if self.kind == BOOLEAN:
+            return "true or false"
+        return f"a {self.kind}"
+
+    def bounded_integer(self, value: Any) -> int:
+        """An INTEGER field's JSON value (unset: its default) checked against its bounds; ValueError naming the
+        field and its range otherwise (the server's 422)."""
+        value = self.default if value is None else value
+        low, high = int(self.minimum), int(self.maximum)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{self.name} must be an integer in [{low}, {high}], got {value!r}; send, say, "
+                             f"{self.default}")
+        return value
+
     def to_text(self, value: Any) -> str:
         """The inverse of ``from_text``: a JSON value as a query parameter or a flag's argument."""
         if isinstance(value, (list, tuple)):
@@ -150,7 +184,7 @@ class SessionField:
         return str(value)
 
 
-FIELDS: tuple[SessionField, ...] = (
+_MODEL_FIELDS: tuple[SessionField, ...] = (
     SessionField("seed", INTEGER, 42, "noise seed", minimum=0, maximum=SEED_MAX, setting="default_seed"),
     SessionField("fps", NUMBER, 16.0, "frame rate (the RoPE time scale)", minimum=0, exclusive_minimum=True,
                  maximum=FPS_MAX, setting="default_fps"),
@@ -166,16 +200,43 @@ FIELDS: tuple[SessionField, ...] = (
                  limited_by=("max_denoise_steps",), in_query=False),
     SessionField("positions", CHOICE, "absolute", "RoPE positions: absolute (the reference) or rebased (bounded, "
                  "for long streams)", choices=("absolute", "rebased"), setting="default_positions"),
-    SessionField("outputs", CHOICES, ("latents",), "what units carry; 'video' needs the server's vae setting",
-                 part=OUTPUTS, choices=("latents", "video"), min_items=1, max_items=2),
-    SessionField("video_format", CHOICE, "uint8", "uint8 (B, F, H, W, 3) RGB, float32 (B, F, 3, H, W) in [0, 1], "
-                 "jpeg (one JPEG per frame) or h264 (one fragmented-MP4 segment per unit)", part=OUTPUTS,
-                 choices=("uint8", "float32", "jpeg", "h264")),
-    SessionField("video_quality", WORD_OR_INTEGER, AUTO, "jpeg: quality 1-100 (auto: 85); h264: CRF 0-51, lower is "
-                 "better (auto: 23); uint8 and float32 ignore it", part=OUTPUTS, minimum=0, maximum=100,
-                 word=AUTO),
-    SessionField("video_lookahead", LOOKAHEAD, EXACT, "'exact' (equal to the whole-clip decode) or N latent frames "
-                 "of look-ahead", part=OUTPUTS, minimum=0, maximum=FRAMES_MAX),
+)
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """One kind of output a session may ask for (a choice of ``outputs``) and the session fields that shape it
+    (``options``: part ``outputs``). The server's stage of the same name (``app.stages``) reads and validates them
+    and says what else it needs."""
+
+    name: str
+    doc: str
+    options: tuple[SessionField, ...] = ()
+
+
+# The output kinds, in the order of their tensors on the wire. A new kind is one entry here (with its options), its
+# stage module and its registration (``app.stages.STAGE_TYPES``).
+KINDS: tuple[OutputKind, ...] = (
+    OutputKind("latents", "the refined latent frames (B, C, n, H, W)"),
+    OutputKind("video", "the decoded pixel frames (needs the server's vae setting)", options=(
+        SessionField("video_format", CHOICE, "uint8", "uint8 (B, F, H, W, 3) RGB, float32 (B, F, 3, H, W) in [0, "
+                     "1], jpeg (one JPEG per frame) or h264 (one fragmented-MP4 segment per unit)", part=OUTPUTS,
+                     choices=RAW_FORMATS + formats.NAMES),
+        SessionField("video_quality", WORD_OR_INTEGER, AUTO, "jpeg: quality 1-100 (auto: 85); h264: CRF 0-51, "
+                     "lower is better (auto: 23); uint8 and float32 ignore it", part=OUTPUTS, minimum=0,
+                     maximum=100, word=AUTO),
+        SessionField("video_lookahead", LOOKAHEAD, EXACT, "'exact' (equal to the whole-clip decode) or N latent "
+                     "frames of look-ahead", part=OUTPUTS, minimum=0, maximum=FRAMES_MAX),
+    )),
+)
+KIND_BY_NAME: dict[str, OutputKind] = {k.name: k for k in KINDS}
+
+FIELDS: tuple[SessionField, ...] = (
+    *_MODEL_FIELDS,
+    SessionField("outputs", CHOICES, ("latents",), "what units carry: " + "; ".join(
+        f"{k.name}: {k.doc}" for k in KINDS), part=OUTPUTS, choices=tuple(k.name for k in KINDS), min_items=1,
+                 max_items=len(KINDS)),
+    *(option for kind in KINDS for option in kind.options),
     SessionField("realtime", BOOLEAN, False, "the client plays the stream at fps as it arrives: each block has a "
                  "deadline (late_blocks counts the missed ones) and, with the server's admission: realtime, the "
                  "session is only admitted if the engine can keep up", part=FLAGS, in_query=False),
@@ -205,7 +266,7 @@ def lookahead_frames(value: Any) -> int | None:
 
 
 # What ``video_quality`` means per encoded format: (lowest, highest, what "auto" stands for).
-QUALITY_RANGES: dict[str, tuple[int, int, int]] = {"jpeg": (1, 100, 85), "h264": (0, 51, 23)}
+QUALITY_RANGES: dict[str, tuple[int, int, int]] = {name: f.quality for name, f in formats.FORMATS.items()}
 
 
 def video_quality(video_format: str, value: Any) -> int | None:
@@ -222,7 +283,7 @@ def video_quality(video_format: str, value: Any) -> int | None:
     if value == AUTO:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        what = "the JPEG quality" if video_format == "jpeg" else "the H.264 CRF (lower is better)"
+        what = formats.FORMATS[video_format].quality_doc
         raise ValueError(f"video_quality for {video_format} is {what}: 'auto' ({default}) or an integer in "
                          f"[{low}, {high}], got {value!r}")
     return value

@@ -29,9 +29,11 @@ from fractions import Fraction
 
 import numpy as np
 
+from wm_refiner_client.formats import FORMATS
+
 JPEG, H264 = "jpeg", "h264"
-ENCODED_FORMATS = (JPEG, H264)
-JPEG_CODEC = "image/jpeg"
+ENCODED_FORMATS = tuple(FORMATS)  # the registry shared with the spec and the client; an encoder for each below
+JPEG_CODEC = FORMATS[JPEG].codec
 H264_PRESET = "veryfast"
 
 
@@ -175,7 +177,7 @@ def _place_segment(mp4: bytes, start: int, time_base: Fraction) -> tuple[bytes, 
 def h264_codec_string(init: bytes | None) -> str:
     """The RFC 6381 codec string (``avc1.PPCCLL``) of an init segment's avcC (MSE's ``isTypeSupported``)."""
     if not init:
-        return "avc1"
+        return FORMATS[H264].codec
     at = bytes(init).find(b"avcC")
     if at < 0:
         raise ValueError("the init segment has no avcC box")

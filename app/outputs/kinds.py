@@ -1,12 +1,15 @@
-"""What a session sends back (api.md 1.1, "Pixels out"): latents, video or both, the video's format, quality and
-look-ahead, and how a unit becomes tensors on the wire.
+"""What a session sends back (api.md 1.1, "Pixels out"): the kinds it asked for (latents, video, preview, ...),
+each kind's options (the video's format, quality and look-ahead, the preview's width), and how a unit becomes
+tensors on the wire.
 
-``Outputs`` is per session (fields ``outputs``, ``video_format``, ``video_quality``, ``video_lookahead`` of its
-config); a watcher may ask for a subset of the kinds and another video format (``Outputs.restrict``). A unit's
-payload holds a tensor per kind asked for, put there by the kind's stage (``app.outputs.stage``: ``latents``
-(B, C, n, H, W); ``video``: uint8 (B, F, H_px, W_px, 3) RGB or float32 (B, F, 3, H_px, W_px) in [0, 1]); its
-metadata always says ``frame_start`` and ``frame_end`` (latent frames, which a reattach counts in) and what the
-stages add (video: ``video_frame_start`` and ``video_frame_end``, pixel frames of the session's video).
+``Outputs`` is per session (its config's fields of part ``outputs``: ``spec.OUTPUT_NAMES``); a watcher may ask for
+a subset of the kinds and another video format (``Outputs.restrict``). Nothing here names a kind's options: each
+kind's stage class (``app.outputs.catalog.STAGE_TYPES``) reads and validates its own (``OutputStage.read_options``), and
+says what it needs loaded (``requires``) and encoded (``encoder``). A unit's payload holds a tensor per kind asked
+for, put there by the kind's stage (``app.outputs.stage``: ``latents`` (B, C, n, H, W); ``video``: uint8
+(B, F, H_px, W_px, 3) RGB or float32 (B, F, 3, H_px, W_px) in [0, 1]; ``preview``: JPEG bytes); its metadata always
+says ``frame_start`` and ``frame_end`` (latent frames, which a reattach counts in) and what the stages add (video:
+``video_frame_start`` and ``video_frame_end``, pixel frames of the session's video).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from wm_refiner_client import spec
+from wm_refiner_client import formats, spec
 
 from app.core.error_kinds import ApiError
 
@@ -26,7 +29,7 @@ OUTPUT_FIELDS = spec.OUTPUT_NAMES
 
 
 # The library each encoded format needs (the optional ``video`` extra): (module, its package's name).
-ENCODER_MODULES = {"jpeg": ("PIL", "Pillow"), "h264": ("av", "PyAV")}
+ENCODER_MODULES = {name: f.library for name, f in formats.FORMATS.items()}
 
 
 def encoder_missing(video_format: str) -> str | None:
@@ -54,6 +57,9 @@ class Outputs:
     video_lookahead: int | None = None  # None: "exact"
     video_quality: int | None = None  # the JPEG quality or H.264 CRF (spec.video_quality); None for raw formats
     fps: float = 16.0  # the session's frame rate: the H.264 segments' timing (not a field of its own)
+    # The other kinds' option values, (name, JSON value) pairs as their stages read them (``preview_width``); an
+    # option left out has its spec default.
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def latents(self) -> bool:
@@ -63,40 +69,18 @@ class Outputs:
     def video(self) -> bool:
         return VIDEO in self.kinds
 
+    def option(self, name: str) -> Any:
+        """A kind's option (not the video's own fields): its value, or the spec's default when it was left out."""
+        return dict(self.options).get(name, spec.BY_NAME[name].default_json())
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        video = {
             "outputs": list(self.kinds),
             "video_format": self.video_format,
             "video_lookahead": EXACT if self.video_lookahead is None else self.video_lookahead,
             "video_quality": spec.AUTO if self.video_quality is None else self.video_quality,
         }
-
-    @classmethod
-    def from_fields(cls, fields: dict[str, Any], vae_configured: bool) -> Outputs:
-        """From a session config's fields as JSON values (absent = default; text goes through
-        ``spec.SessionField.from_text`` first); ApiError 422 saying what to send instead."""
-        try:
-            kinds = spec.output_kinds(fields.get("outputs"))
-            lookahead = spec.lookahead_frames(fields.get("video_lookahead"))
-        except ValueError as exc:
-            raise ApiError("invalid_config", str(exc)) from None
-        if VIDEO in kinds and not vae_configured:
-            raise ApiError(
-                "invalid_config",
-                "outputs includes 'video' but this server has no VAE (setting vae, flag --vae); ask for "
-                "outputs ['latents'] or configure the server with an AutoencoderKLLTX2Video folder",
-            )
-        video_format = fields.get("video_format") or spec.BY_NAME["video_format"].default
-        if video_format not in VIDEO_FORMATS:
-            raise ApiError("invalid_config", f"video_format must be one of {list(VIDEO_FORMATS)}, got {video_format!r}")
-        try:
-            quality = spec.video_quality(video_format, fields.get("video_quality"))
-        except ValueError as exc:
-            raise ApiError("invalid_config", str(exc)) from None
-        missing = encoder_missing(video_format) if VIDEO in kinds else None
-        if missing is not None:
-            raise ApiError("invalid_config", missing)
-        return cls(kinds, video_format, lookahead, quality)
+        return {**video, **{name: self.option(name) for name in OUTPUT_FIELDS if name not in video}}
 
     def restrict(self, asked: str | None, video_format: str | None = None, video_quality: str | None = None,
                  ) -> Outputs:
@@ -130,7 +114,8 @@ class Outputs:
         kinds = spec.BY_NAME["outputs"].from_text(asked)
         unknown = [k for k in kinds if k not in OUTPUT_KINDS]
         if not kinds or unknown:
-            raise ApiError("invalid_request", f"outputs={asked!r}: ask for 'latents', 'video' or 'latents,video'")
+            raise ApiError("invalid_request", f"outputs={asked!r}: ask for one or more of {list(OUTPUT_KINDS)}, "
+                                              "comma-separated (latents,video)")
         missing = [k for k in kinds if k not in self.kinds]
         if missing:
             raise ApiError(

@@ -10,6 +10,15 @@ What a new output kind implements (subclass ``OutputStage``, in its own module),
 - ``kind`` (its name in ``outputs``), ``action`` (what it does, for the error when it fails: "decoding this
   session's video"), ``deferred`` (True when pushing a unit is costly: the engine then runs it as a scheduled
   *output step* between model calls instead of inside the commit; see ``app.engine.scheduler``);
+- its options: ``read_options(fields)`` (a classmethod) reads and validates the session fields its spec entry
+  declares (``spec.KINDS``: name, type, default, bounds, doc line), ValueError saying what to send (a 422); by
+  default every option is a bounded integer. ``requires`` ("vae": it needs the server's VAE) and
+  ``encoder_missing(outputs)`` (why this process cannot encode what the options ask for) are checked when a
+  session asks for the kind;
+- its wire form: ``wire_names`` (the tensors it puts on the wire) and ``wire`` below;
+- ``needs``: kinds whose payloads of the same unit it is computed from (the preview from the video's frames). The
+  session then runs those stages first, also when it did not ask for them (their payloads are then dropped before
+  anything is copied to the host), and calls ``derive(state, payloads)`` instead of ``push`` and ``finish``;
 - ``new_state(outputs, config)``: a new session's state. States are IMMUTABLE: ``push`` and ``finish`` return a
   new one. That is the rollback point: atomic work keeps the state from before it and puts it back on failure;
 - ``push(state, unit, final) -> (state, payload)``: a committed unit; ``final``: the session's last one;
@@ -29,9 +38,10 @@ What a new output kind implements (subclass ``OutputStage``, in its own module),
 - ``build(**loaded)`` (a classmethod): the stage, given what the server loaded (``decoder``: the VAE's, or None),
   or a string saying why this server cannot produce the kind.
 
-Then register the class in ``STAGE_TYPES`` (``app.outputs.catalog``), add the kind to the choices of the ``outputs`` field in
-``wm_refiner_client.spec`` (``app.outputs.kinds.OUTPUT_KINDS`` is read from there), and teach the
-client to decode its tensors.
+Then register the class in ``STAGE_TYPES`` (``app.outputs.catalog``) and declare the kind with its options in
+``wm_refiner_client.spec.KINDS`` (one entry: the ``outputs`` choices, ``app.outputs.kinds.OUTPUT_KINDS`` and the session
+fields are read from there). The client decodes a kind's tensors without knowing it when they take a form it knows:
+a plain array, or encoded pieces (``{kind}``, ``{kind}_sizes``, ``{kind}_format``: ``wm_refiner_client.formats``).
 """
 
 from __future__ import annotations
@@ -44,7 +54,9 @@ import torch
 from models.config import SessionConfig
 from models.session import Unit
 
-from app.outputs.kinds import Outputs
+from wm_refiner_client import spec
+
+from app.outputs.kinds import Outputs, encoder_missing
 
 
 class OutputStage:
@@ -53,6 +65,27 @@ class OutputStage:
     kind: str = ""
     action: str = ""
     deferred: bool = False
+    needs: tuple[str, ...] = ()
+    requires: str = ""  # "vae": the kind needs the server's VAE
+    encoder: str = ""  # the encoded format (wm_refiner_client.formats) its payloads are always sent in, if any
+    wire_names: tuple[str, ...] = ()
+
+    @classmethod
+    def read_options(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """The values of the options ``spec.KINDS`` declares for this kind, from a session's fields (JSON values,
+        absent: the default); ValueError naming the field and what to send."""
+        kind = spec.KIND_BY_NAME.get(cls.kind)
+        return {f.name: f.bounded_integer(fields.get(f.name)) for f in (kind.options if kind else ())}
+
+    @classmethod
+    def encoder_missing(cls, outputs: Outputs) -> str | None:
+        """Why this process cannot encode this kind for ``outputs``, or None when it can."""
+        return None if not cls.encoder else encoder_missing(cls.encoder)
+
+    def derive(self, state: Any, payloads: dict[str, Any]) -> tuple[Any, Any | None]:
+        """A stage with ``needs``: its payload from the payloads of ``needs`` for the same unit (a pushed unit's or
+        a finish's); None when there is nothing to send for it."""
+        raise NotImplementedError
 
     def new_state(self, outputs: Outputs, config: SessionConfig) -> Any:
         return None
@@ -120,10 +153,13 @@ class OutputFailure(Exception):
 
 @dataclass(eq=False)
 class SessionStages:
-    """A session's stages and their states (engine thread; readers on the loop see whole immutable states)."""
+    """A session's stages and their states (engine thread; readers on the loop see whole immutable states).
+    ``sent``: the kinds whose payloads go out (None: every stage's); the others run only because a sent kind is
+    made from them (``OutputStage.needs``), and their payloads are dropped from the ``OutUnit``."""
 
     stages: tuple[OutputStage, ...]
     states: dict[str, Any]
+    sent: tuple[str, ...] | None = None
 
     @property
     def deferred(self) -> bool:
@@ -144,17 +180,23 @@ class SessionStages:
         """The stream ended at latent frame ``at``: what the stages still hold, as a "tail" unit."""
         states, payloads = self._run(lambda stage, state: stage.finish(state))
         self.states = states
-        payloads = {kind: payload for kind, payload in payloads.items() if payload is not None}
         return OutUnit("tail", empty_latents, at, at, started_at, payloads, (at, *self._positions()))
 
     def _run(self, step) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Each stage's (state, payload) in order (a derived stage after what it needs); the payloads sent, less
+        the None ones (a derived stage with nothing for the unit; a tail a stage does not have)."""
         states, payloads = dict(self.states), {}
         for stage in self.stages:
             try:
-                states[stage.kind], payloads[stage.kind] = step(stage, states[stage.kind])
+                if stage.needs:
+                    states[stage.kind], payloads[stage.kind] = stage.derive(
+                        states[stage.kind], {kind: payloads.get(kind) for kind in stage.needs})
+                else:
+                    states[stage.kind], payloads[stage.kind] = step(stage, states[stage.kind])
             except Exception as exc:
                 raise OutputFailure(stage, exc) from exc
-        return states, payloads
+        sent = self.sent if self.sent is not None else tuple(payloads)
+        return states, {kind: p for kind, p in payloads.items() if p is not None and kind in sent}
 
     @property
     def done(self) -> bool:
@@ -211,19 +253,31 @@ class OutputStages:
             raise StageUnavailable(self.unavailable.get(kind, f"this server has no output stage {kind!r}"))
         return stage
 
+    def _running(self, outputs: Outputs) -> tuple[OutputStage, ...]:
+        """The stages a session of ``outputs`` runs: its kinds and what they are made from, in registry order
+        (``by_kind``'s: ``build_stages`` fills it in ``STAGE_TYPES``' order)."""
+        needed, todo = set(), list(outputs.kinds)
+        while todo:
+            kind = todo.pop()
+            if kind not in needed:
+                needed.add(kind)
+                todo.extend(self[kind].needs)
+        return tuple(stage for kind, stage in self.by_kind.items() if kind in needed)
+
     def for_session(self, outputs: Outputs, config: SessionConfig) -> SessionStages:
-        """A new session's stages, for ``outputs``' kinds."""
-        stages = tuple(self[kind] for kind in outputs.kinds)
-        return SessionStages(stages, {stage.kind: stage.new_state(outputs, config) for stage in stages})
+        """A new session's stages, for ``outputs``' kinds (and those they are made from, unsent)."""
+        stages = self._running(outputs)
+        return SessionStages(stages, {stage.kind: stage.new_state(outputs, config) for stage in stages},
+                             outputs.kinds)
 
     def from_tensors(self, outputs: Outputs, tensors: dict[str, torch.Tensor], fields: dict[str, Any],
                      prefix: str) -> SessionStages:
         """A restored session's stages (``SessionStages.to_tensors``); ``StageUnavailable`` or the stage's error
         when the snapshot does not fit this server."""
-        stages = tuple(self[kind] for kind in outputs.kinds)
+        stages = self._running(outputs)
         states = {stage.kind: stage.from_tensors(tensors, fields.get(stage.kind), f"{prefix}.{stage.kind}")
                   for stage in stages}
-        return SessionStages(stages, states)
+        return SessionStages(stages, states, outputs.kinds)
 
     def wire(self, payloads_of: list[dict[str, Any]], outputs: Outputs, shape: tuple[int, ...],
              positions: dict[str, int], response_dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -34,8 +34,10 @@ from models.transfer import HostCopy
 from models.vae import StreamingDecoder, VideoChunk, VideoStream, new_video, push_video, video_from_tensors, \
     video_tensor, video_to_tensors
 
-from app.outputs.encoders import ENCODED_FORMATS, H264, JPEG, JPEG_CODEC, EncodedVideo, encode_video
-from app.outputs.kinds import VIDEO, Outputs
+from wm_refiner_client import formats, spec
+
+from app.outputs.encoders import ENCODED_FORMATS, H264, EncodedVideo, encode_video
+from app.outputs.kinds import VIDEO, VIDEO_FORMATS, Outputs, encoder_missing
 from app.outputs.stage import OutputStage
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,23 @@ class VideoStage(OutputStage):
     kind = VIDEO
     action = "decoding this session's video"
     deferred = True
+    requires = "vae"
+    wire_names = (VIDEO, "video_sizes", "video_init_sizes")
+
+    @classmethod
+    def read_options(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """``video_format``, ``video_quality`` (its reading depends on the format) and ``video_lookahead``, the
+        fields of ``Outputs`` of the same names."""
+        lookahead = spec.lookahead_frames(fields.get("video_lookahead"))
+        video_format = fields.get("video_format") or spec.BY_NAME["video_format"].default
+        if video_format not in VIDEO_FORMATS:
+            raise ValueError(f"video_format must be one of {list(VIDEO_FORMATS)}, got {video_format!r}")
+        quality = spec.video_quality(video_format, fields.get("video_quality"))
+        return {"video_format": video_format, "video_quality": quality, "video_lookahead": lookahead}
+
+    @classmethod
+    def encoder_missing(cls, outputs: Outputs) -> str | None:
+        return encoder_missing(outputs.video_format)
 
     def __init__(self, decoder: StreamingDecoder):
         self.decoder = decoder
@@ -164,8 +183,8 @@ def encoded_wire(payloads: list[HostVideo], outputs: Outputs, batch: int, height
     parts = [p.encoded(fmt, outputs.video_quality, outputs.fps, batch, height, width) for p in with_frames]
     rows: list[list[bytes]] = [[] for _ in range(batch)]
     init_sizes = np.zeros(batch, dtype=np.int64)
-    # Without frames there is no stream to describe yet: the codec's family alone.
-    codec = parts[0].codec if parts else (JPEG_CODEC if fmt == JPEG else "avc1")
+    # Without frames there is no stream to describe yet: the format's own label (the codec's family alone).
+    codec = parts[0].codec if parts else formats.FORMATS[fmt].codec
     for index, part in enumerate(parts):
         for row, pieces in enumerate(pieces_of(part)):
             if fmt == H264:

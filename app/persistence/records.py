@@ -42,6 +42,7 @@ from models.snapshot import (
 from wm_refiner_client import spec
 
 from app.core.error_kinds import ApiError
+from app.outputs.catalog import outputs_from_fields
 from app.outputs.kinds import Outputs
 from app.outputs.replay import SentUnit
 from app.outputs.stage import OutputStages, SessionStages, StageUnavailable
@@ -232,7 +233,7 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
         last_response = _tensor_bytes(tensors[LAST_RESPONSE_TENSOR]) if fields["has_last_response"] else None
         next_seq = int(fields["next_seq"])
         last_seq = None if fields["last_seq"] is None else int(fields["last_seq"])
-        outputs = Outputs.from_fields(fields.get("outputs") or {}, vae_configured=True)
+        outputs = outputs_from_fields(fields.get("outputs") or {}, vae_configured=True)
     except (KeyError, TypeError, ValueError) as exc:
         raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
     except ApiError as exc:

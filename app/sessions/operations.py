@@ -36,6 +36,7 @@ from app.core.settings import Settings
 from app.engine import pacing
 from app.engine.worker import Engine, EngineSession, Work
 from app.outputs.delivery import Deliveries, Encoder, UnitCopies, unit_metadata
+from app.outputs.catalog import outputs_from_fields
 from app.outputs.kinds import HostUnit, Outputs
 from app.outputs.replay import SentUnit
 from app.outputs.stage import OutputStages, OutUnit
@@ -190,7 +191,7 @@ class SessionOps:
         """The session's config and outputs from the fields a client set (JSON values, checked by the route's
         ``check_fields``): unset fields take the server's defaults; 422 for what the model or this server's limits
         refuse (video without a VAE among them)."""
-        outputs = Outputs.from_fields({name: fields.pop(name) for name in spec.OUTPUT_NAMES if name in fields},
+        outputs = outputs_from_fields({name: fields.pop(name) for name in spec.OUTPUT_NAMES if name in fields},
                                       self.services.decoder is not None)
         defaults = self.settings.session_defaults().to_dict()
         config = check_config_limits(SessionConfig.from_dict({**defaults, **fields}), self.settings)

@@ -10,6 +10,8 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from wm_refiner_client import spec
+
 from app.api.deps import ServicesDep, read_body, require_content_type
 from app.api.openapi import CONFIG_400, PUT_409, SessionCreate, SessionCreated, SessionDescription, SessionList, errors
 from app.core.error_kinds import ApiError
@@ -89,10 +91,16 @@ def check_fields(data: dict[str, Any]) -> dict[str, Any]:
     try:
         parsed = SessionCreate.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}{_expects(e['loc'])}" for e in exc.errors())
         fields = ", ".join(SessionCreate.model_fields)
         raise ApiError("invalid_config", f"invalid session config: {problems}; the fields are {fields}") from None
     return parsed.model_dump(exclude_none=True)
+
+
+def _expects(loc: tuple) -> str:
+    """What the field at ``loc`` takes (its spec's words), for the error: the bound crossed alone does not say it."""
+    field = spec.BY_NAME.get(loc[0]) if loc else None
+    return f" (send {field.expects()})" if field is not None else ""
 
 
 @router.get(
