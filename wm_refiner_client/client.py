@@ -555,13 +555,23 @@ def _geometry(latents: Array) -> tuple[int, int, int, int]:
 
 
 def _join(units: list[Unit], frame_end: int, video_end: int) -> Unit:
-    """Several consecutive units as one (a flush over the WebSocket may bring more than one)."""
+    """Several consecutive units as one (a flush over the WebSocket may bring more than one). Kinds beyond latents
+    and video are joined by their form: encoded pieces one after another (``EncodedVideo.join``), arrays along
+    axis 1 (the axis after the batch: a unit's frames or items)."""
     if not units:
         return Unit(frame_start=frame_end, frame_end=frame_end)
     with_latents = [u for u in units if u.latents is not None]
     with_video = [u for u in units if u.video is not None]
     encoded = [u.encoded_video for u in units if u.encoded_video is not None]
     video_starts = [u.video_frame_start for u in units if u.video_frame_start is not None]
+    others: dict[str, Any] = {}
+    for kind in dict.fromkeys(k for u in units for k in u.payloads if k not in ("latents", "video")):
+        parts = [u.payloads[kind] for u in units if kind in u.payloads]
+        if all(isinstance(part, EncodedVideo) for part in parts):
+            others[kind] = EncodedVideo.join(parts)
+        else:
+            others[kind] = np.concatenate([np.asarray(part) for part in parts], axis=1) if len(parts) > 1 \
+                else parts[0]
     return Unit(
         frame_start=units[0].frame_start,
         frame_end=units[-1].frame_end,
@@ -571,5 +581,5 @@ def _join(units: list[Unit], frame_end: int, video_end: int) -> Unit:
         video_frame_end=video_end if video_starts else None,
         encoded_video=EncodedVideo.join(encoded) if encoded else None,
         video_error=next((u.video_error for u in units if u.video_error), None),
+        payloads=others,
     )
-

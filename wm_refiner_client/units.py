@@ -10,17 +10,25 @@ D caption channels, F pixel frames.
 Encoded video (``video_format`` ``jpeg`` or ``h264``) arrives as bytes: ``Unit.encoded_video`` (an
 ``EncodedVideo``: the JPEG images or H.264 segments as they came), decoded into frames on request
 (``Unit.decode_video()``, or ``from_payload(..., decode_video=True)``): JPEG with Pillow, H.264 with PyAV, both
-imported only then.
+imported only then (``formats.FORMATS``: each format's decoder).
+
+A unit holds its payloads by kind (``Unit.payloads``: ``latents``, ``video``, ``preview``, ...; ``unit.preview``
+reads the same). Any kind decodes without this module knowing it: a tensor ``{kind}`` is a plain array, or, with a
+``{kind}_sizes`` tensor and ``{kind}_format`` metadata naming an encoded format, an ``EncodedVideo`` (the preview's
+JPEGs: ``unit.preview.decode()`` is uint8 (B, K, h, w, 3)).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from types import MappingProxyType
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Literal, Mapping, Union
 
 import numpy as np
+
+from .formats import FORMATS
 
 ReturnTensors = Literal["np", "pt"]
 # A numpy array or a torch tensor (torch stays optional: only imported when a torch tensor is passed or asked for).
@@ -78,7 +86,7 @@ def decode(data: bytes, return_tensors: ReturnTensors = "np") -> dict[str, Array
         ) from exc
 
 
-ENCODED_FORMATS = ("jpeg", "h264")
+ENCODED_FORMATS = tuple(FORMATS)
 
 
 @dataclass(frozen=True)
@@ -116,26 +124,9 @@ class EncodedVideo:
         return np.stack([np.stack(frames[self.skip:]) for frames in rows])
 
     def _decode_row(self, row: int) -> list[np.ndarray]:
-        if self.format == "jpeg":
-            try:
-                from PIL import Image
-            except ImportError:
-                raise RuntimeError("decoding jpeg video needs Pillow: pip install pillow") from None
-            import io
-
-            return [np.asarray(Image.open(io.BytesIO(piece)).convert("RGB")) for piece in self.pieces[row]]
-        if self.format == "h264":
-            if not self.pieces[row]:
-                return []
-            try:
-                import av
-            except ImportError:
-                raise RuntimeError("decoding h264 video needs PyAV: pip install av") from None
-            import io
-
-            with av.open(io.BytesIO(self.segment(row)), "r", format="mp4") as container:
-                return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
-        raise ValueError(f"cannot decode video format {self.format!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"cannot decode video format {self.format!r}; this client knows {list(FORMATS)}")
+        return FORMATS[self.format].decode(self.pieces[row])
 
     def after(self, skip: int) -> EncodedVideo:
         """Without the first ``skip`` frames (JPEG drops them; H.264 marks them for ``decode`` to drop)."""
@@ -164,20 +155,45 @@ class EncodedVideo:
                    init_sizes, first.skip)
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, Array], metadata: Mapping[str, str]) -> EncodedVideo:
-        data = bytes(np.asarray(_numpy(tensors["video"])).tobytes())
-        sizes = np.asarray(_numpy(tensors["video_sizes"])).astype(np.int64)
+    def from_tensors(cls, tensors: Mapping[str, Array], metadata: Mapping[str, str],
+                     kind: str = "video") -> EncodedVideo:
+        """The encoded pieces of ``kind``: tensors ``{kind}`` (the bytes) and ``{kind}_sizes`` (B, K) (H.264:
+        ``{kind}_init_sizes`` (B,)), metadata ``{kind}_format``, ``{kind}_codec`` and ``{kind}_quality``."""
+        data = bytes(np.asarray(_numpy(tensors[kind])).tobytes())
+        sizes = np.asarray(_numpy(tensors[f"{kind}_sizes"])).astype(np.int64)
         pieces, at = [], 0
         for row in sizes.tolist():
             pieces.append(tuple(data[at + sum(row[:i]) : at + sum(row[: i + 1])] for i in range(len(row))))
             at += sum(row)
         if at != len(data):
-            raise ValueError(f"video_sizes add up to {at} bytes but the video holds {len(data)}")
-        init = tensors.get("video_init_sizes")
-        quality = metadata.get("video_quality")
-        return cls(metadata["video_format"], metadata.get("video_codec", ""),
+            raise ValueError(f"{kind}_sizes add up to {at} bytes but {kind} holds {len(data)}")
+        init = tensors.get(f"{kind}_init_sizes")
+        quality = metadata.get(f"{kind}_quality")
+        return cls(metadata[f"{kind}_format"], metadata.get(f"{kind}_codec", ""),
                    int(quality) if quality not in (None, "None") else None, tuple(pieces),
                    tuple(int(v) for v in np.asarray(_numpy(init)).tolist()) if init is not None else ())
+
+
+def payloads_of(tensors: Mapping[str, Array], metadata: Mapping[str, str]) -> dict[str, Any]:
+    """A response's payloads by kind. A tensor named ``{kind}_...`` beside a tensor ``{kind}`` belongs to that kind
+    (``video_sizes``); a kind with ``{kind}_sizes`` and an encoded ``{kind}_format`` is an ``EncodedVideo``, any
+    other a plain array."""
+    payloads: dict[str, Any] = {}
+    for name, value in tensors.items():
+        if any(name.startswith(other + "_") for other in tensors if other != name):
+            continue
+        if metadata.get(f"{name}_format") in ENCODED_FORMATS and f"{name}_sizes" in tensors:
+            payloads[name] = EncodedVideo.from_tensors(tensors, metadata, name)
+        else:
+            payloads[name] = value
+    return payloads
+
+
+def spec_kinds() -> tuple[str, ...]:
+    """The output kinds this client knows (``spec.KINDS``): ``unit.<kind>`` is None, not an error, without one."""
+    from . import spec
+
+    return spec.BY_NAME["outputs"].choices
 
 
 def _numpy(value: Array) -> np.ndarray:
@@ -211,6 +227,29 @@ class Unit:
     metadata: Mapping[str, str] = field(default_factory=dict)
     encoded_video: EncodedVideo | None = None
     video_error: str | None = None
+    payloads: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        merged = dict(self.payloads)
+        if self.latents is None and merged.get("latents") is not None:
+            object.__setattr__(self, "latents", merged["latents"])
+        video = merged.get("video")
+        if self.video is None and self.encoded_video is None and video is not None:
+            object.__setattr__(self, "encoded_video" if isinstance(video, EncodedVideo) else "video", video)
+        merged.pop("latents", None)
+        merged.pop("video", None)
+        fields = {"latents": self.latents, "video": self.video if self.video is not None else self.encoded_video}
+        merged = {**{kind: value for kind, value in fields.items() if value is not None}, **merged}
+        object.__setattr__(self, "payloads", MappingProxyType(merged))
+
+    def __getattr__(self, name: str) -> Any:
+        """``unit.preview`` and any other kind's payload (None when the unit has none) by its name."""
+        payloads = self.__dict__.get("payloads")
+        if payloads is not None and not name.startswith("_") and name in spec_kinds():
+            return payloads.get(name)
+        if payloads is not None and name in payloads:
+            return payloads[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def frames(self) -> int:
@@ -236,24 +275,19 @@ class Unit:
         def number(name: str, kind=int):
             return kind(metadata[name]) if name in metadata else None
 
-        encoded = None
-        if metadata.get("video_format") in ENCODED_FORMATS and "video" in tensors:
-            encoded = EncodedVideo.from_tensors(tensors, metadata)
         unit = cls(
             frame_start=int(metadata["frame_start"]),
             frame_end=int(metadata["frame_end"]),
-            latents=tensors.get("latents"),
-            video=None if encoded is not None else tensors.get("video"),
+            payloads=payloads_of(tensors, metadata),
             video_frame_start=number("video_frame_start"),
             video_frame_end=number("video_frame_end"),
             latency_ms=number("latency_ms", float),
             seq=number("seq"),
             replayed=replayed,
             metadata=metadata,
-            encoded_video=encoded,
             video_error=metadata.get("video_error"),
         )
-        return unit.decode_video() if decode_video and encoded is not None else unit
+        return unit.decode_video() if decode_video and unit.encoded_video is not None else unit
 
     def decode_video(self) -> Unit:
         """This unit with ``video`` holding its encoded video's frames, uint8 (B, F, H, W, 3) RGB (numpy, or torch
