@@ -228,6 +228,10 @@ KINDS: tuple[OutputKind, ...] = (
         SessionField("video_lookahead", LOOKAHEAD, EXACT, "'exact' (equal to the whole-clip decode) or N latent "
                      "frames of look-ahead", part=OUTPUTS, minimum=0, maximum=FRAMES_MAX),
     )),
+    OutputKind("preview", "a small JPEG of each unit's last video frame, for session lists (needs the server's "
+               "vae setting)", options=(SessionField(
+                   "preview_width", INTEGER, 160, "the preview's width in pixels (its height keeps the video's aspect "
+                   "ratio)", part=OUTPUTS, minimum=16, maximum=1024),)),
 )
 KIND_BY_NAME: dict[str, OutputKind] = {k.name: k for k in KINDS}
 

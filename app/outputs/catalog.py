@@ -13,11 +13,12 @@ from wm_refiner_client import spec
 from app.core.error_kinds import ApiError
 from app.outputs.kinds import VIDEO, Outputs
 from app.outputs.latents import LatentsStage
+from app.outputs.preview import PreviewStage
 from app.outputs.stage import OutputStage, OutputStages, SessionStages
 from app.outputs.video import VideoStage
 
 # Every kind's stage, in the order of their tensors on the wire (a stage after those it needs).
-STAGE_TYPES: tuple[type[OutputStage], ...] = (LatentsStage, VideoStage)
+STAGE_TYPES: tuple[type[OutputStage], ...] = (LatentsStage, VideoStage, PreviewStage)
 
 
 def latents_only() -> SessionStages:

@@ -40,9 +40,11 @@ def test_payloads_by_kind_and_the_old_attributes_agree():
     assert isinstance(unit.preview, EncodedVideo) and unit.preview is unit.payloads["preview"]
     decoded = unit.preview.decode()  # (B, K, h, w, 3)
     assert decoded.shape == (1, 1, 8, 12, 3) and abs(int(decoded[0, 0].mean()) - 40) <= 2
-    # Built the old way, the mapping follows; a name that is no kind is an error.
+    # Built the old way, the mapping follows; a kind of the spec it lacks reads as None (the preview of a session
+    # without one), a name that is no kind is an error.
     old = Unit(frame_start=0, frame_end=1, latents=np.ones((1, 2, 1, 1, 1)))
     assert list(old.payloads) == ["latents"] and old.video is None and old.encoded_video is None
+    assert old.preview is None
     with pytest.raises(AttributeError):
         old.no_such_thing  # noqa: B018
 

@@ -35,7 +35,7 @@ def test_the_spec_and_the_models_config_have_the_same_fields_and_defaults():
     model_fields = [f.name for f in dataclasses.fields(SessionConfig)]
     assert list(spec.CONFIG_NAMES) == model_fields
     assert SessionConfig().to_dict() == {name: spec.BY_NAME[name].default_json() for name in spec.CONFIG_NAMES}
-    assert set(spec.OUTPUT_NAMES) == {"outputs", "video_format", "video_quality", "video_lookahead"}
+    assert set(spec.OUTPUT_NAMES) == {"outputs", "video_format", "video_quality", "video_lookahead", "preview_width"}
 
 
 def _valid_around(name: str, value) -> dict:
