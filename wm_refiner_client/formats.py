@@ -1,9 +1,9 @@
 """The encoded formats, declared once: what the server encodes pixels into and what the client decodes.
 
 ``FORMATS`` is read by the session fields (``spec``: ``video_format``'s choices, ``video_quality``'s ranges), by
-the server (``app.stages``: the codec label of a unit without frames, the library an encoder needs) and by this
+the server (``app.outputs``: the codec label of a unit without frames, the library an encoder needs) and by this
 client (``units.EncodedVideo``: the decoder of each format). A new format is one entry here plus its encoder
-(``app.stages.encode``).
+(``app.outputs.encoders``).
 
 Plain Python: the libraries (Pillow, PyAV) are imported only by the decoder that needs them.
 """

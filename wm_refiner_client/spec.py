@@ -206,7 +206,7 @@ _MODEL_FIELDS: tuple[SessionField, ...] = (
 @dataclass(frozen=True)
 class OutputKind:
     """One kind of output a session may ask for (a choice of ``outputs``) and the session fields that shape it
-    (``options``: part ``outputs``). The server's stage of the same name (``app.stages``) reads and validates them
+    (``options``: part ``outputs``). The server's stage of the same name (``app.outputs``) reads and validates them
     and says what else it needs."""
 
     name: str
@@ -215,7 +215,7 @@ class OutputKind:
 
 
 # The output kinds, in the order of their tensors on the wire. A new kind is one entry here (with its options), its
-# stage module and its registration (``app.stages.STAGE_TYPES``).
+# stage module and its registration (``app.outputs.catalog.STAGE_TYPES``).
 KINDS: tuple[OutputKind, ...] = (
     OutputKind("latents", "the refined latent frames (B, C, n, H, W)"),
     OutputKind("video", "the decoded pixel frames (needs the server's vae setting)", options=(

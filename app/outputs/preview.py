@@ -5,7 +5,7 @@ Decisions, and why:
 - **Which frame:** the unit's *last* video frame. A list or a dashboard shows where a session stands now, and the
   last frame is the newest one a viewer has; the tail of a flush gets one too (the video's last frames).
 - **Which pixels:** the video stage's, never a decode of its own. The stage ``needs`` the video: the session runs
-  the video stage first and hands its payload of the same unit to ``derive`` (``app.stages.SessionStages``), so a
+  the video stage first and hands its payload of the same unit to ``derive`` (``app.outputs.stage.SessionStages``), so a
   session that asks for video and preview decodes once, and one that asks for preview alone runs the video stage
   too, unsent (its frames never leave the device). That is also why the VAE is required and why the stage is
   cheap enough to run inside the video's output step: one frame is resized on the device, where the frames are.
@@ -16,7 +16,7 @@ Decisions, and why:
   video's uint8 format is.
 - **Encoding:** JPEG (quality: the format's "auto", 85) once per unit on the host, in the encoder pool that waits
   for the copy (``to_host``): the response and every watcher share the bytes.
-- **Wire form:** that of JPEG video frames (``app.stages.video``): ``preview`` uint8 (N,) the JPEG bytes of every
+- **Wire form:** that of JPEG video frames (``app.outputs.video``): ``preview`` uint8 (N,) the JPEG bytes of every
   preview (row-major), ``preview_sizes`` int64 (B, K) the bytes of each (K: the units in the response that had video
   frames; a unit whose video frames are still to come has no preview), metadata ``preview_format`` (jpeg),
   ``preview_codec`` (image/jpeg), ``preview_quality``, ``preview_width``, ``preview_height`` and ``preview_frames``

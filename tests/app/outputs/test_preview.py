@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from PIL import Image
 from starlette.testclient import WebSocketDenialResponse
 
-from app.outputs import Outputs
-from app.stages import build_stages
+from app.outputs.kinds import Outputs
+from app.outputs.catalog import build_stages
 from models import SessionConfig
 from models.checkpoints import build_vae, write_vae_checkpoint
 from models.session import Unit as ModelUnit
