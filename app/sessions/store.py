@@ -42,7 +42,7 @@ from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld, LeaseLost
 from app.persistence.records import (
     SessionRecord, folder_view, has_snapshot, leftover_temporaries, load_record, record_tensors, remove_record,
-    save_record, snapshot_limits, snapshot_path, write_record,
+    snapshot_limits, snapshot_path, write_fenced,
 )
 from app.sessions.parking import Parking
 from app.sessions.registry import Registry, SessionHandle
@@ -92,7 +92,12 @@ class SessionStore:
         self.leases: dict[str, Lease] = {}
         self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
         # Bytes: accounting, admission by bytes, park / spill / page-in (app.sessions.parking).
-        self.parking = Parking(self)
+        # Given what it uses, and nothing else of the store (a callable where the store's answer changes).
+        self.parking = Parking(
+            settings, metrics, self.registry, engine, encoder,
+            refiner=refiner, folder=self.snapshot_folder, checkpointing=self.checkpointing, leases_held=self.leases,
+            draining=lambda: self.draining, lose=self.lose,
+        )
         # Real-time admission (setting ``admission``): by the engine's measured cost per row (app.engine.pacing).
         self.realtime = Admission(settings, engine.pacer, self.registry.handles, refiner)
 
@@ -277,9 +282,8 @@ class SessionStore:
         def write() -> Lease:
             started = time.perf_counter()
             # A session's first checkpoint takes its lease; every write is fenced by it.
-            held = lease or leases.acquire(folder, handle.id, settings.replica_id, settings.session_lease_s)
-            path = write_record(folder, handle.id, tensors, metadata, writer=settings.replica_id,
-                                before_rename=lambda: leases.check(held))
+            held, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
+                                      replica_id=settings.replica_id, lease_s=settings.session_lease_s)
             metrics.checkpoint_seconds.observe(time.perf_counter() - started)
             metrics.checkpoint_bytes.inc(path.stat().st_size)
             return held
@@ -547,12 +551,10 @@ class SessionStore:
             written = set()
             for session_id, record in records.items():
                 try:
-                    lease = held.get(session_id) or leases.acquire(folder, session_id, settings.replica_id,
-                                                                   settings.session_lease_s)
-                    save_record(folder, record(), writer=settings.replica_id,
-                                before_rename=lambda: leases.check(lease))
+                    tensors, metadata = record_tensors(record())
                     # Released at once: the next replica asked for it adopts it without waiting for the lease.
-                    leases.release(folder, session_id, lease)
+                    write_fenced(folder, session_id, tensors, metadata, lease=held.get(session_id),
+                                 replica_id=settings.replica_id, lease_s=settings.session_lease_s, release=True)
                 except (LeaseHeld, LeaseLost) as exc:
                     log.warning("drain: session %s is another replica's now (%s); not saved", session_id, exc)
                     continue
