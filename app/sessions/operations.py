@@ -39,6 +39,7 @@ from app.outputs.delivery import Deliveries, Encoder, UnitCopies
 from app.outputs.kinds import HostUnit, Outputs
 from app.outputs.replay import SentUnit
 from app.outputs.stage import OutputStages, OutUnit
+from app.sessions import views
 from app.sessions.limits import check_config_limits, check_payload
 from app.sessions.peers import peer_headers, peer_sessions, peer_urls
 from app.sessions.registry import SessionHandle
@@ -148,11 +149,11 @@ class SessionOps:
         # A spilled session is described from what it was when spilled, not brought back for a GET.
         live = self.store.registry.existing(session_id) if spec.is_session_id(session_id) else None
         if live is not None:
-            return live.describe()  # read, not taken: a parked session stays parked
+            return views.description(live)  # read, not taken: a parked session stays parked
         spilled = self.store.parking.read(session_id)
         if spilled is not None:
             return spilled
-        return (await self.store.lookup(session_id)).describe()
+        return views.description(await self.store.lookup(session_id))
 
     async def delete(self, session_id: str) -> None:
         if self.store.registry.existing(session_id) is None and self.store.parking.forget(session_id):
@@ -167,8 +168,8 @@ class SessionOps:
         replica = self.settings.replica_id
         if scope == "local" or not self.settings.peers:
             page, following = await self.store.listing(limit, after)
-            return {"sessions": [{**handle.summary(), "replica": replica} for handle in page], "next": following}
-        mine = [{**h.summary(), "replica": replica} for h in await self.store.everything()]
+            return {"sessions": [{**views.summary(entry), "replica": replica} for entry in page], "next": following}
+        mine = [{**views.summary(entry), "replica": replica} for entry in await self.store.everything()]
         theirs, unreachable = await peer_sessions(await peer_urls(self.settings), peer_headers(self.settings))
         merged: dict[str, dict[str, Any]] = {}
         for entry in [*mine, *theirs]:

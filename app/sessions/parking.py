@@ -38,7 +38,6 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,40 +60,13 @@ from app.persistence.records import FolderView, folder_view, record_tensors, rem
 from app.sessions.footprint import MOVED_PARTS, handle_bytes, handle_parts
 from app.sessions.registry import Registry, SessionHandle
 from app.sessions.saving import record_of
+from app.sessions.views import Spilled, description, spilled
 
 
 log = logging.getLogger("app")
 
 STATES = ("active", "parked", "spilled")
 WHERE = ("device", "host", "disk")
-
-
-@dataclass
-class Spilled:
-    """A session written to snapshot_dir and dropped from memory: what the listing and GET report of it until it is
-    adopted back (by this replica or another) or its retention ends."""
-
-    session_id: str
-    summary_fields: dict[str, Any]
-    description: dict[str, Any]
-    created_at: float
-    last_active: float  # registry clock
-    file_bytes: int
-
-    @property
-    def id(self) -> str:
-        return self.session_id
-
-    def summary(self) -> dict[str, Any]:
-        return {**self.summary_fields, "state": "spilled",
-                "bytes": {"device": 0, "host": 0, "disk": self.file_bytes}}
-
-    def describe(self) -> dict[str, Any]:
-        # What it held is in its file now; nothing of it is allocated here.
-        held = {name: 0 for name in ("kv_cache_bytes", "video_state_bytes", "cache_bytes", "pending_bytes")
-                if name in self.description}
-        return {**self.description, **held, "state": "spilled",
-                "bytes": {"device": 0, "host": 0, "disk": self.file_bytes, "parts": {}}}
 
 
 class Parking:
@@ -404,9 +376,7 @@ class Parking:
             # Released, as a drain's file is: whichever replica is asked for the session next adopts it at once.
             self.leases_held.pop(handle.id, None)
             await asyncio.to_thread(leases.release, folder, handle.id, held)
-            summary, description = handle.summary(), handle.describe()
-            self.spilled[handle.id] = Spilled(handle.id, summary, description, handle.created_at, handle.last_active,
-                                              path.stat().st_size)
+            self.spilled[handle.id] = spilled(handle, path.stat().st_size)  # what the listing and GET show of it now
             registry.release(handle, ApiError(
                 "session_not_found", f"session {handle.id} was moved to snapshot_dir; send the request again"))
             handle.memory_state = "spilled"
@@ -509,7 +479,7 @@ class Parking:
             return None
         stub.last_active = self.registry.clock()
         self.record_use(session_id)
-        return stub.describe()
+        return description(stub)
 
     def record_use(self, session_id: str) -> None:
         """Write down in the folder that the spilled session was used now, for every replica's sweep

@@ -15,21 +15,18 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Callable
 
 from models import RefinerSession, SessionConfig
 
 from app.core.error_kinds import ApiError
-from app.engine import pacing
 from app.engine.worker import EngineSession
-from app.outputs.catalog import build_stages, describe
+from app.outputs.catalog import build_stages
 from app.outputs.delivery import Deliveries
 from app.outputs.kinds import Outputs
 from app.outputs.replay import RetainedUnits, SentUnit
 from app.outputs.stage import OutputStages, SessionStages
 from app.sessions.chunk_log import ChunkLog
-from app.sessions.footprint import handle_bytes
 
 
 @dataclass(eq=False)
@@ -93,58 +90,6 @@ class SessionHandle:
         self.retained.add(unit)
         if self.stream is not None:
             self.stream.send_unit(unit)
-
-    def summary(self) -> dict[str, Any]:
-        """Its line in ``GET /v1/sessions``."""
-        state = self.session.state
-        return {
-            "session_id": self.id,
-            "created_at": _iso(self.created_at),
-            "last_active_at": _iso(self.last_active_wall),
-            "frames_received": state.frames_received,
-            "frames_returned": state.frames_returned,
-            "flushed": state.flushed,
-            "streaming": self.streaming,
-            "outputs": list(self.outputs.kinds),
-            "watchers": len(self.watchers),
-            "state": self.memory_state,
-            "bytes": {**{k: v for k, v in handle_bytes(self).items() if k != "parts"}, "disk": 0},
-            "realtime": self.engine_session.pacing is not None,
-            "late_blocks": pacing.status(self.engine_session)["late_blocks"],
-        }
-
-    def describe(self) -> dict[str, Any]:
-        state = self.session.state
-        return {
-            "session_id": self.id,
-            "config": {**self.config.to_dict(), **self.outputs.to_dict(), **pacing.flags_of(self)},
-            "frames_received": state.frames_received,
-            "frames_returned": state.frames_returned,
-            "pending_frames": state.pending_frames,
-            "history_frames": state.history_frames,
-            "blocks_refined": state.blocks_refined,
-            "flushed": state.flushed,
-            "next_seq": self.chunks.next_seq,
-            "kv_cache_bytes": self.session.cache_bytes,
-            # What the output stages hold and where they stand (video: its decoder's state, frames returned), and
-            # everything together: what the session holds.
-            **describe(self.engine_session.stages),
-            "cache_bytes": self.cache_bytes,
-            # A realtime session's deadlines: blocks committed late, the last and worst lateness (s; < 0: early).
-            **pacing.status(self.engine_session),
-            "watchers": len(self.watchers),
-            "pending_bytes": state.pending_bytes,
-            "streaming": self.streaming,
-            "detached": self.detached,
-            # The earliest frame a reattaching stream can ask for again (resume_from).
-            "resumable_from": self.retained.first_frame(state.frames_returned),
-            **({} if self.durable_frames is None else {"durable_frames": self.durable_frames}),
-            "created_at": _iso(self.created_at),
-            "last_active_at": _iso(self.last_active_wall),
-            # Where it is (app.sessions.parking) and what it holds there, by part (app.sessions.footprint).
-            "state": self.memory_state,
-            "bytes": {**handle_bytes(self), "disk": 0},
-        }
 
 
 class Registry:
@@ -366,6 +311,3 @@ class Registry:
         for watcher in list(handle.watchers):
             watcher.end(error)
 
-
-def _iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()

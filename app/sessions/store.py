@@ -209,7 +209,8 @@ class SessionStore:
         handle.last_work = self.registry.clock()
 
     async def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
-        """A page of the sessions, live and spilled (``app.sessions.parking.Spilled``), oldest first; each has ``summary()``."""
+        """A page of the sessions, live and spilled (``app.sessions.views.Spilled``), oldest first
+        (``app.sessions.views.summary`` shows either)."""
         if not self.parking.spilled:
             return self.registry.listing(limit, after)
         self.registry.evict_idle()
