@@ -24,9 +24,10 @@ from app.engine.worker import EngineSession
 from app.outputs.catalog import build_stages
 from app.outputs.delivery import Deliveries
 from app.outputs.kinds import Outputs
-from app.outputs.replay import RetainedUnits, SentUnit
+from app.outputs.replay import RetainedUnits
 from app.outputs.stage import OutputStages, SessionStages
 from app.sessions.chunk_log import ChunkLog
+from app.sessions.subscriptions import StreamSubscriber, WatchSubscriber
 
 
 @dataclass(eq=False)
@@ -44,8 +45,9 @@ class SessionHandle:
     detached_at: float = 0.0  # registry clock
     # Units the streams of this session sent, for a client that reattaches (app.outputs.replay).
     retained: RetainedUnits = field(default_factory=lambda: RetainedUnits(32))
-    # The connection units go to now (app.api.routes.stream.StreamConnection), or None while detached.
-    stream: Any = None
+    # The stream subscribed to its units now (app.sessions.subscriptions: StreamSession.claim registers it), or
+    # None while detached.
+    stream: StreamSubscriber | None = None
     # Engine futures of stream jobs not settled yet; a reattaching stream waits for them before it reports
     # where the stream stands, so its frame counts include every message the old connection handed over.
     stream_jobs: set = field(default_factory=set)
@@ -56,8 +58,9 @@ class SessionHandle:
     first_block_done: bool = False
     # What its units carry (latents, video) and how (api.md 1.1).
     outputs: Outputs = field(default_factory=Outputs)
-    # Read-only subscribers (app.api.routes.watch.Watcher): they get every unit published from when they joined.
-    watchers: set = field(default_factory=set)
+    # Read-only subscribers (app.sessions.subscriptions; SessionOps.watch registers them): they get every unit
+    # published from when they joined.
+    watchers: set[WatchSubscriber] = field(default_factory=set)
     # Crash checkpoints (app.sessions.store.SessionStore.checkpoint): blocks and time of the last, and its write in flight.
     checkpoint_blocks: int = 0
     checkpoint_at: float = field(default_factory=time.monotonic)
@@ -84,12 +87,6 @@ class SessionHandle:
         decoder's)."""
         return self.session.cache_bytes + self.engine_session.stages.nbytes
 
-    def publish(self, unit: SentUnit) -> None:
-        """A stream unit is ready (called on the loop, in commit order): keep it, and send it if a client is
-        attached. A unit published while detached is only kept, for the client's reconnect."""
-        self.retained.add(unit)
-        if self.stream is not None:
-            self.stream.send_unit(unit)
 
 
 class Registry:

@@ -47,6 +47,7 @@ from app.persistence.records import (
 from app.sessions.parking import Parking
 from app.sessions.registry import Registry, SessionHandle
 from app.sessions.saving import record_of
+from app.sessions.subscriptions import Connection
 
 log = logging.getLogger("app")
 
@@ -81,9 +82,9 @@ class SessionStore:
             on_close=self._forget_checkpoint,
             stages=stages,
         )
-        # Open streams and watchers (app.api.routes.stream.StreamConnection, app.api.routes.watch.Watcher): a drain
-        # closes them with a code saying whether their session was saved.
-        self.connections: set[Any] = set()
+        # Open streams and watchers (app.sessions.subscriptions, registered by their routes): a drain closes them
+        # with a code saying whether their session was saved.
+        self.connections: set[Connection] = set()
         # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
         self.draining = False
         self._adopting: dict[str, _Turn] = {}
