@@ -354,7 +354,6 @@ class Parking:
             frames = handle.session.state.frames_received
             tensors, metadata = await self.engine.call(lambda: record_tensors(record()))
             settings, lease = self.settings, self.leases_held.get(handle.id)
-
             try:
                 # Like a checkpoint: the file is written under the session's lease, fenced by it.
                 held, path = await asyncio.to_thread(

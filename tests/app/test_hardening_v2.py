@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from app.sessions.parking import Spilled
+from app.sessions.views import Spilled
 
 from .conftest import DEADLINE_S, OCTET, LiveServer, payload, running_app, wait_until
 
