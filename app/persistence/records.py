@@ -10,8 +10,9 @@ atomic rename commits all of it; a restart can never pair a session with another
 Sessions move through the folder: a draining replica writes its sessions (and a checkpoint is written the same
 way); the replica that next gets a request for one takes the session's *lease* (``app.persistence.leases``: of several racing
 replicas exactly one gets it, and none while the owner's lease is live), loads the file and holds the session. Every
-write of a session's file is fenced by its writer's lease, so a replica that lost a session can never write it
-again, and a later crash cannot bring back a stale owner's copy.
+write of a session's file is fenced by its writer's lease (``write_fenced``, the one write a checkpoint, a spill and
+a drain all call), so a replica that lost a session can never write it again, and a later crash cannot bring back a
+stale owner's copy.
 
 Reading and building records run on the engine thread (the session's tensors are the engine's).
 """
@@ -80,13 +81,6 @@ def snapshot_path(folder: Path, session_id: str) -> Path:
     return folder / f"{spec.check_session_id(session_id)}{SUFFIX}"
 
 
-def save_record(folder: Path, record: SessionRecord, *, writer: str = "",
-                before_rename: Callable[[], None] | None = None) -> Path:
-    """Write ``record`` atomically (temporary file, fsync, rename): a crash leaves the old file or none."""
-    tensors, metadata = record_tensors(record)
-    return write_record(folder, record.session_id, tensors, metadata, writer=writer, before_rename=before_rename)
-
-
 def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What a file of ``record`` holds. ``copy``: tensors that do not share memory with the live session (a
     checkpoint is written while the session goes on); on the engine thread."""
@@ -136,6 +130,27 @@ def write_record(folder: Path, session_id: str, tensors: dict[str, torch.Tensor]
         os.replace(staged, path)
     fsync_dir(folder)
     return path
+
+
+def write_fenced(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
+                 lease: leases.Lease | None, replica_id: str, lease_s: float,
+                 release: bool = False) -> tuple[leases.Lease, Path]:
+    """The one write of a session's file by a replica: under the session's lease, fenced by it. Every writer of a
+    live session (a checkpoint, a spill, a drain) goes through here, so none can forget the fence.
+
+    ``lease``: the one this replica holds on the session already, or None: it is taken first
+    (``leases.acquire``: LeaseHeld while another replica holds a live one). The file is renamed into place only
+    if the lease is still this replica's right before (``leases.check``: LeaseLost otherwise, and the file is
+    not written), so a replica that lost a session can never overwrite its new owner's copy. ``release``: the
+    lease is let go once the file is in place (a drain: whichever replica is asked next adopts it at once);
+    otherwise the caller keeps it. Returns the lease held for the write and the file's path. On a worker
+    thread (it blocks on the disk)."""
+    held = lease or leases.acquire(folder, session_id, replica_id, lease_s)
+    path = write_record(folder, session_id, tensors, metadata, writer=replica_id,
+                        before_rename=lambda: leases.check(held))
+    if release:
+        leases.release(folder, session_id, held)
+    return held, path
 
 
 # A temporary file of another writer is left alone until it is this old: no write of a session takes that long,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Mapping, Protocol
@@ -40,11 +41,12 @@ from app.outputs.catalog import outputs_from_fields
 from app.outputs.kinds import HostUnit, Outputs
 from app.outputs.replay import SentUnit
 from app.outputs.stage import OutputStages, OutUnit
+from app.sessions import views
 from app.sessions.limits import check_config_limits, check_payload
 from app.sessions.peers import peer_headers, peer_sessions, peer_urls
 from app.sessions.registry import SessionHandle
 from app.sessions.store import SessionStore
-
+from app.sessions.subscriptions import StreamSubscriber, WatchSubscriber
 
 
 class Runtime(Protocol):
@@ -86,7 +88,7 @@ class SessionOps:
     def __init__(self, services: Runtime):
         self.services = services
         self.settings = services.settings
-        self._watching: dict[Any, SessionHandle] = {}  # each watcher's session, for unwatch
+        self._watching: dict[WatchSubscriber, SessionHandle] = {}  # each watcher's session, for unwatch
         # HTTP chunks handed to the engine, kept until done: one whose request went away still runs to its end,
         # and the loop holds tasks only weakly.
         self._chunks: set[asyncio.Future] = set()
@@ -149,11 +151,11 @@ class SessionOps:
         # A spilled session is described from what it was when spilled, not brought back for a GET.
         live = self.store.registry.existing(session_id) if spec.is_session_id(session_id) else None
         if live is not None:
-            return live.describe()  # read, not taken: a parked session stays parked
+            return views.description(live)  # read, not taken: a parked session stays parked
         spilled = self.store.parking.read(session_id)
         if spilled is not None:
             return spilled
-        return (await self.store.lookup(session_id)).describe()
+        return views.description(await self.store.lookup(session_id))
 
     async def delete(self, session_id: str) -> None:
         if self.store.registry.existing(session_id) is None and self.store.parking.forget(session_id):
@@ -168,8 +170,8 @@ class SessionOps:
         replica = self.settings.replica_id
         if scope == "local" or not self.settings.peers:
             page, following = await self.store.listing(limit, after)
-            return {"sessions": [{**handle.summary(), "replica": replica} for handle in page], "next": following}
-        mine = [{**h.summary(), "replica": replica} for h in await self.store.everything()]
+            return {"sessions": [{**views.summary(entry), "replica": replica} for entry in page], "next": following}
+        mine = [{**views.summary(entry), "replica": replica} for entry in await self.store.everything()]
         theirs, unreachable = await peer_sessions(await peer_urls(self.settings), peer_headers(self.settings))
         merged: dict[str, dict[str, Any]] = {}
         for entry in [*mine, *theirs]:
@@ -346,13 +348,13 @@ class SessionOps:
 
     # --- watchers --------------------------------------------------------------------------------------------
     async def watch(
-        self, session_id: str, query: Mapping[str, str | None], subscribe: Callable[[str, Outputs], Any],
-    ) -> Any:
+        self, session_id: str, query: Mapping[str, str | None], subscribe: Callable[[str, Outputs], WatchSubscriber],
+    ) -> WatchSubscriber:
         """Add a read-only subscriber asking for ``query`` (``outputs``, ``video_format``, ``video_quality``, each
         text or None; any other parameter was refused before the route ran, ``app.api.factory.QueryRule``):
-        ``subscribe(session_id, outputs)`` builds it (``offer``, ``finish``, ``end``, ``close``); it gets every unit
-        published from now on. Done before the route's first await, so no unit
-        published meanwhile is missed."""
+        ``subscribe(session_id, outputs)`` builds it (the route's ``app.sessions.subscriptions.WatchSubscriber``);
+        it gets every unit published from now on. Done before the route's first await, so no unit published
+        meanwhile is missed."""
         self.services.require_ready()
         handle = await self.store.lookup(session_id)
         outputs = handle.outputs.restrict(query.get("outputs"), query.get("video_format"), query.get("video_quality"))
@@ -394,7 +396,7 @@ class SessionOps:
             fields={"watch_encodings": [list(pair) for pair in asked], "max_watch_encodings": limit},
         )
 
-    def unwatch(self, watcher: Any) -> None:
+    def unwatch(self, watcher: WatchSubscriber) -> None:
         handle = self._watching.pop(watcher, None)
         if handle is not None:
             handle.watchers.discard(watcher)
@@ -414,18 +416,26 @@ class SessionOps:
                 metrics.time_to_first_block.observe(time.perf_counter() - received)
 
     def deliveries_for(self, handle: SessionHandle) -> Deliveries:
-        """Where a session's stream units go once committed: counted, retained, sent to its stream and offered to
-        its watchers (the session's own bytes, when a watcher wants the same outputs)."""
-        def published(unit: OutUnit, sent: SentUnit, received: float, host: HostUnit,
-                      metadata: dict[str, str]) -> None:
-            self.count_out([unit], handle, received)
-            handle.publish(sent)
-            for watcher in list(handle.watchers):
-                watcher.offer(host, received, sent if watcher.outputs == handle.outputs else None, metadata)
-
-        deliveries = Deliveries(self.services.encoder, published, handle.outputs)
-        deliveries.metadata = lambda: durable_metadata(handle)
+        """The session's deliveries (``app.outputs.delivery``: its stream units from commit to publication). They
+        call back into this layer in two places only, both given here: ``published`` once a unit is encoded, in
+        commit order, and ``durable_metadata`` for what each unit says of the session's last checkpoint."""
+        deliveries = Deliveries(self.services.encoder, functools.partial(self.published, handle), handle.outputs)
+        deliveries.metadata = functools.partial(durable_metadata, handle)
         return deliveries
+
+    def published(self, handle: SessionHandle, unit: OutUnit, sent: SentUnit, received: float,
+                  host: HostUnit, metadata: dict[str, str]) -> None:
+        """A stream unit of ``handle`` is ready (on the loop, in commit order): counted, retained for a reattach,
+        sent to the stream subscribed to the session if any (while detached it is only retained, for the client's
+        reconnect) and offered to its watchers with the unit's ``metadata`` (seq, durable_frames), and the session's
+        own bytes when a watcher wants the same outputs. Subscribers are reached through
+        ``app.sessions.subscriptions`` only."""
+        self.count_out([unit], handle, received)
+        handle.retained.add(sent)
+        if handle.stream is not None:
+            handle.stream.send_unit(sent)
+        for watcher in list(handle.watchers):
+            watcher.offer(host, received, sent if watcher.outputs == handle.outputs else None, metadata)
 
     def _offer(self, handle: SessionHandle, units, received: float, metadata: dict[str, str],
                done: bool = False) -> None:
@@ -460,7 +470,7 @@ class StreamSession:
         self.ops = ops
         self.handle = handle
         self.resume_from = resume_from
-        self.previous: Any = None  # the connection this one takes over, if any
+        self.previous: StreamSubscriber | None = None  # the connection this one takes over, if any
         self._claimed = False
 
     @property
@@ -472,8 +482,9 @@ class StreamSession:
         """Units committed and still being encoded: they are the connection's as soon as they are published."""
         return self.handle.deliveries.pending
 
-    def claim(self, connection: Any) -> None:
-        """Make ``connection`` the session's: units go to its ``send_unit``, and a drain closes it."""
+    def claim(self, connection: StreamSubscriber) -> None:
+        """Register ``connection`` as the session's stream subscription (``app.sessions.subscriptions``): units go
+        to its ``send_unit`` from now on, and a drain closes it."""
         if self._claimed:
             return
         self._claimed = True
@@ -484,7 +495,7 @@ class StreamSession:
         self.ops.store.registry.attach(handle)
         self.ops.store.connections.add(connection)
 
-    def release(self, connection: Any, dropped: bool) -> None:
+    def release(self, connection: StreamSubscriber, dropped: bool) -> None:
         """The connection ended; ``dropped``: its client went away (rather than the server closing it)."""
         store = self.ops.store
         store.connections.discard(connection)
@@ -505,7 +516,7 @@ class StreamSession:
         """Every unit already committed handed to the connection (or retained)."""
         await self.handle.deliveries.flush()
 
-    async def resume(self, connection: Any, timeout: float) -> tuple[dict[str, Any], list[SentUnit]]:
+    async def resume(self, connection: StreamSubscriber, timeout: float) -> tuple[dict[str, Any], list[SentUnit]]:
         """Take the session over for a resuming ``connection``: the previous connection is abandoned, the messages
         it handed over are waited for (so the frame counts are final and the client resends exactly the rest).
         Returns the ``session`` event and the retained units to send again; the caller sends them and attaches

@@ -38,27 +38,30 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 
+from models import Refiner
 from models.move import move_session
 from models.session import Geometry
 from models.session_bytes import session_bytes_estimate
 from models.snapshot import SnapshotError, _read_metadata, read_header
 
 from app.core.error_kinds import ApiError
+from app.core.metrics import Metrics
+from app.core.settings import Settings
+from app.engine.worker import Engine
+from app.outputs.delivery import Encoder
 from app.persistence import leases
-from app.persistence.leases import LeaseHeld, LeaseLost
-from app.persistence.records import FolderView, folder_view, record_tensors, remove_record, snapshot_path, write_record
+from app.persistence.leases import Lease, LeaseHeld, LeaseLost
+from app.persistence.records import FolderView, folder_view, record_tensors, remove_record, snapshot_path, write_fenced
 from app.sessions.footprint import MOVED_PARTS, handle_bytes, handle_parts
+from app.sessions.registry import Registry, SessionHandle
 from app.sessions.saving import record_of
+from app.sessions.views import Spilled, description, spilled
 
-if TYPE_CHECKING:
-    from app.sessions.registry import SessionHandle
-    from app.sessions.store import SessionStore
 
 log = logging.getLogger("app")
 
@@ -66,45 +69,45 @@ STATES = ("active", "parked", "spilled")
 WHERE = ("device", "host", "disk")
 
 
-@dataclass
-class Spilled:
-    """A session written to snapshot_dir and dropped from memory: what the listing and GET report of it until it is
-    adopted back (by this replica or another) or its retention ends."""
-
-    session_id: str
-    summary_fields: dict[str, Any]
-    description: dict[str, Any]
-    created_at: float
-    last_active: float  # registry clock
-    file_bytes: int
-
-    @property
-    def id(self) -> str:
-        return self.session_id
-
-    def summary(self) -> dict[str, Any]:
-        return {**self.summary_fields, "state": "spilled",
-                "bytes": {"device": 0, "host": 0, "disk": self.file_bytes}}
-
-    def describe(self) -> dict[str, Any]:
-        # What it held is in its file now; nothing of it is allocated here.
-        held = {name: 0 for name in ("kv_cache_bytes", "video_state_bytes", "cache_bytes", "pending_bytes")
-                if name in self.description}
-        return {**self.description, **held, "state": "spilled",
-                "bytes": {"device": 0, "host": 0, "disk": self.file_bytes, "parts": {}}}
-
-
 class Parking:
     """The store's memory side: accounting, admission by bytes, the park/spill/retention loop and page-in."""
 
-    def __init__(self, store: SessionStore):
-        self.store = store
-        self.settings = store.settings
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        registry: Registry,
+        engine: Engine,
+        encoder: Encoder,
+        *,
+        refiner: Callable[[], Refiner],
+        folder: Path | None,
+        checkpointing: bool,
+        leases_held: dict[str, Lease],
+        draining: Callable[[], bool],
+        lose: Callable[[SessionHandle, BaseException], None],
+    ):
+        """Everything parking uses is given here, by the store that owns it (``SessionStore``), and parking names
+        nothing of the store: ``registry`` (the live sessions), ``engine`` (the only mover of tensors), ``encoder``
+        (a spilled record's last response), ``refiner`` (the loaded model, for its sizes and device), ``folder``
+        (snapshot_dir, None: nothing spills), ``checkpointing`` (a spill's file is a session's checkpoint too),
+        ``leases_held`` (the store's table of this replica's leases, by id: shared, a spill takes and releases
+        them), ``draining`` (a drain is under way: nothing moves, the drain saves) and ``lose`` (a session whose
+        lease another replica took: the store drops it and closes its connections)."""
+        self.settings = settings
+        self.registry = registry
+        self.engine = engine
+        self.encoder = encoder
+        self.refiner = refiner
+        self.folder = folder
+        self.checkpointing = checkpointing
+        self.leases_held = leases_held
+        self.draining = draining
+        self.lose = lose
         self.spilled: dict[str, Spilled] = {}
         self.budget: int | None = None  # resolved once the model is warm (``resolve_budget``)
         self._moves: set[asyncio.Future] = set()  # CUDA copies of parked sessions not complete yet
         self._clip_bytes = 0
-        metrics = store.metrics
         self.page_in_seconds = metrics.page_in_seconds
         self.moves = metrics.session_moves
 
@@ -131,7 +134,7 @@ class Parking:
         """Device bytes the sessions hold or have reserved (an active session counts at least what admission
         reserved for it; a parked one only what stays on the device), plus clips being refined."""
         used = self._clip_bytes
-        for handle in self.store.registry.handles():
+        for handle in self.registry.handles():
             if handle is exclude:
                 continue
             device = handle_bytes(handle)["device"]
@@ -146,7 +149,7 @@ class Parking:
     def totals(self) -> dict[tuple[str, str], int]:
         """Bytes by (state, where), for /metrics."""
         out = {(state, where): 0 for state in STATES for where in WHERE}
-        for handle in self.store.registry.handles():
+        for handle in self.registry.handles():
             counted = handle_bytes(handle)
             out[(handle.memory_state, "device")] += counted["device"]
             out[(handle.memory_state, "host")] += counted["host"]
@@ -156,7 +159,7 @@ class Parking:
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(STATES, 0)
-        for handle in self.store.registry.handles():
+        for handle in self.registry.handles():
             out[handle.memory_state] += 1
         out["spilled"] = len(self.spilled)
         return out
@@ -173,7 +176,7 @@ class Parking:
             "disk": totals[("spilled", "disk")],
             "sessions": self.counts(),
             "park_after_s": self.settings.park_after_s,
-            "spill_after_s": self.settings.spill_after_s if self.store.snapshot_folder is not None else None,
+            "spill_after_s": self.settings.spill_after_s if self.folder is not None else None,
             "session_retention_s": self.settings.retention_s,
         }
 
@@ -203,7 +206,7 @@ class Parking:
         if self.budget is None:
             return
         while not self.fits(need, exclude):
-            idle = sorted((h for h in self.store.registry.handles()
+            idle = sorted((h for h in self.registry.handles()
                            if h is not exclude and h.memory_state == "active" and _idle(h)
                            and handle_bytes(h)["device"] > 0),
                           key=lambda h: h.last_work)
@@ -217,7 +220,7 @@ class Parking:
         """Device bytes a session of ``config`` will hold once frames of ``shape`` (B, C, t, H, W) give it its
         geometry and a chunk of t frames runs, with a prompt of ``prompt_tokens`` tokens
         (``models.session_bytes.session_bytes_estimate``: every part, the prompt's and the rollback copies' included)."""
-        refiner = self.store._refiner()
+        refiner = self.refiner()
         if len(shape) != 5 or min(shape) <= 0:
             return 0  # no frames of a session: the session's own check refuses them, with what to send instead
         batch, channels, frames, height, width = (int(n) for n in shape)
@@ -264,7 +267,7 @@ class Parking:
             return  # the adoption reports what is wrong with the file
         if not isinstance(geometry, list) or len(geometry) != 4:
             return
-        refiner = self.store._refiner()
+        refiner = self.refiner()
         prompt = headers.get("prompt_embeds")  # (B, L, caption): what the file's session holds
         tokens = int(prompt.shape[1]) if prompt is not None and len(prompt.shape) == 3 else 0
         need = sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
@@ -286,7 +289,7 @@ class Parking:
             moved = sum(n for name, n in handle_parts(handle).items() if name in MOVED_PARTS)
             await self.make_room(max(moved, handle.reserved_bytes), f"session {handle.id} (coming back from "
                                  "host memory)", exclude=handle)
-            device, session, ready = self.store._refiner().device, handle.session, handle.park_ready
+            device, session, ready = self.refiner().device, handle.session, handle.park_ready
 
             def page_in():
                 # On a side stream, after the copies that parked it; its next forward waits for these copies on the
@@ -295,7 +298,7 @@ class Parking:
                 handle.engine_session.ready = moved
                 return moved
 
-            handle.park_ready = await self.store.engine.call(page_in)
+            handle.park_ready = await self.engine.call(page_in)
             handle.memory_state = "active"
             self.page_in_seconds.labels(state="parked").observe(time.perf_counter() - started)
             self.moves.labels(to="active").inc()
@@ -307,12 +310,12 @@ class Parking:
         if handle.moving.locked():
             return False
         async with handle.moving:
-            if handle.memory_state != "active" or not _idle(handle) or self.store.draining:
+            if handle.memory_state != "active" or not _idle(handle) or self.draining():
                 return False
-            if not self.store.registry.holds(handle):
+            if not self.registry.holds(handle):
                 return False
             device, session = torch.device("cpu"), handle.session
-            ready = await self.store.engine.call(lambda: move_session(session, device))
+            ready = await self.engine.call(lambda: move_session(session, device))
             handle.memory_state = "parked"
             handle.park_ready = ready
             self.moves.labels(to="parked").inc()
@@ -333,13 +336,13 @@ class Parking:
     async def spill(self, handle: SessionHandle) -> bool:
         """Write a parked session to snapshot_dir and drop it from memory; False when it was kept (asked for
         meanwhile, or it cannot be spilled: no folder, a stream or watcher attached, flushed)."""
-        folder, store = self.store.snapshot_folder, self.store
+        folder, registry = self.folder, self.registry
         if folder is None:
             return False
         if self.spill_full():
             return False  # at max_spilled_sessions / max_spilled_bytes: it stays parked, holding its place
         async with handle.moving:
-            if not _spillable(handle) or store.draining or not store.registry.holds(handle):
+            if not _spillable(handle) or self.draining() or not registry.holds(handle):
                 return False
             if handle.checkpoint_write is not None and not handle.checkpoint_write.done():
                 return False  # the same file: the next round spills it
@@ -347,39 +350,33 @@ class Parking:
                 await handle.deliveries.flush()
             await self.settle()
             seen = handle.taken
-            record = record_of(handle, store.encoder)  # the drain's record of a session: the same file, adoptable by any replica
+            record = record_of(handle, self.encoder)  # the drain's record of a session: the same file, adoptable by any replica
             frames = handle.session.state.frames_received
-            tensors, metadata = await store.engine.call(lambda: record_tensors(record()))
-            settings, lease = store.settings, store.leases.get(handle.id)
-
-            def write():
-                # Like a checkpoint: the file is written under the session's lease, fenced by it (app.persistence.leases).
-                held = lease or leases.acquire(folder, handle.id, settings.replica_id, settings.session_lease_s)
-                return held, write_record(folder, handle.id, tensors, metadata, writer=settings.replica_id,
-                                          before_rename=lambda: leases.check(held))
-
+            tensors, metadata = await self.engine.call(lambda: record_tensors(record()))
+            settings, lease = self.settings, self.leases_held.get(handle.id)
             try:
-                held, path = await asyncio.to_thread(write)
+                # Like a checkpoint: the file is written under the session's lease, fenced by it.
+                held, path = await asyncio.to_thread(
+                    write_fenced, folder, handle.id, tensors, metadata, lease=lease,
+                    replica_id=settings.replica_id, lease_s=settings.session_lease_s)
             except (LeaseHeld, LeaseLost) as exc:
-                store.lose(handle, exc)
+                self.lose(handle, exc)
                 return False
-            store.leases[handle.id] = held
-            if store.draining:
+            self.leases_held[handle.id] = held
+            if self.draining():
                 return False  # the drain saves it (over this file): it must find it live
-            if not _spillable(handle) or handle.taken != seen or not store.registry.holds(handle):
+            if not _spillable(handle) or handle.taken != seen or not registry.holds(handle):
                 # Asked for while it was written: it stays parked here, and no other replica may adopt the file.
-                if store.checkpointing:  # the file is its durable copy now (a newer checkpoint), under its lease
+                if self.checkpointing:  # the file is its durable copy now (a newer checkpoint), under its lease
                     handle.durable_frames = max(handle.durable_frames or 0, frames)
                 else:  # the lease stays: a live session holds it, checkpoints or not (SessionStore.create)
                     await asyncio.to_thread(remove_record, folder, handle.id)
                 return False
             # Released, as a drain's file is: whichever replica is asked for the session next adopts it at once.
-            store.leases.pop(handle.id, None)
+            self.leases_held.pop(handle.id, None)
             await asyncio.to_thread(leases.release, folder, handle.id, held)
-            summary, description = handle.summary(), handle.describe()
-            self.spilled[handle.id] = Spilled(handle.id, summary, description, handle.created_at, handle.last_active,
-                                              path.stat().st_size)
-            store.registry.release(handle, ApiError(
+            self.spilled[handle.id] = spilled(handle, path.stat().st_size)  # what the listing and GET show of it now
+            registry.release(handle, ApiError(
                 "session_not_found", f"session {handle.id} was moved to snapshot_dir; send the request again"))
             handle.memory_state = "spilled"
             self.moves.labels(to="spilled").inc()
@@ -427,7 +424,7 @@ class Parking:
     def expire_spilled(self, view: FolderView | None = None) -> int:
         """Delete the spilled sessions past session_retention_s, oldest first (their files too; 410 from then on);
         how many. One adopted by another replica meanwhile is not this one's to delete: it is only forgotten."""
-        registry, retention = self.store.registry, self.settings.retention_s
+        registry, retention = self.registry, self.settings.retention_s
         now = registry.clock()
         expired = sorted((stub.last_active, session_id) for session_id, stub in self.spilled.items()
                          if now - stub.last_active > retention)
@@ -438,7 +435,7 @@ class Parking:
                 continue  # adopted elsewhere, or asked for while the folder was listed
             self.spilled.pop(session_id, None)
             with contextlib.suppress(OSError):
-                remove_record(self.store.snapshot_folder, session_id)
+                remove_record(self.folder, session_id)
             registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
             deleted += 1
         return deleted
@@ -450,7 +447,7 @@ class Parking:
         stub = self.spilled.get(session_id)
         if stub is None:
             return None
-        folder = self.store.snapshot_folder
+        folder = self.folder
         if folder is None:
             gone = True
         elif view is not None:
@@ -467,7 +464,7 @@ class Parking:
         """Every spilled session whose file is still there: one listing of the folder, on a worker thread (so the
         cost of a page of sessions does not grow with the folder's size, and the event loop, /health included,
         never waits on it)."""
-        folder = self.store.snapshot_folder
+        folder = self.folder
         if not self.spilled:
             return []
         view = None if folder is None else await asyncio.to_thread(folder_view, folder)
@@ -479,9 +476,9 @@ class Parking:
         stub = self.stub(session_id)
         if stub is None:
             return None
-        stub.last_active = self.store.registry.clock()
+        stub.last_active = self.registry.clock()
         self.record_use(session_id)
-        return stub.describe()
+        return description(stub)
 
     def record_use(self, session_id: str) -> None:
         """Write down in the folder that the spilled session was used now, for every replica's sweep
@@ -489,7 +486,7 @@ class Parking:
         session has no lease (it is adoptable at once), so its file is the only record every replica reads; its
         write time alone would let another replica's sweep delete a session polled here within its retention.
         One ``utime`` (it never creates the file: one adopted meanwhile stays gone)."""
-        folder = self.store.snapshot_folder
+        folder = self.folder
         if folder is None:
             return
         with contextlib.suppress(OSError):
@@ -506,20 +503,20 @@ class Parking:
         if self.stub(session_id) is None:
             return False
         self.spilled.pop(session_id, None)
-        remove_record(self.store.snapshot_folder, session_id)
+        remove_record(self.folder, session_id)
         return True
 
     # --- the timer ------------------------------------------------------------------------------------------------
     async def tick(self) -> None:
         """One round: park the active sessions idle for park_after_s, spill the parked ones idle for
         spill_after_s, delete the spilled ones past session_retention_s."""
-        settings, registry, now = self.settings, self.store.registry, self.store.registry.clock()
+        settings, registry, now = self.settings, self.registry, self.registry.clock()
         for handle in registry.handles():
             idle_for = now - handle.last_work
             if handle.memory_state == "active" and idle_for >= settings.park_after_s and _idle(handle):
                 await self.park(handle)
             if (handle.memory_state == "parked" and idle_for >= settings.spill_after_s
-                    and self.store.snapshot_folder is not None):
+                    and self.folder is not None):
                 try:
                     await self.spill(handle)
                 except Exception:  # a full disk must not stop parking; the session stays parked
@@ -527,8 +524,8 @@ class Parking:
         retention = settings.retention_s
         if any(now - stub.last_active > retention for stub in self.spilled.values()):
             view = None
-            if self.store.snapshot_folder is not None:
-                view = await asyncio.to_thread(folder_view, self.store.snapshot_folder)
+            if self.folder is not None:
+                view = await asyncio.to_thread(folder_view, self.folder)
             self.expire_spilled(view)
 
 

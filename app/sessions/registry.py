@@ -15,21 +15,19 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Callable
 
 from models import RefinerSession, SessionConfig
 
 from app.core.error_kinds import ApiError
-from app.engine import pacing
 from app.engine.worker import EngineSession
-from app.outputs.catalog import build_stages, describe
+from app.outputs.catalog import build_stages
 from app.outputs.delivery import Deliveries
 from app.outputs.kinds import Outputs
-from app.outputs.replay import RetainedUnits, SentUnit
+from app.outputs.replay import RetainedUnits
 from app.outputs.stage import OutputStages, SessionStages
 from app.sessions.chunk_log import ChunkLog
-from app.sessions.footprint import handle_bytes
+from app.sessions.subscriptions import StreamSubscriber, WatchSubscriber
 
 
 @dataclass(eq=False)
@@ -47,8 +45,9 @@ class SessionHandle:
     detached_at: float = 0.0  # registry clock
     # Units the streams of this session sent, for a client that reattaches (app.outputs.replay).
     retained: RetainedUnits = field(default_factory=lambda: RetainedUnits(32))
-    # The connection units go to now (app.api.routes.stream.StreamConnection), or None while detached.
-    stream: Any = None
+    # The stream subscribed to its units now (app.sessions.subscriptions: StreamSession.claim registers it), or
+    # None while detached.
+    stream: StreamSubscriber | None = None
     # Engine futures of stream jobs not settled yet; a reattaching stream waits for them before it reports
     # where the stream stands, so its frame counts include every message the old connection handed over.
     stream_jobs: set = field(default_factory=set)
@@ -59,8 +58,9 @@ class SessionHandle:
     first_block_done: bool = False
     # What its units carry (latents, video) and how (api.md 1.1).
     outputs: Outputs = field(default_factory=Outputs)
-    # Read-only subscribers (app.api.routes.watch.Watcher): they get every unit published from when they joined.
-    watchers: set = field(default_factory=set)
+    # Read-only subscribers (app.sessions.subscriptions; SessionOps.watch registers them): they get every unit
+    # published from when they joined.
+    watchers: set[WatchSubscriber] = field(default_factory=set)
     # Crash checkpoints (app.sessions.store.SessionStore.checkpoint): blocks and time of the last, and its write in flight.
     checkpoint_blocks: int = 0
     checkpoint_at: float = field(default_factory=time.monotonic)
@@ -87,64 +87,6 @@ class SessionHandle:
         decoder's)."""
         return self.session.cache_bytes + self.engine_session.stages.nbytes
 
-    def publish(self, unit: SentUnit) -> None:
-        """A stream unit is ready (called on the loop, in commit order): keep it, and send it if a client is
-        attached. A unit published while detached is only kept, for the client's reconnect."""
-        self.retained.add(unit)
-        if self.stream is not None:
-            self.stream.send_unit(unit)
-
-    def summary(self) -> dict[str, Any]:
-        """Its line in ``GET /v1/sessions``."""
-        state = self.session.state
-        return {
-            "session_id": self.id,
-            "created_at": _iso(self.created_at),
-            "last_active_at": _iso(self.last_active_wall),
-            "frames_received": state.frames_received,
-            "frames_returned": state.frames_returned,
-            "flushed": state.flushed,
-            "streaming": self.streaming,
-            "outputs": list(self.outputs.kinds),
-            "watchers": len(self.watchers),
-            "state": self.memory_state,
-            "bytes": {**{k: v for k, v in handle_bytes(self).items() if k != "parts"}, "disk": 0},
-            "realtime": self.engine_session.pacing is not None,
-            "late_blocks": pacing.status(self.engine_session)["late_blocks"],
-        }
-
-    def describe(self) -> dict[str, Any]:
-        state = self.session.state
-        return {
-            "session_id": self.id,
-            "config": {**self.config.to_dict(), **self.outputs.to_dict(), **pacing.flags_of(self)},
-            "frames_received": state.frames_received,
-            "frames_returned": state.frames_returned,
-            "pending_frames": state.pending_frames,
-            "history_frames": state.history_frames,
-            "blocks_refined": state.blocks_refined,
-            "flushed": state.flushed,
-            "next_seq": self.chunks.next_seq,
-            "kv_cache_bytes": self.session.cache_bytes,
-            # What the output stages hold and where they stand (video: its decoder's state, frames returned), and
-            # everything together: what the session holds.
-            **describe(self.engine_session.stages),
-            "cache_bytes": self.cache_bytes,
-            # A realtime session's deadlines: blocks committed late, the last and worst lateness (s; < 0: early).
-            **pacing.status(self.engine_session),
-            "watchers": len(self.watchers),
-            "pending_bytes": state.pending_bytes,
-            "streaming": self.streaming,
-            "detached": self.detached,
-            # The earliest frame a reattaching stream can ask for again (resume_from).
-            "resumable_from": self.retained.first_frame(state.frames_returned),
-            **({} if self.durable_frames is None else {"durable_frames": self.durable_frames}),
-            "created_at": _iso(self.created_at),
-            "last_active_at": _iso(self.last_active_wall),
-            # Where it is (app.sessions.parking) and what it holds there, by part (app.sessions.footprint).
-            "state": self.memory_state,
-            "bytes": {**handle_bytes(self), "disk": 0},
-        }
 
 
 class Registry:
@@ -366,6 +308,3 @@ class Registry:
         for watcher in list(handle.watchers):
             watcher.end(error)
 
-
-def _iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()

@@ -42,11 +42,12 @@ from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld, LeaseLost
 from app.persistence.records import (
     SessionRecord, folder_view, has_snapshot, leftover_temporaries, load_record, record_tensors, remove_record,
-    save_record, snapshot_limits, snapshot_path, write_record,
+    snapshot_limits, snapshot_path, write_fenced,
 )
 from app.sessions.parking import Parking
 from app.sessions.registry import Registry, SessionHandle
 from app.sessions.saving import record_of
+from app.sessions.subscriptions import Connection
 
 log = logging.getLogger("app")
 
@@ -81,9 +82,9 @@ class SessionStore:
             on_close=self._forget_checkpoint,
             stages=stages,
         )
-        # Open streams and watchers (app.api.routes.stream.StreamConnection, app.api.routes.watch.Watcher): a drain
-        # closes them with a code saying whether their session was saved.
-        self.connections: set[Any] = set()
+        # Open streams and watchers (app.sessions.subscriptions, registered by their routes): a drain closes them
+        # with a code saying whether their session was saved.
+        self.connections: set[Connection] = set()
         # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
         self.draining = False
         self._adopting: dict[str, _Turn] = {}
@@ -92,7 +93,12 @@ class SessionStore:
         self.leases: dict[str, Lease] = {}
         self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
         # Bytes: accounting, admission by bytes, park / spill / page-in (app.sessions.parking).
-        self.parking = Parking(self)
+        # Given what it uses, and nothing else of the store (a callable where the store's answer changes).
+        self.parking = Parking(
+            settings, metrics, self.registry, engine, encoder,
+            refiner=refiner, folder=self.snapshot_folder, checkpointing=self.checkpointing, leases_held=self.leases,
+            draining=lambda: self.draining, lose=self.lose,
+        )
         # Real-time admission (setting ``admission``): by the engine's measured cost per row (app.engine.pacing).
         self.realtime = Admission(settings, engine.pacer, self.registry.handles, refiner)
 
@@ -204,7 +210,8 @@ class SessionStore:
         handle.last_work = self.registry.clock()
 
     async def listing(self, limit: int, after: str | None) -> tuple[list[Any], str | None]:
-        """A page of the sessions, live and spilled (``app.sessions.parking.Spilled``), oldest first; each has ``summary()``."""
+        """A page of the sessions, live and spilled (``app.sessions.views.Spilled``), oldest first
+        (``app.sessions.views.summary`` shows either)."""
         if not self.parking.spilled:
             return self.registry.listing(limit, after)
         self.registry.evict_idle()
@@ -277,9 +284,8 @@ class SessionStore:
         def write() -> Lease:
             started = time.perf_counter()
             # A session's first checkpoint takes its lease; every write is fenced by it.
-            held = lease or leases.acquire(folder, handle.id, settings.replica_id, settings.session_lease_s)
-            path = write_record(folder, handle.id, tensors, metadata, writer=settings.replica_id,
-                                before_rename=lambda: leases.check(held))
+            held, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
+                                      replica_id=settings.replica_id, lease_s=settings.session_lease_s)
             metrics.checkpoint_seconds.observe(time.perf_counter() - started)
             metrics.checkpoint_bytes.inc(path.stat().st_size)
             return held
@@ -547,12 +553,10 @@ class SessionStore:
             written = set()
             for session_id, record in records.items():
                 try:
-                    lease = held.get(session_id) or leases.acquire(folder, session_id, settings.replica_id,
-                                                                   settings.session_lease_s)
-                    save_record(folder, record(), writer=settings.replica_id,
-                                before_rename=lambda: leases.check(lease))
+                    tensors, metadata = record_tensors(record())
                     # Released at once: the next replica asked for it adopts it without waiting for the lease.
-                    leases.release(folder, session_id, lease)
+                    write_fenced(folder, session_id, tensors, metadata, lease=held.get(session_id),
+                                 replica_id=settings.replica_id, lease_s=settings.session_lease_s, release=True)
                 except (LeaseHeld, LeaseLost) as exc:
                     log.warning("drain: session %s is another replica's now (%s); not saved", session_id, exc)
                     continue

@@ -105,7 +105,9 @@ async def refuse(websocket: WebSocket, error: ApiError, services: Services) -> N
 
 class StreamConnection:
     """The WebSocket side of one stream: a reader, a writer and the outbox between them; what it does to the
-    session goes through its ``StreamSession`` (app.sessions.operations)."""
+    session goes through its ``StreamSession`` (app.sessions.operations). It is the session's stream subscription
+    (``app.sessions.subscriptions.StreamSubscriber``, registered by ``claim``): units reach it through that
+    protocol's ``send_unit`` only."""
 
     def __init__(self, websocket: WebSocket, session: StreamSession, services: Services):
         self.websocket = websocket
@@ -295,7 +297,8 @@ class StreamConnection:
 
     # --- writing -------------------------------------------------------------------------------------------
     def send_unit(self, unit: SentUnit, force: bool = False) -> None:
-        """Queue a unit for this client (the session's ``publish`` calls it once attached)."""
+        """Queue a unit for this client (``SessionOps.published`` calls it for every unit, through the
+        subscription; before the connection is attached a unit is skipped, as it is retained for the resume)."""
         if not (self.attached or force) or self.closing or unit.frame_end <= self.skip_until:
             return
         self.units_waiting += 1

@@ -70,7 +70,8 @@ async def watch(
 
 
 class Watcher:
-    """One watcher: a bounded queue of units and one task writing it out."""
+    """One watcher: a bounded queue of units and one task writing it out. It is a watch subscription of its
+    session (``app.sessions.subscriptions.WatchSubscriber``, registered by ``SessionOps.watch``)."""
 
     def __init__(self, websocket: WebSocket, session_id: str, services: Services, outputs: Outputs):
         self.websocket = websocket

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from app.sessions.parking import Spilled
+from app.sessions.views import Spilled
 
 from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, payload, running_app, wait_until
 
@@ -275,17 +275,17 @@ def test_x_forwarded_for_is_believed_only_from_the_proxies_named(make_settings, 
 
 
 # A writer of one session's file in a loop, as a spill or a checkpoint writes it (the lease, then the file through
-# app.persistence.records.write_record): big enough that a kill lands in the middle of a write.
+# app.persistence.records.write_fenced): big enough that a kill lands in the middle of a write.
 _WRITER = """
 import sys, torch
 from pathlib import Path
-from app import leases
-from app.persistence.records import write_record
+from app.persistence import leases
+from app.persistence.records import write_fenced
 folder, replica, session_id = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 lease = leases.acquire(folder, session_id, replica, 30.0)
 tensors = {"kv": torch.zeros(96 * 1024 * 1024, dtype=torch.uint8)}
 while True:
-    write_record(folder, session_id, tensors, {"app": "{}"}, writer=replica, before_rename=lambda: leases.check(lease))
+    write_fenced(folder, session_id, tensors, {"app": "{}"}, lease=lease, replica_id=replica, lease_s=30.0)
 """
 
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
+from app.api.routes.stream import StreamConnection
+from app.api.routes.watch import Watcher
 from app.core.error_kinds import ApiError
 from app.outputs.kinds import Outputs
+from app.sessions import subscriptions
 from app.sessions.operations import RefuseInBand
+from app.sessions.subscriptions import StreamSubscriber, WatchSubscriber
 
 from tests.app.conftest import expected_clip, make_clip, payload, read_latents, running_app
 
@@ -122,6 +128,56 @@ def test_a_stream_claims_its_session_and_a_dropped_one_detaches_it(make_settings
         described = client.portal.call(ops.describe, session_id)
         assert described["streaming"] is False and described["detached"] is True
         assert connection not in services.store.connections
+
+
+def test_units_reach_a_stream_only_through_the_subscription_it_registered(make_settings):
+    latents, embeds, mask = make_clip(frames=10)
+    with running_app(make_settings()) as client:
+        services = client.app.state.services
+        ops = services.sessions
+        session_id = client.portal.call(ops.create, _fields({}))["session_id"]
+        stream = client.portal.call(ops.open_stream, session_id, None)
+        connection = FakeConnection(session_id)
+        stream.claim(connection)
+        client.portal.call(stream.message, payload(latents[:, :, :7], embeds, mask))
+        client.portal.call(stream.settle)
+        handle = services.store.registry.existing(session_id)
+        returned = handle.session.state.frames_returned
+        sent = [(unit.frame_start, unit.frame_end) for unit in connection.sent]
+        assert returned > 0 and sent[0][0] == 0 and sent[-1][1] == returned
+        assert sent == [(unit.frame_start, unit.frame_end) for unit in handle.retained]
+        # Unsubscribed (the client dropped): later units are only retained, for a reattach.
+        stream.release(connection, dropped=True)
+        client.portal.call(stream.message, payload(latents[:, :, 7:]))
+        client.portal.call(stream.settle)
+        assert [(unit.frame_start, unit.frame_end) for unit in connection.sent] == sent
+        assert [unit.frame_end for unit in handle.retained][-1] == handle.session.state.frames_returned > returned
+
+
+def _protocol_members(protocol) -> dict[str, object]:
+    members: dict[str, object] = {}
+    for cls in reversed(protocol.__mro__):
+        if cls.__module__ == subscriptions.__name__:
+            members.update({name: value for name, value in vars(cls).items() if not name.startswith("_")})
+    return members
+
+
+@pytest.mark.parametrize("route, protocol", [(StreamConnection, StreamSubscriber), (Watcher, WatchSubscriber)],
+                         ids=["stream", "watch"])
+def test_the_routes_connections_implement_the_subscriptions_the_sessions_layer_defines(route, protocol):
+    members = _protocol_members(protocol)
+    assert {"session_id", "close", "closed"} <= members.keys()
+    init = inspect.getsource(route.__init__)
+    for name, member in members.items():
+        if isinstance(member, property):  # an attribute or a property of the connection
+            assert hasattr(route, name) or f"self.{name} =" in init, f"{route.__name__} has no {name}"
+            continue
+        implemented = getattr(route, name, None)
+        assert callable(implemented), f"{route.__name__} has no {name}()"
+        assert inspect.iscoroutinefunction(implemented) == inspect.iscoroutinefunction(member), name
+        wanted = list(inspect.signature(member).parameters)
+        offered = list(inspect.signature(implemented).parameters)
+        assert offered[: len(wanted)] == wanted, f"{route.__name__}.{name}{offered} does not take {wanted}"
 
 
 def test_delete_ends_the_session_and_closes_its_connections(make_settings):
