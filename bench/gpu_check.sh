@@ -9,7 +9,8 @@
 #    park/page-in ms, the attention kernel. Writes OUT/summary.json (each figure named with its unit) and
 #    OUT/summary.md; a broken section is recorded there and the rest runs.
 # 2. the -m gpu tests (tests/gpu: bf16 parity with diffusers' reference, batched vs solo rows, no host sync inside a
-#    block, KV memory allocated once, the compiled step with CUDA graphs), output in OUT/gpu-tests.txt.
+#    block, KV memory allocated once, the compiled step with CUDA graphs, a late NaN/Inf verdict undone by the
+#    engine), output in OUT/gpu-tests.txt.
 # No network on the GPU machine: --wheels DIR installs the other dependencies from a folder filled elsewhere by
 # `bash bench/gpu_wheels.sh DIR` (pip --no-index). The project itself is not pip-installed: it runs from this
 # checkout (PYTHONPATH), because pyproject pins torch==2.13.0 (the CPU build) and Python 3.11, and installing it

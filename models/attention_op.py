@@ -13,10 +13,12 @@ block's attention has the eager bits and the eager backend choice (flash / cuDNN
 inductor's attention pattern rewrites and decompositions make of it, and no guards are installed on the
 dispatcher's registry.
 
-``fullgraph()`` switches ``models.attention`` to this path for code compiled inside it. Decision: the serving
-compiled step (``models.compiled.CompiledStep``) does not use it yet: a traced per-session loop specialises on the
-mix of sessions (row counts, window slots), so each new mix would recompile; the step keeps its pieces between
-disabled attention functions until a guard-free form of the window (tensors for slots) exists.
+``fullgraph()`` switches ``models.attention`` to this path for code compiled inside it; the engine's whole step
+(``models.step.forward_body``) compiles under it with ``fullgraph=True`` too. Decision: the serving compiled step
+(``models.compiled.CompiledStep``) does not use it: a traced per-session loop specialises on the mix of sessions
+(measured: a new graph per session count, prompt length and history length), so serving would recompile per mix;
+the step keeps its pieces between disabled attention functions until a guard-free form of the window exists (see
+``models.compiled``).
 """
 
 from __future__ import annotations

@@ -13,9 +13,17 @@ forward kind) the service will meet before it reports ready, so no client pays f
 piece; the attention between them runs eagerly and reads the sessions' own window buffers). On a CPU this path
 is slower than eager (measured: docs/benchmarks.md), so the service leaves it off there by default.
 
-A whole transformer block can also compile as one graph (``fullgraph=True``): ``models.attention_op`` makes the
-attention kernel a custom op and traces the per-session functions; the step does not use that yet, because a
-traced per-session loop specialises on the mix of sessions and would recompile per mix (see that module).
+The whole step can also compile as one graph (``fullgraph=True``, no break): ``models.attention_op`` makes the
+attention kernel a custom op and traces the per-session functions (tested on the CPU:
+``tests/models/test_attention_op.py``, ``forward_body`` as ``run_batch`` calls it). Decision: this step does not
+use it. Traced, the per-session loop turns each session's shapes and window slots into guards: measured there,
+the same mix of sessions reuses its graph, but another session count, another prompt length or a history that is
+still growing each compile a new graph. Serving meets a combinatorial number of such mixes (prompt lengths are
+the clients', every session's history grows over its first blocks, sessions come and go), which no warm-up can
+enumerate, so the engine thread would compile while others wait, and past ``cache_size_limit`` fall back to eager.
+The pieces between disabled attention functions see only tensors of the bucketed shapes: a known set, all compiled
+before ``/ready``. What would lift this: a guard-free form of the window and prompts (slot offsets and lengths as
+tensors, prompts in length buckets), measured against the pieces on a GPU.
 
 Numerics: compiled kernels fuse differently from eager ones, so outputs differ from the reference in the last
 bits (the parity tolerance, not bit-exactness) and rows may differ between buckets; ``models.determinism``'s

@@ -23,7 +23,9 @@ same order and stays bit-identical to diffusers' concatenation.
 A session may be rolled back to a checkpoint (an HTTP chunk is all or nothing). Commits only append or drop
 the oldest history frames, so a ``Checkpoint`` remembers the counters and, when a commit overwrites history
 frames that existed at the checkpoint, a copy of those frames (never more than the history itself); rolling
-back moves the surviving frames back and writes the saved ones in front.
+back moves the surviving frames back and writes the saved ones in front. Checkpoints nest (a block whose finite
+verdict is read late, inside an HTTP chunk): rolling back an inner one also takes back what the outer ones saved
+since it was taken, since those frames are in the window again.
 
 Bookkeeping (``WindowLayout``) is plain Python; tensors live in ``SessionKV``. Not thread-safe: the engine
 thread owns it.
@@ -81,9 +83,11 @@ class WindowLayout:
         return grown - dropped, dropped
 
 
-@dataclass
+@dataclass(eq=False)
 class Checkpoint:
-    """What ``SessionKV.rollback`` needs to return to the moment ``checkpoint`` was called."""
+    """What ``SessionKV.rollback`` needs to return to the moment ``checkpoint`` was called. Compared by identity:
+    two open checkpoints (an HTTP chunk's and, around a commit whose verdict is read later, the block's) may hold
+    equal counters, and their saved tensors have no truth value."""
 
     had_sink: bool
     history_frames: int
@@ -91,6 +95,9 @@ class Checkpoint:
     # window pieces (Y, 2, B, n*T, D) and, with rebased positions, pre-RoPE key pieces (Y, B, n*T, D).
     saved: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     saved_frames: int = 0
+    # Each checkpoint open when this one was taken, with how many pieces and frames it had saved then: rolling back
+    # to this one also takes back what they saved since (those frames are in the window again).
+    outer: list[tuple[Checkpoint, int, int]] = field(default_factory=list)
 
     @property
     def saved_bytes(self) -> int:
@@ -183,7 +190,8 @@ class SessionKV:
     def checkpoint(self) -> Checkpoint:
         """Remember this moment; commits from now on keep what ``rollback`` needs. End with ``rollback`` or
         ``release``."""
-        mark = Checkpoint(self.has_sink, self.history_frames)
+        mark = Checkpoint(self.has_sink, self.history_frames,
+                          outer=[(c, len(c.saved), c.saved_frames) for c in self._checkpoints])
         self._checkpoints.append(mark)
         return mark
 
@@ -197,6 +205,9 @@ class SessionKV:
             raise RuntimeError("rollback to a checkpoint that was released or already rolled back")
         index = self._checkpoints.index(mark)
         self._checkpoints = self._checkpoints[:index]
+        for outer, pieces, frames in mark.outer:  # the window is as at ``mark`` again: so are their copies
+            del outer.saved[pieces:]
+            outer.saved_frames = frames
         if not mark.had_sink:
             self.has_sink = False
             self.history_frames = 0

@@ -36,7 +36,7 @@ from .kv import Checkpoint, SessionKV, WindowLayout
 from .loading import Refiner
 from .rope import RopeTables, WindowPositions, apply_rope, rope_tables
 from .step import RowForward, prepare_prompt, run_batch
-from .transfer import to_device
+from .transfer import HostCopy, to_device
 
 LATENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *LATENT_DTYPES)
@@ -132,13 +132,24 @@ class FiniteCheck:
     ``[all finite (1.0 or 0.0), largest |x| of its input latents, largest |x| of its prompt_embeds]``, made of
     device reductions queued behind the run, never read on the thread that queued them. Whoever reads the unit's
     bytes on the host reads this with them (``HostCopy(summary)``, then ``error``): on a CPU the session does so at
-    commit, where reading costs nothing; on an accelerator the unit carries it (``Unit.check``)."""
+    commit, where reading costs nothing; on an accelerator (or with ``RefinerSession.defer_finite_check``) the unit
+    carries it (``Unit.check``) with its host copy already queued (``host``), so the engine thread can ask whether
+    the verdict is in (``ready``) without waiting, and delivery reads the same copy."""
 
     summary: torch.Tensor
     what: str  # which part of the result was checked
     frame_start: int
     frame_end: int
     dtype: torch.dtype
+    host: HostCopy | None = None  # ``summary`` on its way to the host, queued at commit (deferred checks only)
+
+    def ready(self) -> bool:
+        """Whether the verdict can be read without waiting for the device (a query, no sync)."""
+        return self.host is None or self.host.ready()
+
+    def read(self) -> NonFiniteOutputError | None:
+        """The verdict: ``error`` of the host copy (waiting for it if it is not in yet), or of ``summary``."""
+        return self.error(None if self.host is None else self.host.wait())
 
     def error(self, summary: torch.Tensor | None = None) -> NonFiniteOutputError | None:
         """The error to raise if the result is not finite (None if it is), from ``summary`` read on the host (a
@@ -173,7 +184,7 @@ class Unit:
 
     def verify(self) -> None:
         """Raise ``NonFiniteOutputError`` if the unit is not finite (a device read when ``check`` is pending)."""
-        if self.check is not None and (error := self.check.error()) is not None:
+        if self.check is not None and (error := self.check.read()) is not None:
             raise error
 
 
@@ -201,7 +212,15 @@ class _Schedule:
 
 
 class RefinerSession:
-    """One stream through the refiner. Not thread-safe: one caller (the engine thread) drives it."""
+    """One stream through the refiner. Not thread-safe: one caller (the engine thread) drives it.
+
+    ``defer_finite_check``: whether ``commit`` leaves a block's finite verdict unread (``Unit.check``) instead of
+    reading it and refusing the block there. None (the default) defers on an accelerator, where reading would wait
+    for the device, and reads at once on a CPU, where it costs nothing. True on a CPU runs the accelerator's path
+    exactly (the block is committed, its verdict read later, and whoever reads it undoes the block: the engine,
+    ``app.engine.worker``; ``stream``/``push`` here), so that path is tested without a GPU."""
+
+    defer_finite_check: bool | None = None
 
     def __init__(self, refiner: Refiner, config: SessionConfig | None = None, prompt: Prompt | None = None):
         self.refiner = refiner
@@ -216,6 +235,13 @@ class RefinerSession:
         self._prepared: tuple[Prompt, PreparedPrompt] | None = None
 
     # --- state -------------------------------------------------------------------------------------------
+    @property
+    def defers_finite_check(self) -> bool:
+        """Whether ``commit`` leaves the finite verdict to whoever reads the unit (see ``defer_finite_check``)."""
+        if self.defer_finite_check is not None:
+            return self.defer_finite_check
+        return self.refiner.device.type != "cpu"
+
     @property
     def state(self) -> SessionState:
         return self._state
@@ -414,10 +440,13 @@ class RefinerSession:
         if plan.start != state.frames_returned:
             raise RuntimeError(f"stale step: planned at frame {plan.start}, session is at {state.frames_returned}")
         check = self._finite_check(run) if run.modes else None
-        if check is not None and check.summary.device.type == "cpu":
-            if (error := check.error()) is not None:  # a host tensor: reading it stalls nothing
-                raise error
-            check = None
+        if check is not None:
+            if not self.defers_finite_check:
+                if (error := check.error()) is not None:  # a host tensor: reading it stalls nothing
+                    raise error
+                check = None
+            else:  # queued behind the run; read by whoever reads the unit (Unit.check)
+                check = dataclasses.replace(check, host=HostCopy(check.summary))
         remaining = state.pending[:, :, plan.frames :]
         changes: dict = dict(frames_returned=plan.end, pending=remaining if remaining.shape[2] > 0 else None)
         if plan.kind == "sink":
@@ -469,11 +498,11 @@ class RefinerSession:
         return self.commit(run)
 
     def _step_verified(self) -> Unit | None:
-        """``step``, and on an accelerator the unit's finite check read before it is returned (a device read: the
-        caller reads the unit's bytes anyway), undoing the step if it fails, so that ``stream`` and ``push`` keep
-        their promise on every device. A CPU session's commit has checked it already; on ``meta`` (shapes only)
-        there is nothing to read."""
-        if self.refiner.device.type in ("cpu", "meta"):
+        """``step``, and where the commit deferred it the unit's finite check read before it is returned (a device
+        read: the caller reads the unit's bytes anyway), undoing the step if it fails, so that ``stream`` and
+        ``push`` keep their promise on every device. A commit that did not defer has checked it already; on
+        ``meta`` (shapes only) there is nothing to read."""
+        if not self.defers_finite_check or self.refiner.device.type == "meta":
             return self.step()
         before = self.checkpoint()
         try:

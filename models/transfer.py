@@ -103,8 +103,16 @@ class HostCopy:
         else:
             self._tensor = tensor
 
+    def ready(self) -> bool:
+        """Whether ``wait`` would return at once (the copy's event has passed): a query, never a wait."""
+        event = self._event
+        return event is None or event.query()
+
     def wait(self) -> torch.Tensor:
-        if self._event is not None:
-            self._event.synchronize()
+        """The tensor on the host, once its copy ended. Safe from two threads at once (the engine thread and an
+        encoder thread both read a unit's finite flag): the event is read once into a local."""
+        event = self._event
+        if event is not None:
+            event.synchronize()
             self._event = None
         return self._tensor

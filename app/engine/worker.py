@@ -27,6 +27,18 @@ work (a WebSocket message) keeps the blocks it committed and its frames stay pen
 retries the block; unless the block refined to NaN/Inf, which retrying would only repeat: then the frames not yet
 refined are dropped (``_drop_unrefined``).
 
+Late verdicts: on an accelerator a block's finite verdict is not read at commit (that read would wait for the
+device; ``models.session.FiniteCheck``), so the block is committed, its unit handed on, and the verdict's host copy
+queued behind it. Its session then waits at a *gate* (``PendingVerdict``): none of its forwards is scheduled until
+the verdict is in (an event query, never a wait while other sessions have forwards to run), and none of its work
+settles before. A finite block releases its rollback point; a NaN/Inf block is undone (``_withdraw``: the session
+back to its checkpoint from just before the commit, the block's output step dropped or its stages restored, its
+unit taken out of the work's result and listed in ``Work.withdrawn`` so delivery forgets it) and its work fails as
+the commit's own error would have failed it on a CPU. Atomic work takes no checkpoint per block: its own, from
+before the work, undoes the block with the rest of the work when it fails. The cost: a session's next block is
+launched only once its previous block ran on the device (other sessions fill that gap), plus, on a stream, a
+rollback copy of the history frames a full history drops per block.
+
 Outputs: each committed unit goes through the session's output stages (``app.outputs.stage``: latents, video, ...),
 which the engine runs without knowing their kinds, and is handed on as an ``OutUnit`` (the unit and each stage's
 payload). A session with a *deferred* stage (the video's decode) does not get its unit handed on at once: it is
@@ -78,6 +90,9 @@ from app.outputs.stage import OutputFailure, OutUnit, SessionStages
 
 log = logging.getLogger(__name__)
 
+# How often the engine thread looks at verdicts still on the device when it has nothing else to run (seconds).
+VERDICT_POLL_S = 0.0005
+
 
 @dataclass(eq=False)
 class EngineSession:
@@ -106,6 +121,19 @@ class EngineSession:
     # The CUDA event of copies that brought its tensors to the device on a side stream (a page-in): its next model
     # call waits for it on the device (``wait_for``), so other sessions' calls queued before do not.
     ready: Any = None
+    # Its last committed block's finite verdict, not read yet (accelerators): the gate before its next forward.
+    verdict: PendingVerdict | None = None
+
+
+@dataclass(eq=False)
+class PendingVerdict:
+    """A committed block whose finite check (``FiniteCheck``, its host copy queued) is not read yet, and what undoes
+    it: the session's checkpoint from just before the commit and, once its unit went through the output stages,
+    their states from before that (``stages``)."""
+
+    check: Any  # models.session.FiniteCheck
+    before: SessionCheckpoint | None  # None in atomic work: its checkpoint from before the work undoes the block
+    stages: dict | None = None
 
 
 @dataclass(eq=False)
@@ -139,6 +167,9 @@ class Work:
     # session is as if the work never came.
     base: SessionState | None = None
     rolled_back: bool = False
+    # Units handed on (``on_unit``) whose block a late verdict found NaN/Inf and undid: not in ``units`` any more;
+    # the service layer tells delivery to forget them, so the block's retry (same frames) is handed on again.
+    withdrawn: list[OutUnit] = field(default_factory=list)
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -341,6 +372,12 @@ class Engine:
                     self.output_step()
                 elif batch is None and self.policy.pending:
                     self._probe(None)  # idle: probe a class seen for the first time
+                elif batch is None and any(t.verdict is not None for t in self.scheduler.ring):
+                    # Nothing to run but sessions at their verdict gate (their blocks still on the device): look
+                    # again shortly, or at once when work arrives, rather than spin or wait for one device event.
+                    with self._cond:
+                        if not self._inbox and not self._stopping:
+                            self._cond.wait(VERDICT_POLL_S)
 
     def _admit(self, item) -> None:
         if isinstance(item, _CallJob):
@@ -446,6 +483,9 @@ class Engine:
         if not target.pending_outputs:
             self.scheduler.output_idle(target)
         work: Work = target.work[0]
+        verdict = target.verdict
+        if verdict is not None and unit is not None and unit.check is verdict.check:
+            verdict.stages = target.stages.checkpoint()  # what undoing this block restores (states are immutable)
         try:
             if unit is None:  # the tail a flush completes after the last block
                 state = target.session.state
@@ -483,6 +523,13 @@ class Engine:
     def _next_forward(self, target: EngineSession) -> RowForward | None:
         session = target.session
         while True:
+            if target.verdict is not None:  # the gate: its last block's verdict first
+                if not target.verdict.check.ready():
+                    return None  # still on the device: other sessions go on meanwhile
+                error = self._read_verdict(target)
+                if error is not None and target.work:
+                    self._fail(target.work[0], error)
+                continue
             if target.run is not None:
                 if target.forward is None:
                     try:
@@ -555,11 +602,22 @@ class Engine:
     def _commit_run(self, target: EngineSession) -> None:
         run, target.run = target.run, None
         work: Work = target.work[0]
+        session = target.session
+        # A commit that leaves its verdict unread needs a way back to just before it (``_withdraw``), unless its
+        # work is atomic: then the work's own checkpoint undoes it (and no second copy of the history is saved).
+        defers = run.modes and session.defers_finite_check and target.checkpoint is None
+        before = session.checkpoint() if defers else None
         try:
-            unit = target.session.commit(run)
+            unit = session.commit(run)
         except Exception as exc:
+            if before is not None:
+                session.rollback(before)
             self._fail(work, exc)
             return
+        if unit.check is not None:
+            target.verdict = PendingVerdict(unit.check, before)
+        elif before is not None:
+            session.release(before)
         self.pacer.committed(target.pacing, unit.kind, unit.frame_start, unit.frame_end)
         state = target.session.state
         self._queue_output(target, unit, final=state.flushed and state.pending_frames == 0)
@@ -584,9 +642,46 @@ class Engine:
         self._settle(work, WorkResult(tuple(work.units), work.frames_in, target.session.state,
                                       target.stages.positions()))
 
+    def _read_verdict(self, target: EngineSession) -> NonFiniteOutputError | None:
+        """Read ``target``'s pending verdict (waiting for the device if it is not in: only the drain and failure
+        paths call this before ``ready``): release the block's rollback point if it is finite, else undo the block
+        (``_withdraw``) and return the error its work fails with."""
+        verdict, target.verdict = target.verdict, None
+        error = verdict.check.read()
+        if error is None:
+            if verdict.before is not None:
+                target.session.release(verdict.before)
+            return None
+        log.warning("a block of %s refined to NaN or Inf (read after its commit): undone", target.name)
+        self._withdraw(target, verdict)
+        return error
+
+    def _withdraw(self, target: EngineSession, verdict: PendingVerdict) -> None:
+        """Undo the committed block ``verdict`` judged NaN/Inf: it is the session's last one (the gate held every
+        later forward), so its checkpoint is exactly the session before it. In atomic work the work's failure rolls
+        the session back to before the work (``_fail``), as a CPU commit's error would."""
+        if verdict.before is not None:
+            target.session.rollback(verdict.before)
+        def undone(entry) -> bool:
+            return entry[0] is not None and entry[0].check is verdict.check
+
+        if any(undone(entry) for entry in target.pending_outputs):  # its output step has not run: drop it
+            # By identity: units compare by value, and their tensors have no truth value.
+            target.pending_outputs = deque(entry for entry in target.pending_outputs if not undone(entry))
+            if not target.pending_outputs:
+                self.scheduler.output_idle(target)
+        elif verdict.stages is not None:
+            target.stages.restore(verdict.stages)
+        if target.work:
+            work: Work = target.work[0]
+            work.withdrawn.extend(unit for unit in work.units if unit.check is verdict.check)
+            work.units = [unit for unit in work.units if unit.check is not verdict.check]
+
     def _fail(self, work: Work, error: BaseException) -> None:
         target = work.target
         target.run = target.forward = None  # a block in flight never reaches the session
+        if target.verdict is not None and (late := self._read_verdict(target)) is not None:
+            error = late  # its last block was NaN/Inf after all (undone now): the cause, whatever failed next
         if isinstance(error, NonFiniteOutputError) and work.base is not None:
             error = self._drop_unrefined(work, error)
         if work.atomic and target.checkpoint is not None:

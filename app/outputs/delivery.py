@@ -13,6 +13,9 @@ The unit's finite check (``models.session.FiniteCheck``: on an accelerator the e
 copied with its payloads and read where they are awaited: a unit that is not finite raises the session's
 ``NonFiniteOutputError`` there instead of being encoded (an HTTP response then fails with it as it did at commit;
 a stream unit is not published). On a CPU the session checked it at commit and there is nothing left to read.
+The engine reads the same verdict before the session's next forward and undoes such a block (``app.engine.worker``, late
+verdicts); the units it undid come back in ``Work.withdrawn`` and ``Deliveries.withdraw`` forgets them, so the
+block's retry (the same frames) is handed on and published like any unit.
 
 Nothing committed is lost on the way: a unit whose hand-over failed is still in its work's result and is
 handed over again (``Deliveries.push`` ignores a unit it already has), and a unit that cannot be encoded is
@@ -53,7 +56,8 @@ class UnitCopies:
         self.unit = unit
         self._waits = {kind: stages[kind].to_host(payload) for kind, payload in unit.payloads.items()}
         check = getattr(unit, "check", None)
-        self._check = None if check is None else (check, HostCopy(check.summary))  # (3,) floats, queued now
+        # (3,) floats: the copy the session queued at commit (the engine reads the same one), else queued now.
+        self._check = None if check is None else (check, check.host or HostCopy(check.summary))
         self._host: HostUnit | None = None
         self._lock = threading.Lock()
 
@@ -203,6 +207,7 @@ class _Outgoing:
     received: float
     metadata: dict[str, str]  # seq, durable_frames: what the unit's bytes say besides its frames
     encoded: asyncio.Future  # (host unit, bytes)
+    withdrawn: bool = False  # its block was undone (``Deliveries.withdraw``): never published
 
 
 class Deliveries:
@@ -221,6 +226,7 @@ class Deliveries:
         self.metadata: Callable[[], dict[str, str]] | None = None
         self._queue: deque[_Outgoing] = deque()
         self._task: asyncio.Task | None = None
+        self._previous: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (newest key, handed_until before it)
 
     @property
     def pending(self) -> int:
@@ -242,6 +248,7 @@ class Deliveries:
         """Encode and publish ``unit`` after every unit before it; a unit already handed over is ignored."""
         if unit.key <= self.handed_until:
             return
+        self._previous = (unit.key, self.handed_until)
         self.handed_until = unit.key
         loop = asyncio.get_running_loop()
         copies = copies or UnitCopies(unit, self.encoder.stages)
@@ -251,9 +258,24 @@ class Deliveries:
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._publish_in_order())
 
+    def withdraw(self, unit: OutUnit) -> None:
+        """Forget ``unit``: the engine undid its block (a late NaN/Inf verdict), so it is never published and the
+        next unit handed on for the same frames (the retry) is taken. It is the newest unit handed over: the
+        engine commits nothing of the session after it until the verdict is read."""
+        for item in self._queue:
+            if item.unit is unit:
+                item.withdrawn = True
+        if self._previous is not None and self._previous[0] == unit.key == self.handed_until:
+            self.handed_until = self._previous[1]
+            self._previous = None
+
     async def _publish_in_order(self) -> None:
         while self._queue:
             item = self._queue[0]
+            if item.withdrawn:
+                self._queue.popleft()
+                item.encoded.add_done_callback(_retrieve)  # it fails with the NaN/Inf error nobody awaits now
+                continue
             try:
                 host, data = await asyncio.shield(item.encoded)
                 sent = SentUnit(item.unit.frame_start, item.unit.frame_end, data)
@@ -274,3 +296,8 @@ class Deliveries:
         """Return once every unit handed over so far is published."""
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
+
+
+def _retrieve(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()  # retrieved: asyncio would log "exception was never retrieved"

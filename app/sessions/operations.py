@@ -623,6 +623,8 @@ class StreamSession:
                 if work.started and not work.rolled_back:
                     handle.chunks.accept_message()
                     services.metrics.frames_in.inc(work.frames_in)
+                for unit in work.withdrawn:  # undone after a late NaN/Inf verdict (app.engine.worker): never published
+                    handle.deliveries.withdraw(unit)
                 for unit in work.units:
                     handle.deliveries.push(unit, None, received, seq)
             if work.started and not work.rolled_back:

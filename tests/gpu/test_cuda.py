@@ -183,3 +183,20 @@ def test_compiled_step_with_cuda_graphs(medium):
     worst = max(close_enough(a, b)[0] for a, b in zip(got, eager))
     print(f"compiled (reduce-overhead) vs eager: max abs {worst:.4g}")
     assert worst <= BF16_MAX_ABS
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["http_chunk", "stream_message"])
+def test_a_late_non_finite_verdict_is_undone_on_cuda(atomic):
+    """The engine's late verdict where it is late for real (``tests/app/outputs/test_delivery_finite.py`` runs the same
+    scenario on the CPU with the deferral forced): a block poisoned with NaN is committed, its verdict read after
+    the commit, the block undone; same error as a commit that reads the flag, session bit for bit as before it,
+    the retry within float32 rounding of an untroubled session (cuBLAS may pick other kernels across runs)."""
+    from tests.app.outputs.test_delivery_finite import _assert_same, _run_poisoned
+
+    late = _run_poisoned(deferred=None, atomic=atomic, device="cuda")  # CUDA's default: deferred
+    at_commit = _run_poisoned(deferred=False, atomic=atomic, device="cuda")
+    assert late["error"] == at_commit["error"] and "NaN or Inf" in late["error"]
+    _assert_same(late["before"], late["after"])
+    assert (late["units"] - late["expected"]).abs().max().item() <= 1e-5
+    if not atomic:
+        assert (7, True) in late["handed"] and [u.frame_start for u in late["failed"].withdrawn] == [7]

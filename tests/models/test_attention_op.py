@@ -1,15 +1,18 @@
 """The attention kernel as a custom op (models.attention_op): a registered op that torch.library's checks accept,
 with the eager kernel's bits, and a whole transformer block (two sessions' window attention, their prompts'
-cross-attention, K/V written into the windows) compiled by torch.compile with fullgraph=True on the CPU."""
+cross-attention, K/V written into the windows) compiled by torch.compile with fullgraph=True on the CPU; then the
+engine's whole step (``models.step.forward_body``, as ``run_batch`` calls it) compiled the same way, and what its
+graph specialises on (why the serving compiled step does not use it: ``models.compiled``)."""
 
 from __future__ import annotations
 
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from models import RefinerSession, SessionConfig
 from models.attention import ForwardWindow, _attend
 from models.attention_op import attend, fullgraph
-from models.step import run_batch
+from models.step import forward_body, run_batch
 
 from .conftest import make_inputs
 
@@ -68,3 +71,45 @@ def test_a_transformer_block_compiles_whole(tiny_refiner):
     assert got.shape == seen["out"].shape
     assert (got - seen["out"]).abs().max().item() <= 1e-5
     assert window.writes._written[0] == [True, True]
+
+
+def _forwards(refiner, seeds, prompt_len=7, history_blocks=4):
+    """One denoising forward per seed, of a session that refined ``history_blocks`` blocks (4 fill its history)."""
+    forwards = []
+    for seed in seeds:
+        latents, embeds = make_inputs(frames=16, height=4, width=4, prompt_len=prompt_len, seed=seed)
+        session = RefinerSession(refiner, SessionConfig(seed=seed))
+        end = 1 + 3 * history_blocks
+        session.push(latents[:, :, :end], embeds)
+        session.append(session.check(latents[:, :, end : end + 3]))
+        forwards.append(session.next_forward(session.start(session.plan())))
+    return forwards
+
+
+def test_the_engines_step_compiles_whole_and_its_graph_specialises_on_the_mix(tiny_refiner):
+    """``forward_body`` as the engine's ``run_batch`` calls it (every layer, two sessions' attention inside) under
+    ``fullgraph()``: torch.compile(fullgraph=True) raises on any graph break, and the compiled step matches the
+    eager one. The counter then shows why the serving step keeps its pieces: the same mix of sessions reuses the
+    graph, but another session count, another prompt length or another history length each compile a new one (the
+    per-session loop's shapes and slots become guards), on the engine thread, while serving."""
+    model = tiny_refiner.model
+    counter = CompileCounterWithBackend("aot_eager")  # graph capture and functionalization, no C++ build
+    torch._dynamo.reset()
+    mixes = [
+        ("two sessions", _forwards(tiny_refiner, [0, 1]), 1),
+        ("two other sessions, same shapes", _forwards(tiny_refiner, [2, 3]), 1),
+        ("one session", _forwards(tiny_refiner, [4]), 2),
+        ("another prompt length", _forwards(tiny_refiner, [5, 6], prompt_len=9), 3),
+        ("a history still growing", _forwards(tiny_refiner, [7, 8], history_blocks=2), 4),
+    ]
+    try:
+        with fullgraph(), torch.no_grad():
+            body = torch.compile(forward_body, fullgraph=True, dynamic=False, backend=counter)
+            for what, forwards, graphs in mixes:
+                eager = run_batch(model, forwards)
+                compiled = run_batch(model, forwards, body=body)  # the write record is verified inside, too
+                assert counter.frame_count == graphs, what
+                for a, b in zip(eager, compiled, strict=True):
+                    assert (a - b).abs().max().item() <= 1e-5, what
+    finally:
+        torch._dynamo.reset()

@@ -158,3 +158,30 @@ def test_prepare_block_rotates_only_derived_regions():
     assert float(kv.window[2, 0, 0, 0, 0]) == -10.0 + 2, "the sink slot holds the rotated pre-RoPE sink"
     start, end = LAYOUT.history(2)
     assert kv.window[0, 0, :, start:end].unique().tolist() == [-200.0, -100.0]
+
+
+@pytest.mark.parametrize("rebased", [False, True])
+def test_a_block_checkpoint_inside_a_chunk_checkpoint_rolls_back_alone_then_with_the_chunk(rebased):
+    """The engine's late verdict (``app.engine.worker``): a checkpoint around one committed block, opened while a chunk's
+    checkpoint is open and both hold saved frames; undoing the block returns exactly to before it, then undoing the
+    chunk returns to before the chunk (checkpoints are told apart by identity, not by their equal contents)."""
+    kv = make_kv(rebased)
+    start_with_sink(kv)
+    for values in ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]):  # a full history: commits shift it
+        write_block(kv, values)
+        kv.commit_block(3)
+    chunk = kv.checkpoint()
+    before_chunk = (held_frames(kv), kv.window.clone(), kv.history_frames)
+    write_block(kv, [10.0, 11.0, 12.0])
+    kv.commit_block(3)
+    before_block = (held_frames(kv), kv.window.clone(), kv.history_frames)
+    block = kv.checkpoint()
+    write_block(kv, [13.0, 14.0, 15.0])
+    kv.commit_block(3)
+    assert chunk.saved_frames and block.saved_frames  # both copied what the last commit pushed out
+    for mark, (frames, window, history) in ((block, before_block), (chunk, before_chunk)):
+        kv.rollback(mark)
+        end = LAYOUT.history(history)[1]
+        assert held_frames(kv) == frames and kv.history_frames == history
+        assert torch.equal(kv.window[:, :, :, :end], window[:, :, :, :end])
+    assert kv.checkpoint_bytes == 0

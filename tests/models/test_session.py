@@ -260,6 +260,34 @@ def test_a_chunk_that_refines_to_non_finite_values_is_refused_and_the_session_is
     assert all(torch.equal(a.latents, b.latents) for a, b in zip(first + rest, uninterrupted))
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["read_at_commit", "read_late"])
+def test_push_undoes_a_chunk_whose_second_block_is_poisoned_with_a_full_history(deferred):
+    """All or nothing when the chunk's first block committed and pushed history out, on both paths of the finite
+    check: read at commit (a CPU), and read after the commit (``defer_finite_check``, an accelerator's path, where
+    the step's own checkpoint sits inside the chunk's and both saved the frames pushed out)."""
+    from models import RefinerSession, SessionConfig, from_model
+    from models.checkpoints import build_model
+    from models.errors import NonFiniteOutputError
+
+    refiner = from_model(build_model("tiny"))
+    config = SessionConfig(block_size=2, kv_max_frames=7)  # 6 history frames: full after the first push
+    latents, embeds = make_inputs(frames=13, seed=5)
+    uninterrupted = RefinerSession(refiner, config).push(latents, embeds, flush=True)
+    session = RefinerSession(refiner, config)
+    session.defer_finite_check = deferred
+    first = session.push(latents[:, :, :7], embeds)  # the sink and three blocks
+    before = session.state, [t.clone() for parts in session.kv.export().values() for t in parts]
+    poisoned = latents[:, :, 7:11].clone()
+    poisoned[:, :, 2:, 0, 0] = 3e38  # the chunk's second block only
+    with pytest.raises(NonFiniteOutputError, match="frames \\[9, 11\\)"):
+        session.push(poisoned)
+    assert session.state == before[0]
+    after = [t for parts in session.kv.export().values() for t in parts]
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after, strict=True))
+    rest = session.push(latents[:, :, 7:], flush=True)
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(first + rest, uninterrupted, strict=True))
+
+
 def test_a_poisoned_sink_is_not_kept():
     from models import RefinerSession, SessionConfig, from_model
     from models.checkpoints import build_model
