@@ -29,6 +29,11 @@ issue 16 items 2 and 3:
 
 - snapshot files whose metadata lies (a geometry of [2, 128, 256, 256], a window of 1500 frames with 200 steps):
   each refused (404, set aside as ``.corrupt``) without the process growing, the genuine one still adopted;
+- files in the snapshot folder that are not what they claim (issue 25 item 8), with ``snapshot_signing_key`` set:
+  an edited seed and an unsigned file (each refused, 404, set aside as ``.corrupt``), an older copy of a session put
+  back after it moved on (refused, 410, set aside as ``.stale``), a lease dated 2039 (the session adopted, not
+  refused until then), a lease dated a little ahead (503 with a ``Retry-After`` of at most ``session_lease_s``), a
+  lease at generation 9999999999 (the next, 10000000000, is seen by another replica);
 - a deployment listing whose peers misbehave (one trickles its body, one never ends its cursor, one sends an entry
   without a session id, one a page of 200,000 entries): answered within its deadline, each named unreachable.
 
@@ -467,6 +472,90 @@ def lying_snapshots(settings, folder: Path, deadline: float) -> list[tuple[str, 
     ]
 
 
+def untrusted_files(settings, folder: Path, deadline: float) -> list[tuple[str, bool, str]]:
+    """Issue 25 item 8: files in snapshot_dir are not trusted as they are. Sessions drained by a server with a
+    signing key, then: one's seed edited, one written by a server without the key, one moved on after a copy of its
+    file was kept (and the copy put back), leases dated ahead and at generation 9999999999."""
+    import os
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save, save_file
+
+    from app.persistence.leases import LeaseHeld, acquire, generations, lease_path
+    from bench.live import ThreadServer
+
+    lease_s = 30.0
+    keyed = settings.model_copy(update={"snapshot_dir": folder, "snapshot_signing_key": "hostile-" + "k" * 32,
+                                        "session_lease_s": lease_s})
+    octet = {"content-type": "application/octet-stream"}
+    latents, embeds = torch.randn(1, 128, 8, 4, 4), torch.randn(1, 6, 32)
+
+    def drained(server_settings, count: int) -> list[str]:
+        with ThreadServer(server_settings) as server, httpx.Client(base_url=server.base_url, timeout=deadline,
+                                                                   headers=_auth(settings.api_key)) as http:
+            ids = [http.post("/v1/sessions").json()["session_id"] for _ in range(count)]
+            for session_id in ids:
+                http.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=save(
+                    {"latents": latents[:, :, :4].contiguous(), "prompt_embeds": embeds}), headers=octet)
+        return ids
+
+    def path(session_id: str) -> Path:
+        return folder / f"{session_id}.session.safetensors"
+
+    edited, moved_on, dated, skewed, long_gen = drained(keyed, 5)
+    (unsigned,) = drained(keyed.model_copy(update={"snapshot_signing_key": None}), 1)
+    tensors = load_file(str(path(edited)))
+    with safe_open(str(path(edited)), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    config = json.loads(metadata["config"])
+    config["seed"] += 1
+    save_file(tensors, str(path(edited)), metadata={**metadata, "config": json.dumps(config)})  # signature kept
+    kept = folder / "kept-copy.bin"
+    shutil.copy(path(moved_on), kept)
+    with ThreadServer(keyed) as server, httpx.Client(base_url=server.base_url, timeout=deadline,
+                                                     headers=_auth(settings.api_key)) as http:
+        http.get(f"/v1/sessions/{moved_on}")
+        http.post(f"/v1/sessions/{moved_on}/chunks?seq=1", content=save({"latents": latents[:, :, 4:].contiguous()}),
+                  headers=octet)
+    shutil.copy(kept, path(moved_on))  # the older copy, put back over the session's later state
+    gone = acquire(folder, dated, "replica-gone", lease_s)
+    os.utime(gone.path, (2_203_834_436 + time.time(),) * 2)
+    ahead = acquire(folder, skewed, "replica-gone", lease_s)
+    os.utime(ahead.path, (time.time() + lease_s / 2,) * 2)
+    crashed = lease_path(folder, long_gen, 9_999_999_999)
+    crashed.write_text('{"owner": "replica-gone"}')
+    os.utime(crashed, (time.time() - 2 * lease_s,) * 2)
+    with ThreadServer(keyed.model_copy(update={"replica_id": "hostile-b"})) as server, \
+            httpx.Client(base_url=server.base_url, timeout=deadline, headers=_auth(settings.api_key)) as http:
+        refused = {name: http.get(f"/v1/sessions/{session_id}").status_code
+                   for name, session_id in (("edited", edited), ("unsigned", unsigned), ("older copy", moved_on))}
+        dated_status = http.get(f"/v1/sessions/{dated}").status_code
+        skew = http.get(f"/v1/sessions/{skewed}")
+        long_status = http.get(f"/v1/sessions/{long_gen}").status_code
+        try:
+            acquire(folder, long_gen, "replica-c", lease_s)
+            seen = "replica-c took it"
+        except LeaseHeld as held:
+            seen = held.owner
+        long_generations = generations(folder, long_gen)
+    aside = [(folder / f"{edited}.session.safetensors.corrupt").is_file(),
+             (folder / f"{unsigned}.session.safetensors.corrupt").is_file(),
+             (folder / f"{moved_on}.session.safetensors.stale").is_file()]
+    retry_after = int(skew.headers.get("retry-after", "0"))
+    return [
+        ("untrusted snapshot files (signing key set)",
+         refused == {"edited": 404, "unsigned": 404, "older copy": 410} and all(aside),
+         f"answers {refused}, set aside: {aside}"),
+        ("lease dated 2039", dated_status == 200, f"{dated_status} (adopted, not refused until 2039)"),
+        ("lease dated a little ahead", skew.status_code == 503 and 1 <= retry_after <= lease_s,
+         f"{skew.status_code}, Retry-After {retry_after} (at most {lease_s:g})"),
+        ("lease generation 9999999999", long_status == 200 and long_generations == [10_000_000_000]
+         and seen == "hostile-b", f"{long_status}, generations {long_generations}, another replica sees {seen!r}"),
+    ]
+
+
 class _Peer(BaseHTTPRequestHandler):
     """A replica answering ``GET /v1/sessions`` as ``self.server.mode`` says."""
 
@@ -566,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                 results += ping_flood(server.base_url, args.api_key, args.deadline)
                 results += spilled_listing(server, args.deadline)
             results += lying_snapshots(settings, Path(cache) / "snapshots", args.deadline)
+            results += untrusted_files(settings, Path(cache) / "untrusted", args.deadline)
             results += misbehaving_peers(settings, args.deadline)
     for name, ok, detail in results:
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")

@@ -4,17 +4,24 @@ A session's KV cache cannot be rebuilt without re-running its history, so a rest
 prompt, sink and history K/V, generator state, pending frames and counters. Files are written atomically
 (temporary file, fsync, rename), so a crash mid-write leaves the previous snapshot or none, never half of one.
 Restoring checks that the snapshot was made with the same model geometry and dtype.
+
+A file may carry a signature (``sign`` / ``verify``): an HMAC-SHA256, under a deployment's key, of its metadata and
+every tensor (name, dtype, shape, bytes), stored in the metadata under ``signature``. It is computed from the tensors
+in memory, never from the file's bytes, so it does not depend on how safetensors lays a file out, and a reader checks
+exactly the tensors it goes on to use (a file swapped between a check and a load cannot slip through).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,6 +35,8 @@ from .kv import SessionKV, WindowLayout
 from .session import Geometry, RefinerSession, SessionState
 
 FORMAT = "wm-refiner-session/1"
+SIGNATURE = "signature"  # the metadata key of a file's signature
+_SIGNATURE_SCHEME = "hmac-sha256:"
 
 
 class SnapshotError(RefinerError):
@@ -383,3 +392,47 @@ def load_snapshot(path: str | Path, refiner: Refiner, limits: SnapshotLimits | N
     check = None if limits is None else (lambda headers, metadata: check_header(refiner, headers, metadata, limits))
     tensors, metadata = read_tensors(path, check)
     return session_from_tensors(refiner, tensors, metadata)
+
+
+# --- signatures ---------------------------------------------------------------------------------------------------
+
+
+def signature(key: bytes, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
+    """The HMAC-SHA256 under ``key`` of ``metadata`` (all of it but a signature already there) and ``tensors``.
+
+    What is authenticated, in this order: a canonical JSON of the metadata and of every tensor's name, dtype and
+    shape (its length first), then each tensor's bytes in name order. The JSON fixes every length, so the
+    concatenation cannot be re-cut into another file's. Each tensor's bytes are fed from its own memory (a
+    contiguous CPU tensor's buffer): nothing of the file is copied to compute it."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    names = sorted(tensors)
+    header = json.dumps(
+        {"metadata": {k: v for k, v in metadata.items() if k != SIGNATURE},
+         "tensors": [[name, str(tensors[name].dtype), list(tensors[name].shape)] for name in names]},
+        sort_keys=True, separators=(",", ":"),
+    ).encode()
+    mac.update(len(header).to_bytes(8, "little"))
+    mac.update(header)
+    for name in names:
+        flat = tensors[name].detach().to("cpu").contiguous().reshape(-1)  # (numel,): a view when already so
+        mac.update(flat.view(torch.uint8).numpy())  # its bytes, read in place
+    return _SIGNATURE_SCHEME + mac.hexdigest()
+
+
+def sign(key: bytes, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, str]:
+    """``metadata`` with the signature of it and ``tensors`` under ``key`` added."""
+    return {**metadata, SIGNATURE: signature(key, tensors, metadata)}
+
+
+def verify(key: bytes, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], name: str = "snapshot"
+           ) -> None:
+    """``SnapshotError`` unless ``metadata`` carries the signature of itself and ``tensors`` under ``key``
+    (compared in constant time). ``name``: the file, for the message."""
+    stored = metadata.get(SIGNATURE)
+    if stored is None:
+        raise SnapshotError(f"{name}: unsigned, and this server loads only files signed with its "
+                            "snapshot_signing_key (a file written without the key, or by a server of another "
+                            "deployment, is refused)")
+    if not hmac.compare_digest(stored.encode(), signature(key, tensors, metadata).encode()):
+        raise SnapshotError(f"{name}: its signature does not match its contents under this server's "
+                            "snapshot_signing_key: the file was edited, or signed with another key")

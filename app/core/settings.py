@@ -35,6 +35,9 @@ REPLICA_ID_RULE = "[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _REPLICA_ID = re.compile(REPLICA_ID_RULE)
 
 
+MIN_SIGNING_KEY_CHARS = 32
+
+
 def check_replica_id(replica_id: str) -> str:
     """``replica_id`` when it is a safe token; ValueError saying what to choose otherwise.
 
@@ -89,6 +92,9 @@ class Settings(_SessionDefaults):
         extra="forbid",
         frozen=True,
         protected_namespaces=(),
+        # A refused value is not echoed in the error: it may be a secret (api_key, snapshot_signing_key) that is
+        # only mistyped. Each validator's message says what was wrong and what to send instead.
+        hide_input_in_errors=True,
     )
 
     # --- the model -----------------------------------------------------------------------------------------
@@ -276,6 +282,13 @@ class Settings(_SessionDefaults):
         description="where drain (and checkpoints) write sessions and any replica adopts them on their next "
         "request; share it between replicas; unset: none",
     )
+    snapshot_signing_key: str | None = Field(
+        default=None, repr=False,
+        description="a secret (at least 32 characters) every replica sharing snapshot_dir holds, best from the "
+        f"environment ({ENV_PREFIX}SNAPSHOT_SIGNING_KEY): each session file written is signed with it "
+        "(HMAC-SHA256 over its metadata and tensors) and a file that is unsigned or signed otherwise is refused, as "
+        "a corrupt one is; unset: files are neither signed nor checked. Never logged or shown in /v1/info",
+    )
     embedded_snapshots: bool = Field(
         default=True,
         description="with the embedded tiny refiner (no model) and no snapshot_dir: save sessions under "
@@ -334,6 +347,22 @@ class Settings(_SessionDefaults):
     @classmethod
     def _replica_id_safe(cls, value: str) -> str:
         return check_replica_id(value)
+
+    @field_validator("snapshot_signing_key")
+    @classmethod
+    def _signing_key_long_enough(cls, value: str | None) -> str | None:
+        # The value itself is never in the message: a key that is refused may still be a real one, mistyped.
+        if value is not None and len(value) < MIN_SIGNING_KEY_CHARS:
+            raise ValueError(
+                f"snapshot_signing_key has {len(value)} characters; a key must have at least {MIN_SIGNING_KEY_CHARS} "
+                "(make one with: python -c 'import secrets; print(secrets.token_hex(32))')"
+            )
+        return value
+
+    @property
+    def signing_key(self) -> bytes | None:
+        """``snapshot_signing_key`` as the bytes HMAC takes (its UTF-8), or None when unset."""
+        return None if self.snapshot_signing_key is None else self.snapshot_signing_key.encode()
 
     @field_validator("device_memory_budget", "device_memory_reserve", mode="before")
     @classmethod

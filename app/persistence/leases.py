@@ -20,6 +20,15 @@ Only plain POSIX file operations, so that any shared folder works (a local disk,
   when an adoption gave the file back); the file is then adoptable at once, by generation 1 again. A lease
   nobody renewed for a session's retention past its expiry is a dead owner's (``abandoned_leases``): the
   store's sweep removes it.
+- **Generations never go back** (``floor``): a session's file records the generation it was written under, and a
+  small marker ``.<session>.session.generation`` holds the lowest generation a file of the session may carry: the
+  generation of its last write (raised after each write's rename), or one past the last when the session ended.
+  A lease taken later continues from there (generation = max(current lease, floor) + 1), so releasing a lease
+  never restarts the count, and a reader refuses a file below the floor: an older copy put back into the folder
+  (a restored backup, a stale replica's file, a copy kept by someone) is not loaded over the session's later
+  state. The marker is written atomically (staged, renamed) and only ever raised. A writer of the folder that
+  deletes it can still roll a session back to an older copy of its own: the folder's permissions are the control
+  there (docs/reliability.md, the trust table).
 - **Staging**: every temporary file of a write (the lease before its link, a session file and safetensors' own
   temporary beside it) is in a staging folder of that write, locked by its process (``staging``): a sweep removes
   the folders of dead processes whatever their names (``dead_staging``).
@@ -75,6 +84,8 @@ class Lease:
     # it crashed or stalled, so the file may be a crash checkpoint its clients are ahead of), "self" (this
     # replica id's own, from an earlier life of it: also a crash).
     previous: str = "none"
+    # The lowest generation a file of the session may carry, as the floor marker said when the lease was taken.
+    floor: int = 0
 
 
 def lease_path(folder: Path, session_id: str, generation: int) -> Path:
@@ -155,6 +166,7 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
     the race for the next generation)."""
     folder.mkdir(parents=True, exist_ok=True)
     current = generations(folder, session_id)
+    floor = read_floor(folder, session_id)
     previous, generation = "none", 0
     if current:
         generation = current[-1]
@@ -171,6 +183,9 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
                 raise LeaseHeld(session_id, owner, expires_in)
             else:
                 previous = "expired"
+    # After a release (no lease file) the count goes on from the floor, never back to 1: a file written before
+    # must stay below every later generation.
+    generation = max(generation, floor)
     target = lease_path(folder, session_id, generation + 1)
     with staging(folder, replica_id) as staged_in:  # a crash here leaves nothing a sweep cannot recognise
         staged = staged_in / target.name
@@ -182,7 +197,7 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
     for older in current:
         with contextlib.suppress(OSError):
             lease_path(folder, session_id, older).unlink()
-    return Lease(session_id, generation + 1, target, previous)
+    return Lease(session_id, generation + 1, target, previous, floor)
 
 
 def check(lease: Lease) -> None:
@@ -214,6 +229,52 @@ def release(folder: Path, session_id: str, lease: Lease | None = None) -> None:
     for generation in generations(folder, session_id):
         with contextlib.suppress(OSError):
             lease_path(folder, session_id, generation).unlink()
+
+
+# --- the floor: the lowest generation a session's file may carry ------------------------------------------------------
+
+FLOOR_SUFFIX = ".session.generation"
+
+
+def floor_path(folder: Path, session_id: str) -> Path:
+    return folder / f".{spec.check_session_id(session_id)}{FLOOR_SUFFIX}"
+
+
+def read_floor(folder: Path, session_id: str) -> int:
+    """The lowest generation a file of the session may carry (0: no marker, any file). An unreadable marker counts
+    as none: it is no worse than a deleted one, and the next write replaces it."""
+    try:
+        value = json.loads(floor_path(folder, session_id).read_text())["floor"]
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return value if type(value) is int and value >= 0 else 0
+
+
+def raise_floor(folder: Path, session_id: str, floor: int, replica_id: str) -> None:
+    """Set the session's floor to ``floor`` unless it is at least that already (it never goes down): after a write
+    under generation g, g (that file is the newest); after the session ended under g, g + 1 (no file of it may come
+    back). Written staged and renamed into place, so a reader sees the old marker or the new one."""
+    if read_floor(folder, session_id) >= floor:
+        return
+    target = floor_path(folder, session_id)
+    with staging(folder, replica_id) as staged_in:
+        staged = staged_in / target.name
+        staged.write_text(json.dumps({"session_id": session_id, "floor": floor}))
+        os.replace(staged, target)
+
+
+def remove_floor(folder: Path, session_id: str) -> None:
+    floor_path(folder, session_id).unlink(missing_ok=True)
+
+
+def parse_floor_name(name: str) -> str | None:
+    """The session id of a floor marker's name; None for any other name."""
+    if not (name.startswith(".") and name.endswith(FLOOR_SUFFIX)):
+        return None
+    session_id = name[1 : -len(FLOOR_SUFFIX)]
+    return session_id if spec.is_session_id(session_id) else None
 
 
 # --- writes in progress: staging folders ------------------------------------------------------------------------------

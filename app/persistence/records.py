@@ -14,12 +14,20 @@ write of a session's file is fenced by its writer's lease (``write_fenced``, the
 a drain all call), so a replica that lost a session can never write it again, and a later crash cannot bring back a
 stale owner's copy.
 
+Files in the folder are not trusted as they are (docs/reliability.md, the trust table). With
+``snapshot_signing_key`` every file written is signed (``models.snapshot.sign``: HMAC-SHA256 over its metadata and
+tensors) and a file that is unsigned or signed otherwise is refused as a corrupt one is. Every file written under a
+lease records that lease's generation (``lease_generation``), and a file below the session's floor
+(``app.persistence.leases.read_floor``: the generation of its last write) is refused (``StaleRecord``): an older copy put back
+is never loaded over the session's later state.
+
 Reading and building records run on the engine thread (the session's tensors are the engine's).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +45,8 @@ from models.snapshot import (
     read_tensors,
     session_from_tensors,
     session_to_tensors,
+    sign,
+    verify,
     write_atomically,
 )
 
@@ -49,11 +59,18 @@ from app.outputs.replay import SentUnit
 from app.outputs.stage import OutputStages, SessionStages, StageUnavailable
 from app.persistence import leases
 
+log = logging.getLogger("app")
+
 APP_FORMAT = "wm-refiner-app/1"
 SUFFIX = ".session.safetensors"
 UNIT_TENSOR = "app.unit.{}"
 LAST_RESPONSE_TENSOR = "app.last_response"
 STAGES_PREFIX = "app"  # a stage's tensors are named app.<kind>.*
+GENERATION_KEY = "lease_generation"  # metadata: the lease generation the file was written under
+
+
+class StaleRecord(SnapshotError):
+    """A session file older than the session's last write (below its floor, ``app.persistence.leases``): not loaded."""
 
 
 @dataclass
@@ -114,26 +131,42 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
 
 
 def write_record(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
-                 writer: str = "", before_rename: Callable[[], None] | None = None) -> Path:
+                 writer: str = "", before_rename: Callable[[], None] | None = None,
+                 lease: leases.Lease | None = None, key: bytes | None = None) -> Path:
     """``writer``: the replica id; ``before_rename``: the lease's fencing check (``app.persistence.leases.check``). With a
     writer, every temporary file (this one's, and the one safetensors makes for itself beside it) is in a staging
     folder of this write (``app.persistence.leases.staging``), which a sweep removes once its process is dead: a crash mid-write
-    leaves nothing anyone has to recognise by name. The rename from there is as atomic (one file system)."""
+    leaves nothing anyone has to recognise by name. The rename from there is as atomic (one file system).
+
+    ``lease``: the lease the file is written under; its generation goes into the file, and once the file is in
+    place the session's floor is raised to it (after the rename: a crash between the two leaves the floor lower,
+    which accepts this file, never higher, which would refuse it). ``key``: the deployment's signing key (the
+    signature covers the generation too)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = snapshot_path(folder, session_id)
+    if lease is not None:
+        metadata = {**metadata, GENERATION_KEY: str(lease.generation)}
+    if key is not None:
+        metadata = sign(key, tensors, metadata)  # on the writing thread: the tensors are read in place
     if not writer:
-        return write_atomically(path, tensors, metadata, before_rename=before_rename)
-    with leases.staging(folder, writer) as staged_in:
-        staged = write_atomically(staged_in / path.name, tensors, metadata)
-        if before_rename is not None:
-            before_rename()
-        os.replace(staged, path)
-    fsync_dir(folder)
+        write_atomically(path, tensors, metadata, before_rename=before_rename)
+    else:
+        with leases.staging(folder, writer) as staged_in:
+            staged = write_atomically(staged_in / path.name, tensors, metadata)
+            if before_rename is not None:
+                before_rename()
+            os.replace(staged, path)
+        fsync_dir(folder)
+    if lease is not None:
+        try:
+            leases.raise_floor(folder, session_id, lease.generation, writer or "local")
+        except OSError as exc:  # the file is in place: a floor left lower only accepts more, never refuses it
+            log.warning("session %s: its floor marker was not raised to %d (%r)", session_id, lease.generation, exc)
     return path
 
 
 def write_fenced(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
-                 lease: leases.Lease | None, replica_id: str, lease_s: float,
+                 lease: leases.Lease | None, replica_id: str, lease_s: float, key: bytes | None = None,
                  release: bool = False) -> tuple[leases.Lease, Path]:
     """The one write of a session's file by a replica: under the session's lease, fenced by it. Every writer of a
     live session (a checkpoint, a spill, a drain) goes through here, so none can forget the fence.
@@ -143,11 +176,12 @@ def write_fenced(folder: Path, session_id: str, tensors: dict[str, torch.Tensor]
     if the lease is still this replica's right before (``leases.check``: LeaseLost otherwise, and the file is
     not written), so a replica that lost a session can never overwrite its new owner's copy. ``release``: the
     lease is let go once the file is in place (a drain: whichever replica is asked next adopts it at once);
-    otherwise the caller keeps it. Returns the lease held for the write and the file's path. On a worker
-    thread (it blocks on the disk)."""
+    otherwise the caller keeps it. ``key``: the deployment's ``snapshot_signing_key`` (the file is signed), or
+    None. The file carries the lease's generation (``write_record``). Returns the lease held for the write and the
+    file's path. On a worker thread (it blocks on the disk)."""
     held = lease or leases.acquire(folder, session_id, replica_id, lease_s)
     path = write_record(folder, session_id, tensors, metadata, writer=replica_id,
-                        before_rename=lambda: leases.check(held))
+                        before_rename=lambda: leases.check(held), lease=held, key=key)
     if release:
         leases.release(folder, session_id, held)
     return held, path
@@ -226,14 +260,27 @@ def check_record_header(path: Path, refiner: Refiner, limits: SnapshotLimits, he
 
 
 def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id: str | None = None,
-                limits: SnapshotLimits | None = None) -> SessionRecord:
+                limits: SnapshotLimits | None = None, key: bytes | None = None, floor: int = 0) -> SessionRecord:
     """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model (or with an
     output this server cannot produce: video without a VAE). ``stages``: the server's. ``expected_id``: the session
     the file must hold (default: its name's). ``limits``: checked from the file's header before anything is read
-    (``check_record_header``), so a file cannot make this process allocate more than a client's session could."""
+    (``check_record_header``), so a file cannot make this process allocate more than a client's session could.
+
+    ``key``: the deployment's signing key; the file must carry its signature of exactly the tensors and metadata
+    read (checked before any of them is used). ``floor``: the lowest lease generation the file may have been
+    written under (``app.persistence.leases.read_floor``); ``StaleRecord`` below it (a file without one counts as 0)."""
     check = None if limits is None else (
         lambda headers, metadata: check_record_header(path, refiner, limits, headers, metadata))
     tensors, metadata = read_tensors(path, check)
+    if key is not None:
+        verify(key, tensors, metadata, path.name)
+    generation = record_generation(metadata, path.name)
+    if generation < floor:
+        raise StaleRecord(
+            f"{path.name}: written under lease generation {generation}, but the session was written since under "
+            f"generation {floor} or ended: an older copy of the session was put back in snapshot_dir; its later "
+            "state is not in this file, and loading it would silently take the session back"
+        )
     try:
         fields = json.loads(metadata["app"])
         if fields.get("format") != APP_FORMAT:
@@ -274,18 +321,27 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
                          realtime=fields.get("realtime") is True)
 
 
+def record_generation(metadata: dict[str, str], name: str = "snapshot") -> int:
+    """The lease generation a file was written under (0: written without one, before generations were recorded)."""
+    value = metadata.get(GENERATION_KEY, "0")
+    if not (value.isascii() and value.isdigit()):
+        raise SnapshotError(f"{name}: {GENERATION_KEY} {value[:40]!r} is not a generation (a count)")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class FolderView:
     """What one listing of ``snapshot_dir`` saw: the sessions with a file and those with a lease file."""
 
     saved: frozenset[str]
     leased: frozenset[str]
+    floored: frozenset[str] = frozenset()  # sessions with a floor marker (app.persistence.leases.FLOOR_SUFFIX)
 
 
 def folder_view(folder: Path) -> FolderView:
     """One directory listing (``os.scandir``) of ``folder``: its cost is linear in the folder's size, whatever
     is then asked of it."""
-    saved, leased = set(), set()
+    saved, leased, floored = set(), set(), set()
     try:
         with os.scandir(folder) as entries:
             for entry in entries:
@@ -295,9 +351,11 @@ def folder_view(folder: Path) -> FolderView:
                         saved.add(name[: -len(SUFFIX)])
                 elif (lease := leases.parse_name(name)) is not None:
                     leased.add(lease[0])
+                elif (marked := leases.parse_floor_name(name)) is not None:
+                    floored.add(marked)
     except FileNotFoundError:
         pass
-    return FolderView(frozenset(saved), frozenset(leased))
+    return FolderView(frozenset(saved), frozenset(leased), frozenset(floored))
 
 
 def has_snapshot(folder: Path, session_id: str) -> bool:

@@ -358,7 +358,7 @@ class Parking:
                 # Like a checkpoint: the file is written under the session's lease, fenced by it.
                 held, path = await asyncio.to_thread(
                     write_fenced, folder, handle.id, tensors, metadata, lease=lease,
-                    replica_id=settings.replica_id, lease_s=settings.session_lease_s)
+                    replica_id=settings.replica_id, lease_s=settings.session_lease_s, key=settings.signing_key)
             except (LeaseHeld, LeaseLost) as exc:
                 self.lose(handle, exc)
                 return False
@@ -435,6 +435,10 @@ class Parking:
                 continue  # adopted elsewhere, or asked for while the folder was listed
             self.spilled.pop(session_id, None)
             with contextlib.suppress(OSError):
+                # Ended: its file (written under the floor's generation) may not come back if put back. The floor
+                # goes up before the file goes, so that nobody sees the file gone and the floor not yet raised.
+                leases.raise_floor(self.folder, session_id, leases.read_floor(self.folder, session_id) + 1,
+                                   self.settings.replica_id)
                 remove_record(self.folder, session_id)
             registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
             deleted += 1
@@ -503,6 +507,10 @@ class Parking:
         if self.stub(session_id) is None:
             return False
         self.spilled.pop(session_id, None)
+        # Ended: the file it was spilled to (under the floor's generation) may not be adopted back if put back
+        # (the floor first, as above).
+        leases.raise_floor(self.folder, session_id, leases.read_floor(self.folder, session_id) + 1,
+                           self.settings.replica_id)
         remove_record(self.folder, session_id)
         return True
 

@@ -41,8 +41,8 @@ from app.outputs.stage import OutputStages
 from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld, LeaseLost
 from app.persistence.records import (
-    SessionRecord, folder_view, has_snapshot, leftover_temporaries, load_record, record_tensors, remove_record,
-    snapshot_limits, snapshot_path, write_fenced,
+    SessionRecord, StaleRecord, folder_view, has_snapshot, leftover_temporaries, load_record, record_tensors,
+    remove_record, snapshot_limits, snapshot_path, write_fenced,
 )
 from app.sessions.parking import Parking
 from app.sessions.registry import Registry, SessionHandle
@@ -285,7 +285,8 @@ class SessionStore:
             started = time.perf_counter()
             # A session's first checkpoint takes its lease; every write is fenced by it.
             held, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
-                                      replica_id=settings.replica_id, lease_s=settings.session_lease_s)
+                                      replica_id=settings.replica_id, lease_s=settings.session_lease_s,
+                                      key=settings.signing_key)
             metrics.checkpoint_seconds.observe(time.perf_counter() - started)
             metrics.checkpoint_bytes.inc(path.stat().st_size)
             return held
@@ -325,7 +326,11 @@ class SessionStore:
                 except LeaseLost:
                     return
                 remove_record(folder, handle.id)
-                leases.release(folder, handle.id, lease)
+                # Ended: no file of it may be adopted back (a copy put back, a checkpoint a stale writer slipped in).
+                try:
+                    leases.raise_floor(folder, handle.id, lease.generation + 1, self.settings.replica_id)
+                finally:
+                    leases.release(folder, handle.id, lease)
 
             await asyncio.to_thread(drop)
 
@@ -415,16 +420,30 @@ class SessionStore:
             path = snapshot_path(folder, session_id)
             refiner, stages = self._refiner(), self._stages()
             limits = snapshot_limits(settings)  # checked from the file's header before anything is allocated
+            key, floor = settings.signing_key, lease.floor
             try:
                 if not path.is_file():
                     raise FileNotFoundError(path)
-                record = await self.engine.call(lambda: load_record(path, refiner, stages, session_id, limits))
+                record = await self.engine.call(
+                    lambda: load_record(path, refiner, stages, session_id, limits, key=key, floor=floor))
             except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
                 await asyncio.to_thread(leases.release, folder, session_id, lease)
                 return None
             except Draining:
                 await asyncio.to_thread(leases.release, folder, session_id, lease)
                 raise
+            except StaleRecord as exc:
+                # Its client is ahead of it: loading it would answer with an older session under the same id (the
+                # next chunk a 409, or worse, frames refined again from an earlier point). The session's later
+                # state is lost; its id answers 410 saying so, and the file is kept aside for the operator.
+                aside = folder / f"{path.name}.stale"
+                log.warning("snapshot of %s is an older copy (%s); moved aside to %s", session_id, exc, aside.name)
+                with contextlib.suppress(OSError):
+                    os.replace(path, aside)
+                self.registry.mark_evicted(session_id, "its file in snapshot_dir turned out to be an older copy of "
+                                                       f"it (set aside as {aside.name}): {exc}")
+                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                return None
             except Exception as exc:
                 aside = folder / f"{path.name}.corrupt"
                 log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
@@ -507,6 +526,15 @@ class SessionStore:
                 for generation in generations:  # only these: a successor taken meanwhile stays
                     with contextlib.suppress(OSError):
                         leases.lease_path(folder, session_id, generation).unlink()
+        # A floor marker outlives its session's file by a retention (it keeps an ended session's copies from coming
+        # back); then it goes, as the file would have.
+        for session_id in sorted(view.floored - view.saved - view.leased):
+            if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
+                continue
+            marker = leases.floor_path(folder, session_id)
+            with contextlib.suppress(OSError):
+                if marker.stat().st_mtime < cutoff:
+                    marker.unlink()
         for session_id in sorted((view.saved - view.leased) | (view.saved & dead.keys())):
             if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
                 continue
@@ -520,6 +548,8 @@ class SessionStore:
             for generation in dead.get(session_id, ()):
                 with contextlib.suppress(OSError):
                     leases.lease_path(folder, session_id, generation).unlink()
+            with contextlib.suppress(OSError):
+                leases.remove_floor(folder, session_id)
             forgotten.append(session_id)
         if forgotten:
             log.info("deleted %d session file(s) of snapshot_dir past session_retention_s", len(forgotten))
@@ -556,7 +586,8 @@ class SessionStore:
                     tensors, metadata = record_tensors(record())
                     # Released at once: the next replica asked for it adopts it without waiting for the lease.
                     write_fenced(folder, session_id, tensors, metadata, lease=held.get(session_id),
-                                 replica_id=settings.replica_id, lease_s=settings.session_lease_s, release=True)
+                                 replica_id=settings.replica_id, lease_s=settings.session_lease_s,
+                                 key=settings.signing_key, release=True)
                 except (LeaseHeld, LeaseLost) as exc:
                     log.warning("drain: session %s is another replica's now (%s); not saved", session_id, exc)
                     continue

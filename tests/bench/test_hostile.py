@@ -13,5 +13,7 @@ def test_every_hostile_case_is_refused_in_bounded_time(capsys):
     assert {"unfinished head", "huge header", "trickled body", "bodies in flight", "huge finite latents",
             "lying snapshot metadata", "genuine snapshot beside them", "misbehaving peers",
             "stream flood of text frames", "stream flood of invalid binary frames", "watch flood of text frames",
-            "ping flood that never reads", "listing of many spilled sessions"} <= names, lines
+            "ping flood that never reads", "listing of many spilled sessions",
+            "untrusted snapshot files (signing key set)", "lease dated 2039", "lease dated a little ahead",
+            "lease generation 9999999999"} <= names, lines
     assert code == 0, "\n".join(line for line in lines if line.startswith("FAIL"))

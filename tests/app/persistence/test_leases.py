@@ -12,8 +12,21 @@ import time
 import httpx
 import pytest
 
-from app.persistence.leases import LeaseHeld, LeaseLost, acquire, check, generations, release, renew
-from app.persistence.records import leftover_temporaries
+from app.persistence.leases import (
+    LeaseHeld,
+    LeaseLost,
+    abandoned_leases,
+    acquire,
+    check,
+    generations,
+    lease_path,
+    leased,
+    raise_floor,
+    read_floor,
+    release,
+    renew,
+)
+from app.persistence.records import folder_view, leftover_temporaries
 from bench.live import ServerProcess, free_port
 
 from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, running_app, wait_until
@@ -144,7 +157,8 @@ def test_a_replica_that_lost_its_lease_has_its_writes_refused_and_drops_its_copy
 
 def test_a_session_that_ends_takes_its_checkpoint_and_lease_with_it(make_settings, tmp_path):
     """Deleted: its checkpoint and its lease go (a tracked background removal), so no replica can adopt it back and
-    the id is free at once."""
+    the id is free at once. What stays is its floor marker, one past the generation it ended under: a copy of its
+    file put back is refused (test_record_trust), and a new session of the id continues the count."""
     folder = tmp_path / "shared"
     latents, embeds, mask = make_clip(frames=9)
     with LiveServer(make_settings(snapshot_dir=folder, replica_id="replica-a", checkpoint_every_blocks=1)) as a:
@@ -153,6 +167,69 @@ def test_a_session_that_ends_takes_its_checkpoint_and_lease_with_it(make_setting
         assert "ending-session-1" in store.leases
         assert generations(folder, "ending-session-1") == [1]
         assert httpx.delete(f"{a.base_url}/v1/sessions/ending-session-1").status_code == 204
-        wait_until(lambda: not list(folder.iterdir()), "the checkpoint and the lease to be removed")
+        wait_until(lambda: [p.name for p in folder.iterdir()] == [".ending-session-1.session.generation"],
+                   "the checkpoint and the lease to be removed")
         wait_until(lambda: not store._background, "the removal to be done and forgotten")
         assert store.leases == {}
+        assert read_floor(folder, "ending-session-1") == 2
+        assert acquire(folder, "ending-session-1", "replica-b", lease_s=30.0).generation == 3
+
+
+def test_a_lease_dated_ahead_gives_a_bounded_retry_after_and_is_swept_once_expired(make_settings, tmp_path):
+    """Issue 25 item 8: a lease dated in 2039 answered 503 with Retry-After: 2203834436 for ever and no sweep removed
+    it. A time read from the folder never runs past session_lease_s from now: ahead by less (clock skew) it holds for
+    at most about a lease more; ahead by more it is no renewal any replica wrote, so it is expired at once."""
+    folder, lease_s, retention_s = tmp_path / "shared", 30.0, 60.0
+    settings = make_settings(snapshot_dir=folder, session_lease_s=lease_s, session_retention_s=retention_s)
+    with running_app(settings) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        latents, embeds, mask = make_clip(frames=4)
+        assert client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(latents, embeds, mask),
+                           headers=OCTET).status_code == 200
+    with running_app(settings.model_copy(update={"replica_id": "replica-b"})) as client:
+        store = client.app.state.services.store
+        skewed = acquire(folder, session_id, "replica-gone", lease_s)
+        ahead = time.time() + lease_s / 2
+        os.utime(skewed.path, (ahead, ahead))
+        refused = client.get(f"/v1/sessions/{session_id}")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "session_moved"
+        assert 1 <= int(refused.headers["retry-after"]) <= lease_s
+        store.forget_expired_files()
+        assert generations(folder, session_id) == [skewed.generation], "a live lease is never swept"
+
+        # The sweep, at the times it would run: the skewed lease once its expiry and a retention passed.
+        assert abandoned_leases(folder, time.time(), lease_s, retention_s) == {}
+        later = ahead + lease_s + retention_s + 1
+        assert abandoned_leases(folder, later, lease_s, retention_s) == {session_id: [skewed.generation]}
+
+        # Dated in 2039: expired at once, swept at the next sweep (no file of it: the lease alone goes).
+        far = 2_203_834_436.0 + time.time()
+        orphan = acquire(folder, "orphan-session", "replica-gone", lease_s)
+        os.utime(orphan.path, (far, far))
+        os.utime(skewed.path, (far, far))
+        store.forget_expired_files()
+        assert generations(folder, "orphan-session") == []
+        adopted = client.get(f"/v1/sessions/{session_id}")  # the session itself is adopted, not refused till 2039
+        assert adopted.status_code == 200, adopted.text
+
+
+def test_a_generation_past_ten_digits_is_seen_by_every_replica(tmp_path):
+    """Generation 9999999999 made the next one 11 digits, which the 10-digit filter no longer saw: another replica
+    then took generation 1 of a session that was held. Generations are compared as integers, at any length, in the
+    names of leases and in the floor marker."""
+    lease_s = 30.0
+    last = lease_path(tmp_path, "long-session", 9_999_999_999)
+    last.write_text('{"owner": "replica-a"}')
+    os.utime(last, (time.time() - 2 * lease_s, time.time() - 2 * lease_s))  # its owner crashed
+    held = acquire(tmp_path, "long-session", "replica-b", lease_s)
+    assert held.generation == 10_000_000_000 and held.path.name.endswith(".10000000000")
+    assert leased(tmp_path) == {"long-session": [10_000_000_000]}
+    assert folder_view(tmp_path).leased == {"long-session"}
+    with pytest.raises(LeaseHeld, match="replica-b"):
+        acquire(tmp_path, "long-session", "replica-c", lease_s)
+    check(held)
+    # Released after a write under it: the floor keeps the count, at any length.
+    raise_floor(tmp_path, "long-session", held.generation, "replica-b")
+    release(tmp_path, "long-session", held)
+    assert read_floor(tmp_path, "long-session") == 10_000_000_000
+    assert acquire(tmp_path, "long-session", "replica-c", lease_s).generation == 10_000_000_001

@@ -74,8 +74,10 @@ def test_sigterm_saves_sessions_and_the_next_server_continues_them_bit_identical
             # The corrupt file costs its own session only: 404, and the file is set aside.
             assert http.get("/v1/sessions/badc0ffee").status_code == 404
         names = sorted(p.name for p in snapshots.iterdir())
-        # The adopter holds the live sessions' leases (issue 25 item 4: checkpoints or not).
-        leases = sorted(f".{sid}.session.lease.0000000001" for sid in (streamed, chunked))
+        # The adopter holds the live sessions' leases (issue 25 item 4: checkpoints or not), one generation past
+        # their files', beside the floor markers those files left (issue 25 item 8).
+        leases = sorted(f".{sid}.session.{tail}" for sid in (streamed, chunked)
+                        for tail in ("generation", "lease.0000000002"))
         assert names == [*leases, "badc0ffee.session.safetensors.corrupt"], \
             "adopted files are removed, the bad one set aside"
         assert "badc0ffee" in second.log() and "cannot be adopted" in second.log()

@@ -10,6 +10,8 @@ import time
 import httpx
 import torch
 
+from app.persistence.leases import read_floor
+
 from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, expected_clip, make_clip, payload, read_latents, running_app
 
 
@@ -71,7 +73,10 @@ def test_replicas_sharing_a_folder_adopt_each_session_exactly_once_and_continue_
                               headers=OCTET)
             assert reply.status_code == 200 and reply.headers["x-replica"] == "replica-a"
             first_halves[session_id] = reply
-    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{i}.session.safetensors" for i in ids)
+    # Each file, and its session's floor marker (app.persistence.leases: the generation it was written under, issue 25 item 8).
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".session.generation")) == sorted(
+        f"{i}.session.safetensors" for i in ids)
+    assert all(read_floor(folder, i) == 1 for i in ids)
 
     with LiveServer(make_settings(snapshot_dir=folder, replica_id="replica-b")) as b, \
             LiveServer(make_settings(snapshot_dir=folder, replica_id="replica-c")) as c:
@@ -96,8 +101,9 @@ def test_replicas_sharing_a_folder_adopt_each_session_exactly_once_and_continue_
         for session_id, statuses in answers.items():
             assert sorted(statuses.values()) in ([200, 404], [200, 503]), (session_id, statuses)
         # Every adopted file was loaded and removed; its adopter holds the session's lease while it lives there
-        # (issue 25 item 4: a live session holds its lease, checkpoints or not).
-        assert sorted(p.name for p in folder.iterdir()) == sorted(f".{i}.session.lease.0000000001" for i in ids)
+        # (issue 25 item 4: a live session holds its lease, checkpoints or not), one generation past the file's.
+        assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".session.generation")) == sorted(
+            f".{i}.session.lease.0000000002" for i in ids)
         for index, session_id in enumerate(ids):
             owner = next(name for name, status in answers[session_id].items() if status == 200)
             http = httpx.Client(base_url=servers[owner].base_url, timeout=DEADLINE_S)
@@ -129,5 +135,8 @@ def test_an_adopted_session_counts_against_max_sessions(make_settings, tmp_path)
         assert b.delete(f"/v1/sessions/{local}").status_code == 204
         adopted = b.get("/v1/sessions/waiting-session-1")
         assert adopted.status_code == 200 and adopted.json()["frames_returned"] == 4
-        # The file was loaded and removed; the lease is b's while the session lives there.
-        assert [p.name for p in folder.iterdir()] == [".waiting-session-1.session.lease.0000000001"]
+        # The file was loaded and removed; the lease is b's while the session lives there, one generation past
+        # the file's (the floors: the file's generation, and one past the deleted local session's).
+        assert sorted(p.name for p in folder.iterdir()) == sorted([
+            ".waiting-session-1.session.generation", ".waiting-session-1.session.lease.0000000002",
+            f".{local}.session.generation"])

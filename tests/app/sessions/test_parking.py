@@ -15,6 +15,7 @@ import pytest
 import torch
 from websockets.sync.client import connect
 
+from app.persistence.leases import read_floor
 from models import SessionConfig
 from models.session import Geometry
 from models.session_bytes import session_bytes_estimate
@@ -174,7 +175,9 @@ def test_http_chunks_and_a_watcher_page_sessions_in_from_parked_and_spilled_bit_
         assert _state(http, ids[0])["state"] in ("active", "parked")
         for sid in ids:
             wait_until(lambda: _state(http, sid)["state"] == "spilled", "the parked session to spill", timeout=30)
-        assert sorted(p.name for p in folder.iterdir()) == sorted(f"{sid}.session.safetensors" for sid in ids)
+        # Each file, and its session's floor: the generation it was written under (app.persistence.leases, issue 25 item 8).
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            [*(f"{sid}.session.safetensors" for sid in ids), *(f".{sid}.session.generation" for sid in ids)])
         assert server.services.registry.handles() == [], "spilled sessions hold no memory"
         spilled = _state(http, ids[0])  # described from the stub: the GET brings nothing back
         assert spilled["bytes"]["disk"] > 0 and spilled["frames_returned"] == 10 and spilled["next_seq"] == 2
@@ -186,9 +189,11 @@ def test_http_chunks_and_a_watcher_page_sessions_in_from_parked_and_spilled_bit_
         # A watcher brings the first session back (adopted from its file); it then sees the last chunk's units.
         with connect(f"{server.ws_url}/v1/sessions/{ids[0]}/watch", open_timeout=DEADLINE_S) as watcher:
             wait_until(lambda: _state(http, ids[0])["state"] == "active", "the watched session to come back")
-            # Its file was loaded and removed; its lease is this replica's while it lives here (issue 25 item 4).
-            assert sorted(p.name for p in folder.iterdir()) == [f".{ids[0]}.session.lease.0000000001",
-                                                                 f"{ids[1]}.session.safetensors"]
+            # Its file was loaded and removed; its lease is this replica's while it lives here (issue 25 item 4),
+            # one generation past the spill's (the count goes on from the floor: item 8).
+            assert sorted(p.name for p in folder.iterdir()) == sorted([
+                f".{ids[0]}.session.generation", f".{ids[0]}.session.lease.0000000002",
+                f".{ids[1]}.session.generation", f"{ids[1]}.session.safetensors"])
             send(2)  # the first one already back, the second from its file
             watched = []
             while True:
@@ -275,15 +280,18 @@ def test_without_a_snapshot_dir_sessions_stay_parked_and_only_retention_deletes(
         # Polled by GETs all along, it spills all the same: a GET is not work, and reads the spilled one in place.
         wait_until(lambda: client.get(f"/v1/sessions/{sid}").json()["state"] == "spilled", "the session to spill")
         assert list(folder.glob("*.session.safetensors")) and len(client.app.state.services.registry) == 0
-        wait_until(lambda: not list(folder.iterdir()), "retention to end the spilled one and remove its file",
-                   timeout=30)
+        # Its floor stays, one past the spill's generation: a copy of the file put back is not adopted (item 8).
+        wait_until(lambda: [p.name for p in folder.iterdir()] == [f".{sid}.session.generation"],
+                   "retention to end the spilled one and remove its file", timeout=30)
+        assert read_floor(folder, sid) == 2
         gone = client.get(f"/v1/sessions/{sid}")
         assert gone.status_code == 410 and "session_retention_s" in gone.json()["error"]["message"]
         other = client.post("/v1/sessions").json()["session_id"]
         client.post(f"/v1/sessions/{other}/chunks", content=payload(LATENTS[:, :, :4], EMBEDS, MASK), headers=OCTET)
         wait_until(lambda: client.get(f"/v1/sessions/{other}").json()["state"] == "spilled", "the second to spill")
         assert client.delete(f"/v1/sessions/{other}").status_code == 204
-        assert not list(folder.iterdir()) and client.get(f"/v1/sessions/{other}").status_code == 404
+        assert sorted(p.name for p in folder.iterdir()) == sorted(f".{i}.session.generation" for i in (sid, other))
+        assert read_floor(folder, other) == 2 and client.get(f"/v1/sessions/{other}").status_code == 404
 
 
 def test_memory_settings_read_units_and_keep_the_old_idle_timeout_name(make_settings):
@@ -323,8 +331,10 @@ def test_a_spill_gives_way_to_a_request_that_arrives_while_it_is_written(make_se
         assert spill.result(DEADLINE_S) is False, "the spill gave way"
         sender.join(DEADLINE_S)
         assert replies[0].status_code == 200, replies[0].text
-        # The file is removed; the live session keeps its lease (issue 25 item 4: checkpoints or not).
-        assert [p.name for p in folder.iterdir()] == [f".{sid}.session.lease.0000000001"]
+        # The file is removed; the live session keeps its lease (issue 25 item 4: checkpoints or not); the floor
+        # is the abandoned write's generation, the lease's own (item 8): its later writes are not below it.
+        assert sorted(p.name for p in folder.iterdir()) == [f".{sid}.session.generation",
+                                                            f".{sid}.session.lease.0000000001"]
         assert services.registry.existing(sid) is handle
         assert _state(http, sid)["state"] == "active"
         refined = torch.cat([read_latents(first.content)[0], read_latents(replies[0].content)[0]], dim=2)

@@ -223,14 +223,17 @@ def test_admin_drain_saves_sessions_and_a_new_app_restores_them_bit_identically(
                               headers={**OCTET, **key})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         before = client.get(f"/v1/sessions/{session_id}", headers=key).json()
-    assert [p.name for p in (tmp_path / "snapshots").iterdir()] == [f"{session_id}.session.safetensors"]
+    # The file, and the session's floor marker (the generation it was written under: app.persistence.leases).
+    floor = f".{session_id}.session.generation"
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == [floor, f"{session_id}.session.safetensors"]
 
     with running_app(settings) as client:
-        assert len(list((tmp_path / "snapshots").iterdir())) == 1, "adopted on its first request, not at start-up"
+        assert len(list((tmp_path / "snapshots").iterdir())) == 2, "adopted on its first request, not at start-up"
         after = client.get(f"/v1/sessions/{session_id}", headers=key).json()
-        # Removed once loaded; the live session holds its lease here (issue 25 item 4: checkpoints or not).
-        assert [p.name for p in (tmp_path / "snapshots").iterdir()] == [f".{session_id}.session.lease.0000000001"], \
-            "an adopted snapshot is removed once loaded"
+        # Removed once loaded; the live session holds its lease here (issue 25 item 4: checkpoints or not), one
+        # generation past the file's (issue 25 item 8).
+        assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == [
+            floor, f".{session_id}.session.lease.0000000002"], "an adopted snapshot is removed once loaded"
         assert after["created_at"] == before["created_at"], "the creation time survives the restore"
         for field in ("frames_received", "frames_returned", "pending_frames", "next_seq", "kv_cache_bytes", "config"):
             assert after[field] == before[field], field
