@@ -22,7 +22,8 @@ def pytest_unconfigure(config):
 
 
 # What ``-m "not slow"`` leaves out of the inner loop (the README's test command and CI still run everything): by
-# file, with why. Chosen by ``--durations=0`` on 2 cores (docs/benchmarks.md, "The test suite").
+# folder, file or test (``path::name``, all its parameters), with why. Chosen by ``--durations=0`` on 2 cores
+# (docs/benchmarks.md, "The test suite").
 SLOW_FILES = {
     "tests/bench/": "benchmarks and soaks (real servers, many blocks)",
     "tests/deploy/test_cluster.py": "HAProxy in front of real replicas",
@@ -46,6 +47,16 @@ SLOW_FILES = {
     "tests/app/engine/test_concurrent_sessions.py": "many concurrent sessions against the reference",
     "tests/client/test_durable.py": "kill -9 of server processes",
     "tests/client/test_readme.py": "runs the guides against a live server",
+    "tests/client/test_restart.py": "restarts real server processes",
+    "tests/client/test_client.py::test_units_over_a_mebibyte_need_max_size_none": "streams units of over 1 MiB",
+    "tests/app/engine/test_batching_modes.py::test_sessions_batched_on_a_server_equal_each_alone_for_other_widths":
+        "a server per model width",
+    "tests/models/test_attention_op.py::test_the_engines_step_compiles_whole_and_its_graph_specialises_on_the_mix":
+        "torch.compile of the whole step, once per mix",
+    "tests/models/test_plan.py::test_the_released_refiner_is_planned_without_weights": "the released config on meta",
+    "tests/app/api/test_spec.py::test_serve_stops_at_start_up_on_a_bad_replica_id": "starts `python -m app serve`",
+    "tests/models/test_parity.py::test_cli_refine_equals_reference": "runs `python -m app refine` in a subprocess",
+    "tests/models/test_rebased.py::test_rebased_does_not_drift_past_one_hour_in_float32": "an hour of positions",
 }
 
 
@@ -53,7 +64,8 @@ def pytest_collection_modifyitems(config, items):
     root = config.rootpath
     for item in items:
         path = item.path.relative_to(root).as_posix()
-        if any(path == name or (name.endswith("/") and path.startswith(name)) for name in SLOW_FILES):
+        test = f"{path}::{item.originalname}"
+        if any(path == name or test == name or (name.endswith("/") and path.startswith(name)) for name in SLOW_FILES):
             item.add_marker(pytest.mark.slow)
 
 
