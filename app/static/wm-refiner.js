@@ -269,7 +269,11 @@ export class RefinerClient {
    * Without `seq` nothing is retried (a repeat would append the frames twice). A 409 seq_conflict names the seq
    * the server expects. */
   async sendChunk(id, payload, { seq, flush = false, retries = 3, maxWaitMs = 10000 } = {}) {
-    const bytes = payload == null && flush ? new Uint8Array(0) : body(payload);
+    if (payload == null && !flush) {
+      throw new TypeError("sendChunk needs the chunk's tensors ({latents, ...}) or its encoded bytes; null (no new " +
+                          "frames) only with flush: true");
+    }
+    const bytes = payload == null ? new Uint8Array(0) : body(payload);
     const path = `/v1/sessions/${encodeURIComponent(id)}/chunks`;
     for (let attempt = 0; ; attempt++) {
       try {

@@ -14,13 +14,14 @@ import base64
 import json
 import os
 import struct
+import threading
 
 import httpx
 import pytest
 import torch
 from safetensors.torch import load, save
 
-from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload
+from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, wait_until
 from tests.app.api.test_view_browser import CHROMEDRIVER, CHROMIUM, KEY, browser, page_server  # noqa: F401 (the fixtures)
 
 pytestmark = pytest.mark.skipif(
@@ -306,3 +307,105 @@ def test_the_example_in_api_md_runs(make_settings, browser):
     assert logged[:2] == [["unit", 0, 1], ["unit", 1, 4]]
     assert logged[2:] == [[[1, 128, 3, 4, 4], 128 * 3 * 16], [[1, 128, 3, 4, 4], 128 * 3 * 16],
                           [[1, 128, 1, 4, 4], 128 * 16], [{"type": "done", "frames": 11}]]
+
+
+# Runs in the page: the same clip to two sessions, over the stream (two messages and the flush) and as HTTP chunks
+# (seq 0, no seq, then the flush with an empty body, repeated); each unit's frames, seq, latencyMs and latents, each
+# chunk's round trip and the bytes each request's body had on the wire (fetch is wrapped to count them).
+SEQ_AND_FLUSH = """
+const [base, key, clipB64, clipShape, promptB64, promptShape, streamed, chunked] = args;
+const [B, C, T, H, W] = clipShape, clip = new Float32Array(b64.decode(clipB64).buffer);
+const prompt = m.Tensor.from("F32", promptShape, new Float32Array(b64.decode(promptB64).buffer));
+const frames = (start, end) => {  // latents[:, :, start:end] (B = 1)
+  const out = new Float32Array(C * (end - start) * H * W), run = (end - start) * H * W;
+  for (let c = 0; c < C; c++) out.set(clip.subarray((c * T + start) * H * W, (c * T + end) * H * W), c * run);
+  return m.Tensor.from("F32", [B, C, end - start, H, W], out);
+};
+const described = (unit) => ({ start: unit.frameStart, end: unit.frameEnd, seq: unit.seq, latencyMs: unit.latencyMs,
+                               shape: unit.tensors.latents.shape, bytes: b64.encode(unit.tensors.latents.bytes) });
+const bodies = [], fetchOriginal = globalThis.fetch;
+globalThis.fetch = (url, init = {}) => {
+  if (String(url).includes("/chunks")) bodies.push(init.body === undefined ? null : init.body.byteLength);
+  return fetchOriginal(url, init);
+};
+const client = new m.RefinerClient(base, { apiKey: key }), out = { streamed: [], chunks: [] };
+
+const stream = client.stream(streamed);
+await stream.send({ latents: frames(0, 5), prompt_embeds: prompt });  // seq 0: the sink, block [1, 4)
+await stream.send({ latents: frames(5, T) });                         // seq 1: block [4, 7)
+await stream.flush();                                                 // seq 2: [7, T)
+for await (const message of stream) if (message.type === "unit") out.streamed.push(described(message));
+
+for (const [payload, options] of [[{ latents: frames(0, 5), prompt_embeds: prompt }, { seq: 0 }],
+                                  [{ latents: frames(5, T) }, {}],            // no seq: counted all the same
+                                  [null, { seq: 2, flush: true }],            // the flush without frames
+                                  [null, { seq: 2, flush: true }]]) {         // again: the stored answer
+  const started = performance.now();
+  const unit = await client.sendChunk(chunked, payload, options);
+  out.chunks.push({ ...described(unit), replayed: unit.replayed, roundTripMs: performance.now() - started });
+}
+try { await client.sendChunk(chunked, null); out.refused = null; } catch (err) { out.refused = err.message; }
+out.bodies = bodies;
+return out;
+"""
+
+
+def test_units_say_seq_and_latency_and_an_empty_flush_gets_what_a_python_watcher_gets(make_settings, browser):
+    """seq and latencyMs of each unit the module reads (a stream's, an HTTP chunk's) and sendChunk(id, null, {flush:
+    true}): a Python client watches both sessions. A stream unit's watcher copy is the stream's own bytes, so the
+    page's seq and latencyMs equal, exactly, what the Python client read; an HTTP response says its chunk's seq
+    (that of every unit the watcher got within its frames) and a latency within its round trip, a repeated seq
+    the first answer's; the empty flush goes out as a 0-byte body and returns the watcher's last unit, bit for bit."""
+    from wm_refiner_client import Client
+    from wm_refiner_client.units import Unit
+
+    latents, embeds, _ = make_clip(frames=9, seed=5)
+    with LiveServer(make_settings(api_key=KEY)) as server, \
+            Client(server.base_url, api_key=KEY, return_tensors="pt") as python:
+        sessions = [python.session(name) for name in ("js-seq-streamed", "js-seq-chunked")]
+        watched: dict[str, list] = {session.id: [] for session in sessions}
+        threads = [threading.Thread(target=lambda s=session: watched[s.id].extend(s.watch())) for session in sessions]
+        for thread in threads:
+            thread.start()
+        for session in sessions:  # subscribed before the page sends anything
+            wait_until(lambda: session.state().raw["watchers"] == 1, f"the Python watcher of {session.id}")
+
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, SEQ_AND_FLUSH, server.base_url, KEY, b64(latents.numpy().tobytes()),
+                     list(latents.shape), b64(embeds.numpy().tobytes()), list(embeds.shape),
+                     *(session.id for session in sessions))
+        for thread in threads:
+            thread.join(DEADLINE_S)
+            assert not thread.is_alive()
+
+    def latents_of(unit: dict) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(unit["bytes"])), dtype=torch.float32).reshape(unit["shape"])
+
+    streamed_units, chunked_units = ([u for u in watched[s.id] if isinstance(u, Unit)] for s in sessions)
+    # The stream: every unit as the Python watcher read it, seq and latency included (the same bytes).
+    assert [(u["start"], u["end"], u["seq"]) for u in out["streamed"]] == [(0, 1, 0), (1, 4, 0), (4, 7, 1), (7, 9, 2)]
+    assert [(u.frame_start, u.frame_end, u.seq, u.latency_ms) for u in streamed_units] == \
+        [(u["start"], u["end"], u["seq"], u["latencyMs"]) for u in out["streamed"]]
+    assert all(u["latencyMs"] > 0 for u in out["streamed"])
+    for page, python_unit in zip(out["streamed"], streamed_units):
+        assert torch.equal(latents_of(page), python_unit.latents)
+
+    # HTTP chunks: one unit per response, its chunk's seq; the empty flush sent 0 bytes and was replayed.
+    first, second, flush, again = out["chunks"]
+    assert [(u["start"], u["end"], u["seq"], u["replayed"]) for u in out["chunks"]] == \
+        [(0, 4, 0, False), (4, 7, 1, False), (7, 9, 2, False), (7, 9, 2, True)]
+    assert out["bodies"][2:] == [0, 0] and all(size > 0 for size in out["bodies"][:2])
+    assert out["refused"] and "null (no new frames) only with flush: true" in out["refused"]
+    assert len(out["bodies"]) == 4, "the refused call must not reach the server"
+    for unit in (first, second, flush):
+        assert 0 < unit["latencyMs"] <= unit["roundTripMs"]
+        inside = [u for u in chunked_units if unit["start"] <= u.frame_start and u.frame_end <= unit["end"]]
+        assert inside and {u.seq for u in inside} == {unit["seq"]}
+    assert again["latencyMs"] == flush["latencyMs"] and again["bytes"] == flush["bytes"]  # the stored bytes
+    assert [(u.frame_start, u.frame_end, u.seq) for u in chunked_units] == [(0, 1, 0), (1, 4, 0), (4, 7, 1), (7, 9, 2)]
+    assert torch.equal(latents_of(flush), chunked_units[-1].latents)
+    assert torch.equal(torch.cat([latents_of(u) for u in (first, second, flush)], dim=2),
+                       torch.cat([u.latents for u in chunked_units], dim=2))
+    # The same clip split the same way: the stream and the chunks refine the same blocks, bit for bit.
+    assert torch.equal(torch.cat([u.latents for u in streamed_units], dim=2),
+                       torch.cat([u.latents for u in chunked_units], dim=2))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -334,3 +335,89 @@ def test_a_page_on_an_allowed_origin_calls_the_api_and_opens_the_websocket(make_
             f"{server.ws_url}/v1/sessions/{session_id}/watch", KEY)
         assert refused == ["closed", 1006]  # what a page learns of a refused handshake
         assert server.services.metrics.rejected_requests.labels(reason="origin_not_allowed")._value.get() >= 1
+
+
+# --- previews in the list (view.html's preview watchers; api.md "Previews") ----------------------------------------
+def preview_image(browser, session_id: str) -> dict:
+    """The preview <img> of the session's line in the list, as the browser decoded it."""
+    return browser.execute_script(
+        """const img = document.querySelector(`#sessions li[data-session-id="${arguments[0]}"] img.preview`);
+        return img && {hidden: img.hidden, src: img.getAttribute("src"), width: img.naturalWidth,
+                       height: img.naturalHeight, complete: img.complete};""",
+        session_id,
+    )
+
+
+def watchers_of(http: httpx.Client) -> dict[str, int]:
+    return {s["session_id"]: s["watchers"] for s in http.get("/v1/sessions").json()["sessions"]}
+
+
+def test_the_list_shows_a_preview_of_each_session_that_produces_one(make_settings, vae_dir, browser):
+    """A session with outputs [latents, preview] gets a watcher of the page asking ?outputs=preview; after a chunk
+    its line shows an <img> of the session's preview_width, the newest unit's JPEG as the server encoded it. A
+    latents-only session gets no watcher and no image."""
+    import base64
+
+    from app.core.codec import decode_response
+
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        # video_lookahead 0: each unit's frames come with it (the exact look-ahead would hold this chunk's back).
+        created = http.post("/v1/sessions", json={"outputs": ["latents", "preview"], "preview_width": 48,
+                                                  "video_lookahead": 0})
+        assert created.status_code == 201, created.text
+        previewed = created.json()["session_id"]
+        plain = http.post("/v1/sessions", json={}).json()["session_id"]
+
+        browser.get(f"{server.base_url}/view")
+        wait_until(lambda: watchers_of(http)[previewed] == 1, "the page's preview watcher")
+        assert watchers_of(http)[plain] == 0
+        assert browser.execute_script("return window.wmPreviews.watching") == [previewed]
+
+        latents, embeds, mask = make_clip(frames=4, height=4, width=8)  # the sink and one block, a 2:1 video
+        response = http.post(f"/v1/sessions/{previewed}/chunks", params={"seq": 0},
+                             content=payload(latents, embeds, mask), headers=OCTET)
+        assert response.status_code == 200, response.text
+        tensors, metadata = decode_response(response.content)
+        width, height = int(metadata["preview_width"]), int(metadata["preview_height"])
+        assert (width, height) == (48, 24)
+        newest = tensors["preview"][-int(tensors["preview_sizes"][0, -1]):].numpy().tobytes()  # row 0, last unit
+
+        wait_until(lambda: browser.execute_script(f"return window.wmPreviews.shown['{previewed}']?.frameEnd") == 4,
+                   "the block's preview shown")
+        image = wait_until(lambda: (lambda i: i["complete"] and i["width"] and i)(preview_image(browser, previewed)),
+                           "the preview decoded")
+        assert not image["hidden"]
+        assert (image["width"], image["height"]) == (width, height)
+        prefix = "data:image/jpeg;base64,"
+        assert image["src"].startswith(prefix) and base64.b64decode(image["src"][len(prefix):]) == newest
+
+        other = preview_image(browser, plain)
+        assert other["hidden"] and other["src"] is None and other["width"] == 0
+        assert watchers_of(http)[plain] == 0
+
+
+def test_the_page_watches_at_most_its_cap_of_previews_and_moves_a_slot_when_a_session_goes(make_settings, vae_dir,
+                                                                                             browser):
+    """Six sessions with previews, a cap of four: the server sees four watchers from the page, and still four a
+    refresh later; a watched session deleted, its slot goes to one that was not watched."""
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        ids = [http.post("/v1/sessions", json={"outputs": ["preview"]}).json()["session_id"] for _ in range(6)]
+        browser.get(f"{server.base_url}/view")
+        cap = browser.execute_script("return window.wmPreviews.max")
+        assert cap == 4
+        wait_until(lambda: sum(watchers_of(http).values()) == cap, f"{cap} preview watchers")
+        time.sleep(2.5)  # past the page's next list refresh (every 2 s): it opened no more
+        counts = watchers_of(http)
+        assert sum(counts.values()) == cap and set(counts.values()) == {0, 1}
+        watching = set(browser.execute_script("return window.wmPreviews.watching"))
+        assert watching == {sid for sid, n in counts.items() if n == 1}
+
+        gone = sorted(watching)[0]
+        assert http.delete(f"/v1/sessions/{gone}").status_code == 204
+        replacement = lambda: set(browser.execute_script("return window.wmPreviews.watching")) - watching
+        wait_until(lambda: len(replacement()) == 1 and sum(watchers_of(http).values()) == cap, "a slot moved")
+        counts = watchers_of(http)
+        assert gone not in counts and sum(counts.values()) == cap
+        assert replacement() <= set(ids) - watching
