@@ -34,8 +34,9 @@ the verdict is in (an event query, never a wait while other sessions have forwar
 settles before. A finite block releases its rollback point; a NaN/Inf block is undone (``_withdraw``: the session
 back to its checkpoint from just before the commit, the block's output step dropped or its stages restored, its
 unit taken out of the work's result and listed in ``Work.withdrawn`` so delivery forgets it, its real-time pacing
-as if it had not run: ``Pacer.undo``) and its work fails as the commit's own error would have failed it on a CPU. Atomic work takes no checkpoint per block: its own, from
-before the work, undoes the block with the rest of the work when it fails. The cost: a session's next block is
+as if it had not run: ``Pacer.undo``) and its work fails as the commit's own error would have failed it on a CPU.
+Atomic work takes no checkpoint per block: its own, from before the work, undoes the block with the rest of the
+work when it fails. The cost: a session's next block is
 launched only once its previous block ran on the device (other sessions fill that gap), plus, on a stream, a
 rollback copy of the history frames a full history drops per block.
 
