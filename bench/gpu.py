@@ -14,7 +14,11 @@ from its config alone with random weights, in bfloat16 on the GPU, and measures:
 - ``parity``: bfloat16 vs float32 on a 4-layer slice at the real width (same weights);
 - ``decode``: streaming VAE decode frames/s at the released VAE's config (``AutoencoderKLLTX2Video`` defaults);
 - ``park``: park (device -> exact-size pinned host) and page-in (host -> device, side stream) of a 720p session, ms;
-- ``attention``: the kernels that ran the attention (from the profiler).
+- ``attention``: the kernels that ran the attention (from the profiler);
+- ``step_modes``: the engine's step eager, compiled (``models.compiled.CompiledStep``, ``compile_mode: default``)
+  and graphed (``compile_mode: reduce-overhead``: CUDA graphs) at 480p for 1 and 4 sessions batched, each mode's
+  compile time, and the ``recommended_mode`` those figures give (``section_step_modes``). Last, and bounded by its
+  own time cap and the run's end (``--end-s``), so it never costs another section's figures.
 
 Every section fails soft: its error goes into ``summary.json`` and the next runs, so one broken figure does not
 waste a loan. Every figure is named with its unit (``_s``, ``_ms``, ``_bytes``, ``_fps``, ``_sessions`` ...).
@@ -59,6 +63,8 @@ FULL = {
     "prompt_tokens": 300,
     "decode": {"geometry": (22, 40), "blocks": 3},
     "parity_geometry": (8, 8),
+    # Eager vs compiled vs graphed: 480p only, few blocks (each compiled mode compiles buckets 1 and 4 first).
+    "step_modes": {"geometry": "480p", "sessions": (1, 4), "blocks": 3, "cap_s": 100.0, "mode_min_s": 45.0},
 }
 SMOKE = {
     "config": PRESETS["tiny"],
@@ -69,6 +75,8 @@ SMOKE = {
     "prompt_tokens": 8,
     "decode": {"geometry": (2, 2), "blocks": 1},
     "parity_geometry": (4, 4),
+    # One count (one bucket to compile): the compile is most of the smoke's time on a shared 2-core CPU.
+    "step_modes": {"geometry": "tiny", "sessions": (2,), "blocks": 3, "cap_s": 90.0, "mode_min_s": 0.0},
 }
 
 
@@ -136,9 +144,12 @@ def _steady_sessions(refiner, count: int, height: int, width: int, prompt_tokens
     return sessions
 
 
-def run_block(refiner, sessions: list[RefinerSession], batched: bool, clock: CallClock, seed: int) -> float:
+def run_block(refiner, sessions: list[RefinerSession], batched: bool, clock: CallClock, seed: int,
+              step: Callable | None = None) -> float:
     """One block of every session (frames appended, every forward run, committed), as the engine runs it: batched,
-    one model call per step for all of them; otherwise one call per session per step. Device seconds (clock)."""
+    one model call per step for all of them; otherwise one call per session per step. Device seconds (clock).
+    ``step``: what runs a model call (``run_batch``, or a ``CompiledStep`` as the engine's runner)."""
+    step = step or run_batch
     config = sessions[0].config
     runs = []
     for index, session in enumerate(sessions):
@@ -152,9 +163,9 @@ def run_block(refiner, sessions: list[RefinerSession], batched: bool, clock: Cal
         if all(f is None for f in forwards):
             break
         if batched:
-            outs = run_batch(refiner.model, forwards)
+            outs = step(refiner.model, forwards)
         else:
-            outs = [run_batch(refiner.model, [forward])[0] for forward in forwards]
+            outs = [step(refiner.model, [forward])[0] for forward in forwards]
         for session, run, out in zip(sessions, runs, outs):
             session.advance(run, out)
     for session, run in zip(sessions, runs):
@@ -170,6 +181,7 @@ class Context:
         self.refiner = None
         self.started = time.perf_counter()
         self.budget_s = float("inf")  # past it, the blocks section skips what is left (recorded as null)
+        self.end_s = float("inf")  # the run ends by then (seconds from its start): step_modes stops short of it
         self.blocks: dict[str, dict[str, float]] = {}
         self.parked_session: RefinerSession | None = None
 
@@ -349,6 +361,117 @@ def section_attention(ctx: Context) -> dict[str, Any]:
             "flash_ran": any("flash" in n.lower() or "fmha" in n.lower() for n in names)}
 
 
+# --- eager, compiled, graphed ------------------------------------------------------------------------------------
+STEP_MODES = {  # the section's name for a mode -> the settings that select it (app.core.settings)
+    "eager": {"compile_step": False},
+    "compiled": {"compile_step": True, "compile_mode": "default"},
+    "graphed": {"compile_step": True, "compile_mode": "reduce-overhead"},
+}
+MODE_MARGIN = 0.05  # a mode must beat the simpler one by 5% at every measured count to be recommended
+
+
+def recommend(figures: dict[str, dict[str, Any]], counts, margin: float = MODE_MARGIN) -> str:
+    """The mode the setting should follow: start from eager and step up (compiled, then graphed) only where the
+    next mode's steady block is at least ``margin`` faster than the one recommended so far at every session count
+    measured. Each step adds start-up compile time and ways to fail, so a tie goes to the simpler mode; a mode with
+    a count missing (skipped, failed) is never recommended."""
+    def times(mode):
+        values = [figures.get(mode, {}).get(f"batched_{n}_sessions_block_s") for n in counts]
+        return None if any(v is None for v in values) else values
+
+    best, best_times = "eager", times("eager")
+    if best_times is None:
+        return "eager"  # nothing to compare against
+    for mode in ("compiled", "graphed"):
+        candidate = times(mode)
+        if candidate is not None and all(c * (1 + margin) <= b for c, b in zip(candidate, best_times)):
+            best, best_times = mode, candidate
+    return best
+
+
+def _measure_mode(ctx: Context, sessions: list[RefinerSession], mode: str, counts, blocks: int) -> dict[str, Any]:
+    """One mode's figures: for each count, a first block (wall time: it compiles, for a compiled mode) then the
+    median of ``blocks`` steady blocks (device time). ``compile_s``: the first blocks' wall time less their steady
+    figures, i.e. what compiling cost over a warm block (eager: allocator and kernel warm-up only)."""
+    from torch._dynamo.utils import counters
+
+    from models.compiled import CompiledStep
+
+    step = None
+    if mode != "eager":
+        torch._dynamo.reset()  # each mode compiles from nothing: its compile time is its own
+        step = CompiledStep(ctx.refiner.model, max(counts), mode=STEP_MODES[mode]["compile_mode"])
+    graphs_before = counters["stats"]["unique_graphs"]
+    clock = CallClock(ctx.device)
+    out: dict[str, Any] = {}
+    first_s = compile_s = 0.0
+    for count in counts:
+        _sync(ctx.device)
+        started = time.perf_counter()
+        run_block(ctx.refiner, sessions[:count], True, clock, 300, step)
+        _sync(ctx.device)
+        first = time.perf_counter() - started
+        times = sorted(run_block(ctx.refiner, sessions[:count], True, clock, 400 + i, step) for i in range(blocks))
+        steady = times[len(times) // 2]
+        out[f"batched_{count}_sessions_block_s"] = steady
+        first_s += first
+        compile_s += max(0.0, first - steady)
+    out.update(first_blocks_s=first_s, compile_s=compile_s,
+               graphs_compiled_count=counters["stats"]["unique_graphs"] - graphs_before)
+    return out
+
+
+def section_step_modes(ctx: Context) -> dict[str, Any]:
+    """Eager vs compiled vs graphed (issue 22 item 4: CUDA graphs pay only where a step is launch-bound, so the
+    default follows a measurement): steady block latency at 480p for 1 and 4 sessions batched with the engine's
+    step in each mode, each mode's compile time, and ``recommended_mode`` (``recommend``) with the settings it maps
+    to. Decision for the CPU (``--smoke``): graphed is skipped with its reason recorded, not run as a plain compile
+    under another name: CUDA graphs need a CUDA device, and on a CPU ``reduce-overhead`` compiles exactly what
+    ``compiled`` does, so a figure for it would only measure noise. A mode that fails is recorded in ``errors`` and
+    the others run; a mode not started by the section's time cap or the run's end is skipped (null)."""
+    spec = ctx.preset["step_modes"]
+    counts = tuple(spec["sessions"])
+    height, width = ctx.preset["geometries"][spec["geometry"]]
+    deadline = min(time.perf_counter() + spec["cap_s"], ctx.started + ctx.end_s)
+    sessions = _steady_sessions(ctx.refiner, max(counts), height, width, ctx.preset["prompt_tokens"])
+    out: dict[str, Any] = {"geometry": spec["geometry"], "latent_height_width": f"{height}x{width}",
+                           "margin_ratio": MODE_MARGIN}
+    skipped: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    try:
+        for mode in STEP_MODES:
+            left = deadline - time.perf_counter()
+            if mode == "graphed" and ctx.device.type != "cuda":
+                skipped[mode] = "CUDA graphs need a CUDA device (on a CPU reduce-overhead compiles as compiled does)"
+            elif mode != "eager" and left < spec["mode_min_s"]:
+                skipped[mode] = (f"time: {left:.0f} s left of the section's cap, under the "
+                                 f"{spec['mode_min_s']:.0f} s a mode needs")
+            if mode in skipped:
+                out[mode] = {f"batched_{n}_sessions_block_s": None for n in counts} | {"compile_s": None}
+                continue
+            try:
+                out[mode] = _measure_mode(ctx, sessions, mode, counts, spec["blocks"])
+            except Exception as exc:  # fail soft per mode: one broken mode keeps the others' figures
+                errors[mode] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+                out[mode] = {f"batched_{n}_sessions_block_s": None for n in counts} | {"compile_s": None}
+    finally:
+        torch._dynamo.reset()  # later work in this process runs eagerly, as before the section
+        del sessions
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    eager = out["eager"]
+    for mode in ("compiled", "graphed"):
+        for n in counts:
+            value, base = out[mode][f"batched_{n}_sessions_block_s"], eager[f"batched_{n}_sessions_block_s"]
+            out[mode][f"speedup_{n}_sessions_ratio"] = None if value is None or base is None else base / value
+    out["recommended_mode"] = recommend(out, counts)
+    out["recommended_settings"] = STEP_MODES[out["recommended_mode"]]
+    out["skipped"] = [f"{mode}: {why}" for mode, why in skipped.items()]
+    out["mode_errors"] = [f"{mode}: {why}" for mode, why in errors.items()]
+    return out
+
+
 SECTIONS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("startup", section_startup),
     ("memory", section_memory),  # before the blocks' sessions: free memory with the weights alone
@@ -358,6 +481,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("decode", section_decode),
     ("park", section_park),
     ("attention", section_attention),
+    ("step_modes", section_step_modes),  # last: it compiles, and stops short of the run's end (--end-s)
 ]
 
 
@@ -372,7 +496,8 @@ def machine(device: torch.device) -> dict[str, Any]:
     return out
 
 
-def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float = 360.0) -> dict[str, Any]:
+def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float = 360.0,
+        end_s: float = float("inf")) -> dict[str, Any]:
     preset = SMOKE if smoke else FULL
     device = torch.device(device or ("cpu" if smoke else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -380,7 +505,7 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
     use_device(device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     ctx = Context(preset, device, dtype)
-    ctx.budget_s = budget_s
+    ctx.budget_s, ctx.end_s = budget_s, end_s
     summary: dict[str, Any] = {"mode": "smoke" if smoke else "full", "dtype": str(dtype).removeprefix("torch."),
                                "machine": machine(device), "sections": {}, "errors": {}, "seconds": {}}
     total = time.perf_counter()
@@ -444,7 +569,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="seconds after which the block latencies left are skipped (null), so the check ends in time")
+    parser.add_argument("--end-s", type=float, default=float("inf"),
+                        help="seconds from the start by which the run must end: step_modes starts no mode it cannot "
+                             "finish by then (skipped, with the reason)")
     args = parser.parse_args(argv)
-    summary = run(args.out, args.smoke, args.device, args.budget_s)
+    summary = run(args.out, args.smoke, args.device, args.budget_s, args.end_s)
     print((args.out / "summary.md").read_text())
     return 1 if summary["errors"] else 0

@@ -6,8 +6,10 @@
 # 1. `python -m bench gpu OUT` (bench/gpu.py): the released refiner from its config with random weights in bf16 on
 #    the GPU; start-up, steady block latency at 480p/720p for 1/2/4 sessions batched and one at a time (CUDA events),
 #    sessions in the memory budget, real-time sessions at 16 fps, bf16 vs fp32 parity, streaming VAE decode frames/s,
-#    park/page-in ms, the attention kernel. Writes OUT/summary.json (each figure named with its unit) and
-#    OUT/summary.md; a broken section is recorded there and the rest runs.
+#    park/page-in ms, the attention kernel; last, the engine's step eager vs compiled vs graphed (CUDA graphs) at
+#    480p for 1 and 4 sessions, with compile times and the recommended compile_step/compile_mode (it starts no mode
+#    it cannot end by --end-s). Writes OUT/summary.json (each figure named with its unit) and OUT/summary.md; a
+#    broken section is recorded there and the rest runs.
 # 2. the -m gpu tests (tests/gpu: bf16 parity with diffusers' reference, batched vs solo rows, no host sync inside a
 #    block, KV memory allocated once, the compiled step with CUDA graphs, a late NaN/Inf verdict undone by the
 #    engine), output in OUT/gpu-tests.txt.
@@ -54,8 +56,9 @@ PY
 
 echo "== bench gpu"
 # Bounded so that the tests still run within the loan: summary.json is written after every section, so a run
-# stopped here keeps what it measured; the block latencies left after --budget-s are skipped (null).
-timeout 330 python -m bench gpu --budget-s 240 "$out" 2>&1 | tee "$out/bench.txt"
+# stopped here keeps what it measured; the block latencies left after --budget-s are skipped (null), and the step
+# modes (last, about 100 s: two compiles) start no mode with under 45 s left before --end-s.
+timeout 330 python -m bench gpu --budget-s 200 --end-s 320 "$out" 2>&1 | tee "$out/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu: some sections failed (errors in $out/summary.json)"; }
 echo "== gpu tests"
 timeout 150 python -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.txt"

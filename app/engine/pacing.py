@@ -11,6 +11,16 @@ deadline is *late*, by ``commit - deadline`` seconds: a client that started play
 arrived runs dry. The sink (returned unchanged) has no deadline. The engine calls ``Pacer.arrived`` when it accepts
 a chunk and ``Pacer.committed`` when it commits a block, both on its thread; the clock is injectable (tests).
 
+**A block undone after its commit.** On an accelerator a block's NaN/Inf verdict is read after its commit
+(``app.engine.worker``, late verdicts), and a NaN/Inf block is then undone. Such a block must not count: the CPU
+path never commits it, so its pacing must end up the same. ``Pacer.committed`` therefore returns a ``PacedBlock``
+holding the session's pacing from before the block (counters and arrivals, a few entries): ``Pacer.undo`` puts it
+back (the block is neither paced nor late, and its frames' arrivals are listed again, so the retry's deadline comes
+from its own arrival exactly as after a CPU failure), ``Pacer.confirm`` counts it in the metrics. Decision: the
+metrics (``refiner_paced_blocks_total``, ``refiner_late_blocks_total``) are counters, which cannot go down, so a
+block whose verdict is pending reaches them only once it is confirmed finite; the session's own counters count it
+at commit (its JSON is read between blocks, and an undo takes it back).
+
 **Cost model.** Every model call the engine makes feeds ``CostModel``: its seconds divided by its rows, an
 exponentially weighted moving average per tokens-per-row (a call holds forwards of one token count only). The
 seconds are the device's (``models.clock.CallClock``): on CUDA the span between two events around the call, read
@@ -121,6 +131,14 @@ class Pacing:
             self.late_blocks += 1
         return lateness
 
+    def checkpoint(self) -> tuple:
+        """Everything ``committed`` changes, to put back with ``restore`` (an undone block)."""
+        return (tuple(self.arrivals), self.blocks, self.late_blocks, self.last_lateness_s, self.worst_lateness_s)
+
+    def restore(self, checkpoint: tuple) -> None:
+        arrivals, self.blocks, self.late_blocks, self.last_lateness_s, self.worst_lateness_s = checkpoint
+        self.arrivals = deque(arrivals)
+
     def status(self) -> dict[str, Any]:
         return {
             "late_blocks": self.late_blocks,
@@ -128,6 +146,16 @@ class Pacing:
             "last_lateness_s": self.last_lateness_s,
             "worst_lateness_s": self.worst_lateness_s,
         }
+
+
+@dataclass(frozen=True)
+class PacedBlock:
+    """A paced block as ``Pacer.committed`` accounted it: its lateness, and its session's pacing from before it
+    (what ``Pacer.undo`` restores)."""
+
+    pacing: Pacing
+    before: tuple  # Pacing.checkpoint()
+    lateness: float
 
 
 class Pacer:
@@ -149,16 +177,36 @@ class Pacer:
         if pacing is not None:
             pacing.arrived(frame_end, at)
 
-    def committed(self, pacing: Pacing | None, kind: str, frame_start: int, frame_end: int) -> None:
+    def committed(self, pacing: Pacing | None, kind: str, frame_start: int, frame_end: int,
+                  verdict_pending: bool = False) -> PacedBlock | None:
+        """Account a committed unit; a block of a real-time session with a known deadline gives a ``PacedBlock``.
+        ``verdict_pending``: its NaN/Inf verdict is not read yet, so the metrics wait for ``confirm`` (or ``undo``)."""
         if pacing is None or kind != "block":
-            return
+            return None
+        before = pacing.checkpoint()
         lateness = pacing.committed(frame_start, frame_end, self.clock())
         if lateness is None:
+            return None
+        block = PacedBlock(pacing, before, lateness)
+        if not verdict_pending:
+            self.confirm(block)
+        return block
+
+    def confirm(self, block: PacedBlock | None) -> None:
+        """The block stays (its verdict was finite, or there was none to wait for): count it in the metrics."""
+        if block is None:
             return
         if self._on_paced is not None:
-            self._on_paced(lateness)
-        if lateness > 0 and self._on_late is not None:
-            self._on_late(lateness)
+            self._on_paced(block.lateness)
+        if block.lateness > 0 and self._on_late is not None:
+            self._on_late(block.lateness)
+
+    def undo(self, block: PacedBlock | None) -> None:
+        """The block was undone (a late NaN/Inf verdict): its session's pacing as if it had never been committed.
+        It is the session's last paced block (the verdict gate holds every later forward), so nothing after it is
+        lost."""
+        if block is not None:
+            block.pacing.restore(block.before)
 
 
 # --- admission -------------------------------------------------------------------------------------------------------

@@ -33,9 +33,10 @@ queued behind it. Its session then waits at a *gate* (``PendingVerdict``): none 
 the verdict is in (an event query, never a wait while other sessions have forwards to run), and none of its work
 settles before. A finite block releases its rollback point; a NaN/Inf block is undone (``_withdraw``: the session
 back to its checkpoint from just before the commit, the block's output step dropped or its stages restored, its
-unit taken out of the work's result and listed in ``Work.withdrawn`` so delivery forgets it) and its work fails as
-the commit's own error would have failed it on a CPU. Atomic work takes no checkpoint per block: its own, from
-before the work, undoes the block with the rest of the work when it fails. The cost: a session's next block is
+unit taken out of the work's result and listed in ``Work.withdrawn`` so delivery forgets it, its real-time pacing
+as if it had not run: ``Pacer.undo``) and its work fails as the commit's own error would have failed it on a CPU.
+Atomic work takes no checkpoint per block: its own, from before the work, undoes the block with the rest of the
+work when it fails. The cost: a session's next block is
 launched only once its previous block ran on the device (other sessions fill that gap), plus, on a stream, a
 rollback copy of the history frames a full history drops per block.
 
@@ -83,7 +84,7 @@ from models.transfer import use_device
 from app.core.metrics import Metrics
 from app.engine.batching import BatchingPolicy, Mode, ProbeShape
 from app.engine.engine_errors import Draining, EngineBusy, EngineError, OutputFailed
-from app.engine.pacing import Pacer, Pacing
+from app.engine.pacing import PacedBlock, Pacer, Pacing
 from app.engine.scheduler import ModelCall, Ready, Scheduler
 from app.outputs.catalog import latents_only
 from app.outputs.stage import OutputFailure, OutUnit, SessionStages
@@ -134,6 +135,7 @@ class PendingVerdict:
     check: Any  # models.session.FiniteCheck
     before: SessionCheckpoint | None  # None in atomic work: its checkpoint from before the work undoes the block
     stages: dict | None = None
+    paced: PacedBlock | None = None  # its pacing (real-time sessions): confirmed or undone with the verdict
 
 
 @dataclass(eq=False)
@@ -614,11 +616,12 @@ class Engine:
                 session.rollback(before)
             self._fail(work, exc)
             return
+        paced = self.pacer.committed(target.pacing, unit.kind, unit.frame_start, unit.frame_end,
+                                     verdict_pending=unit.check is not None)
         if unit.check is not None:
-            target.verdict = PendingVerdict(unit.check, before)
+            target.verdict = PendingVerdict(unit.check, before, paced=paced)
         elif before is not None:
             session.release(before)
-        self.pacer.committed(target.pacing, unit.kind, unit.frame_start, unit.frame_end)
         state = target.session.state
         self._queue_output(target, unit, final=state.flushed and state.pending_frames == 0)
 
@@ -651,6 +654,7 @@ class Engine:
         if error is None:
             if verdict.before is not None:
                 target.session.release(verdict.before)
+            self.pacer.confirm(verdict.paced)
             return None
         log.warning("a block of %s refined to NaN or Inf (read after its commit): undone", target.name)
         self._withdraw(target, verdict)
@@ -662,6 +666,8 @@ class Engine:
         the session back to before the work (``_fail``), as a CPU commit's error would."""
         if verdict.before is not None:
             target.session.rollback(verdict.before)
+        self.pacer.undo(verdict.paced)  # neither paced nor late; its frames' arrivals listed again
+
         def undone(entry) -> bool:
             return entry[0] is not None and entry[0].check is verdict.check
 

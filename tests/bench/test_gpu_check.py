@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu import STEP_MODES, recommend
+
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("startup", "blocks", "memory", "realtime", "parity", "decode", "park", "attention")
+SECTIONS = ("startup", "blocks", "memory", "realtime", "parity", "decode", "park", "attention", "step_modes")
 # A figure's name ends with its unit; a few are words or lists (what ran) rather than quantities.
 UNIT = re.compile(r"_(s|ms|bytes|fps|count|ratio|sessions)$")
-WORDS = {"latent_height_width", "compared", "ops", "kernels", "flash_ran", "fps", "max_abs", "reference_rms"}
+WORDS = {"latent_height_width", "compared", "ops", "kernels", "flash_ran", "fps", "max_abs", "reference_rms",
+         "geometry", "recommended_mode", "compile_step", "compile_mode", "skipped", "mode_errors"}
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +67,39 @@ def test_the_figures_are_the_ones_asked_for(summary):
     assert s["decode"]["frames_per_second_fps"] > 0 and s["decode"]["pixel_frames_count"] > 0
     assert s["park"]["session_bytes"] > 0 and s["park"]["park_ms"] >= 0
     assert any("attention" in op for op in s["attention"]["ops"])
+    modes = s["step_modes"]
+    assert modes["geometry"] == "tiny" and modes["mode_errors"] == []
+    for mode in ("eager", "compiled"):
+        assert modes[mode]["batched_2_sessions_block_s"] > 0  # the smoke measures 2 sessions batched (the GPU: 1, 4)
+    compiled = modes["compiled"]
+    assert compiled["graphs_compiled_count"] > 0 and compiled["compile_s"] > 0  # it really compiled
+    assert modes["eager"]["graphs_compiled_count"] == 0
+    assert compiled["speedup_2_sessions_ratio"] == pytest.approx(
+        modes["eager"]["batched_2_sessions_block_s"] / compiled["batched_2_sessions_block_s"])
+    # On the CPU no CUDA graphs: graphed is skipped, with the reason, not measured under another name.
+    graphed = modes["graphed"]
+    assert graphed["batched_2_sessions_block_s"] is None and graphed["speedup_2_sessions_ratio"] is None
+    assert len(modes["skipped"]) == 1 and modes["skipped"][0].startswith("graphed: CUDA graphs need a CUDA device")
+    assert modes["recommended_mode"] == recommend(modes, (2,)) != "graphed"
+    assert modes["recommended_settings"] == STEP_MODES[modes["recommended_mode"]]
+
+
+def _modes(**blocks):
+    """Step-mode figures from ``mode=(1-session s, 4-session s)`` (None: not measured)."""
+    return {mode: {"batched_1_sessions_block_s": None if t is None else t[0],
+                   "batched_4_sessions_block_s": None if t is None else t[1]} for mode, t in blocks.items()}
+
+
+def test_the_recommended_mode_steps_up_only_for_a_margin_at_every_count():
+    counts = (1, 4)
+    # Launch-bound: graphs pay at both counts.
+    assert recommend(_modes(eager=(0.5, 1.6), compiled=(0.4, 1.4), graphed=(0.3, 1.3)), counts) == "graphed"
+    # Graphs within 5% of compiled: the simpler mode.
+    assert recommend(_modes(eager=(0.5, 1.6), compiled=(0.4, 1.4), graphed=(0.39, 1.35)), counts) == "compiled"
+    # Faster at one count, slower at the other (the peers' 2-3% loss): eager.
+    assert recommend(_modes(eager=(0.5, 1.6), compiled=(0.3, 1.65), graphed=(0.3, 1.62)), counts) == "eager"
+    # Graphs beat eager by the margin although compiled does not: graphed.
+    assert recommend(_modes(eager=(0.5, 1.6), compiled=(0.49, 1.6), graphed=(0.3, 1.0)), counts) == "graphed"
+    # A mode with a figure missing (skipped, failed) is never recommended; nor anything without eager's figures.
+    assert recommend(_modes(eager=(0.5, 1.6), compiled=(0.2, None), graphed=None), counts) == "eager"
+    assert recommend(_modes(eager=None, compiled=(0.2, 0.8), graphed=(0.1, 0.4)), counts) == "eager"

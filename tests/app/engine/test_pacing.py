@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.core.error_kinds import ApiError
-from app.engine.pacing import CostModel, Demand, Pacing, check_admission
+from app.engine.pacing import CostModel, Demand, Pacer, Pacing, check_admission
 
 from tests.app.conftest import OCTET, make_clip, payload, running_app, wait_until
 
@@ -33,6 +33,84 @@ def test_frames_sent_again_after_a_rollback_take_their_new_arrival():
     pacing.arrived(7, at=9.0)  # ... and retried
     assert pacing.committed(1, 4, at=1.0) < 0
     assert pacing.committed(4, 7, at=10.0) == pytest.approx(-0.5)  # from the retry: 9 + 1.5
+
+
+def test_an_undone_block_puts_the_pacing_back_as_it_was_before_it():
+    pacing = Pacing(fps=16.0, temporal=8)
+    pacing.arrived(4, at=0.0)
+    pacer = Pacer(clock=lambda: 9.0)
+    paced = pacer.committed(pacing, "block", 1, 4, verdict_pending=True)
+    assert paced.lateness == 7.5 and pacing.status()["late_blocks"] == 1 and not pacing.arrivals
+    pacer.undo(paced)
+    assert pacing.status() == Pacing(fps=16.0, temporal=8).status() and list(pacing.arrivals) == [(4, 0.0)]
+
+
+# --- a block undone by a late NaN/Inf verdict ---------------------------------------------------------------------
+def _paced_with_a_poisoned_block(deferred: bool, atomic: bool) -> dict:
+    """A real-time session (16 fps: a 3-frame block plays 1.5 s) on an engine whose pacing clock the test sets: sink
+    and two blocks on time, then a block refined to NaN (tests/app/outputs/test_delivery_finite.py's ``Poison``)
+    that would be 7.5 s late, then its retry on time. ``deferred``: its verdict read after its commit (the
+    accelerator's path, ``RefinerSession.defer_finite_check``), so the engine commits the block and then undoes it;
+    otherwise the commit refuses it (the CPU's path) and the pacer never sees it."""
+    import asyncio
+
+    from app.core.metrics import Metrics
+    from app.engine.worker import Engine, EngineSession, Work
+    from models import RefinerSession, SessionConfig, from_model
+    from models.checkpoints import build_model
+    from models.errors import NonFiniteOutputError
+    from tests.app.outputs.test_delivery_finite import CONFIG, Poison
+    from tests.models.conftest import make_inputs
+
+    refiner = from_model(build_model("tiny"))
+    latents, embeds = make_inputs(frames=10, seed=3)
+    poison = Poison(refiner.model)
+    session = RefinerSession(refiner, SessionConfig(**CONFIG))
+    session.defer_finite_check = deferred
+    target = EngineSession(session=session, name="paced", pacing=Pacing(fps=16.0, temporal=8))
+    metrics = Metrics()
+    engine = Engine(metrics, 8, 4)
+    engine.model = refiner.model
+    now = [0.5]
+    engine.pacer.clock = lambda: now[0]
+    seen = {}
+
+    def work(frames, at, **options):
+        return Work(target, frames, atomic=atomic, submitted_at=at, **options)
+
+    async def scenario():
+        await engine.run(work(latents[:, :, :7], 0.0, prompt_embeds=embeds))  # blocks [1, 4), [4, 7) by 0.5: early
+        seen["before"] = await engine.call(lambda: target.pacing.status())
+        now[0], poison.armed = 10.0, True  # arrived at 1.0, deadline 2.5: 7.5 s late if it counted
+        with pytest.raises(NonFiniteOutputError):
+            await engine.run(work(latents[:, :, 7:10], 1.0))
+        poison.armed = False
+        seen["after"] = await engine.call(lambda: (target.pacing.status(), list(target.pacing.arrivals)))
+        await engine.run(work(latents[:, :, 7:10], 9.5))  # the retry: deadline 11.0, committed at 10.0
+        seen["retried"] = target.pacing.status()
+
+    engine.start()
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        engine.stop()
+        poison.close()
+    seen["metrics"] = tuple(metrics.registry.get_sample_value(f"refiner_{name}_blocks_total")
+                            for name in ("paced", "late"))
+    return seen
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["http_chunk", "stream_message"])
+def test_a_block_undone_by_a_late_verdict_is_neither_paced_nor_late_and_its_retry_has_its_own_deadline(atomic):
+    late = _paced_with_a_poisoned_block(deferred=True, atomic=atomic)
+    at_commit = _paced_with_a_poisoned_block(deferred=False, atomic=atomic)
+    assert late == at_commit  # the undone block counts exactly as the block the CPU path never committed
+    early = {"late_blocks": 0, "paced_blocks": 2, "last_lateness_s": -1.0, "worst_lateness_s": -1.0}
+    assert late["before"] == early
+    assert late["after"] == (early, [(10, 1.0)])  # its frames' arrival listed again, as before the block
+    assert late["retried"] == {"late_blocks": 0, "paced_blocks": 3, "last_lateness_s": -1.0,
+                               "worst_lateness_s": -1.0}
+    assert late["metrics"] == (3.0, 0.0)
 
 
 def test_the_cost_model_is_an_ewma_per_row_by_tokens_and_scales_unseen_token_counts():
