@@ -10,7 +10,7 @@ reason (1012 "service restart" for a saved session, 1001 otherwise), waiting for
 ``drain_timeout_s``, before the server closes connections. Nothing is loaded at start-up: a server on the same
 ``snapshot_dir`` (this one restarted, or another replica) adopts a saved session on the first request for it,
 under its id (``app.sessions.store.SessionStore.lookup``); start-up only removes what dead writers left (their staging
-folders and abandoned leases: ``app.sessions.store.SessionStore.clean_snapshot_dir``).
+folders and abandoned leases: ``app.persistence.sweeps.FolderSweep.at_start``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ from app.outputs.catalog import build_stages
 from app.outputs.delivery import Encoder
 from app.outputs.kinds import OUTPUT_KINDS, Outputs
 from app.outputs.stage import OutputStages
+from app.persistence.sweeps import FolderSweep
 from app.sessions.registry import Registry
 from app.sessions.store import SessionStore
+from app.sessions.upkeep import upkeep_forever
 
 log = logging.getLogger("app")
 
@@ -81,6 +83,9 @@ class Services:
             stages=lambda: self.stages,
             deliveries=self.sessions.deliveries_for,
         )
+        # What of snapshot_dir nobody will ask for (app.persistence.sweeps): at start-up and in the upkeep round.
+        self.sweep = FolderSweep(self.store.snapshot_folder, settings.replica_id, settings.retention_s,
+                                 settings.session_lease_s, tracked=self.store.tracked)
         self.metrics.track(
             sessions=lambda: len(self.registry),
             cache_bytes=self.registry.total_cache_bytes,
@@ -169,11 +174,13 @@ class Services:
         if settings.default_prompt is not None:
             refiner = self.refiner
             self.default_prompt = await self.engine.call(lambda: load_default_prompt(settings.default_prompt, refiner))
-        self.store.clean_snapshot_dir()
+        self.sweep.at_start()
         if settings.device_memory_budget != "auto":
             self.store.parking.resolve_budget(self.refiner.device)
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
-        self._tasks.append(asyncio.create_task(self.store.evict_forever(), name="evict-idle"))
+        self._tasks.append(asyncio.create_task(
+            upkeep_forever(settings, self.store.registry, self.store.parking, self.sweep, lambda: self.store.draining),
+            name="evict-idle"))
         if settings.snapshot_dir is not None:
             self._tasks.append(asyncio.create_task(self.store.renew_leases_forever(), name="renew-leases"))
 

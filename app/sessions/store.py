@@ -41,8 +41,8 @@ from app.outputs.stage import OutputStages
 from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld, LeaseLost
 from app.persistence.records import (
-    SessionRecord, StaleRecord, folder_view, has_snapshot, leftover_temporaries, load_record, record_tensors,
-    remove_record, snapshot_limits, snapshot_path, write_fenced,
+    SessionRecord, StaleRecord, has_snapshot, load_record, record_tensors, remove_record, snapshot_limits,
+    snapshot_path, write_fenced,
 )
 from app.sessions.parking import Parking
 from app.sessions.registry import Registry, SessionHandle
@@ -231,28 +231,11 @@ class SessionStore:
         spilled = await self.parking.stubs()
         return [*self.registry.handles(), *spilled]
 
-    async def evict_forever(self) -> None:
-        """Evict sessions past their retention (or grace, or TTL); park, spill and delete by idle time
-        (``app.sessions.parking``)."""
-        settings = self.settings
-        interval = min(settings.retention_s / 2, settings.ws_reattach_grace_s / 2, settings.park_after_s / 2,
-                       settings.spill_after_s / 2, 5.0)
-        next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)  # start-up swept already
-        while True:
-            await asyncio.sleep(interval)
-            if self.draining:
-                # The sessions are saved as they stand; evicting them now would not remove their snapshots.
-                continue
-            evicted = self.registry.evict_idle()
-            if evicted:
-                log.info("evicted %d idle session(s)", len(evicted))
-            try:
-                await self.parking.tick()
-            except Exception:  # parking is an optimisation: a failure must never stop eviction
-                log.exception("parking sessions failed")
-            if time.monotonic() >= next_sweep:
-                next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)
-                await asyncio.to_thread(self.forget_expired_files)
+    def tracked(self, session_id: str) -> bool:
+        """Whether this replica holds ``session_id`` (live, or spilled by it: its own retention counts GETs), so
+        that a sweep of snapshot_dir leaves its files alone (``app.persistence.sweeps``). ApiError 410 while it is
+        remembered as evicted (``Registry.existing``)."""
+        return self.registry.existing(session_id) is not None or session_id in self.parking.spilled
 
     # --- crash checkpoints ---------------------------------------------------------------------------------------
     async def checkpoint(self, handle: SessionHandle) -> None:
@@ -484,76 +467,6 @@ class SessionStore:
         if handle.deliveries is not None and record.units:
             handle.deliveries.handed_until = handle.engine_session.stages.key_at(record.units[-1].frame_end)
         return handle
-
-    def clean_snapshot_dir(self) -> None:
-        """Writes that never reached their rename are garbage: this replica id's own (from an earlier life) and
-        anyone's older than ``snapshots.STALE_TEMPORARY_S``; another live replica's write in progress is left
-        alone. Nothing else is touched: sessions are adopted on their first request, by whichever replica the
-        router sends it to."""
-        folder = self.snapshot_folder
-        if folder is None or not folder.is_dir():
-            return
-        for leftover in leftover_temporaries(folder, self.settings.replica_id, time.time()):
-            leftover.unlink(missing_ok=True)  # names of writes before staging folders (app.persistence.leases.staging_dir)
-        self.forget_expired_files()
-
-    def forget_expired_files(self) -> list[str]:
-        """Delete the session files in ``snapshot_dir`` nobody asked for within ``session_retention_s``: a session
-        spilled or drained by a replica that then restarted (or went away) is past its retention as a live one
-        would be. A file under a lease is a live session's checkpoint on some replica, and one this replica
-        tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids.
-        A file's age is its last use by any replica: a spill writes it, and each GET of the spilled session on the
-        replica that spilled it sets its modification time (``Parking.record_use``), so a session polled there is
-        never deleted here.
-
-        What dead processes left goes too (``app.persistence.leases``): their staging folders (writes that never reached their
-        rename), and leases nobody renewed for ``session_retention_s`` past their expiry (a crashed replica's:
-        under the default random ``replica_id`` it never comes back to release them), with the session's file
-        when that is past its retention too."""
-        folder = self.snapshot_folder
-        if folder is None or not folder.is_dir():
-            return []
-        now = time.time()
-        for staging in leases.dead_staging(folder, now):
-            leases.remove_staging(staging)
-        cutoff, forgotten = now - self.settings.retention_s, []
-        view = folder_view(folder)  # one listing: a folder of many files is not listed once per file
-        # A lease unrenewed for a session's whole retention past its expiry: its owner would have ended the
-        # session by now if it were alive (the owner of a live session renews its lease every third of it).
-        dead = leases.abandoned_leases(folder, now, self.settings.session_lease_s, self.settings.retention_s)
-        for session_id, generations in dead.items():
-            if session_id not in view.saved:
-                for generation in generations:  # only these: a successor taken meanwhile stays
-                    with contextlib.suppress(OSError):
-                        leases.lease_path(folder, session_id, generation).unlink()
-        # A floor marker outlives its session's file by a retention (it keeps an ended session's copies from coming
-        # back); then it goes, as the file would have.
-        for session_id in sorted(view.floored - view.saved - view.leased):
-            if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
-                continue
-            marker = leases.floor_path(folder, session_id)
-            with contextlib.suppress(OSError):
-                if marker.stat().st_mtime < cutoff:
-                    marker.unlink()
-        for session_id in sorted((view.saved - view.leased) | (view.saved & dead.keys())):
-            if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
-                continue
-            path = snapshot_path(folder, session_id)
-            try:
-                if path.stat().st_mtime >= cutoff:
-                    continue
-                path.unlink()
-            except OSError:  # gone meanwhile (adopted, removed by its owner): nothing to forget
-                continue
-            for generation in dead.get(session_id, ()):
-                with contextlib.suppress(OSError):
-                    leases.lease_path(folder, session_id, generation).unlink()
-            with contextlib.suppress(OSError):
-                leases.remove_floor(folder, session_id)
-            forgotten.append(session_id)
-        if forgotten:
-            log.info("deleted %d session file(s) of snapshot_dir past session_retention_s", len(forgotten))
-        return forgotten
 
     # --- drain snapshots ---------------------------------------------------------------------------------------
     async def settle(self) -> list[SessionHandle]:
