@@ -47,6 +47,7 @@ from app.outputs.delivery import Encoder
 from app.outputs.kinds import OUTPUT_KINDS, Outputs
 from app.outputs.stage import OutputStages
 from app.persistence.sweeps import FolderSweep
+from app.sessions.drain import save_all, settle
 from app.sessions.registry import Registry
 from app.sessions.store import SessionStore
 from app.sessions.upkeep import upkeep_forever
@@ -182,7 +183,8 @@ class Services:
             upkeep_forever(settings, self.store.registry, self.store.parking, self.sweep, lambda: self.store.draining),
             name="evict-idle"))
         if settings.snapshot_dir is not None:
-            self._tasks.append(asyncio.create_task(self.store.renew_leases_forever(), name="renew-leases"))
+            self._tasks.append(asyncio.create_task(self.store.checkpoints.renew_forever(self.store.registry.handles),
+                                                   name="renew-leases"))
 
     async def _warm_up(self) -> None:
         try:
@@ -262,7 +264,10 @@ class Services:
         with contextlib.suppress(Exception):
             stopped = await self.engine.pause()
         # Every committed unit retained and no checkpoint write in flight, then the sessions saved as they stand.
-        saved = await self.store.save_all(await self.store.settle())
+        store = self.store
+        saved = await save_all(await settle(store.registry, store.parking), folder=store.snapshot_folder,
+                               settings=self.settings, engine=self.engine, encoder=self.encoder,
+                               leases_held=store.leases)
         streams = list(self.store.connections)
         for stream in streams:
             if stream.session_id in saved:

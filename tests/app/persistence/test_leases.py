@@ -170,7 +170,7 @@ def test_a_session_that_ends_takes_its_checkpoint_and_lease_with_it(make_setting
         assert httpx.delete(f"{a.base_url}/v1/sessions/ending-session-1").status_code == 204
         wait_until(lambda: [p.name for p in folder.iterdir()] == [".ending-session-1.session.generation"],
                    "the checkpoint and the lease to be removed")
-        wait_until(lambda: not store._background, "the removal to be done and forgotten")
+        wait_until(lambda: not store.checkpoints.removals, "the removal to be done and forgotten")
         assert store.leases == {}
         assert read_floor(folder, "ending-session-1") == 2
         assert acquire(folder, "ending-session-1", "replica-b", lease_s=30.0).generation == 3
