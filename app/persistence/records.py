@@ -187,33 +187,6 @@ def write_fenced(folder: Path, session_id: str, tensors: dict[str, torch.Tensor]
     return held, path
 
 
-# A temporary file of another writer is left alone until it is this old: no write of a session takes that long,
-# so it was abandoned (its writer crashed) rather than in progress on a live replica.
-STALE_TEMPORARY_S = 3600.0
-
-
-def leftover_temporaries(folder: Path, writer: str, now: float, stale_after_s: float = STALE_TEMPORARY_S
-                         ) -> list[Path]:
-    """The temporary files in ``folder`` a starting replica may delete: those ``writer`` (its replica id) left
-    behind in an earlier life, and anyone's older than ``stale_after_s``. Never another live replica's write in
-    progress."""
-    found = []
-    for path, marker in [*((p, f"{SUFFIX}.") for p in folder.glob(f".*{SUFFIX}.*.tmp")),
-                         *((p, ".session.lease.") for p in folder.glob(".*.session.lease.*.tmp"))]:
-        # .<id><marker>[<generation>.]<writer>.<random>.tmp; the random part has no dot, a writer may.
-        rest = path.name.split(marker, 1)[1][: -len(".tmp")]
-        if marker != f"{SUFFIX}.":
-            rest = rest.split(".", 1)[-1]
-        own = rest.rsplit(".", 1)[0] == writer
-        try:
-            old = now - path.stat().st_mtime > stale_after_s
-        except FileNotFoundError:
-            continue
-        if own or old:
-            found.append(path)
-    return found
-
-
 def remove_record(folder: Path, session_id: str) -> None:
     """A session that ended (deleted, evicted, finished) must not come back from its last checkpoint."""
     snapshot_path(folder, session_id).unlink(missing_ok=True)

@@ -10,7 +10,7 @@ reason (1012 "service restart" for a saved session, 1001 otherwise), waiting for
 ``drain_timeout_s``, before the server closes connections. Nothing is loaded at start-up: a server on the same
 ``snapshot_dir`` (this one restarted, or another replica) adopts a saved session on the first request for it,
 under its id (``app.sessions.store.SessionStore.lookup``); start-up only removes what dead writers left (their staging
-folders and abandoned leases: ``app.sessions.store.SessionStore.clean_snapshot_dir``).
+folders and abandoned leases: ``app.persistence.sweeps.FolderSweep.at_start``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,11 @@ from app.outputs.catalog import build_stages
 from app.outputs.delivery import Encoder
 from app.outputs.kinds import OUTPUT_KINDS, Outputs
 from app.outputs.stage import OutputStages
+from app.persistence.sweeps import FolderSweep
+from app.sessions.drain import save_all, settle
 from app.sessions.registry import Registry
 from app.sessions.store import SessionStore
+from app.sessions.upkeep import upkeep_forever
 
 log = logging.getLogger("app")
 
@@ -81,6 +84,9 @@ class Services:
             stages=lambda: self.stages,
             deliveries=self.sessions.deliveries_for,
         )
+        # What of snapshot_dir nobody will ask for (app.persistence.sweeps): at start-up and in the upkeep round.
+        self.sweep = FolderSweep(self.store.snapshot_folder, settings.replica_id, settings.retention_s,
+                                 settings.session_lease_s, tracked=self.store.tracked)
         self.metrics.track(
             sessions=lambda: len(self.registry),
             cache_bytes=self.registry.total_cache_bytes,
@@ -169,13 +175,16 @@ class Services:
         if settings.default_prompt is not None:
             refiner = self.refiner
             self.default_prompt = await self.engine.call(lambda: load_default_prompt(settings.default_prompt, refiner))
-        self.store.clean_snapshot_dir()
+        self.sweep.at_start()
         if settings.device_memory_budget != "auto":
             self.store.parking.resolve_budget(self.refiner.device)
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
-        self._tasks.append(asyncio.create_task(self.store.evict_forever(), name="evict-idle"))
+        self._tasks.append(asyncio.create_task(
+            upkeep_forever(settings, self.store.registry, self.store.parking, self.sweep, lambda: self.store.draining),
+            name="evict-idle"))
         if settings.snapshot_dir is not None:
-            self._tasks.append(asyncio.create_task(self.store.renew_leases_forever(), name="renew-leases"))
+            self._tasks.append(asyncio.create_task(self.store.checkpoints.renew_forever(self.store.registry.handles),
+                                                   name="renew-leases"))
 
     async def _warm_up(self) -> None:
         try:
@@ -255,7 +264,10 @@ class Services:
         with contextlib.suppress(Exception):
             stopped = await self.engine.pause()
         # Every committed unit retained and no checkpoint write in flight, then the sessions saved as they stand.
-        saved = await self.store.save_all(await self.store.settle())
+        store = self.store
+        saved = await save_all(await settle(store.registry, store.parking), folder=store.snapshot_folder,
+                               settings=self.settings, engine=self.engine, encoder=self.encoder,
+                               leases_held=store.leases)
         streams = list(self.store.connections)
         for stream in streams:
             if stream.session_id in saved:

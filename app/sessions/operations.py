@@ -258,7 +258,8 @@ class SessionOps:
             self._offer(handle, copies, received, metadata, done=result.state.flushed)
             payload = await encoder.run(build)
             chunks.store(index, payload)
-            await self.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
+            # Still within the turn: no other chunk of this session runs.
+            await self.store.checkpoints.write_due(handle)
             return payload, False
 
     # --- one-shot clips --------------------------------------------------------------------------------------
@@ -628,7 +629,8 @@ class StreamSession:
                 for unit in work.units:
                     handle.deliveries.push(unit, None, received, seq)
             if work.started and not work.rolled_back:
-                await self.ops.store.checkpoint(handle)  # still within the turn: no other chunk of this session runs
+                # Still within the turn: no other chunk of this session runs.
+                await self.ops.store.checkpoints.write_due(handle)
 
 
 def durable_metadata(handle: SessionHandle) -> dict[str, str]:

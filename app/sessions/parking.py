@@ -486,9 +486,10 @@ class Parking:
 
     def record_use(self, session_id: str) -> None:
         """Write down in the folder that the spilled session was used now, for every replica's sweep
-        (``SessionStore.forget_expired_files``) to see: the file's modification time is set to now. A spilled
-        session has no lease (it is adoptable at once), so its file is the only record every replica reads; its
-        write time alone would let another replica's sweep delete a session polled here within its retention.
+        (``app.persistence.sweeps.FolderSweep.expired_files``) to see: the file's modification time is set to now.
+        A spilled session has no lease (it is adoptable at once), so its file is the only record every replica
+        reads; its write time alone would let another replica's sweep delete a session polled here within its
+        retention.
         One ``utime`` (it never creates the file: one adopted meanwhile stays gone)."""
         folder = self.folder
         if folder is None:

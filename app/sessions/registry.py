@@ -61,7 +61,7 @@ class SessionHandle:
     # Read-only subscribers (app.sessions.subscriptions; SessionOps.watch registers them): they get every unit
     # published from when they joined.
     watchers: set[WatchSubscriber] = field(default_factory=set)
-    # Crash checkpoints (app.sessions.store.SessionStore.checkpoint): blocks and time of the last, and its write in flight.
+    # Crash checkpoints (app.sessions.checkpoints): blocks and time of the last, and its write in flight.
     checkpoint_blocks: int = 0
     checkpoint_at: float = field(default_factory=time.monotonic)
     checkpoint_write: Any = None

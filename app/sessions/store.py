@@ -1,15 +1,19 @@
-"""The session store: where sessions live and how they move.
+"""The session store: admission, lookup and adoption, creation and forgetting of sessions.
 
-It holds the live sessions (``app.sessions.registry.Registry``, the in-memory index: lookup, eviction, listing), admits new
-ones (``admit``: a count; bytes at a session's first chunk, ``prepare``), parks, spills and brings back idle ones
-(``app.sessions.parking``, its memory side), adopts sessions other lives of this server or other replicas saved to
-``snapshot_dir`` (``lookup``), writes crash checkpoints between two pieces of a session's work (``checkpoint``)
-and, for a drain, settles and saves every live session (``settle``, ``save_all``). It also keeps the set of open
-connections (streams and watchers) that a drain closes once the sessions are saved.
+It holds the live sessions (``app.sessions.registry.Registry``, the in-memory index: lookup, eviction, listing),
+admits new ones (``admit``: a count, bytes through ``app.sessions.parking`` at a session's first chunk
+(``prepare``), real-time cost through ``app.engine.pacing``), creates them (``create``, under their lease with a
+``snapshot_dir``), finds them (``lookup``: live here, else adopted from a file this server or another replica saved
+to ``snapshot_dir``) and forgets them (``delete``; ``lose``: another replica took the session). It also keeps
+this replica's lease table and the set of open connections (streams and watchers) a deletion, a lost lease or a
+drain closes.
 
-The registry stays a module of its own: it is plain bookkeeping over handles (no files, no engine, no awaits),
-which is what its eviction and admission rules need to be read and tested alone; the store adds what touches the
-disk and the engine around it.
+What it no longer does, each in a module of its own given its collaborators explicitly: parking, spilling and
+page-in (``app.sessions.parking``); crash checkpoints, lease renewal and an ended session's file
+(``app.sessions.checkpoints``); the drain's settle and save (``app.sessions.drain``); the idle round of eviction,
+parking and sweeps (``app.sessions.upkeep``); the sweeps of ``snapshot_dir`` (``app.persistence.sweeps``, which
+need no session object). The registry stays a module of its own too: plain bookkeeping over handles (no files, no
+engine, no awaits), which is what its eviction and admission rules need to be read and tested alone.
 
 Lives on the event loop. The sessions' tensors are touched only on the engine thread (``engine.call``).
 """
@@ -39,14 +43,13 @@ from app.outputs.delivery import Deliveries, Encoder
 from app.outputs.kinds import Outputs
 from app.outputs.stage import OutputStages
 from app.persistence import leases
-from app.persistence.leases import Lease, LeaseHeld, LeaseLost
+from app.persistence.leases import Lease, LeaseHeld
 from app.persistence.records import (
-    SessionRecord, StaleRecord, folder_view, has_snapshot, leftover_temporaries, load_record, record_tensors,
-    remove_record, snapshot_limits, snapshot_path, write_fenced,
+    SessionRecord, StaleRecord, has_snapshot, load_record, snapshot_limits, snapshot_path,
 )
+from app.sessions.checkpoints import Checkpoints
 from app.sessions.parking import Parking
 from app.sessions.registry import Registry, SessionHandle
-from app.sessions.saving import record_of
 from app.sessions.subscriptions import Connection
 
 log = logging.getLogger("app")
@@ -64,11 +67,25 @@ class SessionStore:
         deliveries: Callable[[SessionHandle], Deliveries],
     ):
         self.settings = settings
-        self.metrics = metrics
         self.engine = engine
-        self.encoder = encoder
         self._refiner = refiner
         self._stages = stages
+        # Open streams and watchers (app.sessions.subscriptions, registered by their routes): a drain closes them
+        # with a code saying whether their session was saved.
+        self.connections: set[Connection] = set()
+        # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
+        self.draining = False
+        self._adopting: dict[str, _Turn] = {}
+        self._creating: dict[str, _Turn] = {}  # PUTs in progress, by id (``creating``)
+        # This replica's leases (app.persistence.leases) on the sessions it holds with a file in snapshot_dir, by id:
+        # taken here (creation, adoption), shared with parking, the checkpoints and the drain.
+        self.leases: dict[str, Lease] = {}
+        # A session's durable copy (app.sessions.checkpoints): crash checkpoints, lease renewal, an ended session's
+        # file. Built before the registry, which tells it when a session ends.
+        self.checkpoints = Checkpoints(
+            settings, metrics, engine, encoder,
+            folder=self.snapshot_folder, leases_held=self.leases, draining=lambda: self.draining, lose=self.lose,
+        )
         self.registry = Registry(
             max_sessions=settings.max_sessions,
             idle_timeout_s=settings.retention_s,
@@ -79,33 +96,18 @@ class SessionStore:
             resume_units=settings.ws_resume_units,
             flushed_ttl_s=settings.flushed_session_ttl_s,
             deliveries=deliveries,
-            on_close=self._forget_checkpoint,
+            on_close=self.checkpoints.forget,
             stages=stages,
         )
-        # Open streams and watchers (app.sessions.subscriptions, registered by their routes): a drain closes them
-        # with a code saying whether their session was saved.
-        self.connections: set[Connection] = set()
-        # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
-        self.draining = False
-        self._adopting: dict[str, _Turn] = {}
-        self._creating: dict[str, _Turn] = {}  # PUTs in progress, by id (``creating``)
-        # This replica's leases (app.persistence.leases) on the sessions it holds with a file in snapshot_dir, by id.
-        self.leases: dict[str, Lease] = {}
-        self._background: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
         # Bytes: accounting, admission by bytes, park / spill / page-in (app.sessions.parking).
         # Given what it uses, and nothing else of the store (a callable where the store's answer changes).
         self.parking = Parking(
             settings, metrics, self.registry, engine, encoder,
-            refiner=refiner, folder=self.snapshot_folder, checkpointing=self.checkpointing, leases_held=self.leases,
-            draining=lambda: self.draining, lose=self.lose,
+            refiner=refiner, folder=self.snapshot_folder, checkpointing=self.checkpoints.enabled,
+            leases_held=self.leases, draining=lambda: self.draining, lose=self.lose,
         )
         # Real-time admission (setting ``admission``): by the engine's measured cost per row (app.engine.pacing).
         self.realtime = Admission(settings, engine.pacer, self.registry.handles, refiner)
-
-    @property
-    def checkpointing(self) -> bool:
-        return self.settings.snapshot_dir is not None and bool(
-            self.settings.checkpoint_every_blocks or self.settings.checkpoint_interval_s)
 
     @property
     def snapshot_folder(self) -> Path | None:
@@ -157,7 +159,7 @@ class SessionStore:
                 raise
             self.leases[session_id] = lease
         handle = self.registry.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs)
-        if self.checkpointing:
+        if self.checkpoints.enabled:
             handle.durable_frames = 0  # nothing survives a crash until its first checkpoint
         if realtime:
             handle.engine_session.pacing = self.realtime.pacing(config)
@@ -204,6 +206,19 @@ class SessionStore:
             if connection.session_id == session_id:
                 connection.close(1000, "session deleted")
 
+    def lose(self, handle: SessionHandle, reason: BaseException) -> None:
+        """Another replica holds the session's lease now (this one stalled past session_lease_s, or two replicas
+        were asked for it): drop this copy without touching the files, and send its clients to the new owner
+        (503 session_moved for its work; streams close with 1012, and reconnect through the router)."""
+        self.leases.pop(handle.id, None)
+        log.warning("session %s: %s; dropping this replica's copy", handle.id, reason)
+        error = ApiError("session_moved", f"session {handle.id} moved to another replica ({reason}); retry: "
+                                          "through the router the request reaches the replica that holds it now")
+        self.registry.drop(handle, error)
+        for connection in list(self.connections):
+            if connection.session_id == handle.id:
+                connection.close(WS_SERVICE_RESTART, "session moved to another replica; reconnect with resume_from")
+
     def touch(self, handle: SessionHandle) -> None:
         """Work of the session started or ended (a chunk, a stream message): its idle clocks restart."""
         self.registry.touch(handle)
@@ -231,156 +246,11 @@ class SessionStore:
         spilled = await self.parking.stubs()
         return [*self.registry.handles(), *spilled]
 
-    async def evict_forever(self) -> None:
-        """Evict sessions past their retention (or grace, or TTL); park, spill and delete by idle time
-        (``app.sessions.parking``)."""
-        settings = self.settings
-        interval = min(settings.retention_s / 2, settings.ws_reattach_grace_s / 2, settings.park_after_s / 2,
-                       settings.spill_after_s / 2, 5.0)
-        next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)  # start-up swept already
-        while True:
-            await asyncio.sleep(interval)
-            if self.draining:
-                # The sessions are saved as they stand; evicting them now would not remove their snapshots.
-                continue
-            evicted = self.registry.evict_idle()
-            if evicted:
-                log.info("evicted %d idle session(s)", len(evicted))
-            try:
-                await self.parking.tick()
-            except Exception:  # parking is an optimisation: a failure must never stop eviction
-                log.exception("parking sessions failed")
-            if time.monotonic() >= next_sweep:
-                next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)
-                await asyncio.to_thread(self.forget_expired_files)
-
-    # --- crash checkpoints ---------------------------------------------------------------------------------------
-    async def checkpoint(self, handle: SessionHandle) -> None:
-        """Write the session's checkpoint when one is due (``checkpoint_every_blocks`` / ``checkpoint_interval_s``).
-        Called by a chunk or stream message that just finished, within the session's turn, so the session is
-        between two pieces of work: the engine copies its tensors (one ``call``, between two model calls), and the
-        file is serialized and written on a worker thread while the session goes on. A write still in flight makes
-        this one wait for the next chance; the drain waits for them before it saves."""
-        settings, folder = self.settings, self.snapshot_folder
-        every, interval = settings.checkpoint_every_blocks, settings.checkpoint_interval_s
-        if folder is None or self.draining or not (every or interval):
-            return
-        blocks = handle.session.state.blocks_refined
-        due = (every and blocks - handle.checkpoint_blocks >= every) or (
-            interval and blocks != handle.checkpoint_blocks and time.monotonic() - handle.checkpoint_at >= interval)
-        if not due or (handle.checkpoint_write is not None and not handle.checkpoint_write.done()):
-            return
-        if handle.deliveries is not None:
-            await handle.deliveries.flush()  # the units it streamed are retained, for a resume after the crash
-        record = record_of(handle, self.encoder)
-        frames = handle.session.state.frames_received  # the session's turn: nothing of it runs meanwhile
-        try:
-            tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
-        except Draining:  # the engine stopped (drain): the drain saves the session itself
-            return
-        handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
-        metrics, settings, lease = self.metrics, self.settings, self.leases.get(handle.id)
-
-        def write() -> Lease:
-            started = time.perf_counter()
-            # A session's first checkpoint takes its lease; every write is fenced by it.
-            held, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
-                                      replica_id=settings.replica_id, lease_s=settings.session_lease_s,
-                                      key=settings.signing_key)
-            metrics.checkpoint_seconds.observe(time.perf_counter() - started)
-            metrics.checkpoint_bytes.inc(path.stat().st_size)
-            return held
-
-        async def run() -> None:
-            try:
-                held = await asyncio.to_thread(write)
-            except (LeaseHeld, LeaseLost) as exc:
-                self.lose(handle, exc)
-                return
-            # Kept even if the session ended meanwhile: its removal (which waits for this write) releases it.
-            self.leases[handle.id] = held
-            handle.durable_frames = max(handle.durable_frames or 0, frames)
-
-        handle.checkpoint_write = asyncio.ensure_future(run())
-        handle.checkpoint_write.add_done_callback(_log_failed_checkpoint)
-
-    def _forget_checkpoint(self, handle: SessionHandle) -> None:
-        """A session that ended must never be adopted back from its last checkpoint: its file and its lease go
-        (only while the lease is still this replica's: a session another replica took over is not ours to
-        remove)."""
-        folder = self.snapshot_folder
-        if folder is None:
-            return
-        pending = handle.checkpoint_write
-
-        async def remove() -> None:
-            if pending is not None:
-                await asyncio.wait({pending})
-            lease = self.leases.pop(handle.id, None)
-            if lease is None:
-                return
-
-            def drop() -> None:
-                try:
-                    leases.check(lease)
-                except LeaseLost:
-                    return
-                remove_record(folder, handle.id)
-                # Ended: no file of it may be adopted back (a copy put back, a checkpoint a stale writer slipped in).
-                try:
-                    leases.raise_floor(folder, handle.id, lease.generation + 1, self.settings.replica_id)
-                finally:
-                    leases.release(folder, handle.id, lease)
-
-            await asyncio.to_thread(drop)
-
-        self._spawn(remove())
-
-    def _spawn(self, work) -> None:
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def lose(self, handle: SessionHandle, reason: BaseException) -> None:
-        """Another replica holds the session's lease now (this one stalled past session_lease_s, or two replicas
-        were asked for it): drop this copy without touching the files, and send its clients to the new owner
-        (503 session_moved for its work; streams close with 1012, and reconnect through the router)."""
-        self.leases.pop(handle.id, None)
-        log.warning("session %s: %s; dropping this replica's copy", handle.id, reason)
-        error = ApiError("session_moved", f"session {handle.id} moved to another replica ({reason}); retry: "
-                                          "through the router the request reaches the replica that holds it now")
-        self.registry.drop(handle, error)
-        for connection in list(self.connections):
-            if connection.session_id == handle.id:
-                connection.close(WS_SERVICE_RESTART, "session moved to another replica; reconnect with resume_from")
-
-    async def renew_leases_forever(self) -> None:
-        """Renew every lease this replica holds, every third of session_lease_s; a lease found lost drops its
-        session (``lose``)."""
-        interval = self.settings.session_lease_s / 3
-        while True:
-            await asyncio.sleep(interval)
-            held = dict(self.leases)
-            if not held:
-                continue
-
-            def renew_all() -> dict[str, LeaseLost]:
-                lost = {}
-                for session_id, lease in held.items():
-                    try:
-                        leases.renew(lease)
-                    except LeaseLost as exc:
-                        lost[session_id] = exc
-                    except OSError as exc:  # a shared folder that fails now: try again next time, keep the session
-                        log.warning("renewing the lease on session %s failed: %r", session_id, exc)
-                return lost
-
-            lost = await asyncio.to_thread(renew_all)
-            live = {handle.id: handle for handle in self.registry.handles()}
-            for session_id, exc in lost.items():
-                handle = live.get(session_id)
-                if handle is not None and self.leases.get(session_id) is held[session_id]:
-                    self.lose(handle, exc)
+    def tracked(self, session_id: str) -> bool:
+        """Whether this replica holds ``session_id`` (live, or spilled by it: its own retention counts GETs), so
+        that a sweep of snapshot_dir leaves its files alone (``app.persistence.sweeps``). ApiError 410 while it is
+        remembered as evicted (``Registry.existing``)."""
+        return self.registry.existing(session_id) is not None or session_id in self.parking.spilled
 
     # --- adoption --------------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -459,7 +329,7 @@ class SessionStore:
         handle.from_checkpoint = record.checkpoint or lease.previous != "none"
         # The lease is kept either way: a live session is this replica's until it ends, spills or is drained.
         self.leases[session_id] = lease
-        if self.checkpointing:
+        if self.checkpoints.enabled:
             handle.durable_frames = record.session.state.frames_received
             handle.checkpoint_blocks = record.session.state.blocks_refined
         else:
@@ -485,129 +355,6 @@ class SessionStore:
             handle.deliveries.handed_until = handle.engine_session.stages.key_at(record.units[-1].frame_end)
         return handle
 
-    def clean_snapshot_dir(self) -> None:
-        """Writes that never reached their rename are garbage: this replica id's own (from an earlier life) and
-        anyone's older than ``snapshots.STALE_TEMPORARY_S``; another live replica's write in progress is left
-        alone. Nothing else is touched: sessions are adopted on their first request, by whichever replica the
-        router sends it to."""
-        folder = self.snapshot_folder
-        if folder is None or not folder.is_dir():
-            return
-        for leftover in leftover_temporaries(folder, self.settings.replica_id, time.time()):
-            leftover.unlink(missing_ok=True)  # names of writes before staging folders (app.persistence.leases.staging_dir)
-        self.forget_expired_files()
-
-    def forget_expired_files(self) -> list[str]:
-        """Delete the session files in ``snapshot_dir`` nobody asked for within ``session_retention_s``: a session
-        spilled or drained by a replica that then restarted (or went away) is past its retention as a live one
-        would be. A file under a lease is a live session's checkpoint on some replica, and one this replica
-        tracks (live, or spilled: its retention counts GETs too) is left to that; both are kept. Returns the ids.
-        A file's age is its last use by any replica: a spill writes it, and each GET of the spilled session on the
-        replica that spilled it sets its modification time (``Parking.record_use``), so a session polled there is
-        never deleted here.
-
-        What dead processes left goes too (``app.persistence.leases``): their staging folders (writes that never reached their
-        rename), and leases nobody renewed for ``session_retention_s`` past their expiry (a crashed replica's:
-        under the default random ``replica_id`` it never comes back to release them), with the session's file
-        when that is past its retention too."""
-        folder = self.snapshot_folder
-        if folder is None or not folder.is_dir():
-            return []
-        now = time.time()
-        for staging in leases.dead_staging(folder, now):
-            leases.remove_staging(staging)
-        cutoff, forgotten = now - self.settings.retention_s, []
-        view = folder_view(folder)  # one listing: a folder of many files is not listed once per file
-        # A lease unrenewed for a session's whole retention past its expiry: its owner would have ended the
-        # session by now if it were alive (the owner of a live session renews its lease every third of it).
-        dead = leases.abandoned_leases(folder, now, self.settings.session_lease_s, self.settings.retention_s)
-        for session_id, generations in dead.items():
-            if session_id not in view.saved:
-                for generation in generations:  # only these: a successor taken meanwhile stays
-                    with contextlib.suppress(OSError):
-                        leases.lease_path(folder, session_id, generation).unlink()
-        # A floor marker outlives its session's file by a retention (it keeps an ended session's copies from coming
-        # back); then it goes, as the file would have.
-        for session_id in sorted(view.floored - view.saved - view.leased):
-            if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
-                continue
-            marker = leases.floor_path(folder, session_id)
-            with contextlib.suppress(OSError):
-                if marker.stat().st_mtime < cutoff:
-                    marker.unlink()
-        for session_id in sorted((view.saved - view.leased) | (view.saved & dead.keys())):
-            if self.registry.existing(session_id) is not None or session_id in self.parking.spilled:
-                continue
-            path = snapshot_path(folder, session_id)
-            try:
-                if path.stat().st_mtime >= cutoff:
-                    continue
-                path.unlink()
-            except OSError:  # gone meanwhile (adopted, removed by its owner): nothing to forget
-                continue
-            for generation in dead.get(session_id, ()):
-                with contextlib.suppress(OSError):
-                    leases.lease_path(folder, session_id, generation).unlink()
-            with contextlib.suppress(OSError):
-                leases.remove_floor(folder, session_id)
-            forgotten.append(session_id)
-        if forgotten:
-            log.info("deleted %d session file(s) of snapshot_dir past session_retention_s", len(forgotten))
-        return forgotten
-
-    # --- drain snapshots ---------------------------------------------------------------------------------------
-    async def settle(self) -> list[SessionHandle]:
-        """Once the engine is paused: every committed unit delivered (so retained), and no checkpoint write still
-        in flight (it must not land after, and over, the drain's snapshot). Returns the live sessions."""
-        handles = self.registry.handles()
-        await asyncio.gather(*(h.deliveries.flush() for h in handles if h.deliveries is not None),
-                             return_exceptions=True)
-        await self.parking.settle()  # parked sessions' copies to the host complete before they are read
-        writes = [h.checkpoint_write for h in handles if h.checkpoint_write is not None]
-        if writes:
-            await asyncio.wait(writes)
-        return handles
-
-    async def save_all(self, handles: list[SessionHandle]) -> set[str]:
-        """Write every session of ``handles`` to ``snapshot_dir`` (none when unset), on the engine thread (paused by
-        now, so no forward can run while a session is read). Returns the ids written."""
-        folder = self.snapshot_folder
-        if folder is None:
-            return set()
-        # The service's fields that live on the loop are read here, on the loop.
-        records = {handle.id: record_of(handle, self.encoder) for handle in handles}
-
-        settings, held = self.settings, dict(self.leases)
-
-        def save_all() -> set[str]:
-            written = set()
-            for session_id, record in records.items():
-                try:
-                    tensors, metadata = record_tensors(record())
-                    # Released at once: the next replica asked for it adopts it without waiting for the lease.
-                    write_fenced(folder, session_id, tensors, metadata, lease=held.get(session_id),
-                                 replica_id=settings.replica_id, lease_s=settings.session_lease_s,
-                                 key=settings.signing_key, release=True)
-                except (LeaseHeld, LeaseLost) as exc:
-                    log.warning("drain: session %s is another replica's now (%s); not saved", session_id, exc)
-                    continue
-                except Exception:  # one session that cannot be saved must not cost the others
-                    log.exception("drain: could not save session %s", session_id)
-                    continue
-                written.add(session_id)
-            return written
-
-        try:
-            written = await self.engine.call(save_all)
-        except Exception:
-            log.exception("drain: saving sessions to %s failed", folder)
-            return set()
-        for session_id in written:
-            self.leases.pop(session_id, None)
-        log.info("drain: saved %d of %d session(s) to %s", len(written), len(handles), folder)
-        return written
-
-
 class _Turn:
     """One id's lock and how many coroutines hold or wait for it (its table entry lives as long as they do)."""
 
@@ -632,7 +379,3 @@ async def _turn(table: dict[str, _Turn], session_id: str):
         if not turn.waiters:
             del table[session_id]
 
-
-def _log_failed_checkpoint(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("writing a checkpoint failed: %r", task.exception())

@@ -26,7 +26,8 @@ from app.persistence.leases import (
     release,
     renew,
 )
-from app.persistence.records import folder_view, leftover_temporaries
+from app.persistence.records import folder_view
+from app.persistence.sweeps import leftover_temporaries
 from bench.live import ServerProcess, free_port
 
 from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, running_app, wait_until
@@ -169,7 +170,7 @@ def test_a_session_that_ends_takes_its_checkpoint_and_lease_with_it(make_setting
         assert httpx.delete(f"{a.base_url}/v1/sessions/ending-session-1").status_code == 204
         wait_until(lambda: [p.name for p in folder.iterdir()] == [".ending-session-1.session.generation"],
                    "the checkpoint and the lease to be removed")
-        wait_until(lambda: not store._background, "the removal to be done and forgotten")
+        wait_until(lambda: not store.checkpoints.removals, "the removal to be done and forgotten")
         assert store.leases == {}
         assert read_floor(folder, "ending-session-1") == 2
         assert acquire(folder, "ending-session-1", "replica-b", lease_s=30.0).generation == 3
@@ -187,14 +188,14 @@ def test_a_lease_dated_ahead_gives_a_bounded_retry_after_and_is_swept_once_expir
         assert client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(latents, embeds, mask),
                            headers=OCTET).status_code == 200
     with running_app(settings.model_copy(update={"replica_id": "replica-b"})) as client:
-        store = client.app.state.services.store
+        sweep = client.app.state.services.sweep
         skewed = acquire(folder, session_id, "replica-gone", lease_s)
         ahead = time.time() + lease_s / 2
         os.utime(skewed.path, (ahead, ahead))
         refused = client.get(f"/v1/sessions/{session_id}")
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "session_moved"
         assert 1 <= int(refused.headers["retry-after"]) <= lease_s
-        store.forget_expired_files()
+        sweep.expired_files()
         assert generations(folder, session_id) == [skewed.generation], "a live lease is never swept"
 
         # The sweep, at the times it would run: the skewed lease once its expiry and a retention passed.
@@ -207,7 +208,7 @@ def test_a_lease_dated_ahead_gives_a_bounded_retry_after_and_is_swept_once_expir
         orphan = acquire(folder, "orphan-session", "replica-gone", lease_s)
         os.utime(orphan.path, (far, far))
         os.utime(skewed.path, (far, far))
-        store.forget_expired_files()
+        sweep.expired_files()
         assert generations(folder, "orphan-session") == []
         adopted = client.get(f"/v1/sessions/{session_id}")  # the session itself is adopted, not refused till 2039
         assert adopted.status_code == 200, adopted.text

@@ -50,8 +50,8 @@ def test_a_session_live_on_one_replica_is_not_created_again_on_another(make_sett
         assert on_a.put("/v1/sessions/forked-session-1", json={"block_size": 2}).status_code == 503
 
 
-async def _sweep(store) -> list[str]:
-    return await asyncio.to_thread(store.forget_expired_files)
+async def _sweep(sweep) -> list[str]:
+    return await asyncio.to_thread(sweep.expired_files)
 
 
 def test_a_spilled_session_polled_through_its_owner_survives_another_replicas_sweep(make_settings, tmp_path):
@@ -79,7 +79,7 @@ def test_a_spilled_session_polled_through_its_owner_survives_another_replicas_sw
             polled = on_a.get("/v1/sessions/polled-session-1")
             assert polled.status_code == 200 and polled.json()["state"] == "spilled"
             time.sleep(0.4)
-        forgotten = b.on_loop(_sweep(b.services.store)).result(DEADLINE_S)
+        forgotten = b.on_loop(_sweep(b.services.sweep)).result(DEADLINE_S)
         assert forgotten == ["forgotten-session-1"], forgotten
         assert (folder / "polled-session-1.session.safetensors").is_file()
         assert not (folder / "forgotten-session-1.session.safetensors").exists()

@@ -1,0 +1,188 @@
+"""A live session's durable copy in ``snapshot_dir``: crash checkpoints, the leases that fence them, and the files
+of a session that ended.
+
+- ``write_due``: between two pieces of a session's work, its checkpoint when one is due
+  (``checkpoint_every_blocks`` / ``checkpoint_interval_s``): the engine copies its tensors, a worker thread writes
+  the file under the session's lease (``app.persistence.records.write_fenced``) while the session goes on.
+- ``renew_forever``: every lease this replica holds (a live session holds one from its creation with a
+  ``snapshot_dir``, checkpoints or not) is renewed every third of ``session_lease_s``; one found lost drops its
+  session (``lose``).
+- ``forget``: a session that ended (deleted, evicted, finished) takes its file and its lease with it, so that no
+  replica adopts it back; a background removal, waited for by nothing but tracked until done (``removals``).
+
+Everything it uses is given to it by the store that owns the sessions (``SessionStore``): the lease table is the
+store's (creation and adoption put leases in it; parking and the drain take them out), shared here by reference.
+Lives on the event loop; the session's tensors are read only on the engine thread (``engine.call``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from app.core.metrics import Metrics
+from app.core.settings import Settings
+from app.engine.engine_errors import Draining
+from app.engine.worker import Engine
+from app.outputs.delivery import Encoder
+from app.persistence import leases
+from app.persistence.leases import Lease, LeaseHeld, LeaseLost
+from app.persistence.records import record_tensors, remove_record, write_fenced
+from app.sessions.registry import SessionHandle
+from app.sessions.saving import record_of
+
+log = logging.getLogger("app")
+
+
+class Checkpoints:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        engine: Engine,
+        encoder: Encoder,
+        *,
+        folder: Path | None,
+        leases_held: dict[str, Lease],
+        draining: Callable[[], bool],
+        lose: Callable[[SessionHandle, BaseException], None],
+    ):
+        """``folder``: snapshot_dir (None: no files, nothing to do); ``leases_held``: the store's table of this
+        replica's leases by id (shared: a checkpoint puts its lease there, an ending session takes it out);
+        ``draining``: a drain is under way (it saves the sessions itself: no checkpoint now); ``lose``: a session
+        whose lease another replica took (the store drops it and closes its connections)."""
+        self.settings = settings
+        self.metrics = metrics
+        self.engine = engine
+        self.encoder = encoder
+        self.folder = folder
+        self.leases_held = leases_held
+        self.draining = draining
+        self.lose = lose
+        self.removals: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
+
+    @property
+    def enabled(self) -> bool:
+        """Crash checkpoints are written (a snapshot_dir and ``checkpoint_every_blocks`` or
+        ``checkpoint_interval_s``)."""
+        return self.folder is not None and bool(
+            self.settings.checkpoint_every_blocks or self.settings.checkpoint_interval_s)
+
+    async def write_due(self, handle: SessionHandle) -> None:
+        """Write the session's checkpoint when one is due (``checkpoint_every_blocks`` / ``checkpoint_interval_s``).
+        Called by a chunk or stream message that just finished, within the session's turn, so the session is
+        between two pieces of work: the engine copies its tensors (one ``call``, between two model calls), and the
+        file is serialized and written on a worker thread while the session goes on. A write still in flight makes
+        this one wait for the next chance; the drain waits for them before it saves (``app.sessions.drain``)."""
+        settings, folder = self.settings, self.folder
+        every, interval = settings.checkpoint_every_blocks, settings.checkpoint_interval_s
+        if folder is None or self.draining() or not (every or interval):
+            return
+        blocks = handle.session.state.blocks_refined
+        due = (every and blocks - handle.checkpoint_blocks >= every) or (
+            interval and blocks != handle.checkpoint_blocks and time.monotonic() - handle.checkpoint_at >= interval)
+        if not due or (handle.checkpoint_write is not None and not handle.checkpoint_write.done()):
+            return
+        if handle.deliveries is not None:
+            await handle.deliveries.flush()  # the units it streamed are retained, for a resume after the crash
+        record = record_of(handle, self.encoder)
+        frames = handle.session.state.frames_received  # the session's turn: nothing of it runs meanwhile
+        try:
+            tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
+        except Draining:  # the engine stopped (drain): the drain saves the session itself
+            return
+        handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
+        metrics, lease = self.metrics, self.leases_held.get(handle.id)
+
+        def write() -> Lease:
+            started = time.perf_counter()
+            # A session's first checkpoint takes its lease; every write is fenced by it.
+            held, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
+                                      replica_id=settings.replica_id, lease_s=settings.session_lease_s,
+                                      key=settings.signing_key)
+            metrics.checkpoint_seconds.observe(time.perf_counter() - started)
+            metrics.checkpoint_bytes.inc(path.stat().st_size)
+            return held
+
+        async def run() -> None:
+            try:
+                held = await asyncio.to_thread(write)
+            except (LeaseHeld, LeaseLost) as exc:
+                self.lose(handle, exc)
+                return
+            # Kept even if the session ended meanwhile: its removal (which waits for this write) releases it.
+            self.leases_held[handle.id] = held
+            handle.durable_frames = max(handle.durable_frames or 0, frames)
+
+        handle.checkpoint_write = asyncio.ensure_future(run())
+        handle.checkpoint_write.add_done_callback(_log_failed_checkpoint)
+
+    def forget(self, handle: SessionHandle) -> None:
+        """A session that ended must never be adopted back from its last checkpoint: its file and its lease go
+        (only while the lease is still this replica's: a session another replica took over is not ours to
+        remove). The registry calls this when a session ends (its ``on_close``)."""
+        folder = self.folder
+        if folder is None:
+            return
+        pending = handle.checkpoint_write
+
+        async def remove() -> None:
+            if pending is not None:
+                await asyncio.wait({pending})
+            lease = self.leases_held.pop(handle.id, None)
+            if lease is None:
+                return
+
+            def drop() -> None:
+                try:
+                    leases.check(lease)
+                except LeaseLost:
+                    return
+                remove_record(folder, handle.id)
+                # Ended: no file of it may be adopted back (a copy put back, a checkpoint a stale writer slipped in).
+                try:
+                    leases.raise_floor(folder, handle.id, lease.generation + 1, self.settings.replica_id)
+                finally:
+                    leases.release(folder, handle.id, lease)
+
+            await asyncio.to_thread(drop)
+
+        task = asyncio.ensure_future(remove())
+        self.removals.add(task)
+        task.add_done_callback(self.removals.discard)
+
+    async def renew_forever(self, live: Callable[[], list[SessionHandle]]) -> None:
+        """Renew every lease this replica holds, every third of session_lease_s; a lease found lost drops its
+        session (``lose``) when it is one of ``live`` (the registry's sessions) still under that lease."""
+        interval = self.settings.session_lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            held = dict(self.leases_held)
+            if not held:
+                continue
+
+            def renew_all() -> dict[str, LeaseLost]:
+                lost = {}
+                for session_id, lease in held.items():
+                    try:
+                        leases.renew(lease)
+                    except LeaseLost as exc:
+                        lost[session_id] = exc
+                    except OSError as exc:  # a shared folder that fails now: try again next time, keep the session
+                        log.warning("renewing the lease on session %s failed: %r", session_id, exc)
+                return lost
+
+            lost = await asyncio.to_thread(renew_all)
+            handles = {handle.id: handle for handle in live()}
+            for session_id, exc in lost.items():
+                handle = handles.get(session_id)
+                if handle is not None and self.leases_held.get(session_id) is held[session_id]:
+                    self.lose(handle, exc)
+
+
+def _log_failed_checkpoint(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("writing a checkpoint failed: %r", task.exception())

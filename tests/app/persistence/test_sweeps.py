@@ -1,0 +1,56 @@
+"""The folder sweeps on their own (``app.persistence.sweeps``): no server, no session object, only a folder and
+what the replica says it tracks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from app.persistence.leases import acquire, generations
+from app.persistence.sweeps import FolderSweep
+
+
+def _file(folder, session_id: str, age_s: float) -> None:
+    path = folder / f"{session_id}.session.safetensors"
+    path.write_bytes(b"not read: the sweep goes by names and ages")
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+
+
+def test_the_sweep_deletes_only_old_unleased_files_the_replica_does_not_track(tmp_path):
+    """Past retention and neither leased nor tracked: deleted and returned. Recent, tracked (live or spilled here)
+    or under a live lease: kept, whatever its age."""
+    _file(tmp_path, "old-session-1", 120.0)
+    _file(tmp_path, "recent-session-1", 1.0)
+    _file(tmp_path, "tracked-session-1", 120.0)
+    _file(tmp_path, "leased-session-1", 120.0)
+    lease = acquire(tmp_path, "leased-session-1", "replica-a", lease_s=30.0)
+    asked: list[str] = []
+
+    def tracked(session_id: str) -> bool:
+        asked.append(session_id)
+        return session_id == "tracked-session-1"
+
+    sweep = FolderSweep(tmp_path, "replica-b", retention_s=60.0, lease_s=30.0, tracked=tracked)
+    assert sweep.expired_files() == ["old-session-1"]
+    assert sorted(p.name for p in tmp_path.glob("*.session.safetensors")) == [
+        "leased-session-1.session.safetensors", "recent-session-1.session.safetensors",
+        "tracked-session-1.session.safetensors"]
+    assert "tracked-session-1" in asked and "leased-session-1" not in asked, asked
+    assert generations(tmp_path, "leased-session-1") == [lease.generation]
+
+
+def test_at_start_removes_this_replicas_leftover_temporaries_then_sweeps(tmp_path):
+    ours = tmp_path / ".some-session-1.session.safetensors.replica-b.k2j4h1.tmp"
+    theirs = tmp_path / ".some-session-2.session.safetensors.replica-a.x9q8w7.tmp"
+    for path in (ours, theirs):
+        path.write_bytes(b"partial")
+    _file(tmp_path, "old-session-1", 120.0)
+    FolderSweep(tmp_path, "replica-b", retention_s=60.0, lease_s=30.0, tracked=lambda _: False).at_start()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name]
+
+
+def test_no_folder_or_a_missing_one_is_nothing_to_sweep(tmp_path):
+    assert FolderSweep(None, "replica-b", 60.0, 30.0, tracked=lambda _: False).expired_files() == []
+    FolderSweep(tmp_path / "absent", "replica-b", 60.0, 30.0, tracked=lambda _: False).at_start()
+    assert not (tmp_path / "absent").exists()
