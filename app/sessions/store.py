@@ -248,9 +248,14 @@ class SessionStore:
 
     def tracked(self, session_id: str) -> bool:
         """Whether this replica holds ``session_id`` (live, or spilled by it: its own retention counts GETs), so
-        that a sweep of snapshot_dir leaves its files alone (``app.persistence.sweeps``). ApiError 410 while it is
-        remembered as evicted (``Registry.existing``)."""
-        return self.registry.existing(session_id) is not None or session_id in self.parking.spilled
+        that a sweep of snapshot_dir leaves its files alone (``app.persistence.sweeps``). One this replica ended
+        and still remembers as evicted is not held: its file is the sweep's like anyone's (asking the registry
+        raised 410 there, which stopped the whole sweep pass)."""
+        try:
+            live = self.registry.existing(session_id) is not None
+        except ApiError:
+            live = False
+        return live or session_id in self.parking.spilled
 
     # --- adoption --------------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager

@@ -8,6 +8,7 @@ import time
 
 from app.persistence.leases import acquire, generations
 from app.persistence.sweeps import FolderSweep
+from tests.app.conftest import running_app
 
 
 def _file(folder, session_id: str, age_s: float) -> None:
@@ -54,3 +55,17 @@ def test_no_folder_or_a_missing_one_is_nothing_to_sweep(tmp_path):
     assert FolderSweep(None, "replica-b", 60.0, 30.0, tracked=lambda _: False).expired_files() == []
     FolderSweep(tmp_path / "absent", "replica-b", 60.0, 30.0, tracked=lambda _: False).at_start()
     assert not (tmp_path / "absent").exists()
+
+
+def test_a_session_this_replica_ended_does_not_stop_the_sweep(make_settings, tmp_path):
+    """An id the registry remembers as evicted (410 to its clients) is not held here: its old file is swept, and
+    the pass goes on to the others (asking about it used to raise the 410 and end the pass)."""
+    folder = tmp_path / "snapshots"
+    with running_app(make_settings(snapshot_dir=folder, session_retention_s=60.0)) as client:
+        services = client.app.state.services
+        folder.mkdir(exist_ok=True)
+        services.registry.mark_evicted("ended-session-1", "a test")
+        _file(folder, "ended-session-1", 120.0)
+        _file(folder, "other-session-1", 120.0)
+        assert sorted(services.sweep.expired_files()) == ["ended-session-1", "other-session-1"]
+        assert not list(folder.glob("*.session.safetensors"))
