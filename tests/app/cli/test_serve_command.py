@@ -138,7 +138,7 @@ def test_the_embedded_default_keeps_sessions_across_a_restart(tmp_path):
     from bench.live import ServerProcess
     from wm_refiner_client import Client
 
-    from ..client.conftest import clip
+    from tests.client.conftest import clip
 
     latents, prompt, mask = clip(9)
     port, cache = free_port(), tmp_path / "cache"
