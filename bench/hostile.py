@@ -367,7 +367,7 @@ def spilled_listing(server, deadline: float, count: int = 2000) -> list[tuple[st
     asked: the page must come within 0.5 s and /health within 0.1 s (the issue's bounds)."""
     import asyncio
 
-    from app.sessions.parking import Spilled
+    from app.sessions.views import Spilled
 
     store = server.services.store
     folder = store.snapshot_folder
