@@ -13,10 +13,16 @@
 # 2. the -m gpu tests (tests/gpu: bf16 parity with diffusers' reference, batched vs solo rows, no host sync inside a
 #    block, KV memory allocated once, the compiled step with CUDA graphs, a late NaN/Inf verdict undone by the
 #    engine), output in OUT/gpu-tests.txt.
-# No network on the GPU machine: --wheels DIR installs the other dependencies from a folder filled elsewhere by
-# `bash bench/gpu_wheels.sh DIR` (pip --no-index). The project itself is not pip-installed: it runs from this
-# checkout (PYTHONPATH), because pyproject pins torch==2.13.0 (the CPU build) and Python 3.11, and installing it
-# would try to replace the machine's CUDA torch.
+# No network on the GPU machine: --wheels DIR installs what it lacks from a folder filled here by
+# `bash bench/gpu_wheels.sh DIR` (pip --no-index; the project's pins where the machine's own copy misses them, the
+# machine's packages where they satisfy them). Should pip's resolver refuse that mix, DIR's wheels go to a folder of
+# their own on PYTHONPATH, ahead of the machine's site-packages (--no-deps), and the import check below decides.
+# The project itself is not pip-installed: it runs from this checkout (PYTHONPATH), because pyproject pins
+# torch==2.13.0 (the CPU build) and Python 3.11, and installing it would try to replace the machine's CUDA torch. $PYTHON (default python3, the
+# interpreter that holds the CUDA torch on the workplace's image) runs everything.
+# In this workplace, with a device lent: `bash bench/gpu_wheels.sh .whl` here, then the device tool's run with
+# carry [".whl"] and the command `bash bench/gpu_check.sh --wheels .whl "$OUT"` (timeout_s 570): OUT's 6 files
+# come back (summary.json, summary.md, machine.txt, install.txt, bench.txt, gpu-tests.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 smoke=0 wheels=""
@@ -30,21 +36,46 @@ while (($#)); do
 done
 out="${1:-${OUT:-gpu-check}}"
 mkdir -p "$out"
+py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 
 if [ -n "$wheels" ]; then
-  python -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" 2>&1 | tee "$out/install.txt"
-  [ "${PIPESTATUS[0]}" = 0 ] || { echo "== installing from $wheels failed (see $out/install.txt)"; exit 1; }
+  [ -f "$wheels/requirements.txt" ] || { echo "== $wheels has no requirements.txt (fill it with bench/gpu_wheels.sh)"; exit 1; }
+  if ! "$py" -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" > "$out/install.txt" 2>&1; then
+    tail -n 5 "$out/install.txt"
+    echo "== pip could not satisfy every pin from $wheels and this machine; its wheels go on PYTHONPATH instead"
+    site="$(mktemp -d)"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl >> "$out/install.txt" 2>&1 \
+      || { echo "== installing from $wheels failed (see $out/install.txt)"; exit 1; }
+    export PYTHONPATH="$PYTHONPATH:$site"
+  fi
 fi
+# Every module the check imports, before anything long starts: a missing wheel costs seconds here, not a loan.
+"$py" - <<'PY' 2>&1 | tee -a "$out/install.txt"
+import importlib, sys
+missing = []
+for module in ("torch", "diffusers", "safetensors", "numpy", "yaml", "httpx", "fastapi", "uvicorn", "pydantic_settings",
+               "websockets", "prometheus_client", "pytest", "transformers", "models", "app.runtime.services", "bench.gpu"):
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 -- any failure to import is what this check reports
+        missing.append(f"{module}: {type(error).__name__}: {error}")
+if "diffusers" in sys.modules and not hasattr(sys.modules["diffusers"], "SanaWMLTX2RefinerTransformer3DModel"):
+    missing.insert(0, f"diffusers {getattr(sys.modules['diffusers'], '__version__', '?')}: no "
+                      "SanaWMLTX2RefinerTransformer3DModel (diffusers==0.42.1 has it)")
+print("imports:", "missing " + "; ".join(missing) if missing else "all present", "| python", sys.version.split()[0])
+sys.exit(1 if missing else 0)
+PY
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "== a module the check needs does not import (see $out/install.txt)"; exit 1; }
 
 if ((smoke)); then
-  python -m bench gpu --smoke "$out" > "$out/bench.txt" 2>&1 || status=1
+  "$py" -m bench gpu --smoke "$out" > "$out/bench.txt" 2>&1 || status=1
   tail -n 5 "$out/bench.txt"
   exit $status
 fi
 
-python - <<'PY' 2>&1 | tee "$out/machine.txt"
+"$py" - <<'PY' 2>&1 | tee "$out/machine.txt"
 import torch, diffusers
 print("torch", torch.__version__, "diffusers", diffusers.__version__, "cuda", torch.version.cuda)
 assert torch.cuda.is_available(), "no CUDA device (use --smoke for the CPU check)"
@@ -58,9 +89,9 @@ echo "== bench gpu"
 # Bounded so that the tests still run within the loan: summary.json is written after every section, so a run
 # stopped here keeps what it measured; the block latencies left after --budget-s are skipped (null), and the step
 # modes (last, about 100 s: two compiles) start no mode with under 45 s left before --end-s.
-timeout 330 python -m bench gpu --budget-s 200 --end-s 320 "$out" 2>&1 | tee "$out/bench.txt"
+timeout 330 "$py" -m bench gpu --budget-s 200 --end-s 320 "$out" 2>&1 | tee "$out/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu: some sections failed (errors in $out/summary.json)"; }
 echo "== gpu tests"
-timeout 150 python -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.txt"
+timeout 150 "$py" -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu tests FAILED"; }
 exit $status

@@ -5,6 +5,7 @@ unit, and that no section failed."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -103,3 +104,33 @@ def test_the_recommended_mode_steps_up_only_for_a_margin_at_every_count():
     # A mode with a figure missing (skipped, failed) is never recommended; nor anything without eager's figures.
     assert recommend(_modes(eager=(0.5, 1.6), compiled=(0.2, None), graphed=None), counts) == "eager"
     assert recommend(_modes(eager=None, compiled=(0.2, 0.8), graphed=(0.1, 0.4)), counts) == "eager"
+
+
+def _check(tmp_path, *args, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(["bash", "bench/gpu_check.sh", *args, str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_a_module_the_check_needs_that_does_not_import_stops_it_in_seconds(tmp_path):
+    # The GPU machine brings its own Python and packages; a wheel missing from --wheels must cost seconds, not the
+    # loan: the check imports everything first and names what failed. Stand-ins that shadow two real packages:
+    shadow = tmp_path / "shadow"
+    (shadow / "fastapi").mkdir(parents=True)
+    (shadow / "fastapi" / "__init__.py").write_text("raise ImportError('no fastapi on this machine')\n")
+    (shadow / "diffusers").mkdir()
+    (shadow / "diffusers" / "__init__.py").write_text("__version__ = '0.30.0'\n")
+    result = _check(tmp_path, "--smoke", env_extra={"PYTHONPATH": str(shadow)})
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "fastapi: ImportError: no fastapi on this machine" in result.stdout
+    assert "no SanaWMLTX2RefinerTransformer3DModel" in result.stdout
+    assert "a module the check needs does not import" in result.stdout
+    assert not (tmp_path / "out" / "bench.txt").exists()  # nothing long started
+
+
+def test_a_wheels_folder_without_its_list_is_refused_before_pip_runs(tmp_path):
+    (tmp_path / "wheels").mkdir()
+    result = _check(tmp_path, "--wheels", str(tmp_path / "wheels"), "--smoke")
+    assert result.returncode == 1
+    assert "has no requirements.txt (fill it with bench/gpu_wheels.sh)" in result.stdout
+    assert not (tmp_path / "out" / "install.txt").exists()
