@@ -352,17 +352,23 @@ class PromptAttnProcessor:
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         query = attn.norm_q(attn.to_q(hidden_states))  # (R, N, D)
         prompt_attention = _prompt_attention.__wrapped__ if TRACEABLE else _prompt_attention
-        hidden = prompt_attention(attn, self.layer, prompts, query, gate_logits, self._attention_backend,
+        # The processor itself, not ``self.layer``: an int read here would be a constant of the compiled piece,
+        # guarded, so each of the 48 layers would compile its own copy of the same graph (measured: one more
+        # graph per layer and forward kind, past dynamo's cache limit at the released depth). Read inside the
+        # function that stays out of the graph, it costs no guard.
+        hidden = prompt_attention(attn, self, prompts, query, gate_logits, self._attention_backend,
                                   self._parallel_config)
         return _project(attn, hidden)
 
 
 @torch.compiler.disable
-def _prompt_attention(attn, layer: int, prompts: PromptBatch, query, gate_logits, backend, parallel):
-    """Each session's rows over its own prompt's K/V of this layer; (R, N, D), padding rows zero. The K/V were
+def _prompt_attention(attn, processor: PromptAttnProcessor, prompts: PromptBatch, query, gate_logits, backend,
+                      parallel):
+    """Each session's rows over its own prompt's K/V of ``processor.layer``; (R, N, D), padding rows zero. The K/V were
     projected once per prompt on that session's own (B, L, D) shape (``models.step.prepare_prompt``), never stacked
     with other sessions' prompts: a GEMM's rounding depends on M, and a stacked M would be the sum of the neighbours'
     prompt lengths (measured on an AMD EPYC: a row's bits then depended on who shared the call)."""
+    layer = processor.layer
     outputs = []
     for row in prompts.rows:
         key, value = row.prompt.kv[layer]  # (B, L, D) each

@@ -99,3 +99,19 @@ def test_a_whole_flushed_session_compiles_nothing_after_the_warm_up():
             session.commit(run)
         assert session.state.frames_returned == frames
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a session compiled after the warm-up"
+
+
+def test_the_graphs_compiled_do_not_grow_with_the_model_depth():
+    """The released refiner has 48 layers: were a layer's index (or anything else per layer) a constant of a compiled
+    piece, each layer would compile its own copy of the same graph, 48 times the compile time and past dynamo's
+    cache limit (then silently eager). The warm-up compiles the same number of graphs for 2 layers as for 5."""
+    config = SessionConfig()
+    compiled = {}
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        refiner = from_model(build_model("tiny", num_layers=layers))
+        step = CompiledStep(refiner.model, max_rows=2, backend="eager")
+        step.warm_up(warmup_forwards(refiner, config, 4, 4, 6)[:3])  # the sink's, a denoising and a commit forward
+        compiled[layers] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiled[2] > 0 and compiled[5] == compiled[2], compiled
