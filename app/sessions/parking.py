@@ -314,8 +314,9 @@ class Parking:
                 return False
             if not self.registry.holds(handle):
                 return False
-            device, session = torch.device("cpu"), handle.session
-            ready = await self.engine.call(lambda: move_session(session, device))
+            device, session, paged_in = torch.device("cpu"), handle.session, handle.park_ready
+            # after=: the copies of its last page-in, if no work of it ran since (nothing else waited for them).
+            ready = await self.engine.call(lambda: move_session(session, device, after=paged_in))
             handle.memory_state = "parked"
             handle.park_ready = ready
             self.moves.labels(to="parked").inc()
