@@ -120,6 +120,9 @@ class Parking:
             self.budget = None
         elif setting == "auto":
             if device.type == "cuda":
+                # What the caching allocator holds unused (the warm-up's activations, the load's casts) is memory
+                # the sessions can have, but mem_get_info counts it as taken: hand it back first.
+                torch.cuda.empty_cache()
                 free, _ = torch.cuda.mem_get_info(device)
                 self.budget = max(free - self.settings.device_memory_reserve, 0)
             else:
