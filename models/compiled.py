@@ -39,6 +39,9 @@ import torch
 from .step import RowForward, forward_body, run_batch
 
 
+GRAPHED_MODES = ("reduce-overhead", "max-autotune")
+
+
 def buckets(max_rows: int) -> list[int]:
     """1, 2, 4, ... and ``max_rows`` itself."""
     sizes, size = [], 1
@@ -61,6 +64,8 @@ class CompiledStep:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16 * len(self.buckets))
         self.body = torch.compile(forward_body, dynamic=False, mode=None if mode == "default" else mode,
                                   backend=backend)
+        # The modes that capture CUDA graphs on a GPU (max-autotune does too; max-autotune-no-cudagraphs does not).
+        self.graphed = mode in GRAPHED_MODES
 
     def bucket(self, rows: int) -> int:
         for size in self.buckets:
@@ -70,7 +75,15 @@ class CompiledStep:
 
     def __call__(self, model: torch.nn.Module, forwards: Sequence[RowForward]) -> list[torch.Tensor]:
         rows = sum(forward.rows for forward in forwards)
-        return run_batch(model, forwards, pad_to=self.bucket(rows), body=self.body)
+        velocities = run_batch(model, forwards, pad_to=self.bucket(rows), body=self.body)
+        if self.graphed:
+            # CUDA-graph trees replay a graph into the same static output memory: the next call of this bucket
+            # overwrites these velocities (and reading them then raises "accessing tensor output of CUDAGraphs
+            # that has been overwritten"). Callers that hold several calls' outputs at once (``run_isolated``'s
+            # retries one forward at a time, the batch-invariance probe's solo forwards) get copies of their own:
+            # (R, N, C), small next to the step. Only a GPU shows the overwrite (tests/gpu/test_cuda.py).
+            velocities = [velocity.clone() for velocity in velocities]
+        return velocities
 
     def warm_up(self, forwards_by_kind: Sequence[RowForward]) -> int:
         """Run every bucket for each given forward (one per kind the service meets: a sink capture, a denoising

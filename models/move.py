@@ -29,8 +29,9 @@ class Move:
       sessions queued meanwhile run while the window is copied.
 
     ``ready`` is the event the copies complete with: whoever reads the results waits for it (``after`` on the
-    device, ``synchronize`` on the host). The host buffers a page-in reads from are kept alive until ``ready`` has
-    passed (``_in_flight``). Elsewhere (CPU to CPU) nothing is copied unless ``copy`` asks for it (tests do, to prove
+    device, ``synchronize`` on the host). The host buffers a page-in reads from, and those a park writes into, are
+    kept alive until ``ready`` has passed (``_in_flight``). ``after`` (either way): an event the copies wait for
+    first (a page-in: the park's; a park: the last page-in's). Elsewhere (CPU to CPU) nothing is copied unless ``copy`` asks for it (tests do, to prove
     that no tensor of the moved session is shared with the one before)."""
 
     def __init__(self, device: torch.device, copy: bool = False, after=None, cuda_device: torch.device | None = None):
@@ -55,8 +56,11 @@ class Move:
             self._stream = torch.cuda.Stream(device)
             if self.device.type == "cpu":
                 self._stream.wait_stream(self._compute)  # the forwards that wrote what is parked
-            elif self.after is not None:
-                self._stream.wait_event(self.after)  # the park's copies into the host buffers
+            if self.after is not None:
+                # A page-in: the park's copies into the host buffers. A park: the page-in's copies that brought
+                # the tensors (on another side stream, which the compute stream waits for only once the session's
+                # next work runs: a park right after a page-in would read memory still being written).
+                self._stream.wait_event(self.after)
             self._context = torch.cuda.stream(self._stream)
             self._context.__enter__()
         return self
@@ -78,6 +82,9 @@ class Move:
             host = pinned_empty(tensor.shape, tensor.dtype)
             host.copy_(tensor, non_blocking=True)
             tensor.record_stream(self._stream)
+            # Kept alive until the copy is done: the session may be deleted meanwhile, and an exact-size buffer is
+            # plain host memory (unregistered and freed with its tensor) that the copy would go on writing into.
+            self._sources.append(host)
             return host
         staged = pinned_copy(tensor)  # a spilled session's tensors come back from a file in plain memory
         moved = staged.to(self.device, non_blocking=True)
@@ -92,7 +99,7 @@ class Move:
             torch.cuda.current_stream().wait_event(ready)
 
 
-# Host buffers page-ins read from, with the event their copies complete with: released (and their pinning undone)
+# Host buffers page-ins read from and parks write into, with the event their copies complete with: released
 # once the event has passed, checked without waiting at the next move and at every engine commit.
 _in_flight: list[tuple[object, list[torch.Tensor]]] = []
 
@@ -107,7 +114,7 @@ def move_session(session, device: torch.device, copy: bool = False, after=None):
     """Move every tensor ``session`` holds (its KV cache, pending frames and prompt) to ``device`` in place, without
     a host wait; returns the CUDA event the copies complete with (None elsewhere): reading the moved tensors on the
     device (or on the host) must wait for it. ``after``: an event the copies must wait for first (a page-in waits
-    for the park's copies). The caption projection prepared
+    for the park's copies, a park for the last page-in's). The caption projection prepared
     from the prompt is dropped (recomputed from the moved prompt by the next forward, bit for bit: it is the same
     computation on the same values). Only the engine thread may call this, between two of its jobs, and only for a
     session with no run in flight (nothing else reads those tensors then)."""

@@ -32,7 +32,7 @@ from .errors import RefinerError
 from .forward import Prompt
 from .loading import Refiner
 from .kv import SessionKV, WindowLayout
-from .session import Geometry, RefinerSession, SessionState
+from .session import Geometry, RefinerSession, SessionState, _generator_device
 
 FORMAT = "wm-refiner-session/1"
 SIGNATURE = "signature"  # the metadata key of a file's signature
@@ -187,6 +187,20 @@ def check_header(refiner: Refiner, headers: dict[str, TensorHeader], metadata: d
         raise SnapshotError(f"snapshot holds tensors its metadata does not account for: {unknown[:5]}")
 
 
+def _rng_state(state: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``state`` if it is a state of the generator a session on ``device`` draws with. A CUDA generator's state
+    (Philox seed and offset, 16 bytes) and a CPU one's (Mersenne Twister, 5056) do not fit each other: unchecked,
+    a session saved on one kind of device would be adopted on the other and fail at its next block with torch's
+    "RNG state is wrong size"."""
+    expected = torch.Generator(device=_generator_device(device)).get_state().numel()
+    if state.numel() != expected:
+        raise SnapshotError(
+            f"snapshot rng_state is a generator state of {state.numel()} bytes; a {device.type} generator's is "
+            f"{expected} (CUDA: 16, CPU: 5056): the session was saved by a replica on another kind of device. "
+            "Adopt it on a replica of the device type that saved it")
+    return state
+
+
 def _model_key(refiner: Refiner) -> dict:
     info = refiner.info
     return {
@@ -283,7 +297,7 @@ def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], met
             prompt=prompt,
             has_sink=bool(counters["has_sink"]),
             history_frames=history_frames,
-            rng_state=tensors["rng_state"].to(torch.uint8),
+            rng_state=_rng_state(tensors["rng_state"].to(torch.uint8), device),
             flushed=bool(counters["flushed"]),
             blocks_refined=int(counters["blocks_refined"]),
         )

@@ -119,8 +119,10 @@ class EngineSession:
     queued: int = 0
     # A real-time session's deadlines and late blocks (app.engine.pacing); None when it is not real time.
     pacing: Pacing | None = None
-    # The CUDA event of copies that brought its tensors to the device on a side stream (a page-in): its next model
-    # call waits for it on the device (``wait_for``), so other sessions' calls queued before do not.
+    # The CUDA event of copies that brought its tensors to the device on a side stream (a page-in): the engine's
+    # stream waits for it on the device before the session's next work touches them (``wait_for``, first thing in
+    # ``_next_forward``; a record read for saving waits too: ``app.sessions.saving``), so other sessions' calls
+    # queued before do not.
     ready: Any = None
     # Its last committed block's finite verdict, not read yet (accelerators): the gate before its next forward.
     verdict: PendingVerdict | None = None
@@ -427,7 +429,7 @@ class Engine:
     def execute(self, batch: Batch) -> BatchResult:
         started = time.perf_counter()
         for member in batch.members:
-            wait_for(member.target)  # a session paged in on a side stream: its copies first (no host wait)
+            wait_for(member.target)  # a no-op since ``_next_forward`` waited; kept as the last line of defence
         tokens = batch.members[0].forward.group[0] if batch.members else 0
         mark = self.clock.start((tokens, batch.rows))
         outcomes = run_isolated(self.model, [member.forward for member in batch.members], self.runner)
@@ -524,6 +526,10 @@ class Engine:
     # --- work lifecycle (engine thread) ----------------------------------------------------------------------
     def _next_forward(self, target: EngineSession) -> RowForward | None:
         session = target.session
+        # A session paged in on a side stream: the engine's stream waits for its copies (on the device, no host
+        # wait) before anything of it runs there, and the first thing may be appending a chunk to its paged-in
+        # pending frames (``_start``) or rotating its paged-in sink keys (``session.start``), not a model call.
+        wait_for(target)
         while True:
             if target.verdict is not None:  # the gate: its last block's verdict first
                 if not target.verdict.check.ready():

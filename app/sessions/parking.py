@@ -120,6 +120,9 @@ class Parking:
             self.budget = None
         elif setting == "auto":
             if device.type == "cuda":
+                # What the caching allocator holds unused (the warm-up's activations, the load's casts) is memory
+                # the sessions can have, but mem_get_info counts it as taken: hand it back first.
+                torch.cuda.empty_cache()
                 free, _ = torch.cuda.mem_get_info(device)
                 self.budget = max(free - self.settings.device_memory_reserve, 0)
             else:
@@ -314,8 +317,9 @@ class Parking:
                 return False
             if not self.registry.holds(handle):
                 return False
-            device, session = torch.device("cpu"), handle.session
-            ready = await self.engine.call(lambda: move_session(session, device))
+            device, session, paged_in = torch.device("cpu"), handle.session, handle.park_ready
+            # after=: the copies of its last page-in, if no work of it ran since (nothing else waited for them).
+            ready = await self.engine.call(lambda: move_session(session, device, after=paged_in))
             handle.memory_state = "parked"
             handle.park_ready = ready
             self.moves.labels(to="parked").inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from app.engine.worker import wait_for
 from app.outputs.delivery import Encoder
 from app.outputs.replay import SentUnit
 from app.persistence.records import SessionRecord
@@ -26,6 +27,9 @@ def record_of(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionRe
     realtime = handle.engine_session.pacing is not None
 
     def build() -> SessionRecord:
+        # Paged in on a side stream and no work of it ran since: the engine's stream waits for those copies before
+        # the record's device-to-host reads are queued on it (on the device; a no-op otherwise).
+        wait_for(handle.engine_session)
         return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
                              encode=encode, outputs=handle.outputs, stages=handle.engine_session.stages,
                              created_at=handle.created_at, realtime=realtime)

@@ -115,3 +115,30 @@ def test_the_graphs_compiled_do_not_grow_with_the_model_depth():
         step.warm_up(warmup_forwards(refiner, config, 4, 4, 6)[:3])  # the sink's, a denoising and a commit forward
         compiled[layers] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert compiled[2] > 0 and compiled[5] == compiled[2], compiled
+
+
+def test_a_graphed_steps_velocities_outlive_its_next_call():
+    """With CUDA graphs (``reduce-overhead``, ``max-autotune``) a replay writes into the same static output memory
+    each time, so a caller holding one call's velocities across the next call (``run_isolated``'s one-forward
+    retries, the batch-invariance probe's solo forwards) would read the next call's. The body here stands in for a
+    replay (its output lives in one buffer per shape, as a graph's does); what is tested is that a graphed step hands
+    out velocities of their own. The real replay: tests/gpu/test_cuda.py."""
+    from models.step import forward_body
+
+    refiner = from_model(build_model("tiny"))
+    static: dict = {}
+
+    def replay(*args):
+        out = forward_body(*args)
+        return static.setdefault(tuple(out.shape), torch.empty_like(out)).copy_(out)
+
+    for mode, graphed in (("reduce-overhead", True), ("max-autotune", True), ("max-autotune-no-cudagraphs", False)):
+        step = CompiledStep(refiner.model, max_rows=1, mode=mode)
+        assert step.graphed is graphed
+        step.body = replay
+        first, second = ready_forwards(refiner, 2, random.Random(3))
+        assert first.group == second.group
+        kept = step(refiner.model, [first])[0]
+        expected = run_batch(refiner.model, [first])[0]
+        step(refiner.model, [second])
+        assert torch.equal(kept, expected) is graphed, mode

@@ -120,3 +120,24 @@ def test_snapshot_headers_are_checked_against_limits_and_tensors_before_loading(
         bad = _edited(path, tmp_path / f"lying{index}.safetensors", edit_tensors=edit)
         with pytest.raises(SnapshotError, match=message):
             load_snapshot(bad, refiner, _limits())
+
+
+def test_a_snapshot_from_another_kind_of_device_is_refused_with_the_reason(tmp_path):
+    """A session saved by a CUDA replica holds a CUDA generator's state (16 bytes: Philox seed and offset); a CPU
+    replica's generator takes 5056. Adopted across, the session would fail at its next block with torch's "RNG
+    state is wrong size": the load refuses it at once, saying why and what to do."""
+    refiner = from_model(build_model("tiny"))
+    session = RefinerSession(refiner, SessionConfig())
+    latents, embeds = make_inputs(frames=4)
+    session.push(latents, embeds)
+    path = save_snapshot(tmp_path / "s.safetensors", session)
+    cuda_like = torch.zeros(16, dtype=torch.uint8)  # what torch.Generator("cuda").get_state() is shaped like
+
+    def as_if_from_cuda(tensors):
+        tensors["rng_state"] = cuda_like
+
+    edited = _edited(path, tmp_path / "cuda.safetensors", edit_tensors=as_if_from_cuda)
+    with pytest.raises(SnapshotError, match="16 bytes; a cpu generator's is 5056.*another kind of device"):
+        load_snapshot(edited, refiner)
+    restored, _ = load_snapshot(path, refiner)  # its own kind loads
+    assert torch.equal(restored.state.rng_state, session.state.rng_state)

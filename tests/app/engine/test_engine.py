@@ -287,3 +287,34 @@ def test_engine_errors_keep_their_wire_codes_statuses_and_messages():
     assert (broken.kind, broken.status, broken.spec.ws_close) == ("internal_error", 500, 1011)
     assert broken.message == ("decoding this session's video failed (RuntimeError('x')); its refined latents up to "
                               "frame 7 are kept, but the session cannot produce video any more: start a new session")
+
+
+def test_a_paged_in_session_waits_for_its_copies_before_its_chunk_touches_them(refiner, monkeypatch):
+    """On CUDA a page-in's copies run on a side stream (``models.move``) and ``EngineSession.ready`` is their event:
+    the engine's stream must wait for it before the session's tensors are read or written on the device, and the
+    first such access is appending the next chunk to the paged-in pending frames (``_start``), before any model
+    call. A stub stands in for torch.cuda's current stream: the order of the engine's steps is what is tested."""
+    order = []
+
+    class StubStream:
+        def wait_event(self, event):
+            order.append(("wait", event))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: StubStream())
+    clip = make_clip(frames=7, seed=0)
+    paged = target(refiner, "paged")
+    paged.ready = event = object()  # what Parking.activate leaves for the engine
+    append = paged.session.append
+
+    def recording_append(chunk, flush=False):
+        order.append(("append", None))
+        return append(chunk, flush=flush)
+
+    monkeypatch.setattr(paged.session, "append", recording_append)
+
+    async def scenario(engine):
+        return await engine.submit(Work(paged, *clip, flush=True))
+
+    result = run_with_engine(refiner, scenario)
+    assert order == [("wait", event), ("append", None)] and paged.ready is None
+    assert torch.equal(torch.cat([u.latents for u in result.units], dim=2), expected_clip(refiner, *clip))

@@ -305,6 +305,31 @@ def test_memory_settings_read_units_and_keep_the_old_idle_timeout_name(make_sett
     assert make_settings(session_idle_timeout_s=90, session_retention_s=5).retention_s == 5
 
 
+def test_an_auto_budget_counts_the_allocators_unused_cache_as_free(make_settings, monkeypatch):
+    """``device_memory_budget: auto`` on CUDA: the caching allocator's unused blocks (the warm-up's activations)
+    are handed back before the free memory is read, so the budget is not short by them. torch.cuda's two calls
+    are stubbed: the order is what is tested."""
+    from app.sessions.parking import Parking
+
+    calls, cached = [], [6 * 2**30]
+
+    def empty_cache():
+        calls.append("empty_cache")
+        cached[0] = 0
+
+    def mem_get_info(device):
+        calls.append(("mem_get_info", str(device)))
+        return 100 * 2**30 - cached[0], 141 * 2**30  # free: less what the cache still holds
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    parking = Parking.__new__(Parking)  # only its settings take part in resolving the budget
+    parking.settings = make_settings(device_memory_budget="auto", device_memory_reserve="2GiB")
+    parking.resolve_budget(torch.device("cuda", 1))
+    assert calls == ["empty_cache", ("mem_get_info", "cuda:1")]
+    assert parking.budget == 98 * 2**30
+
+
 def test_a_spill_gives_way_to_a_request_that_arrives_while_it_is_written(make_settings, refiner, tmp_path):
     """The spill's file is written while a chunk arrives for the session: the spill is abandoned (its file removed,
     so no replica can adopt a copy that is about to be stale), the session stays here and the chunk continues it."""
