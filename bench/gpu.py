@@ -44,6 +44,7 @@ from models.checkpoints import PRESETS, VAE_PRESETS
 from models.clock import CallClock
 from models.move import move_session
 from models.session_bytes import session_bytes, session_bytes_estimate
+from models.loading import resolve_device
 from models.plan import meta_model, released_config
 from models.session import Geometry
 from models.step import run_batch
@@ -502,6 +503,7 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
     device = torch.device(device or ("cpu" if smoke else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke for the CPU check")
+    device = resolve_device(device)  # cuda -> cuda:N, as the service resolves it
     use_device(device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     ctx = Context(preset, device, dtype)

@@ -93,17 +93,26 @@ class Refiner:
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """The torch device for a setting. A CUDA device always carries its index (``cuda`` and ``auto`` become
+    ``cuda:N``, N the current device): tensors report ``cuda:0``, and ``torch.device("cuda") != "cuda:0"``, so a
+    device without one would make every "is this tensor already there?" comparison answer no."""
     if isinstance(device, torch.device):
-        return device
+        return _indexed(device)
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return _indexed(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if device == "meta":  # shapes only: the refiner from config.json alone (audits, plans)
         return torch.device("meta")
     if device == "cpu" or device.startswith("cuda"):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
-        return torch.device(device)
+        return _indexed(torch.device(device))
     raise ModelLoadError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N', 'auto' or 'meta' (shapes only)")
+
+
+def _indexed(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

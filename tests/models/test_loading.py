@@ -115,6 +115,19 @@ def test_device_and_dtype_resolution():
             resolve_device("cuda")
 
 
+def test_a_cuda_device_always_carries_its_index(monkeypatch):
+    """Tensors on a GPU report ``cuda:N``, and ``torch.device("cuda") != torch.device("cuda:0")``: a device resolved
+    without its index would make every "already on the target?" check (models/move.py) answer no. The CUDA calls
+    are stood in for (no GPU here); what is tested is the resolution."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu") and resolve_device("meta") == torch.device("meta")
+
+
 def test_only_the_video_path_is_loaded(tiny_dir, tmp_path):
     """The audio branch is never read: a folder without it loads the same refiner, and the loaded model has none."""
     from safetensors.torch import load_file, save_file
