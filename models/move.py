@@ -53,7 +53,7 @@ class Move:
             release_finished()
             device = self.cuda_device or torch.device("cuda", torch.cuda.current_device())
             self._compute = torch.cuda.current_stream(device)
-            self._stream = torch.cuda.Stream(device)
+            self._stream = side_stream(device, to_host=self.device.type == "cpu")
             if self.device.type == "cpu":
                 self._stream.wait_stream(self._compute)  # the forwards that wrote what is parked
             if self.after is not None:
@@ -102,6 +102,18 @@ class Move:
 # Host buffers page-ins read from and parks write into, with the event their copies complete with: released
 # once the event has passed, checked without waiting at the next move and at every engine commit.
 _in_flight: list[tuple[object, list[torch.Tensor]]] = []
+_side_streams: dict[tuple[torch.device, bool], object] = {}
+
+
+def side_stream(device: torch.device, to_host: bool):
+    """One side stream per device and direction, kept: the caching allocator pools blocks per stream, so a new
+    stream per move (torch hands out 32 in turn) would leave each page-in's freed windows in a pool that the next
+    page-ins, on other streams, cannot reuse until an out-of-memory retry empties the cache. Parks and page-ins
+    keep one stream each, so a park's copies out and a page-in's copies in can still run at once."""
+    key = (device, to_host)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device)
+    return _side_streams[key]
 
 
 def release_finished() -> None:

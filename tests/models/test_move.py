@@ -56,6 +56,7 @@ def fake_cuda(monkeypatch):
     # The host buffer a park copies into: plain memory here (no CUDA to pin it with).
     monkeypatch.setattr(move_module, "pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     monkeypatch.setattr(move_module, "_in_flight", [])
+    monkeypatch.setattr(move_module, "_side_streams", {})
     return log
 
 
@@ -95,3 +96,14 @@ def test_a_parks_host_buffers_stay_alive_until_its_copies_are_done(fake_cuda, mo
     event.done = True
     release_finished()
     assert move_module._in_flight == []
+
+
+def test_parks_and_page_ins_each_keep_one_side_stream(fake_cuda):
+    """The allocator pools blocks per stream: a new stream per move would strand each page-in's freed window in a
+    pool the next page-in (on another stream) cannot reuse. One stream per device and direction, kept."""
+    streams = []
+    for device in ("cpu", "cuda:0", "cpu", "cuda:0"):
+        with Move(torch.device(device), cuda_device=torch.device("cuda", 0)) as move:
+            streams.append(move._stream)
+    park, page_in = streams[0], streams[1]
+    assert park is not page_in and streams[2] is park and streams[3] is page_in
