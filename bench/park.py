@@ -10,7 +10,9 @@ one, file bytes of a spilled one. It reports; it never asserts.
 
 It also measures what ``snapshot_signing_key`` costs (``bench.signing``): a spilled session's file (its tensors and
 metadata as the server wrote them) written and read back signed and unsigned, alternating, and the HMAC's
-throughput; with ``--signing-gib N`` the same for a synthetic record of N GiB (a 480p window's size class).
+throughput; with ``--signing-gib N`` the same for a synthetic record of N GiB (a 480p window's size class). And
+the engine thread's share of adopting that session's file signed: all of ``load_record`` (as before the read moved
+to a worker thread) against ``record_from_tensors`` alone (as now).
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             from models.snapshot import read_tensors
 
             records = {"session": read_tensors(snapshot_path(settings.snapshot_dir, ids[0]))}
+            engine_ms = signing.engine_time(
+                *records["session"], ids[0], tmp_path / "signing-adopt", refiner, services.stages,
+                on_engine=lambda fn: on_loop(services.engine.call(fn)), rounds=args.signing_rounds)
         if args.signing_gib > 0:
             records[f"{args.signing_gib:g} GiB"] = signing.synthetic_record(args.signing_gib)
         signing_rows = []
@@ -172,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'ratio':>8s} {'n':>3s}")
     for row in signing_rows:
         print(row)
+    print(f"# a signed session file adopted: the engine thread's time (p50 of {args.signing_rounds}), all of "
+          "load_record on it (before) vs only record_from_tensors, read_record on a worker thread (after)")
+    for name, values in engine_ms.items():
+        print(f"signing engine {name:6s} {1000 * statistics.median(values):10.2f} ms")
     return 0
 
 

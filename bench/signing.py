@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from app.persistence.records import write_record
+from app.persistence.records import load_record, read_record, record_from_tensors, write_record
 from models.snapshot import read_tensors, signature, verify
 
 BENCH_KEY = b"bench-signing-key-of-32-or-more-characters"
@@ -91,3 +91,24 @@ def format_rows(name: str, tensors: dict[str, torch.Tensor], figures: dict[str, 
     rows.append(f"signing hmac        {name:10s} {size:>14,d} {'':10s} {1000 * hmac_s:10.2f} "
                 f"{size / hmac_s / 1e9:10.2f} GB/s")
     return rows
+
+
+def engine_time(tensors: dict[str, torch.Tensor], metadata: dict[str, str], session_id: str, folder: Path, refiner,
+                stages, on_engine, rounds: int) -> dict[str, list[float]]:
+    """Seconds the engine thread spends adopting the session file ``tensors``/``metadata`` signed: ``before``, all
+    of ``load_record`` on it (read, verify, build); ``after``, only ``record_from_tensors`` there, ``read_record``
+    (read + verify) done first on this thread, as an adoption does on a worker thread now. ``on_engine(fn)``: runs
+    ``fn`` on the engine thread and returns its result. Alternating, as ``measure``."""
+    path = write_record(folder, session_id, tensors, metadata, key=BENCH_KEY)
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    for round_index in range(rounds):
+        for kind in (("before", "after") if round_index % 2 == 0 else ("after", "before")):
+            if kind == "before":
+                began = time.perf_counter()
+                on_engine(lambda: load_record(path, refiner, stages, session_id, key=BENCH_KEY))
+            else:
+                read, read_metadata = read_record(path, refiner, key=BENCH_KEY)
+                began = time.perf_counter()
+                on_engine(lambda: record_from_tensors(path, read, read_metadata, refiner, stages, session_id))
+            times[kind].append(time.perf_counter() - began)
+    return times
