@@ -3,9 +3,9 @@
 One server in this process (the medium refiner by default, a snapshot folder on this machine's disk) holds
 ``--sessions`` sessions whose windows are full (sink + kv_max_frames + one block received). Each round moves every
 session to one state and times its page-in on the server's own loop: ``parked`` (``Parking.activate``: tensors
-back from host memory, an engine call) and ``spilled`` (``SessionStore.lookup``: the file claimed, read, checked
-and loaded on the engine thread). It also times a one-block HTTP chunk from each state (page-in + the block's
-forwards), against a chunk of an active session. Sizes: device bytes of an active session, host bytes of a parked
+back from host memory, an engine call) and ``spilled`` (``SessionStore.lookup``: the file claimed, read and checked
+on a worker thread, built into a session on the engine thread). It also times a one-block HTTP chunk from each
+state (page-in + the block's forwards), against a chunk of an active session. Sizes: device bytes of an active session, host bytes of a parked
 one, file bytes of a spilled one. It reports; it never asserts.
 
 It also measures what ``snapshot_signing_key`` costs (``bench.signing``): a spilled session's file (its tensors and
