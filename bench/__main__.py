@@ -7,7 +7,8 @@
     python -m bench decode [...]   video output: refine + decode vs refine alone, shared, with a stalled watcher
     python -m bench invariance     what batch invariance by construction costs (per-row time embedding, probe)
     python -m bench checkpoint     crash checkpoints: block latency with and without, bytes per checkpoint
-    python -m bench park   [...]   page-in latency of parked and spilled sessions, and their sizes
+    python -m bench park   [...]   page-in latency of parked and spilled sessions, their sizes, and what
+                                   snapshot signing costs a session file (--signing-gib N: also N GiB)
     python -m bench realtime [...] paced realtime sessions: how many each server mode keeps with no late block
     python -m bench encode [...]   encoded video (jpeg, h264): bytes and PSNR vs raw, encode ms, JPEG watchers
     python -m bench watch-mix [...] a producer's time with 8 watchers of mixed encodings vs none

@@ -3,10 +3,16 @@
 One server in this process (the medium refiner by default, a snapshot folder on this machine's disk) holds
 ``--sessions`` sessions whose windows are full (sink + kv_max_frames + one block received). Each round moves every
 session to one state and times its page-in on the server's own loop: ``parked`` (``Parking.activate``: tensors
-back from host memory, an engine call) and ``spilled`` (``SessionStore.lookup``: the file claimed, read, checked
-and loaded on the engine thread). It also times a one-block HTTP chunk from each state (page-in + the block's
-forwards), against a chunk of an active session. Sizes: device bytes of an active session, host bytes of a parked
+back from host memory, an engine call) and ``spilled`` (``SessionStore.lookup``: the file claimed, read and checked
+on a worker thread, built into a session on the engine thread). It also times a one-block HTTP chunk from each
+state (page-in + the block's forwards), against a chunk of an active session. Sizes: device bytes of an active session, host bytes of a parked
 one, file bytes of a spilled one. It reports; it never asserts.
+
+It also measures what ``snapshot_signing_key`` costs (``bench.signing``): a spilled session's file (its tensors and
+metadata as the server wrote them) written and read back signed and unsigned, alternating, and the HMAC's
+throughput; with ``--signing-gib N`` the same for a synthetic record of N GiB (a 480p window's size class). And
+the engine thread's share of adopting that session's file signed: all of ``load_record`` (as before the read moved
+to a worker thread) against ``record_from_tensors`` alone (as now).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import httpx
 import torch
 from safetensors.torch import save
 
+from bench import signing
 from bench.live import ThreadServer
 from models.checkpoints import PRESETS, write_checkpoint
 
@@ -60,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--signing-rounds", type=int, default=5,
+                        help="rounds of the signed/unsigned write and read of each record")
+    parser.add_argument("--signing-gib", type=float, default=0.0,
+                        help="also a synthetic record of this many GiB of tensors (0: only the session's)")
     args = parser.parse_args(argv)
 
     from app.core.settings import Settings
@@ -134,6 +145,24 @@ def main(argv: list[str] | None = None) -> int:
                             figures[timed].append(time.perf_counter() - began)
                         else:
                             figures[timed].append(chunk(sid))
+            # Signing: the file a spill writes, as the server wrote it (unsigned: the server has no key).
+            handle = services.registry.existing(ids[0])
+            _require(on_loop(parking.park(handle, reason="bench")), "the session did not park")
+            _require(on_loop(parking.spill(handle)), "the session did not spill")
+            from app.persistence.records import snapshot_path
+            from models.snapshot import read_tensors
+
+            records = {"session": read_tensors(snapshot_path(settings.snapshot_dir, ids[0]))}
+            engine_ms = signing.engine_time(
+                *records["session"], ids[0], tmp_path / "signing-adopt", refiner, services.stages,
+                on_engine=lambda fn: on_loop(services.engine.call(fn)), rounds=args.signing_rounds)
+        if args.signing_gib > 0:
+            records[f"{args.signing_gib:g} GiB"] = signing.synthetic_record(args.signing_gib)
+        signing_rows = []
+        for name, (tensors, metadata) in records.items():
+            measured = signing.measure(tensors, metadata, tmp_path / "signing", args.signing_rounds)
+            signing_rows += signing.format_rows(name, tensors, measured)
+            del tensors, measured
 
     print(f"# bench park: {args.preset} refiner, {args.sessions} sessions, latents {args.height}x{args.width}, "
           f"{args.device}, {_cpu_model()}, torch {torch.__version__}, threads {args.threads or torch.get_num_threads()}")
@@ -143,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':24s} {'p50 ms':>10s} {'max ms':>10s} {'n':>4s}")
     for name, values in figures.items():
         print(f"{name:24s} {1000 * statistics.median(values):10.2f} {1000 * max(values):10.2f} {len(values):4d}")
+    print(f"# snapshot signing (p50 of {args.signing_rounds}, signed and unsigned alternating): "
+          f"{'record':10s} {'tensor bytes':>14s} {'unsigned ms':>10s} {'signed ms':>10s} {'added ms':>10s} "
+          f"{'ratio':>8s} {'n':>3s}")
+    for row in signing_rows:
+        print(row)
+    print(f"# a signed session file adopted: the engine thread's time (p50 of {args.signing_rounds}), all of "
+          "load_record on it (before) vs only record_from_tensors, read_record on a worker thread (after)")
+    for name, values in engine_ms.items():
+        print(f"signing engine {name:6s} {1000 * statistics.median(values):10.2f} ms")
     return 0
 
 

@@ -21,7 +21,8 @@ lease records that lease's generation (``lease_generation``), and a file below t
 (``app.persistence.leases.read_floor``: the generation of its last write) is refused (``StaleRecord``): an older copy put back
 is never loaded over the session's later state.
 
-Reading and building records run on the engine thread (the session's tensors are the engine's).
+Building records (``record_tensors``, ``record_from_tensors``) runs on the engine thread (the session's tensors
+are the engine's); reading and verifying a file (``read_record``) touches no session and runs on a worker thread.
 """
 
 from __future__ import annotations
@@ -236,12 +237,25 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
                 limits: SnapshotLimits | None = None, key: bytes | None = None, floor: int = 0) -> SessionRecord:
     """The record in ``path``; ``SnapshotError`` when it is corrupt, foreign or made for another model (or with an
     output this server cannot produce: video without a VAE). ``stages``: the server's. ``expected_id``: the session
-    the file must hold (default: its name's). ``limits``: checked from the file's header before anything is read
-    (``check_record_header``), so a file cannot make this process allocate more than a client's session could.
+    the file must hold (default: its name's). ``limits``, ``key``, ``floor``: ``read_record``'s. The two halves,
+    ``read_record`` then ``record_from_tensors``; an adoption runs the first on a worker thread."""
+    tensors, metadata = read_record(path, refiner, limits, key, floor)
+    return record_from_tensors(path, tensors, metadata, refiner, stages, expected_id)
 
-    ``key``: the deployment's signing key; the file must carry its signature of exactly the tensors and metadata
-    read (checked before any of them is used). ``floor``: the lowest lease generation the file may have been
-    written under (``app.persistence.leases.read_floor``); ``StaleRecord`` below it (a file without one counts as 0)."""
+
+def read_record(path: Path, refiner: Refiner, limits: SnapshotLimits | None = None, key: bytes | None = None,
+                floor: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of the file in ``path``, checked as far as the file alone can be: ``limits`` from
+    its header before anything is read (``check_record_header``), so a file cannot make this process allocate more
+    than a client's session could; ``key``: the deployment's signing key, and the file must carry its signature of
+    exactly the tensors and metadata read (checked before any of them is used); ``floor``: the lowest lease
+    generation the file may have been written under (``app.persistence.leases.read_floor``), ``StaleRecord`` below
+    it (a file without one counts as 0).
+
+    It touches no session and no model state (``refiner``: its config, for the header check), so it may run on
+    any thread. An adoption runs it on a worker thread: verifying a signed file reads and hashes every byte
+    (~0.7 s per GiB on the AMD EPYC machine, docs/benchmarks.md "Snapshot signing"), which on the engine thread
+    would stall every other session's blocks."""
     check = None if limits is None else (
         lambda headers, metadata: check_record_header(path, refiner, limits, headers, metadata))
     tensors, metadata = read_tensors(path, check)
@@ -254,6 +268,14 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
             f"generation {floor} or ended: an older copy of the session was put back in snapshot_dir; its later "
             "state is not in this file, and loading it would silently take the session back"
         )
+    return tensors, metadata
+
+
+def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], refiner: Refiner,
+                        stages: OutputStages, expected_id: str | None = None) -> SessionRecord:
+    """The record ``read_record`` read from ``path`` (named in errors), built into a session and its output stages:
+    ``SnapshotError`` when its fields are unreadable, foreign, for another session or another model. On the engine
+    thread (the session it builds is the engine's)."""
     try:
         fields = json.loads(metadata["app"])
         if fields.get("format") != APP_FORMAT:

@@ -45,7 +45,8 @@ from app.outputs.stage import OutputStages
 from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld
 from app.persistence.records import (
-    SessionRecord, StaleRecord, has_snapshot, load_record, snapshot_limits, snapshot_path,
+    SessionRecord, StaleRecord, has_snapshot, read_record, record_from_tensors, snapshot_limits,
+    snapshot_path,
 )
 from app.sessions.checkpoints import Checkpoints
 from app.sessions.parking import Parking
@@ -299,8 +300,11 @@ class SessionStore:
             try:
                 if not path.is_file():
                     raise FileNotFoundError(path)
+                # Read, header-checked and (signed) verified on a worker thread: the hash reads every byte of the
+                # file, time the engine thread spends on other sessions' blocks. Built into a session on it.
+                tensors, metadata = await asyncio.to_thread(read_record, path, refiner, limits, key, floor)
                 record = await self.engine.call(
-                    lambda: load_record(path, refiner, stages, session_id, limits, key=key, floor=floor))
+                    lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id))
             except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
                 await asyncio.to_thread(leases.release, folder, session_id, lease)
                 return None

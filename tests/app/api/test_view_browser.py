@@ -421,3 +421,117 @@ def test_the_page_watches_at_most_its_cap_of_previews_and_moves_a_slot_when_a_se
         counts = watchers_of(http)
         assert gone not in counts and sum(counts.values()) == cap
         assert replacement() <= set(ids) - watching
+
+
+# --- previews when the session is parked or spilled, and when the server ends the watcher -----------------------
+def preview_session(http: httpx.Client) -> tuple[str, int, int]:
+    """A session with previews: its id, and the frame_end of its first block and its block size (latent frames:
+    the first chunk holds the sink and a block, each later one a block)."""
+    # video_lookahead 0: each unit's frames come with it (the exact look-ahead would hold a chunk's frames back).
+    created = http.post("/v1/sessions", json={"outputs": ["latents", "preview"], "preview_width": 48,
+                                              "video_lookahead": 0})
+    assert created.status_code == 201, created.text
+    config = created.json()["config"]
+    return created.json()["session_id"], config["sink_frames"] + config["block_size"], config["block_size"]
+
+
+def send_preview_chunk(http: httpx.Client, session_id: str, clip, seq: int, start: int, end: int) -> bytes:
+    """Latent frames [start, end) of ``clip`` as chunk ``seq``; returns the JPEG of the unit's newest preview (batch
+    row 0), the bytes the page must show."""
+    latents, embeds, mask = clip
+    body = payload(latents[:, :, start:end], *((embeds, mask) if seq == 0 else ()))
+    response = http.post(f"/v1/sessions/{session_id}/chunks", params={"seq": seq}, content=body, headers=OCTET)
+    assert response.status_code == 200, response.text
+    tensors, _ = decode_response(response.content)
+    return tensors["preview"][-int(tensors["preview_sizes"][0, -1]):].numpy().tobytes()
+
+
+def wait_for_preview(browser, session_id: str, frame_end: int, jpeg: bytes) -> None:
+    """The session's line shows the unit ending at ``frame_end``: exactly ``jpeg``, decoded by the browser."""
+    import base64
+
+    wait_until(lambda: browser.execute_script(
+        f"return window.wmPreviews.shown['{session_id}']?.frameEnd") == frame_end, f"the preview of frame {frame_end}")
+    image = wait_until(lambda: (lambda i: i["complete"] and i["width"] and i)(preview_image(browser, session_id)),
+                       "the preview decoded")
+    prefix = "data:image/jpeg;base64,"
+    assert not image["hidden"] and image["src"].startswith(prefix)
+    assert base64.b64decode(image["src"][len(prefix):]) == jpeg
+
+
+def line_state(browser, session_id: str) -> str:
+    """The state word of the session's line in the list (streaming, idle, parked, spilled, flushed)."""
+    return browser.execute_script(
+        """const li = document.querySelector(`#sessions li[data-session-id="${arguments[0]}"]`);
+        return li ? li.querySelector(".meta span").textContent : null;""", session_id)
+
+
+def test_a_parked_then_spilled_session_keeps_its_preview_and_is_watched_again_once_back(make_settings, vae_dir,
+                                                                                         browser, tmp_path):
+    """view.html's rule: a session that is not active is not watched (a watch would keep it off the disk). Parked,
+    the page lets its watcher go and the line keeps the last preview and says "parked"; then it can spill (no
+    watcher holds it) and says "spilled". The chunk that brings it back is answered over HTTP; within a list refresh
+    the page watches it again, and the next unit's preview is shown, byte for byte."""
+    settings = make_settings(vae=str(vae_dir), snapshot_dir=tmp_path / "spill", park_after_s=3600, spill_after_s=7200)
+    with LiveServer(settings) as server, httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        session_id, first, block = preview_session(http)
+        clip = make_clip(frames=first + 2 * block, height=4, width=8)  # a 2:1 video, previews 48x24
+        browser.get(f"{server.base_url}/view")
+        wait_until(lambda: watchers_of(http)[session_id] == 1, "the page's preview watcher")
+        wait_for_preview(browser, session_id, first, send_preview_chunk(http, session_id, clip, 0, 0, first))
+
+        services = server.services
+        parking, handle = services.store.parking, services.registry.existing(session_id)
+        assert server.on_loop(parking.park(handle, reason="test")).result(DEADLINE_S)
+        wait_until(lambda: line_state(browser, session_id) == "parked", "the line to say parked")
+        wait_until(lambda: watchers_of(http)[session_id] == 0, "the page to let the watcher go")
+        assert browser.execute_script("return window.wmPreviews.watching") == []
+        assert server.on_loop(parking.spill(handle)).result(DEADLINE_S), "a session nobody watches spills"
+        assert http.get(f"/v1/sessions/{session_id}").json()["state"] == "spilled"
+        wait_until(lambda: line_state(browser, session_id) == "spilled", "the line to say spilled")
+        assert watchers_of(http)[session_id] == 0  # the page did not bring it back
+        image = preview_image(browser, session_id)  # the last preview stays meanwhile
+        assert not image["hidden"] and image["width"] == 48
+        assert browser.execute_script(f"return window.wmPreviews.shown['{session_id}'].frameEnd") == first
+
+        send_preview_chunk(http, session_id, clip, 1, first, first + block)  # adopted back from the file, refined
+        assert http.get(f"/v1/sessions/{session_id}").json()["state"] == "active"
+        wait_until(lambda: watchers_of(http)[session_id] == 1, "the page to watch it again")
+        assert browser.execute_script("return window.wmPreviews.watching") == [session_id]
+        wait_until(lambda: line_state(browser, session_id) == "idle", "the line to say idle (active, no stream)")
+        end = first + 2 * block
+        wait_for_preview(browser, session_id, end, send_preview_chunk(http, session_id, clip, 2, first + block, end))
+
+
+async def _close_watchers(store, session_id: str, code: int, reason: str) -> int:
+    """Close the session's watch sockets from the server's side, as a drain does (on the server's loop)."""
+    closing = [c for c in store.connections if c.session_id == session_id and not c.is_closed]
+    for connection in closing:
+        connection.close(code, reason)
+    return len(closing)
+
+
+def test_a_preview_watcher_the_server_closes_is_opened_again_after_the_retry_delay(make_settings, vae_dir, browser):
+    """The server closes the page's preview watcher (1012, as a drain closes its sockets): the page does not reopen
+    it at once (PREVIEW_RETRY_MS, 10 s: a server refusing watchers is not hammered), keeps the last preview, then
+    watches again at a list refresh past the delay, and shows the next unit's preview."""
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        session_id, first, block = preview_session(http)
+        end = first + block
+        clip = make_clip(frames=end, height=4, width=8)
+        browser.get(f"{server.base_url}/view")
+        wait_until(lambda: watchers_of(http)[session_id] == 1, "the page's preview watcher")
+        wait_for_preview(browser, session_id, first, send_preview_chunk(http, session_id, clip, 0, 0, first))
+
+        store = server.services.store
+        assert server.on_loop(_close_watchers(store, session_id, 1012, "restarting")).result(DEADLINE_S) == 1
+        wait_until(lambda: browser.execute_script("return window.wmPreviews.watching").count(session_id) == 0,
+                   "the page to see its watcher closed")
+        closed_at = time.monotonic()
+        time.sleep(2.5)  # past a list refresh (every 2 s): within the retry delay the page does not reopen it
+        assert watchers_of(http)[session_id] == 0
+        assert not preview_image(browser, session_id)["hidden"]
+        wait_until(lambda: watchers_of(http)[session_id] == 1, "the page to watch it again", timeout=30)
+        assert time.monotonic() - closed_at >= 9.0  # not before PREVIEW_RETRY_MS (less the poll's slack)
+        wait_for_preview(browser, session_id, end, send_preview_chunk(http, session_id, clip, 1, first, end))

@@ -113,6 +113,34 @@ def test_with_a_signing_key_an_edited_or_foreign_record_is_refused_as_a_corrupt_
     assert KEY not in caplog.text and OTHER_KEY not in caplog.text
 
 
+def test_a_signed_record_is_verified_off_the_engine_thread(make_settings, tmp_path, monkeypatch):
+    """Verifying reads and hashes every byte of the file (~0.7 s per GiB, docs/benchmarks.md "Snapshot signing"): an
+    adoption does it on a worker thread, never on the engine thread that refines every other session's blocks; the
+    session is then built there (its first chunk after adoption is refined as usual)."""
+    import threading
+
+    from app.persistence import records
+
+    folder = tmp_path / "snapshots"
+    session_id = _drained(make_settings, folder, snapshot_signing_key=KEY)
+    verified_on: list[str] = []
+    real_verify = records.verify
+
+    def recording_verify(*args, **kwargs):
+        verified_on.append(threading.current_thread().name)
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(records, "verify", recording_verify)
+    latents, _, _ = make_clip(frames=16)
+    with running_app(make_settings(snapshot_dir=folder, snapshot_signing_key=KEY)) as client:
+        assert _adopted(client, session_id) == 200
+        reply = client.post(f"/v1/sessions/{session_id}/chunks?seq=1", content=payload(latents[:, :, 8:11]),
+                            headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        engine_thread = client.app.state.services.engine._thread.name
+    assert len(verified_on) == 1 and verified_on[0] != engine_thread == "refiner-engine"
+
+
 def test_with_a_signing_key_an_unsigned_record_is_refused(make_settings, tmp_path, caplog):
     folder = tmp_path / "snapshots"
     unsigned = _drained(make_settings, folder)  # written by a server without the key
