@@ -42,10 +42,10 @@ import torch
 from models import RefinerSession, SessionConfig, from_model, refine_clip
 from models.checkpoints import PRESETS, VAE_PRESETS
 from models.clock import CallClock
-from models.move import move_session
-from models.session_bytes import session_bytes, session_bytes_estimate
 from models.loading import resolve_device
+from models.move import move_session
 from models.plan import meta_model, released_config
+from models.session_bytes import session_bytes, session_bytes_estimate
 from models.session import Geometry
 from models.step import run_batch
 from models.transfer import use_device

@@ -18,8 +18,8 @@
 # machine's packages where they satisfy them). Should pip's resolver refuse that mix, DIR's wheels go to a folder of
 # their own on PYTHONPATH, ahead of the machine's site-packages (--no-deps), and the import check below decides.
 # The project itself is not pip-installed: it runs from this checkout (PYTHONPATH), because pyproject pins
-# torch==2.13.0 (the CPU build) and Python 3.11, and installing it would try to replace the machine's CUDA torch. $PYTHON (default python3, the
-# interpreter that holds the CUDA torch on the workplace's image) runs everything.
+# torch==2.13.0 (the CPU build) and Python 3.11, and installing it would try to replace the machine's CUDA torch.
+# $PYTHON (default python3, the interpreter that holds the CUDA torch on the workplace's image) runs everything.
 # In this workplace, with a device lent: `bash bench/gpu_wheels.sh .whl` here, then the device tool's run with
 # carry [".whl"] and the command `bash bench/gpu_check.sh --wheels .whl "$OUT"` (timeout_s 570): OUT's 6 files
 # come back (summary.json, summary.md, machine.txt, install.txt, bench.txt, gpu-tests.txt).

@@ -31,8 +31,8 @@ class Move:
     ``ready`` is the event the copies complete with: whoever reads the results waits for it (``after`` on the
     device, ``synchronize`` on the host). The host buffers a page-in reads from, and those a park writes into, are
     kept alive until ``ready`` has passed (``_in_flight``). ``after`` (either way): an event the copies wait for
-    first (a page-in: the park's; a park: the last page-in's). Elsewhere (CPU to CPU) nothing is copied unless ``copy`` asks for it (tests do, to prove
-    that no tensor of the moved session is shared with the one before)."""
+    first (a page-in: the park's; a park: the last page-in's). Elsewhere (CPU to CPU) nothing is copied unless
+    ``copy`` asks for it (tests do, to prove that no tensor of the moved session is shared with the one before)."""
 
     def __init__(self, device: torch.device, copy: bool = False, after=None, cuda_device: torch.device | None = None):
         self.device = torch.device(device)
