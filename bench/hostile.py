@@ -385,21 +385,35 @@ def spilled_listing(server, deadline: float, count: int = 2000) -> list[tuple[st
 
     asyncio.run_coroutine_threadsafe(spill_stubs(), server.loop).result(deadline)
     http = httpx.Client(base_url=server.base_url, headers=_auth(server.settings.api_key), timeout=deadline)
-    waits, done = [], threading.Event()
 
-    def poll() -> None:
-        while not done.is_set():
-            started = time.monotonic()
-            http.get("/health")
-            waits.append(time.monotonic() - started)
+    def attempt() -> tuple[float, float, float, int]:
+        waits, done = [], threading.Event()
 
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    started = time.monotonic()
-    page = http.get("/v1/sessions", params={"limit": 10})
-    took = time.monotonic() - started
-    done.set()
-    poller.join(deadline)
+        def poll() -> None:
+            while not done.is_set():
+                started = time.monotonic()
+                http.get("/health")
+                waits.append(time.monotonic() - started)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        started = time.monotonic()
+        page = http.get("/v1/sessions", params={"limit": 10})
+        took = time.monotonic() - started
+        done.set()
+        poller.join(deadline)
+        median = sorted(waits)[len(waits) // 2] if waits else 0.0
+        return took, median, max(waits or [0.0]), page.status_code
+
+    # Best of 3: a loaded CI machine can stall the whole process once (seen: one /health answer, 0.69 s, during a
+    # page that takes 0.02 s here idle); what this case guards against, the listing scanning the folder on the
+    # event loop, took 12 s for 2,000 every time, so it fails all three.
+    attempts = []
+    for _ in range(3):
+        attempts.append(attempt())
+        took, median, _, status = attempts[-1]
+        if status == 200 and took < 0.5 and median < 0.1:
+            break
     http.close()
 
     async def forget() -> None:  # the stubs are this tool's: gone again with their files
@@ -408,10 +422,12 @@ def spilled_listing(server, deadline: float, count: int = 2000) -> list[tuple[st
             (folder / f"{session_id}.session.safetensors").unlink(missing_ok=True)
 
     asyncio.run_coroutine_threadsafe(forget(), server.loop).result(deadline)
-    median = sorted(waits)[len(waits) // 2] if waits else 0.0
-    ok = page.status_code == 200 and took < 0.5 and median < 0.1
+    took, median, longest, status = attempts[-1]
+    ok = status == 200 and took < 0.5 and median < 0.1
+    tries = "" if len(attempts) == 1 else f" (attempt {len(attempts)}; before: " + ", ".join(
+        f"{t:.3f} s / {m:.3f} s" for t, m, _, _ in attempts[:-1]) + ")"
     return [("listing of many spilled sessions", ok,
-             f"{count} spilled: a page in {took:.3f} s, /health median {median:.3f} s (max {max(waits or [0]):.3f})")]
+             f"{count} spilled: a page in {took:.3f} s, /health median {median:.3f} s (max {longest:.3f}){tries}")]
 
 
 def _rss_mib() -> float:
