@@ -68,7 +68,8 @@ class PreparedPrompt:
     """A session's prompt as cross-attention reads it, computed once per prompt (``models.step.prepare_prompt``),
     not in every layer of every forward: each layer's keys (after ``norm_k``) and values of the caption-projected
     prompt, ``kv`` (Y, 2, B, L, D), and the additive mask (B, A, 1, L) as attention takes it, or None to attend to
-    every token (no mask sent, or an all-ones one), which leaves attention free to pick a fused kernel. Kept with
+    every token (no mask sent, an all-ones one, or a padding mask: ``models.session.check_prompt`` then kept
+    only the tokens it attends to), which leaves attention free to pick a fused kernel. Kept with
     the session (counted in its bytes, ``models.session_bytes``); a snapshot stores the prompt, and this is computed again
     from it on restore: same shapes, same kernels, same bits."""
 

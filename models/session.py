@@ -651,8 +651,27 @@ def check_prompt(refiner: Refiner, embeds: torch.Tensor, mask: torch.Tensor | No
         # Checked once, when the prompt arrives (a host read if it arrived on a device, never per forward): an
         # all-ones mask attends to every token, which is what no mask does (the reference adds a bias of 0).
         if not bool(keep.all()):
-            mask_values = to_device(keep, device, dtype)
+            kept = _kept_tokens(keep)
+            if kept is None:
+                mask_values = to_device(keep, device, dtype)
+            else:
+                embeds = embeds[:, kept.to(embeds.device)]  # (B, L_kept, caption_channels)
     return Prompt(embeds=to_device(embeds, device, dtype), mask=mask_values)
+
+
+def _kept_tokens(keep: torch.Tensor) -> torch.Tensor | None:
+    """The positions (L_kept,) a padding mask ``keep`` (B, L) attends to, when the prompt may be cut down to them:
+    the same positions in every stream, at least one. Cross-attention is the prompt's only reader, and a masked
+    token's bias is -10,000 (the reference's ``(1 - mask) * -10000``): its softmax weight is exp(-10,000 + the score
+    difference), exactly 0 in float32 and bfloat16 for any scores within ~9,900 of each other, so attending to the
+    kept tokens alone is the same sum without its zero terms (another reduction length: within the parity
+    tolerance, not bit for bit; tests/models/test_parity.py). What it buys: no mask reaches attention, so it may
+    take a fused (flash) kernel on a GPU, and every layer's prompt K/V shrink to the kept tokens (a tokenizer's
+    padding is often most of the prompt). A mask that differs between streams stays a mask (one length per
+    prompt), and so does one that keeps nothing: the reference then attends to every token evenly."""
+    if not bool((keep == keep[:1]).all()) or not bool(keep[0].any()):
+        return None
+    return keep[0].nonzero().squeeze(1)  # (L_kept,)
 
 
 def _broadcast_prompt(prompt: Prompt, batch: int) -> Prompt:

@@ -14,7 +14,8 @@ device stands for the GPU):
 - copy the project's own host data to the device without ``non_blocking``: ``torch.tensor(data, device=...)`` or
   ``torch.as_tensor`` (these do not reach the dispatcher as ops: a ``TorchFunctionMode`` sees them), a ``.to`` /
   ``copy_`` from the CPU;
-- call attention with a mask when none was sent, or an all-ones one.
+- call attention with a mask when none was sent, an all-ones one, or a padding mask (the same tokens kept in every
+  stream: the prompt is cut down to them when it arrives, ``models.session.check_prompt``).
 
 The audit runs a ``TorchDispatchMode`` (ops as the device sees them) and a ``TorchFunctionMode`` (Python-level
 calls: ``torch.tensor``, ``scaled_dot_product_attention``'s ``attn_mask``) together; on ``meta`` a host read would
@@ -156,7 +157,12 @@ def _chunk(refiner, frames: int, seed: int):
 
 def _prompt(refiner, length: int, mask: str):
     embeds = torch.randn(1, length, refiner.info.caption_channels)
-    return embeds, (None if mask == "none" else torch.ones(1, length, dtype=torch.int64))
+    if mask == "none":
+        return embeds, None
+    ones = torch.ones(1, length, dtype=torch.int64)
+    if mask == "padded":
+        ones[:, : length // 4] = 0  # left padding, as the Gemma tokenizer pads
+    return embeds, ones
 
 
 CONFIG = dict(block_size=3, kv_max_frames=7)  # history 6 frames: the third block on drops the oldest ones
@@ -195,7 +201,7 @@ def _warm(refiner, count: int, positions: str, mask: str) -> Driver:
     return driver
 
 
-@pytest.mark.parametrize("mask", ["none", "all-ones"])
+@pytest.mark.parametrize("mask", ["none", "all-ones", "padded"])
 @pytest.mark.parametrize("positions", ["absolute", "rebased"])
 @pytest.mark.parametrize("sessions", [1, 3], ids=["one-session", "batch-of-3"])
 def test_a_steady_block_never_stalls(released, sessions, positions, mask):
@@ -213,15 +219,23 @@ def test_a_steady_block_never_stalls(released, sessions, positions, mask):
         assert all(u.kind == "block" and u.check is not None and u.check.summary.device.type == "meta" for u in units)
 
 
-def test_a_padded_prompt_mask_is_kept(released):
-    """A mask with zeros is a real mask: attention gets it (what the audit counts is what matters)."""
+def test_a_padding_mask_cuts_the_prompt_and_a_ragged_one_stays_a_mask(released):
+    """A padding mask (the same tokens kept in every stream) reaches attention as no mask at all: the prompt's K/V
+    hold the kept tokens only. Streams padded differently need a mask (one length per prompt): attention gets it."""
     session = RefinerSession(released, SessionConfig(**CONFIG))
-    embeds, mask = _prompt(released, 12, "all-ones")
-    mask[:, 9:] = 0
+    embeds, mask = _prompt(released, 12, "padded")
+    Driver([session]).block([_chunk(released, 1, 0)], [(embeds, mask)])
+    assert session.state.prompt.mask is None and session.state.prompt.embeds.shape[1] == 12 - 12 // 4
+
+    session = RefinerSession(released, SessionConfig(**CONFIG))
+    embeds = torch.randn(2, 12, released.info.caption_channels)
+    mask = torch.ones(2, 12, dtype=torch.int64)
+    mask[0, :3], mask[1, :5] = 0, 0
     driver = Driver([session])
-    driver.block([_chunk(released, 1, 0)], [(embeds, mask)])
+    driver.block([torch.cat([_chunk(released, 1, 0), _chunk(released, 1, 1)])], [(embeds, mask)])
     with audited() as audit:
-        driver.block([_chunk(released, 3, 1)])
+        driver.block([torch.cat([_chunk(released, 3, 2), _chunk(released, 3, 3)])])
+    assert session.state.prompt.mask is not None and session.state.prompt.embeds.shape[1] == 12
     assert audit.masked_attention == LAYERS * (SessionConfig(**CONFIG).steps + 1)
 
 

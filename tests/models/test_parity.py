@@ -17,12 +17,15 @@ from tests.reference import assert_parity, reference_refine
 
 from .conftest import make_inputs
 
-# (name, model overrides, batch, sink, block, kv_max, frames, padded prompt mask)
+# (name, model overrides, batch, sink, block, kv_max, frames, padded prompt mask: True pads every stream alike, so
+# the session cuts the prompt down to the kept tokens; "ragged" pads the streams differently, so the mask reaches
+# attention as the reference's additive bias)
 CASES = [
     ("defaults", {}, 1, 1, 3, 11, 10, False),
     ("split-rope", {"rope_type": "split"}, 1, 1, 3, 11, 10, False),
     ("gated-attention", {"gated_attn": True}, 1, 1, 3, 11, 11, False),
     ("batch-2-masked", {}, 2, 1, 3, 11, 9, True),
+    ("batch-2-ragged-mask", {"gated_attn": True}, 2, 1, 3, 11, 9, "ragged"),
     ("sink-2-block-2-trimmed", {}, 1, 2, 2, 5, 13, False),
     ("sink-3-block-4", {}, 1, 3, 4, 9, 20, True),
     ("block-1-trimmed", {"rope_type": "split"}, 1, 1, 1, 3, 9, False),
@@ -61,6 +64,8 @@ def test_session_equals_reference_across_chunkings(case):
     if padded:
         mask = torch.ones(batch, embeds.shape[1], dtype=torch.int64)
         mask[:, :3] = 0  # left padding, as the Gemma tokenizer produces
+        if padded == "ragged":
+            mask[1, :3], mask[1, -2:] = 1, 0  # the second stream padded elsewhere: a mask, not a shorter prompt
     expected = reference_refine(build_model("tiny", **overrides), latents, embeds, mask, sink=sink, block=block,
                                 kv_max=kv_max)
     refiner = from_model(build_model("tiny", **overrides))
