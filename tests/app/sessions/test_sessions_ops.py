@@ -108,14 +108,20 @@ def test_put_is_idempotent_for_one_config_and_refuses_another(make_settings):
         assert bad.value.kind == "invalid_request"
 
 
+def _claimed_stream(client):
+    """A new session with a stream opened and claimed by a stand-in connection."""
+    services = client.app.state.services
+    ops = services.sessions
+    session_id = client.portal.call(ops.create, _fields({}))["session_id"]
+    stream = client.portal.call(ops.open_stream, session_id, None)
+    connection = FakeConnection(session_id)
+    stream.claim(connection)
+    return services, ops, session_id, stream, connection
+
+
 def test_a_stream_claims_its_session_and_a_dropped_one_detaches_it(make_settings):
     with running_app(make_settings()) as client:
-        services = client.app.state.services
-        ops = services.sessions
-        session_id = client.portal.call(ops.create, _fields({}))["session_id"]
-        stream = client.portal.call(ops.open_stream, session_id, None)
-        connection = FakeConnection(session_id)
-        stream.claim(connection)
+        services, ops, session_id, stream, connection = _claimed_stream(client)
         assert connection in services.store.connections
         assert client.portal.call(ops.describe, session_id)["streaming"] is True
         with pytest.raises(ApiError) as in_use:
@@ -133,12 +139,7 @@ def test_a_stream_claims_its_session_and_a_dropped_one_detaches_it(make_settings
 def test_units_reach_a_stream_only_through_the_subscription_it_registered(make_settings):
     latents, embeds, mask = make_clip(frames=10)
     with running_app(make_settings()) as client:
-        services = client.app.state.services
-        ops = services.sessions
-        session_id = client.portal.call(ops.create, _fields({}))["session_id"]
-        stream = client.portal.call(ops.open_stream, session_id, None)
-        connection = FakeConnection(session_id)
-        stream.claim(connection)
+        services, ops, session_id, stream, connection = _claimed_stream(client)
         client.portal.call(stream.message, payload(latents[:, :, :7], embeds, mask))
         client.portal.call(stream.settle)
         handle = services.store.registry.existing(session_id)
