@@ -24,6 +24,15 @@ DEADLINE_S = 60.0
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs haproxy (apt-get install haproxy)")
 
 
+def settled_get(http: httpx.Client, path: str) -> httpx.Response:
+    """GET as the docs ask a client to: a 503 (a replica the router's checks have just taken off the ring or put
+    back, a lease being handed over: ``session_moved``) is retried after its Retry-After, for up to DEADLINE_S."""
+    deadline = time.monotonic() + DEADLINE_S
+    while (reply := http.get(path)).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(min(float(reply.headers.get("retry-after", 1)), 1.0))
+    return reply
+
+
 def test_a_replica_drained_mid_stream_hands_its_sessions_over_bit_identically(tmp_path):
     cluster = Cluster(tmp_path / "cluster", replicas=3)
     try:
@@ -58,8 +67,9 @@ def test_a_replica_drained_mid_stream_hands_its_sessions_over_bit_identically(tm
         with httpx.Client(base_url=cluster.url, timeout=30) as http:
             where = {}
             for session_id in clips:
-                state = http.get(f"/v1/sessions/{session_id}")
-                assert state.status_code == 200 and state.headers["x-replica"] != victim
+                state = settled_get(http, f"/v1/sessions/{session_id}")
+                assert state.status_code == 200 and state.headers["x-replica"] != victim, (state.status_code,
+                                                                                          state.text)
                 assert state.json()["flushed"]
                 where[session_id] = state.headers["x-replica"]
             listed = http.get("/v1/sessions").json()
@@ -112,8 +122,9 @@ def test_a_replica_killed_mid_stream_loses_nothing_its_checkpoints_cover(tmp_pat
             assert not thread.is_alive(), "a client did not finish"
         with httpx.Client(base_url=cluster.url, timeout=30) as http:
             for session_id in clips:
-                state = http.get(f"/v1/sessions/{session_id}")
-                assert state.status_code == 200 and state.headers["x-replica"] != victim
+                state = settled_get(http, f"/v1/sessions/{session_id}")
+                assert state.status_code == 200 and state.headers["x-replica"] != victim, (state.status_code,
+                                                                                          state.text)
     finally:
         cluster.stop()
     refiner = load_refiner(tmp_path / "cluster" / "cache" / "tiny", device="cpu", dtype="float32")
