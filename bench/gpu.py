@@ -422,11 +422,35 @@ def _measure_mode(ctx: Context, sessions: list[RefinerSession], mode: str, count
     return out
 
 
+def measure_padding(ctx: Context, sessions: list[RefinerSession], blocks: int) -> dict[str, Any]:
+    """What padding a call costs (``compile_buckets``: ``every`` never pads, ``powers`` runs 3 rows as 4): the eager
+    step at one row fewer than the section's largest count, exact and padded with zero rows to that count, each the
+    median of ``blocks`` blocks after one unmeasured. Eager because the padded rows' GEMM and attention work is the
+    same in every mode and eager compiles nothing; ``recommended_compile_buckets``: ``every`` when padding costs at
+    least ``MODE_MARGIN`` (every block pays it, against one more compile per batch size once per start), else
+    ``powers``."""
+    padded_to = len(sessions)
+    rows = padded_to - 1
+    out: dict[str, Any] = {"rows_count": rows, "padded_to_count": padded_to}
+    if rows < 1:
+        return out | {"recommended_compile_buckets": None}
+    clock = CallClock(ctx.device)
+    for name, step in (("exact", run_batch), ("padded", lambda model, forwards: run_batch(model, forwards,
+                                                                                         pad_to=padded_to))):
+        run_block(ctx.refiner, sessions[:rows], True, clock, 500, step)
+        times = sorted(run_block(ctx.refiner, sessions[:rows], True, clock, 600 + i, step) for i in range(blocks))
+        out[f"{name}_block_s"] = times[len(times) // 2]
+    out["padded_over_exact_ratio"] = out["padded_block_s"] / out["exact_block_s"]
+    out["recommended_compile_buckets"] = "every" if out["padded_over_exact_ratio"] >= 1 + MODE_MARGIN else "powers"
+    return out
+
+
 def section_step_modes(ctx: Context) -> dict[str, Any]:
     """Eager vs compiled vs graphed (issue 22 item 4: CUDA graphs pay only where a step is launch-bound, so the
     default follows a measurement): steady block latency at 480p for 1 and 4 sessions batched with the engine's
     step in each mode, each mode's compile time, and ``recommended_mode`` (``recommend``) with the settings it maps
-    to. Decision for the CPU (``--smoke``): graphed is skipped with its reason recorded, not run as a plain compile
+    to; first, what padding 3 rows to 4 costs (``padding``: ``measure_padding``, the ``compile_buckets`` choice).
+    Decision for the CPU (``--smoke``): graphed is skipped with its reason recorded, not run as a plain compile
     under another name: CUDA graphs need a CUDA device, and on a CPU ``reduce-overhead`` compiles exactly what
     ``compiled`` does, so a figure for it would only measure noise. A mode that fails is recorded in ``errors`` and
     the others run; a mode not started by the section's time cap or the run's end is skipped (null)."""
@@ -440,6 +464,12 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
     skipped: dict[str, str] = {}
     errors: dict[str, str] = {}
     try:
+        try:
+            out["padding"] = measure_padding(ctx, sessions, spec["blocks"])
+        except Exception as exc:  # fail soft: the modes still run
+            errors["padding"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            out["padding"] = None
         for mode in STEP_MODES:
             left = deadline - time.perf_counter()
             if mode == "graphed" and ctx.device.type != "cuda":
@@ -467,7 +497,9 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
             value, base = out[mode][f"batched_{n}_sessions_block_s"], eager[f"batched_{n}_sessions_block_s"]
             out[mode][f"speedup_{n}_sessions_ratio"] = None if value is None or base is None else base / value
     out["recommended_mode"] = recommend(out, counts)
-    out["recommended_settings"] = STEP_MODES[out["recommended_mode"]]
+    out["recommended_settings"] = dict(STEP_MODES[out["recommended_mode"]])
+    if out["recommended_settings"]["compile_step"] and (out["padding"] or {}).get("recommended_compile_buckets"):
+        out["recommended_settings"]["compile_buckets"] = out["padding"]["recommended_compile_buckets"]
     out["skipped"] = [f"{mode}: {why}" for mode, why in skipped.items()]
     out["mode_errors"] = [f"{mode}: {why}" for mode, why in errors.items()]
     return out

@@ -5,9 +5,18 @@ Shape letters: R rows, N tokens per row.
 ``models.step.forward_body`` is compiled with static shapes. The per-session attention functions are kept out
 of the graph (``torch.compiler.disable``), so the compiled pieces are the per-token work between them
 (projections, norms, modulation, the feed-forward) and see only tensors: the same graphs serve every mix of
-sessions. A call of R rows runs at the smallest *bucket* >= R (1, 2, 4, ... up to ``max_batch_rows``), the
-rows past R zero, so the number of shapes is small and known; ``warm_up`` compiles every (bucket, token count,
-forward kind) the service will meet before it reports ready, so no client pays for compilation.
+sessions. A call of R rows runs at the smallest *bucket* >= R, the rows past R zero. The buckets (``bucket_sizes``):
+``every`` batch size from 1 to ``max_rows`` (the default: a call never pads, each size costs one more compile at
+start-up), ``powers`` (1, 2, 4, ... and ``max_rows``: half the compiles, but 3 rows run as 4, +33% GEMM work), or a
+list. Which is cheaper is a measurement (padding's cost per block against a bucket's compile time): the GPU check
+reports both (``bench/gpu.py``, ``step_modes.padding``).
+
+``warm_up`` compiles every (bucket, token count) the service will meet (each forward kind of each warm-up
+geometry: the sink, full blocks, every short last block a flush can leave) before it reports ready, so no client
+pays for compilation; then it *seals* the step: a call at a shape it did not compile (a stream of a geometry the
+warm-up did not list, a single session wider than the largest bucket) runs eagerly instead of compiling on the
+engine thread while every other session waits, and is reported (``on_uncompiled``: the service counts and logs
+it, naming the setting that would compile it).
 
 ``mode="reduce-overhead"`` adds CUDA graphs on a GPU (``torch.compile``'s CUDA-graph trees capture each compiled
 piece; the attention between them runs eagerly and reads the sessions' own window buffers). On a CPU this path
@@ -32,7 +41,7 @@ probe runs through this path when it is on, and the service reports what it find
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -43,7 +52,7 @@ GRAPHED_MODES = ("reduce-overhead", "max-autotune")
 
 
 def buckets(max_rows: int) -> list[int]:
-    """1, 2, 4, ... and ``max_rows`` itself."""
+    """1, 2, 4, ... and ``max_rows`` itself (the ``powers`` choice)."""
     sizes, size = [], 1
     while size < max_rows:
         sizes.append(size)
@@ -52,20 +61,39 @@ def buckets(max_rows: int) -> list[int]:
     return sizes
 
 
+def bucket_sizes(choice: str | Sequence[int], max_rows: int) -> list[int]:
+    """The batch sizes compiled for calls of up to ``max_rows`` rows: ``every`` (1 .. max_rows), ``powers`` (1, 2,
+    4, ... max_rows) or the given sizes (each 1 .. max_rows; ``max_rows`` added, so every call fits one)."""
+    if choice == "every":
+        return list(range(1, max_rows + 1))
+    if choice == "powers":
+        return buckets(max_rows)
+    if isinstance(choice, str):
+        raise ValueError(f"buckets: 'every', 'powers' or a list of batch sizes, got {choice!r}")
+    sizes = sorted({int(size) for size in choice} | {max_rows})
+    if sizes[0] < 1 or sizes[-1] > max_rows:
+        raise ValueError(f"buckets {list(choice)}: each batch size must be 1 to {max_rows} (max_batch_rows)")
+    return sizes
+
+
 class CompiledStep:
     """``run_batch`` through a compiled ``forward_body`` at bucketed batch sizes."""
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, mode: str = "default", backend: str = "inductor"):
+    def __init__(self, model: torch.nn.Module, max_rows: int, mode: str = "default", backend: str = "inductor",
+                 sizes: str | Sequence[int] = "every",
+                 on_uncompiled: Callable[[int, int], None] | None = None):
         self.model = model
-        self.buckets = buckets(max_rows)
+        self.buckets = bucket_sizes(sizes, max_rows)
         self.mode = mode
-        # One compiled entry per (bucket, tokens per row, forward kind) of forward_body and of each piece between
-        # attention functions; the default cap (8) would silently fall back to eager past it.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16 * len(self.buckets))
         self.body = torch.compile(forward_body, dynamic=False, mode=None if mode == "default" else mode,
                                   backend=backend)
         # The modes that capture CUDA graphs on a GPU (max-autotune does too; max-autotune-no-cudagraphs does not).
         self.graphed = mode in GRAPHED_MODES
+        # What the warm-up compiled, as (bucket, tokens per row); once sealed, any other shape runs eagerly.
+        self.compiled: set[tuple[int, int]] = set()
+        self.sealed = False
+        self.on_uncompiled = on_uncompiled
+        self.uncompiled_calls = 0
 
     def bucket(self, rows: int) -> int:
         for size in self.buckets:
@@ -74,8 +102,21 @@ class CompiledStep:
         return rows  # a single session wider than the largest bucket runs at its own size
 
     def __call__(self, model: torch.nn.Module, forwards: Sequence[RowForward]) -> list[torch.Tensor]:
+        if not forwards:
+            return []
         rows = sum(forward.rows for forward in forwards)
-        velocities = run_batch(model, forwards, pad_to=self.bucket(rows), body=self.body)
+        key = (self.bucket(rows), int(forwards[0].tokens.shape[1]))
+        if self.sealed and key not in self.compiled:
+            # Compiling here would stall every session for the length of a compile (a minute or more at the
+            # released size on a GPU); eager gives the same results within the parity tolerance, unpadded.
+            self.uncompiled_calls += 1
+            if self.on_uncompiled is not None:
+                self.on_uncompiled(rows, key[1])
+            return run_batch(model, forwards)
+        if key not in self.compiled:
+            self.compiled.add(key)
+            _make_room(len(self.compiled))
+        velocities = run_batch(model, forwards, pad_to=key[0], body=self.body)
         if self.graphed:
             # CUDA-graph trees replay a graph into the same static output memory: the next call of this bucket
             # overwrites these velocities (and reading them then raises "accessing tensor output of CUDAGraphs
@@ -85,24 +126,41 @@ class CompiledStep:
             velocities = [velocity.clone() for velocity in velocities]
         return velocities
 
-    def warm_up(self, forwards_by_kind: Sequence[RowForward]) -> int:
+    def warm_up(self, forwards_by_kind: Iterable[RowForward], seal: bool = True) -> int:
         """Run every bucket for each given forward (one per kind the service meets: a sink capture, a denoising
-        forward, a commit forward, at the warm-up geometry), repeating the forward to fill the rows. Returns the
-        number of calls made."""
+        forward, a commit forward, at each warm-up geometry; consumed one at a time), repeating the forward to fill
+        the rows, then, with ``seal``, seal the step (``__call__``: no compile after this). Returns the number of
+        calls made."""
+        self.sealed = False
         calls = 0
         for forward in forwards_by_kind:
             for size in self.buckets:
                 copies = max(1, size // forward.rows)
                 self(self.model, [forward] * copies)
                 calls += 1
+        self.sealed = seal
         return calls
 
 
-def warmup_forwards(refiner, config, height: int, width: int, prompt_tokens: int) -> list[RowForward]:
+def _make_room(shapes: int) -> None:
+    """Let dynamo keep a compiled entry per shape (bucket, tokens per row) for each function it compiles (diffusers'
+    block forward has two per shape: it is entered with and without keyword arguments), with room to spare. Past
+    its limits (8 entries per function by default) dynamo runs the function eagerly without a word, which would
+    quietly undo the compiled step; raised, never lowered (the setting is process-wide)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 4 * shapes)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * shapes)
+
+
+def warmup_forwards(refiner, config, height: int, width: int, prompt_tokens: int) -> Iterator[RowForward]:
     """One forward of each kind a session runs, at this geometry: its sink capture, and a denoising and a commit
     forward of a full block and of every short last block a flush can leave (1 to ``block_size - 1`` frames: other
     token counts, so other graphs), from throwaway sessions refined eagerly. Compiling all of them before ``/ready``
-    is what keeps a flushed session from compiling on the engine thread while others wait."""
+    is what keeps a flushed session from compiling on the engine thread while others wait.
+
+    A generator: each throwaway session is built when its forwards are asked for and dropped when the next one is,
+    so a warm-up holds one or two sessions' windows at a time (about 9 GiB each at 720p at the released size), not
+    one per kind."""
     from .session import RefinerSession
 
     info = refiner.info
@@ -111,18 +169,19 @@ def warmup_forwards(refiner, config, height: int, width: int, prompt_tokens: int
     latents = torch.randn(1, info.in_channels, frames, height, width, generator=generator)  # (1, C, T, H, W)
     embeds = torch.randn(1, prompt_tokens, info.caption_channels, generator=generator)  # (1, L, D)
 
-    fresh = RefinerSession(refiner, config)
-    fresh.append(fresh.check(latents[:, :, : config.sink_frames], embeds))
-    forwards = [fresh.next_forward(fresh.start(fresh.plan()))]  # the sink's
+    session = RefinerSession(refiner, config)
+    session.append(session.check(latents[:, :, : config.sink_frames], embeds))
+    yield session.next_forward(session.start(session.plan()))  # the sink's
     for block_frames in range(config.block_size, 0, -1):
+        session = None  # the previous session's window is freed before the next one is allocated
         session = RefinerSession(refiner, config)
         session.push(latents[:, :, : config.sink_frames], embeds)
         end = config.sink_frames + block_frames
         session.append(session.check(latents[:, :, config.sink_frames : end]),
                        flush=block_frames < config.block_size)
         run = session.start(session.plan())
-        forwards.append(session.next_forward(run))  # denoising
+        yield session.next_forward(run)  # denoising
         while (forward := session.next_forward(run)).mode != "commit":
             session.advance(run, run_batch(refiner.model, [forward])[0])
-        forwards.append(forward)
-    return forwards
+        yield forward
+        del forward, run

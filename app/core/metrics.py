@@ -103,6 +103,12 @@ class Metrics:
             registry=r,
         )
 
+        self.uncompiled_calls = Counter(
+            "refiner_uncompiled_model_calls",
+            "With compile_step: model calls at a shape the warm-up did not compile, run eagerly (a stream of a latent "
+            "size not in warmup_geometries)", registry=r,
+        )
+
         self._memory = _MemoryCollector(dict, dict)
         r.register(self._memory)
 

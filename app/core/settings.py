@@ -232,6 +232,12 @@ class Settings(_SessionDefaults):
         default=False,
         description="torch.compile the batched step at bucketed batch sizes (compiled during the warm-up); for GPUs",
     )
+    compile_buckets: Annotated[Literal["every", "powers"] | tuple[PositiveInt, ...], NoDecode] = Field(
+        default="every",
+        description="batch sizes compile_step compiles (a call of R rows runs at the smallest >= R, padded with "
+        "zero rows): every (1 .. max_batch_rows: never pads), powers (1, 2, 4, ... max_batch_rows: half the "
+        "compiles at start-up, 3 rows run as 4), or a comma-separated list (max_batch_rows is added)",
+    )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         default="reduce-overhead", description="torch.compile mode of compile_step; reduce-overhead adds CUDA graphs"
     )
@@ -336,6 +342,31 @@ class Settings(_SessionDefaults):
     warmup_height: PositiveInt = 4
     warmup_width: PositiveInt = 4
     warmup_prompt_tokens: PositiveInt = 8
+    warmup_geometries: Annotated[tuple[tuple[PositiveInt, PositiveInt], ...], NoDecode] = Field(
+        default=(),
+        description="more latent sizes (height x width, e.g. 15x26,22x40) that compile_step compiles before "
+        "/ready, besides warmup_height x warmup_width; once ready, a stream of a size not compiled runs eagerly "
+        "(counted in refiner_uncompiled_model_calls) rather than compiling while other sessions wait",
+    )
+
+    @field_validator("warmup_geometries", mode="before")
+    @classmethod
+    def _warmup_geometries(cls, value: Any) -> tuple[tuple[int, int], ...]:
+        return parse_geometries(value)
+
+    @field_validator("compile_buckets", mode="before")
+    @classmethod
+    def _compile_buckets(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() not in ("every", "powers"):
+            try:
+                return tuple(int(part) for part in value.split(",") if part.strip())
+            except ValueError:
+                raise ValueError(f"compile_buckets {value!r}: every, powers, or batch sizes like 1,2,3,4") from None
+        return value.strip() if isinstance(value, str) else value
+
+    def compile_geometries(self) -> list[tuple[int, int]]:
+        """Every latent (height, width) the compiled step is warmed up for: the warm-up's, then the listed ones."""
+        return list(dict.fromkeys([(self.warmup_height, self.warmup_width), *self.warmup_geometries]))
 
     # --- responses -----------------------------------------------------------------------------------------
     response_dtype: Literal["float32", "model"] = "float32"
@@ -383,6 +414,15 @@ class Settings(_SessionDefaults):
                 f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) is below max_body_bytes "
                 f"({self.max_body_bytes}): no body of the largest size could ever be accepted; set it to at least "
                 "max_body_bytes (a few times it lets that many such bodies arrive at once)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _buckets_fit_a_call(self) -> Settings:
+        if isinstance(self.compile_buckets, tuple) and max(self.compile_buckets, default=1) > self.max_batch_rows:
+            raise ValueError(
+                f"compile_buckets {','.join(map(str, self.compile_buckets))}: no call has more than max_batch_rows "
+                f"({self.max_batch_rows}) rows; list batch sizes up to it, or every / powers"
             )
         return self
 
@@ -436,6 +476,30 @@ class Settings(_SessionDefaults):
             "request_body_timeout_s",
         )
         return {name: getattr(self, name) for name in names}
+
+
+def parse_geometries(value: Any) -> tuple[tuple[int, int], ...]:
+    """Latent sizes as ``"15x26,22x40"`` (an environment variable), or a list of ``"15x26"`` strings or
+    ``[15, 26]`` pairs (YAML)."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    sizes = []
+    for item in items:
+        try:
+            if isinstance(item, str):
+                if not item.strip():
+                    continue
+                height, width = (int(part) for part in item.strip().lower().split("x"))
+            else:
+                height, width = (int(part) for part in item)
+        except (TypeError, ValueError):
+            raise ValueError(f"warmup_geometries: {item!r} is not a latent size; write height x width, e.g. "
+                             "15x26 (480p) or 22x40 (720p)") from None
+        if height < 1 or width < 1:
+            raise ValueError(f"warmup_geometries: {item!r}: height and width must be positive")
+        sizes.append((height, width))
+    return tuple(sizes)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -97,6 +98,7 @@ class Services:
         self.not_ready_reason: str | None = "loading the model"
         self.warmup_gate = warmup_gate
         self._tasks: list[asyncio.Task] = []
+        self._uncompiled_tokens: set[int] = set()  # token counts of uncompiled calls already logged
         self._drain_task: asyncio.Task | None = None
         self.drain_report: dict[str, Any] | None = None
 
@@ -161,7 +163,8 @@ class Services:
             refiner = self.refiner
             self.engine.runner = await self.engine.call(
                 lambda: CompiledStep(refiner.model, settings.max_batch_rows if settings.batching is not False else 1,
-                                     mode=settings.compile_mode, backend=settings.compile_backend)
+                                     mode=settings.compile_mode, backend=settings.compile_backend,
+                                     sizes=settings.compile_buckets, on_uncompiled=self._uncompiled_call)
             )
         log.info("loaded %s", self.refiner.info.to_dict())
         if settings.vae:
@@ -186,6 +189,15 @@ class Services:
             self._tasks.append(asyncio.create_task(self.store.checkpoints.renew_forever(self.store.registry.handles),
                                                    name="renew-leases"))
 
+    def _uncompiled_call(self, rows: int, tokens: int) -> None:
+        """A model call at a shape the compiled step's warm-up did not compile (run eagerly: engine thread)."""
+        self.metrics.uncompiled_calls.inc()
+        if tokens not in self._uncompiled_tokens:
+            self._uncompiled_tokens.add(tokens)
+            log.warning("a model call of %d rows x %d tokens per row (frames x latent height x width) was not "
+                        "compiled during the warm-up and runs eagerly (slower); add its streams' latent size to "
+                        "warmup_geometries (compiled before /ready)", rows, tokens)
+
     async def _warm_up(self) -> None:
         try:
             if self.warmup_gate is not None:
@@ -196,10 +208,19 @@ class Services:
                 # Every bucket and kind of forward compiled now, so that no client pays for it.
                 self.not_ready_reason = "compiling the batched step"
                 started = time.perf_counter()
-                calls = await self.engine.call(lambda: runner.warm_up(warmup_forwards(
-                    refiner, settings.session_defaults(), settings.warmup_height, settings.warmup_width,
-                    settings.warmup_prompt_tokens)))
-                log.info("compiled the batched step (%d warm-up calls) in %.1f s", calls, time.perf_counter() - started)
+                geometries = settings.compile_geometries()
+
+                def compile_geometry(height: int, width: int, last: bool) -> int:
+                    return runner.warm_up(warmup_forwards(refiner, settings.session_defaults(), height, width,
+                                                          settings.warmup_prompt_tokens), seal=last)
+
+                calls = 0
+                for index, (height, width) in enumerate(geometries):  # one geometry's throwaway sessions at a time
+                    calls += await self.engine.call(
+                        functools.partial(compile_geometry, height, width, index == len(geometries) - 1))
+                log.info("compiled the batched step for batch sizes %s at latent sizes %s (%d warm-up calls) in "
+                         "%.1f s", runner.buckets, ", ".join(f"{h}x{w}" for h, w in geometries), calls,
+                         time.perf_counter() - started)
             if settings.warmup:
                 self.not_ready_reason = "warming up"
                 started = time.perf_counter()

@@ -48,6 +48,14 @@ def make_settings(checkpoint_dir, tmp_path):
     return make
 
 
+def metric_value(text: str, name: str) -> float:
+    """One unlabelled sample of a Prometheus text exposition (``/metrics``)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 def wait_until(predicate, what: str, timeout: float = DEADLINE_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -19,7 +19,8 @@ SECTIONS = ("startup", "blocks", "memory", "realtime", "parity", "decode", "park
 # A figure's name ends with its unit; a few are words or lists (what ran) rather than quantities.
 UNIT = re.compile(r"_(s|ms|bytes|fps|count|ratio|sessions)$")
 WORDS = {"latent_height_width", "compared", "ops", "kernels", "flash_ran", "fps", "max_abs", "reference_rms",
-         "geometry", "recommended_mode", "compile_step", "compile_mode", "skipped", "mode_errors"}
+         "geometry", "recommended_mode", "compile_step", "compile_mode", "skipped", "mode_errors",
+         "recommended_compile_buckets", "compile_buckets"}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,16 @@ def test_the_figures_are_the_ones_asked_for(summary):
     assert graphed["batched_2_sessions_block_s"] is None and graphed["speedup_2_sessions_ratio"] is None
     assert len(modes["skipped"]) == 1 and modes["skipped"][0].startswith("graphed: CUDA graphs need a CUDA device")
     assert modes["recommended_mode"] == recommend(modes, (2,)) != "graphed"
-    assert modes["recommended_settings"] == STEP_MODES[modes["recommended_mode"]]
+    # What padding costs (compile_buckets): 1 row exact against 1 row padded to 2 (the GPU: 3 rows and 3 as 4).
+    padding = modes["padding"]
+    assert (padding["rows_count"], padding["padded_to_count"]) == (1, 2)
+    assert padding["padded_over_exact_ratio"] == pytest.approx(padding["padded_block_s"] / padding["exact_block_s"])
+    assert padding["recommended_compile_buckets"] == ("every" if padding["padded_over_exact_ratio"] >= 1.05
+                                                      else "powers")
+    settings = STEP_MODES[modes["recommended_mode"]]
+    if settings["compile_step"]:
+        settings = {**settings, "compile_buckets": padding["recommended_compile_buckets"]}
+    assert modes["recommended_settings"] == settings
 
 
 def _modes(**blocks):

@@ -180,6 +180,7 @@ def test_compiled_step_with_cuda_graphs(medium):
     eager = run_batch(medium.model, forwards)
     got = step(medium.model, forwards)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "compiled again after warm-up"
+    assert step.uncompiled_calls == 0, "the warmed shape ran eagerly"
     worst = max(close_enough(a, b)[0] for a, b in zip(got, eager))
     print(f"compiled (reduce-overhead) vs eager: max abs {worst:.4g}")
     assert worst <= BF16_MAX_ABS

@@ -3,17 +3,28 @@ results as the eager step."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
+import pytest
 import torch
 
 from models import RefinerSession, SessionConfig, from_model, run_batch
 from models.checkpoints import build_model
-from models.compiled import CompiledStep, buckets, warmup_forwards
+from models.compiled import CompiledStep, bucket_sizes, buckets, warmup_forwards
 
 
 def test_buckets():
     assert buckets(8) == [1, 2, 4, 8] and buckets(6) == [1, 2, 4, 6] and buckets(1) == [1]
+    assert bucket_sizes("every", 5) == [1, 2, 3, 4, 5] and bucket_sizes("powers", 6) == [1, 2, 4, 6]
+    assert bucket_sizes([3, 1], 8) == [1, 3, 8]  # the largest call always has a size
+    for bad in ([0, 2], [9], "all"):
+        with pytest.raises(ValueError):
+            bucket_sizes(bad, 8)
+    refiner = from_model(build_model("tiny"))
+    every, powers = CompiledStep(refiner.model, max_rows=8), CompiledStep(refiner.model, max_rows=8, sizes="powers")
+    assert [every.bucket(rows) for rows in range(1, 9)] == list(range(1, 9))  # the default never pads a call
+    assert [powers.bucket(rows) for rows in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
 
 
 def ready_forwards(refiner, count: int, rng: random.Random):
@@ -60,6 +71,7 @@ def test_after_the_warm_up_no_mix_of_sessions_compiles_again_and_results_match_t
             solo = [run_batch(refiner.model, [forward])[0] for forward in group]
             assert max((a - b).abs().max().item() for a, b in zip(solo, compiled)) <= 1e-5, f"trial {trial}"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_compiled, "compiled again after warm-up"
+    assert step.uncompiled_calls == 0, "a warmed shape ran eagerly"
 
 
 def test_inductor_compiled_step_stays_within_parity_tolerance():
@@ -99,6 +111,52 @@ def test_a_whole_flushed_session_compiles_nothing_after_the_warm_up():
             session.commit(run)
         assert session.state.frames_returned == frames
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a session compiled after the warm-up"
+    assert step.uncompiled_calls == 0, "a session's forward ran eagerly"
+
+
+def refine_whole(step, refiner, config, height: int, width: int, seed: int) -> list[torch.Tensor]:
+    """Refine a flushed 7-frame stream at ``height`` x ``width`` through ``step``; its refined blocks."""
+    session = RefinerSession(refiner, config)
+    generator = torch.Generator().manual_seed(seed)
+    session.append(session.check(torch.randn(1, 128, 7, height, width, generator=generator),
+                                 torch.randn(1, 6, 32, generator=generator)), flush=True)
+    blocks = []
+    while (plan := session.plan()) is not None:
+        run = session.start(plan)
+        while (forward := session.next_forward(run)) is not None:
+            session.advance(run, step(refiner.model, [forward])[0])
+        blocks.append(session.commit(run))
+    return blocks
+
+
+def test_every_warm_up_geometry_is_compiled_and_any_other_runs_eagerly_without_compiling():
+    """The warm-up compiles each listed geometry (the service's warmup_geometries) and then seals the step: a stream
+    at a listed size (or another with its tokens per frame) adds no graph; a stream at a size nobody listed adds no
+    graph either (compiling on the engine thread would stall every session) but runs eagerly, reported to
+    ``on_uncompiled``, with the eager step's bits."""
+    torch._dynamo.reset()
+    refiner = from_model(build_model("tiny"))
+    missed = []
+    step = CompiledStep(refiner.model, max_rows=2, backend="eager", on_uncompiled=lambda *shape: missed.append(shape))
+    config = SessionConfig()
+    geometries = [(4, 4), (2, 6), (1, 5)]
+    # 3 geometries x 3 token counts x 2 batch sizes: more entries than dynamo keeps per function by default, past
+    # which it would run the pieces eagerly without a word; here that is an error instead.
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256,
+                                    fail_on_recompile_limit_hit=True):
+        for index, (height, width) in enumerate(geometries):
+            step.warm_up(warmup_forwards(refiner, config, height, width, 6), seal=index == len(geometries) - 1)
+    assert step.sealed and len(step.compiled) == 3 * 3 * 2
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    refine_whole(step, refiner, config, 2, 6, seed=1)
+    refine_whole(step, refiner, config, 6, 2, seed=1)  # the same token counts: the compiled pieces see only those
+    assert missed == [] and step.uncompiled_calls == 0
+    eager = refine_whole(run_batch, refiner, config, 3, 3, seed=2)
+    unlisted = refine_whole(step, refiner, config, 3, 3, seed=2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "compiled after the warm-up"
+    assert step.uncompiled_calls == len(missed) > 0 and {rows for rows, _ in missed} == {1}
+    assert {tokens for _, tokens in missed} == {9, 27}  # the sink's frame and a 3-frame block, 3 x 3 tokens each
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(eager, unlisted))
 
 
 def test_the_graphs_compiled_do_not_grow_with_the_model_depth():
@@ -112,7 +170,8 @@ def test_the_graphs_compiled_do_not_grow_with_the_model_depth():
         torch._dynamo.utils.counters.clear()
         refiner = from_model(build_model("tiny", num_layers=layers))
         step = CompiledStep(refiner.model, max_rows=2, backend="eager")
-        step.warm_up(warmup_forwards(refiner, config, 4, 4, 6)[:3])  # the sink's, a denoising and a commit forward
+        # The sink's, a denoising and a commit forward.
+        step.warm_up(itertools.islice(warmup_forwards(refiner, config, 4, 4, 6), 3))
         compiled[layers] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert compiled[2] > 0 and compiled[5] == compiled[2], compiled
 

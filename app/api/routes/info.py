@@ -63,6 +63,12 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             "batched": services.engine.batching,  # whether model calls hold several sessions now
             "max_batch_rows": services.settings.max_batch_rows,
             "compile_step": services.settings.compile_step,
+            # With compile_step: the batch sizes and latent sizes compiled before /ready (others run eagerly).
+            "compiled": None if services.engine.runner is None else {
+                "batch_sizes": services.engine.runner.buckets,
+                "latent_sizes": [f"{h}x{w}" for h, w in services.settings.compile_geometries()],
+                "mode": services.settings.compile_mode,
+            },
             # Measured, per class of model call (tokens per row, dtype, device): whether a session's bytes do not
             # depend on the sessions sharing its forwards (app.engine.batching). batch_invariant: every class probed passed;
             # batch_probe: the first (warm-up) class's finding; batch_classes: each class, probed or pending.

@@ -61,6 +61,7 @@ def test_shipped_configs_load(name):
     if name == "sana-wm.yaml":
         assert (settings.device, settings.dtype) == ("cuda", "bfloat16")
         assert (settings.warmup_height, settings.warmup_width) == (22, 40)
+        assert settings.compile_geometries() == [(22, 40), (15, 26)]  # 720p and 480p compiled before /ready
     if name == "default.yaml":
         assert settings.model is None and settings.device == "cpu"
 
@@ -76,6 +77,30 @@ def test_mistakes_are_loud(tmp_path):
         Settings(default_kv_max_frames=2)
     with pytest.raises(ValidationError):
         Settings(max_sessions=0)
+
+
+def test_compile_buckets_and_warmup_geometries_from_yaml_and_the_environment(tmp_path, monkeypatch):
+    config = tmp_path / "c.yaml"
+    config.write_text("warmup_geometries: [15x26, [22, 40]]\ncompile_buckets: [1, 3]\nwarmup_height: 8\n")
+    settings = load_settings(config)
+    assert settings.warmup_geometries == ((15, 26), (22, 40)) and settings.compile_buckets == (1, 3)
+    assert settings.compile_geometries() == [(8, 4), (15, 26), (22, 40)]  # the warm-up stream's size first
+    assert Settings().compile_buckets == "every" and Settings().compile_geometries() == [(4, 4)]
+    monkeypatch.setenv("WM_REFINER_WARMUP_GEOMETRIES", "8x4, 2x6")
+    monkeypatch.setenv("WM_REFINER_COMPILE_BUCKETS", "powers")
+    settings = load_settings(config)
+    assert settings.compile_geometries() == [(8, 4), (2, 6)] and settings.compile_buckets == "powers"
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(warmup_geometries="15by26"), "write height x width, e.g. 15x26"),
+    (dict(warmup_geometries=[[15, 0]]), "must be positive"),
+    (dict(compile_buckets="all"), "every, powers, or batch sizes like 1,2,3,4"),
+    (dict(compile_buckets="1,12", max_batch_rows=8), r"no call has more than max_batch_rows \(8\) rows"),
+])
+def test_compile_settings_mistakes_say_what_to_send(values, message):
+    with pytest.raises(ValidationError, match=message):
+        Settings(**values)
 
 
 def test_every_setting_is_documented():

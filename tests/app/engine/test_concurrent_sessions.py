@@ -24,6 +24,7 @@ from tests.app.conftest import (
     LiveServer,
     expected_clip,
     make_clip,
+    metric_value,
     payload,
     read_latents,
     running_app,
@@ -111,21 +112,28 @@ def test_concurrent_mixed_config_sessions_are_batched_and_each_equals_the_refere
 
 def test_compiled_step_is_compiled_before_ready_and_serves_the_same_bytes(make_settings, refiner):
     """compile_step with dynamo's eager backend (the plumbing without a C++ compiler): /ready waits for every
-    bucket to be compiled, serving compiles nothing more, and the frames equal the eager path's."""
-    latents, embeds, mask = make_clip(frames=10)
-    settings = make_settings(compile_step=True, compile_backend="eager", compile_mode="default", max_batch_rows=4)
+    batch size at every warm-up geometry to be compiled, serving compiles nothing more, and the frames equal the
+    eager path's. A stream of a size the warm-up did not list compiles nothing either: it runs eagerly, counted in
+    /metrics."""
+    settings = make_settings(compile_step=True, compile_backend="eager", compile_mode="default", max_batch_rows=4,
+                             warmup_geometries="2x6")
     with running_app(settings) as client:
         import torch._dynamo.utils as dynamo_utils
 
         info = client.get("/v1/info").json()["engine"]
         assert info["compile_step"] and info["batch_invariant"] is True
+        assert info["compiled"] == {"batch_sizes": [1, 2, 3, 4], "latent_sizes": ["4x4", "2x6"], "mode": "default"}
         compiled = dynamo_utils.counters["stats"]["unique_graphs"]
         assert compiled > 0
-        session_id = client.post("/v1/sessions").json()["session_id"]
-        reply = client.post(f"/v1/sessions/{session_id}/chunks?flush=true", content=payload(latents, embeds, mask),
-                            headers=OCTET)
-        assert torch.equal(read_latents(reply.content)[0], expected_clip(refiner, latents, embeds, mask))
-        assert dynamo_utils.counters["stats"]["unique_graphs"] == compiled, "a client paid for a compilation"
+        for height, width in ((4, 4), (2, 6), (3, 3)):  # the warm-up's, a listed one, one nobody listed
+            latents, embeds, mask = make_clip(frames=10, height=height, width=width)
+            session_id = client.post("/v1/sessions").json()["session_id"]
+            reply = client.post(f"/v1/sessions/{session_id}/chunks?flush=true",
+                                content=payload(latents, embeds, mask), headers=OCTET)
+            assert torch.equal(read_latents(reply.content)[0], expected_clip(refiner, latents, embeds, mask))
+            assert dynamo_utils.counters["stats"]["unique_graphs"] == compiled, "a client paid for a compilation"
+            uncompiled = metric_value(client.get("/metrics").text, "refiner_uncompiled_model_calls_total")
+            assert (uncompiled > 0) is (height == 3), (height, width, uncompiled)
 
 
 def slow_forwards(server, seconds: float):

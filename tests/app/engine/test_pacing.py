@@ -8,7 +8,7 @@ import pytest
 from app.core.error_kinds import ApiError
 from app.engine.pacing import CostModel, Demand, Pacer, Pacing, check_admission
 
-from tests.app.conftest import OCTET, make_clip, payload, running_app, wait_until
+from tests.app.conftest import OCTET, make_clip, metric_value, payload, running_app, wait_until
 
 
 # --- deadlines, on a clock the test owns ---------------------------------------------------------------------------
@@ -126,10 +126,7 @@ def test_the_cost_model_is_an_ewma_per_row_by_tokens_and_scales_unseen_token_cou
 
 # --- through the service ---------------------------------------------------------------------------------------------
 def metric(client, name: str) -> float:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+    return metric_value(client.get("/metrics").text, name)
 
 
 def test_a_session_whose_blocks_come_later_than_its_fps_counts_late_blocks_and_one_in_time_none(make_settings):
