@@ -14,6 +14,7 @@
     python -m bench watch-mix [...] a producer's time with 8 watchers of mixed encodings vs none
     python -m bench gpu OUT [--smoke] the GPU check's figures in one process (bench/gpu_check.sh runs it)
     python -m bench loadmodel [...] loading a released-width checkpoint: load_refiner vs safetensors' load_file
+    python -m bench warmup [...]   compile_step's warm-up by compile_buckets and inductor cache state; padding's cost
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
 """
 
@@ -72,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.watch_mix import main as watch_mix_main
 
         return watch_mix_main(rest)
+    if command == "warmup":
+        from bench.warmup import main as warmup_main
+
+        return warmup_main(rest)
     if command == "gpu":
         from bench.gpu import main as gpu_main
 
