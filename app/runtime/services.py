@@ -98,7 +98,7 @@ class Services:
         self.not_ready_reason: str | None = "loading the model"
         self.warmup_gate = warmup_gate
         self._tasks: list[asyncio.Task] = []
-        self._uncompiled_tokens: set[int] = set()  # token counts of uncompiled calls already logged
+        self._uncompiled_logged: set[tuple[bool, int]] = set()  # uncompiled shapes already logged
         self._drain_task: asyncio.Task | None = None
         self.drain_report: dict[str, Any] | None = None
 
@@ -192,8 +192,15 @@ class Services:
     def _uncompiled_call(self, rows: int, tokens: int) -> None:
         """A model call at a shape the compiled step's warm-up did not compile (run eagerly: engine thread)."""
         self.metrics.uncompiled_calls.inc()
-        if tokens not in self._uncompiled_tokens:
-            self._uncompiled_tokens.add(tokens)
+        largest = max(self.engine.runner.buckets)
+        why = (rows > largest, tokens)
+        if why in self._uncompiled_logged:
+            return
+        self._uncompiled_logged.add(why)
+        if rows > largest:
+            log.warning("a model call of %d rows (one session's batch) is wider than the largest compiled batch size "
+                        "(%d) and runs eagerly (slower); max_batch_rows sets the largest", rows, largest)
+        else:
             log.warning("a model call of %d rows x %d tokens per row (frames x latent height x width) was not "
                         "compiled during the warm-up and runs eagerly (slower); add its streams' latent size to "
                         "warmup_geometries (compiled before /ready)", rows, tokens)
