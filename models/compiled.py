@@ -126,11 +126,12 @@ class CompiledStep:
             velocities = [velocity.clone() for velocity in velocities]
         return velocities
 
-    def warm_up(self, forwards_by_kind: Iterable[RowForward], seal: bool = True) -> int:
+    def warm_up(self, forwards_by_kind: Iterable[RowForward], seal: bool = True,
+                progress: Callable[[int], None] | None = None) -> int:
         """Run every bucket for each given forward (one per kind the service meets: a sink capture, a denoising
         forward, a commit forward, at each warm-up geometry; consumed one at a time), repeating the forward to fill
-        the rows, then, with ``seal``, seal the step (``__call__``: no compile after this). Returns the number of
-        calls made."""
+        the rows, then, with ``seal``, seal the step (``__call__``: no compile after this). ``progress`` hears the
+        number of shapes compiled so far after each call. Returns the number of calls made."""
         self.sealed = False
         calls = 0
         for forward in forwards_by_kind:
@@ -138,8 +139,17 @@ class CompiledStep:
                 copies = max(1, size // forward.rows)
                 self(self.model, [forward] * copies)
                 calls += 1
+                if progress is not None:
+                    progress(len(self.compiled))
         self.sealed = seal
         return calls
+
+    def shapes_to_compile(self, config, geometries: Iterable[tuple[int, int]]) -> int:
+        """How many (bucket, tokens per row) shapes ``warm_up`` compiles for sessions of ``config`` at these latent
+        sizes: the sink's frames and every block length from 1 to ``block_size`` frames, times the buckets."""
+        tokens = {frames * height * width for height, width in geometries
+                  for frames in (config.sink_frames, *range(1, config.block_size + 1))}
+        return len(tokens) * len(self.buckets)
 
 
 def _make_room(shapes: int) -> None:

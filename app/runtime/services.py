@@ -216,10 +216,14 @@ class Services:
                 self.not_ready_reason = "compiling the batched step"
                 started = time.perf_counter()
                 geometries = settings.compile_geometries()
+                shapes = runner.shapes_to_compile(settings.session_defaults(), geometries)
+
+                def progress(done: int) -> None:  # /ready's reason says how far it got (minutes on a GPU)
+                    self.not_ready_reason = f"compiling the batched step: {done} of {shapes} shapes"
 
                 def compile_geometry(height: int, width: int, last: bool) -> int:
                     return runner.warm_up(warmup_forwards(refiner, settings.session_defaults(), height, width,
-                                                          settings.warmup_prompt_tokens), seal=last)
+                                                          settings.warmup_prompt_tokens), seal=last, progress=progress)
 
                 calls = 0
                 for index, (height, width) in enumerate(geometries):  # one geometry's throwaway sessions at a time

@@ -171,16 +171,32 @@ def test_kv_memory_is_allocated_once(medium):
     assert len(set(allocated[5:])) == 1, allocated
 
 
-def test_compiled_step_with_cuda_graphs(medium):
+def test_compiled_step_with_cuda_graphs(medium, monkeypatch):
+    """Compiled with CUDA graphs: within the bf16 tolerance of eager, nothing compiled after the warm-up, and no CUDA
+    graph recorded after it either (CUDA-graph trees record a piece on a later call than its first: the warm-up's
+    several forward kinds per shape should be those calls, so that no client's call pays for a recording)."""
+    from torch._inductor import cudagraph_trees
+
+    recorded = []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(manager, *args, **kwargs):
+        recorded.append(1)
+        return record(manager, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
     torch._dynamo.reset()
     step = CompiledStep(medium.model, max_rows=4, mode="reduce-overhead")
     step.warm_up(warmup_forwards(medium, SessionConfig(), 8, 8, 16))
-    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled, during_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"], len(recorded)
     forwards = steady_forwards(medium, 3)
     eager = run_batch(medium.model, forwards)
     got = step(medium.model, forwards)
+    step(medium.model, forwards)
+    print(f"CUDA graphs recorded: {during_warm_up} during the warm-up, {len(recorded) - during_warm_up} after")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "compiled again after warm-up"
     assert step.uncompiled_calls == 0, "the warmed shape ran eagerly"
+    assert during_warm_up > 0 and len(recorded) == during_warm_up, "a CUDA graph was recorded after the warm-up"
     worst = max(close_enough(a, b)[0] for a, b in zip(got, eager))
     print(f"compiled (reduce-overhead) vs eager: max abs {worst:.4g}")
     assert worst <= BF16_MAX_ABS

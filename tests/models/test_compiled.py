@@ -144,9 +144,12 @@ def test_every_warm_up_geometry_is_compiled_and_any_other_runs_eagerly_without_c
     # which it would run the pieces eagerly without a word; here that is an error instead.
     with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256,
                                     fail_on_recompile_limit_hit=True):
+        progress = []
         for index, (height, width) in enumerate(geometries):
-            step.warm_up(warmup_forwards(refiner, config, height, width, 6), seal=index == len(geometries) - 1)
-    assert step.sealed and len(step.compiled) == 3 * 3 * 2
+            step.warm_up(warmup_forwards(refiner, config, height, width, 6), seal=index == len(geometries) - 1,
+                         progress=progress.append)
+    assert step.sealed and len(step.compiled) == 3 * 3 * 2 == step.shapes_to_compile(config, geometries)
+    assert progress == sorted(progress) and progress[-1] == len(step.compiled)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     refine_whole(step, refiner, config, 2, 6, seed=1)
     refine_whole(step, refiner, config, 6, 2, seed=1)  # the same token counts: the compiled pieces see only those

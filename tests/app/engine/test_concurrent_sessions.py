@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from app.api.factory import create_app
 from models.checkpoints import build_model
 from tests.reference import REBASED_TOLERANCE, assert_parity, reference_refine
 
@@ -117,9 +120,18 @@ def test_compiled_step_is_compiled_before_ready_and_serves_the_same_bytes(make_s
     /metrics."""
     settings = make_settings(compile_step=True, compile_backend="eager", compile_mode="default", max_batch_rows=4,
                              warmup_geometries="2x6")
-    with running_app(settings) as client:
+    with TestClient(create_app(settings)) as client:
         import torch._dynamo.utils as dynamo_utils
 
+        reasons = []  # what /ready says while the step compiles: how far it got
+        while (ready := client.get("/ready")).status_code == 503:
+            reasons.append(ready.json()["error"]["message"])
+            time.sleep(0.05)
+        progress = [int(found[1]) for reason in reasons
+                    if (found := re.search(r"compiling the batched step: (\d+) of (\d+) shapes", reason))]
+        # 4 batch sizes x the token counts of 4x4 and 2x6 at block 3: 16 x (1, 2, 3) and 12 x (1, 2, 3) frames.
+        assert progress and progress == sorted(progress) and max(progress) <= 24, reasons
+        assert f"of {4 * 6} shapes" in next(r for r in reasons if "shapes" in r)
         info = client.get("/v1/info").json()["engine"]
         assert info["compile_step"] and info["batch_invariant"] is True
         assert info["compiled"] == {"batch_sizes": [1, 2, 3, 4], "latent_sizes": ["4x4", "2x6"], "mode": "default"}
