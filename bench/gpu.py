@@ -65,7 +65,8 @@ FULL = {
     "decode": {"geometry": (22, 40), "blocks": 3},
     "parity_geometry": (8, 8),
     # Eager vs compiled vs graphed: 480p only, few blocks (each compiled mode compiles buckets 1 and 4 first).
-    "step_modes": {"geometry": "480p", "sessions": (1, 4), "blocks": 3, "cap_s": 100.0, "mode_min_s": 45.0},
+    "step_modes": {"geometry": "480p", "sessions": (1, 4), "blocks": 3, "cap_s": 100.0, "mode_min_s": 45.0,
+                   "padding_min_s": 15.0},
 }
 SMOKE = {
     "config": PRESETS["tiny"],
@@ -77,7 +78,8 @@ SMOKE = {
     "decode": {"geometry": (2, 2), "blocks": 1},
     "parity_geometry": (4, 4),
     # One count (one bucket to compile): the compile is most of the smoke's time on a shared 2-core CPU.
-    "step_modes": {"geometry": "tiny", "sessions": (2,), "blocks": 3, "cap_s": 90.0, "mode_min_s": 0.0},
+    "step_modes": {"geometry": "tiny", "sessions": (2,), "blocks": 3, "cap_s": 90.0, "mode_min_s": 0.0,
+                   "padding_min_s": 0.0},
 }
 
 
@@ -449,7 +451,8 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
     """Eager vs compiled vs graphed (issue 22 item 4: CUDA graphs pay only where a step is launch-bound, so the
     default follows a measurement): steady block latency at 480p for 1 and 4 sessions batched with the engine's
     step in each mode, each mode's compile time, and ``recommended_mode`` (``recommend``) with the settings it maps
-    to; first, what padding 3 rows to 4 costs (``padding``: ``measure_padding``, the ``compile_buckets`` choice).
+    to; then, if the run's end leaves time, what padding 3 rows to 4 costs (``padding``: ``measure_padding``, the
+    ``compile_buckets`` choice).
     Decision for the CPU (``--smoke``): graphed is skipped with its reason recorded, not run as a plain compile
     under another name: CUDA graphs need a CUDA device, and on a CPU ``reduce-overhead`` compiles exactly what
     ``compiled`` does, so a figure for it would only measure noise. A mode that fails is recorded in ``errors`` and
@@ -464,12 +467,6 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
     skipped: dict[str, str] = {}
     errors: dict[str, str] = {}
     try:
-        try:
-            out["padding"] = measure_padding(ctx, sessions, spec["blocks"])
-        except Exception as exc:  # fail soft: the modes still run
-            errors["padding"] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-            out["padding"] = None
         for mode in STEP_MODES:
             left = deadline - time.perf_counter()
             if mode == "graphed" and ctx.device.type != "cuda":
@@ -486,6 +483,17 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
                 errors[mode] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
                 out[mode] = {f"batched_{n}_sessions_block_s": None for n in counts} | {"compile_s": None}
+        # After the modes (graphed is the figure this section is for), within the run's end: eager, a few blocks.
+        out["padding"] = None
+        left = ctx.started + ctx.end_s - time.perf_counter()
+        if left < spec["padding_min_s"]:
+            skipped["padding"] = f"time: {left:.0f} s left of the run, under the {spec['padding_min_s']:.0f} s it needs"
+        else:
+            try:
+                out["padding"] = measure_padding(ctx, sessions, spec["blocks"])
+            except Exception as exc:  # fail soft: the modes' figures stand
+                errors["padding"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
     finally:
         torch._dynamo.reset()  # later work in this process runs eagerly, as before the section
         del sessions
