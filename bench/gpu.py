@@ -427,10 +427,12 @@ def _measure_mode(ctx: Context, sessions: list[RefinerSession], mode: str, count
 def measure_padding(ctx: Context, sessions: list[RefinerSession], blocks: int) -> dict[str, Any]:
     """What padding a call costs (``compile_buckets``: ``every`` never pads, ``powers`` runs 3 rows as 4): the eager
     step at one row fewer than the section's largest count, exact and padded with zero rows to that count, each the
-    median of ``blocks`` blocks after one unmeasured. Eager because the padded rows' GEMM and attention work is the
-    same in every mode and eager compiles nothing; ``recommended_compile_buckets``: ``every`` when padding costs at
-    least ``MODE_MARGIN`` (every block pays it, against one more compile per batch size once per start), else
-    ``powers``."""
+    median of ``blocks`` blocks after one unmeasured. A padded row costs its per-token work (projections, norms,
+    modulation, the feed-forward: GEMMs with one more row's tokens), not attention (the attention functions run the
+    sessions' rows only). Eager, because eager compiles nothing; the ratio is a lower bound for the compiled modes
+    (the same extra GEMM work over a shorter block, launches saved). ``recommended_compile_buckets``: ``every`` when
+    padding costs at least ``MODE_MARGIN`` even so (every block pays it, against one more compile per batch size once
+    per start), else ``powers``."""
     padded_to = len(sessions)
     rows = padded_to - 1
     out: dict[str, Any] = {"rows_count": rows, "padded_to_count": padded_to}

@@ -63,17 +63,18 @@ def buckets(max_rows: int) -> list[int]:
 
 def bucket_sizes(choice: str | Sequence[int], max_rows: int) -> list[int]:
     """The batch sizes compiled for calls of up to ``max_rows`` rows: ``every`` (1 .. max_rows), ``powers`` (1, 2,
-    4, ... max_rows) or the given sizes (each 1 .. max_rows; ``max_rows`` added, so every call fits one)."""
+    4, ... max_rows) or the given sizes (those up to ``max_rows``, and ``max_rows``, so every call fits one)."""
     if choice == "every":
         return list(range(1, max_rows + 1))
     if choice == "powers":
         return buckets(max_rows)
     if isinstance(choice, str):
         raise ValueError(f"buckets: 'every', 'powers' or a list of batch sizes, got {choice!r}")
-    sizes = sorted({int(size) for size in choice} | {max_rows})
-    if sizes[0] < 1 or sizes[-1] > max_rows:
-        raise ValueError(f"buckets {list(choice)}: each batch size must be 1 to {max_rows} (max_batch_rows)")
-    return sizes
+    sizes = {int(size) for size in choice}
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"buckets {list(choice)}: batch sizes of at least 1, e.g. 1,2,4,8")
+    # Sizes past max_rows serve no call (with batching off max_rows is 1 whatever the list says): left out.
+    return sorted({size for size in sizes if size <= max_rows} | {max_rows})
 
 
 class CompiledStep:
@@ -141,6 +142,8 @@ class CompiledStep:
                 calls += 1
                 if progress is not None:
                     progress(len(self.compiled))
+            # Not held while the generator builds its next throwaway session: this forward's window is freed first.
+            del forward
         self.sealed = seal
         return calls
 
@@ -169,8 +172,8 @@ def warmup_forwards(refiner, config, height: int, width: int, prompt_tokens: int
     is what keeps a flushed session from compiling on the engine thread while others wait.
 
     A generator: each throwaway session is built when its forwards are asked for and dropped when the next one is,
-    so a warm-up holds one or two sessions' windows at a time (about 9 GiB each at 720p at the released size), not
-    one per kind."""
+    so a warm-up (consuming one forward at a time) holds one session's window at a time (about 9 GiB at 720p at the
+    released size), not one per kind."""
     from .session import RefinerSession
 
     info = refiner.info
@@ -183,7 +186,9 @@ def warmup_forwards(refiner, config, height: int, width: int, prompt_tokens: int
     session.append(session.check(latents[:, :, : config.sink_frames], embeds))
     yield session.next_forward(session.start(session.plan()))  # the sink's
     for block_frames in range(config.block_size, 0, -1):
-        session = None  # the previous session's window is freed before the next one is allocated
+        # The previous session's window is freed before the next one is allocated (its last forward is dropped by
+        # the caller, CompiledStep.warm_up, before asking for the next).
+        session = None
         session = RefinerSession(refiner, config)
         session.push(latents[:, :, : config.sink_frames], embeds)
         end = config.sink_frames + block_frames

@@ -105,8 +105,9 @@ class Metrics:
 
         self.uncompiled_calls = Counter(
             "refiner_uncompiled_model_calls",
-            "With compile_step: model calls at a shape the warm-up did not compile, run eagerly (a stream of a latent "
-            "size not in warmup_geometries)", registry=r,
+            "With compile_step: model calls at a shape the warm-up did not compile, run eagerly (a latent size not "
+            "in warmup_geometries, a block_size/sink_frames other than the defaults, a batch wider than the largest "
+            "compiled)", registry=r,
         )
 
         self._memory = _MemoryCollector(dict, dict)

@@ -359,10 +359,14 @@ class Settings(_SessionDefaults):
     def _compile_buckets(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip() not in ("every", "powers"):
             try:
-                return tuple(int(part) for part in value.split(",") if part.strip())
+                value = tuple(int(part) for part in value.split(",") if part.strip())
             except ValueError:
                 raise ValueError(f"compile_buckets {value!r}: every, powers, or batch sizes like 1,2,3,4") from None
-        return value.strip() if isinstance(value, str) else value
+        elif isinstance(value, str):
+            return value.strip()
+        if not value:
+            raise ValueError("compile_buckets is empty: every, powers, or batch sizes like 1,2,3,4")
+        return value
 
     def compile_geometries(self) -> list[tuple[int, int]]:
         """Every latent (height, width) the compiled step is warmed up for: the warm-up's, then the listed ones."""
@@ -415,6 +419,17 @@ class Settings(_SessionDefaults):
                 f"({self.max_body_bytes}): no body of the largest size could ever be accepted; set it to at least "
                 "max_body_bytes (a few times it lets that many such bodies arrive at once)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _geometries_fit_a_frame(self) -> Settings:
+        for height, width in self.warmup_geometries:
+            if height * width > self.max_frame_tokens:
+                raise ValueError(
+                    f"warmup_geometries {height}x{width}: {height * width} tokens per frame, past max_frame_tokens "
+                    f"({self.max_frame_tokens}); no stream of that size is accepted, so compiling it would only cost "
+                    "start-up time: remove it or raise max_frame_tokens"
+                )
         return self
 
     @model_validator(mode="after")
@@ -492,7 +507,9 @@ def parse_geometries(value: Any) -> tuple[tuple[int, int], ...]:
                     continue
                 height, width = (int(part) for part in item.strip().lower().split("x"))
             else:
-                height, width = (int(part) for part in item)
+                height, width = item
+                if not all(isinstance(part, int) and not isinstance(part, bool) for part in (height, width)):
+                    raise TypeError
         except (TypeError, ValueError):
             raise ValueError(f"warmup_geometries: {item!r} is not a latent size; write height x width, e.g. "
                              "15x26 (480p) or 22x40 (720p)") from None

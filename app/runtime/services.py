@@ -125,9 +125,9 @@ class Services:
 
     # --- admission -----------------------------------------------------------------------------------------
     def require_ready(self) -> None:
-        if self.not_ready_reason is None:
+        if self.not_ready_reason is None and not self.draining:
             return
-        if self.draining:
+        if self.draining:  # first: a warm-up that ends during a drain does not make the server ready again
             # Not "retry in N s": this process takes no more work; the same request succeeds once the server (or,
             # behind a router, another replica) is back with the saved sessions.
             raise ApiError(
@@ -199,11 +199,12 @@ class Services:
         self._uncompiled_logged.add(why)
         if rows > largest:
             log.warning("a model call of %d rows (one session's batch) is wider than the largest compiled batch size "
-                        "(%d) and runs eagerly (slower); max_batch_rows sets the largest", rows, largest)
+                        "(%d: max_batch_rows, or 1 with batching: false) and runs eagerly (slower)", rows, largest)
         else:
             log.warning("a model call of %d rows x %d tokens per row (frames x latent height x width) was not "
-                        "compiled during the warm-up and runs eagerly (slower); add its streams' latent size to "
-                        "warmup_geometries (compiled before /ready)", rows, tokens)
+                        "compiled during the warm-up and runs eagerly (slower): a stream of a latent size not in "
+                        "warmup_geometries (add it there), or a session's block_size / sink_frames other than the "
+                        "server's defaults (compiled for the defaults only)", rows, tokens)
 
     async def _warm_up(self) -> None:
         try:
@@ -219,7 +220,8 @@ class Services:
                 shapes = runner.shapes_to_compile(settings.session_defaults(), geometries)
 
                 def progress(done: int) -> None:  # /ready's reason says how far it got (minutes on a GPU)
-                    self.not_ready_reason = f"compiling the batched step: {done} of {shapes} shapes"
+                    if not self.draining:
+                        self.not_ready_reason = f"compiling the batched step: {done} of {shapes} shapes"
 
                 def compile_geometry(height: int, width: int, last: bool) -> int:
                     return runner.warm_up(warmup_forwards(refiner, settings.session_defaults(), height, width,
@@ -241,7 +243,8 @@ class Services:
             if settings.device_memory_budget == "auto":
                 # What is free once the weights, the warm-up's activations and any compiled graphs are in place.
                 self.store.parking.resolve_budget(self.refiner.device)
-            self.not_ready_reason = None
+            if not self.draining:
+                self.not_ready_reason = None
             if not settings.warmup:
                 # Ready at once, as asked; every call serves one session until the probe (run now, between the
                 # sessions' forwards) has passed.

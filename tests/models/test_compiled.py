@@ -18,7 +18,8 @@ def test_buckets():
     assert buckets(8) == [1, 2, 4, 8] and buckets(6) == [1, 2, 4, 6] and buckets(1) == [1]
     assert bucket_sizes("every", 5) == [1, 2, 3, 4, 5] and bucket_sizes("powers", 6) == [1, 2, 4, 6]
     assert bucket_sizes([3, 1], 8) == [1, 3, 8]  # the largest call always has a size
-    for bad in ([0, 2], [9], "all"):
+    assert bucket_sizes([1, 3, 9], 4) == [1, 3, 4] and bucket_sizes([1, 2, 4, 8], 1) == [1]  # none past the largest
+    for bad in ([0, 2], [], "all"):
         with pytest.raises(ValueError):
             bucket_sizes(bad, 8)
     refiner = from_model(build_model("tiny"))
@@ -160,6 +161,10 @@ def test_every_warm_up_geometry_is_compiled_and_any_other_runs_eagerly_without_c
     assert step.uncompiled_calls == len(missed) > 0 and {rows for rows, _ in missed} == {1}
     assert {tokens for _, tokens in missed} == {9, 27}  # the sink's frame and a 3-frame block, 3 x 3 tokens each
     assert all(torch.equal(a.latents, b.latents) for a, b in zip(eager, unlisted))
+    # A listed size, but a session's own block length (the warm-up compiles the server's defaults): eager too.
+    missed.clear()
+    refine_whole(step, refiner, SessionConfig(block_size=4), 4, 4, seed=3)
+    assert {tokens for _, tokens in missed} == {64} and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_the_graphs_compiled_do_not_grow_with_the_model_depth():

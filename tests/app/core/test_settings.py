@@ -97,6 +97,9 @@ def test_compile_buckets_and_warmup_geometries_from_yaml_and_the_environment(tmp
     (dict(warmup_geometries=[[15, 0]]), "must be positive"),
     (dict(compile_buckets="all"), "every, powers, or batch sizes like 1,2,3,4"),
     (dict(compile_buckets="1,12", max_batch_rows=8), r"no call has more than max_batch_rows \(8\) rows"),
+    (dict(compile_buckets=""), "compile_buckets is empty"),
+    (dict(warmup_geometries=[[15.9, 26]]), "is not a latent size"),
+    (dict(warmup_geometries="200x200", max_frame_tokens=4096), "past max_frame_tokens"),
 ])
 def test_compile_settings_mistakes_say_what_to_send(values, message):
     with pytest.raises(ValidationError, match=message):

@@ -124,8 +124,10 @@ def test_compiled_step_is_compiled_before_ready_and_serves_the_same_bytes(make_s
         import torch._dynamo.utils as dynamo_utils
 
         reasons = []  # what /ready says while the step compiles: how far it got
+        deadline = time.monotonic() + 5 * DEADLINE_S
         while (ready := client.get("/ready")).status_code == 503:
             reasons.append(ready.json()["error"]["message"])
+            assert time.monotonic() < deadline and "failed" not in reasons[-1], reasons[-1]
             time.sleep(0.05)
         progress = [int(found[1]) for reason in reasons
                     if (found := re.search(r"compiling the batched step: (\d+) of (\d+) shapes", reason))]
