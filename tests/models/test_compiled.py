@@ -209,3 +209,29 @@ def test_a_graphed_steps_velocities_outlive_its_next_call():
         expected = run_batch(refiner.model, [first])[0]
         step(refiner.model, [second])
         assert torch.equal(kept, expected) is graphed, mode
+
+
+def test_the_warm_up_holds_one_throwaway_window_at_a_time(monkeypatch):
+    """At the released size a 720p window is about 9 GiB: the warm-up's throwaway sessions (one per kind of forward)
+    must not pile up. Counted when each is built: no earlier session's window is still alive (the last forward of the
+    previous one, which holds its window, was dropped before the next was asked for)."""
+    import gc
+
+    from models import session as session_module
+    from models.kv import SessionKV
+
+    refiner = from_model(build_model("tiny"))
+    alive = []
+    build = session_module.RefinerSession.__init__
+
+    def counting(self, *args, **kwargs):
+        gc.collect()
+        alive.append(sum(1 for thing in gc.get_objects() if isinstance(thing, SessionKV)))
+        build(self, *args, **kwargs)
+
+    gc.collect()
+    before = sum(1 for thing in gc.get_objects() if isinstance(thing, SessionKV))  # other tests' sessions, if any
+    monkeypatch.setattr(session_module.RefinerSession, "__init__", counting)
+    step = CompiledStep(refiner.model, max_rows=2, backend="eager")
+    step.warm_up(warmup_forwards(refiner, SessionConfig(), 4, 4, 6))
+    assert alive == [before] * (1 + SessionConfig().block_size), (before, alive)
