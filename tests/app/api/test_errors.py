@@ -402,6 +402,31 @@ def test_not_ready_until_warm_up_is_503(make_settings):
         new_session(client)
 
 
+def test_a_warm_up_that_ends_during_a_drain_leaves_the_server_draining(make_settings):
+    """A drain that starts while the warm-up still runs (a SIGTERM during a long compile on a GPU) wins: when the
+    warm-up ends afterwards, the server does not report ready again."""
+    from fastapi.testclient import TestClient
+
+    from app.api.factory import create_app
+
+    release = threading.Event()
+    # warmup: false: what is left of the warm-up after the gate needs no engine work the drain would refuse.
+    settings = make_settings(drain_timeout_s=5, warmup=False)
+    with TestClient(create_app(settings, warmup_gate=lambda: release.wait(30))) as client:
+        services = client.app.state.services
+        drain = threading.Thread(target=lambda: client.portal.call(services.drain), daemon=True)
+        try:
+            drain.start()
+            wait_until(lambda: services.draining, "the drain to start")
+        finally:
+            release.set()
+        drain.join(30)
+        warm_up = next(task for task in services._tasks if task.get_name() == "warm-up")
+        wait_until(warm_up.done, "the warm-up to end")
+        assert_error(client.get("/ready"), 503, "draining")
+        assert_error(client.post("/v1/sessions"), 503, "draining")
+
+
 def test_draining_is_503(make_settings):
     with running_app(make_settings()) as client:
         session_id = started_session(client)
