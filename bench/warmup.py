@@ -11,6 +11,7 @@ graphs dynamo compiled, the (batch size, tokens per row) shapes; then the median
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -38,8 +39,8 @@ def child(preset: str, rows: int, choice: str, geometries: list[tuple[int, int]]
     step = CompiledStep(refiner.model, max_rows=rows, sizes=choice, backend=backend)
     config = SessionConfig()
     started = time.perf_counter()
-    for index, (height, width) in enumerate(geometries):
-        step.warm_up(warmup_forwards(refiner, config, height, width, 8), seal=index == len(geometries) - 1)
+    step.warm_up(itertools.chain.from_iterable(warmup_forwards(refiner, config, height, width, 8)
+                                               for height, width in geometries))
     warm_up_s = time.perf_counter() - started
     forward = next(forward for forward in warmup_forwards(refiner, config, *geometries[0], 8)
                    if forward.mode != "sink")  # a full block's denoising forward

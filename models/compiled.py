@@ -127,11 +127,10 @@ class CompiledStep:
             velocities = [velocity.clone() for velocity in velocities]
         return velocities
 
-    def warm_up(self, forwards_by_kind: Iterable[RowForward], seal: bool = True,
-                progress: Callable[[int], None] | None = None) -> int:
+    def warm_up(self, forwards_by_kind: Iterable[RowForward], progress: Callable[[int], None] | None = None) -> int:
         """Run every bucket for each given forward (one per kind the service meets: a sink capture, a denoising
-        forward, a commit forward, at each warm-up geometry; consumed one at a time), repeating the forward to fill
-        the rows, then, with ``seal``, seal the step (``__call__``: no compile after this). ``progress`` hears the
+        forward, a commit forward, at each warm-up geometry: ``warmup_forwards``, consumed one at a time), repeating
+        the forward to fill the rows, then seal the step (``__call__``: no compile after this). ``progress`` hears the
         number of shapes compiled so far after each call. Returns the number of calls made."""
         self.sealed = False
         calls = 0
@@ -144,7 +143,7 @@ class CompiledStep:
                     progress(len(self.compiled))
             # Not held while the generator builds its next throwaway session: this forward's window is freed first.
             del forward
-        self.sealed = seal
+        self.sealed = True
         return calls
 
     def shapes_to_compile(self, config, geometries: Iterable[tuple[int, int]]) -> int:

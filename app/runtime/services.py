@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import itertools
 import logging
 import math
 import os
@@ -216,21 +216,18 @@ class Services:
                 # Every bucket and kind of forward compiled now, so that no client pays for it.
                 self.not_ready_reason = "compiling the batched step"
                 started = time.perf_counter()
-                geometries = settings.compile_geometries()
-                shapes = runner.shapes_to_compile(settings.session_defaults(), geometries)
+                geometries, config = settings.compile_geometries(), settings.session_defaults()
+                shapes = runner.shapes_to_compile(config, geometries)
 
                 def progress(done: int) -> None:  # /ready's reason says how far it got (minutes on a GPU)
                     if not self.draining:
                         self.not_ready_reason = f"compiling the batched step: {done} of {shapes} shapes"
 
-                def compile_geometry(height: int, width: int, last: bool) -> int:
-                    return runner.warm_up(warmup_forwards(refiner, settings.session_defaults(), height, width,
-                                                          settings.warmup_prompt_tokens), seal=last, progress=progress)
-
-                calls = 0
-                for index, (height, width) in enumerate(geometries):  # one geometry's throwaway sessions at a time
-                    calls += await self.engine.call(
-                        functools.partial(compile_geometry, height, width, index == len(geometries) - 1))
+                # Every size's forwards in turn, built lazily on the engine thread: one throwaway window at a time.
+                forwards = itertools.chain.from_iterable(
+                    warmup_forwards(refiner, config, height, width, settings.warmup_prompt_tokens)
+                    for height, width in geometries)
+                calls = await self.engine.call(lambda: runner.warm_up(forwards, progress=progress))
                 log.info("compiled the batched step for batch sizes %s at latent sizes %s (%d warm-up calls) in "
                          "%.1f s", runner.buckets, ", ".join(f"{h}x{w}" for h, w in geometries), calls,
                          time.perf_counter() - started)

@@ -146,9 +146,8 @@ def test_every_warm_up_geometry_is_compiled_and_any_other_runs_eagerly_without_c
     with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256,
                                     fail_on_recompile_limit_hit=True):
         progress = []
-        for index, (height, width) in enumerate(geometries):
-            step.warm_up(warmup_forwards(refiner, config, height, width, 6), seal=index == len(geometries) - 1,
-                         progress=progress.append)
+        step.warm_up(itertools.chain.from_iterable(warmup_forwards(refiner, config, height, width, 6)
+                                                   for height, width in geometries), progress=progress.append)
     assert step.sealed and len(step.compiled) == 3 * 3 * 2 == step.shapes_to_compile(config, geometries)
     assert progress == sorted(progress) and progress[-1] == len(step.compiled)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
