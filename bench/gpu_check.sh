@@ -3,6 +3,7 @@
 # bounded to 5.5 minutes, the tests to 2.5):
 #   bash bench/gpu_check.sh [--wheels DIR] OUT     on a machine with one NVIDIA GPU and a CUDA build of torch >= 2.11
 #   bash bench/gpu_check.sh --smoke OUT            the same script on the CPU with the tiny preset (CI, < 2 minutes)
+#   bash bench/gpu_check.sh --install-only [--wheels DIR] OUT   the install and import check alone (seconds)
 # 1. `python -m bench gpu OUT` (bench/gpu.py): the released refiner from its config with random weights in bf16 on
 #    the GPU; start-up, steady block latency at 480p/720p for 1/2/4 sessions batched and one at a time (CUDA events),
 #    sessions in the memory budget, real-time sessions at 16 fps, bf16 vs fp32 parity, streaming VAE decode frames/s,
@@ -15,8 +16,9 @@
 #    engine), output in OUT/gpu-tests.txt.
 # No network on the GPU machine: --wheels DIR installs what it lacks from a folder filled here by
 # `bash bench/gpu_wheels.sh DIR` (pip --no-index; the project's pins where the machine's own copy misses them, the
-# machine's packages where they satisfy them). Should pip's resolver refuse that mix, DIR's wheels go to a folder of
-# their own on PYTHONPATH, ahead of the machine's site-packages (--no-deps), and the import check below decides.
+# machine's packages where they satisfy them). Should pip's resolver refuse that mix, the wheels of the projects the
+# machine lacks go to a folder of their own on PYTHONPATH (--no-deps; the machine's copies of the others are kept,
+# whatever their version), and the import check below decides.
 # The project itself is not pip-installed: it runs from this checkout (PYTHONPATH), because pyproject pins
 # torch==2.13.0 (the CPU build) and Python 3.11, and installing it would try to replace the machine's CUDA torch.
 # $PYTHON (default python3, the interpreter that holds the CUDA torch on the workplace's image) runs everything.
@@ -25,10 +27,11 @@
 # come back (summary.json, summary.md, machine.txt, install.txt, bench.txt, gpu-tests.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-smoke=0 wheels=""
+smoke=0 wheels="" install_only=0
 while (($#)); do
   case "$1" in
     --smoke) smoke=1; shift ;;
+    --install-only) install_only=1; shift ;;
     --wheels) wheels="$2"; shift 2 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) break ;;
@@ -44,10 +47,26 @@ if [ -n "$wheels" ]; then
   [ -f "$wheels/requirements.txt" ] || { echo "== $wheels has no requirements.txt (fill it with bench/gpu_wheels.sh)"; exit 1; }
   if ! "$py" -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" > "$out/install.txt" 2>&1; then
     tail -n 5 "$out/install.txt"
-    echo "== pip could not satisfy every pin from $wheels and this machine; its wheels go on PYTHONPATH instead"
+    echo "== pip could not satisfy every pin from $wheels and this machine; what the machine lacks goes on PYTHONPATH"
     site="$(mktemp -d)"
-    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl >> "$out/install.txt" 2>&1 \
-      || { echo "== installing from $wheels failed (see $out/install.txt)"; exit 1; }
+    # Only the wheels of projects this machine lacks: PYTHONPATH comes before site-packages, so a wheel of a project
+    # it has would shadow its copy (seen in a rehearsal: the folder's huggingface-hub 2.x over the image's 1.x, which
+    # the image's transformers refuses, so diffusers failed to import). Each kept copy is named in install.txt.
+    mapfile -t lacking < <("$py" - "$wheels" 2>> "$out/install.txt" <<'PY'
+import importlib.metadata as metadata, pathlib, sys
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    name = wheel.name.split("-")[0]
+    try:
+        print(f"kept this machine's {name} {metadata.version(name)} (not {wheel.name})", file=sys.stderr)
+    except metadata.PackageNotFoundError:
+        print(wheel)
+PY
+)
+    if ((${#lacking[@]})); then
+      "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "${lacking[@]}" >> "$out/install.txt" 2>&1 \
+        || { echo "== installing from $wheels failed (see $out/install.txt)"; exit 1; }
+    fi
+    printf 'on PYTHONPATH from %s: %s\n' "$wheels" "${lacking[*]##*/}" | tee -a "$out/install.txt"
     export PYTHONPATH="$PYTHONPATH:$site"
   fi
 fi
@@ -68,6 +87,7 @@ print("imports:", "missing " + "; ".join(missing) if missing else "all present",
 sys.exit(1 if missing else 0)
 PY
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "== a module the check needs does not import (see $out/install.txt)"; exit 1; }
+((install_only)) && exit 0
 
 if ((smoke)); then
   "$py" -m bench gpu --smoke "$out" > "$out/bench.txt" 2>&1 || status=1

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,33 @@ def test_a_wheels_folder_without_its_list_is_refused_before_pip_runs(tmp_path):
     assert result.returncode == 1
     assert "has no requirements.txt (fill it with bench/gpu_wheels.sh)" in result.stdout
     assert not (tmp_path / "out" / "install.txt").exists()
+
+
+def _wheel(folder: Path, name: str, version: str, init: str) -> None:
+    """A minimal pure-Python wheel holding one package ``name`` whose ``__init__`` is ``init``."""
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{name}/__init__.py", init)
+        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+def test_when_pip_refuses_the_wheels_only_what_the_machine_lacks_goes_on_the_path(tmp_path):
+    # The fallback when pip's resolver refuses the folder's pins beside the machine's packages: a wheel of a project
+    # the machine already has must not shadow the machine's copy (a rehearsal under the GPU image's packages met the
+    # folder's huggingface-hub 2.x shadowing the image's 1.x, which its transformers refuses: diffusers failed to
+    # import and the check stopped). Here the folder's packaging would break diffusers' import if it were used.
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "requirements.txt").write_text("wmr-not-in-the-folder==1.0\n")  # the resolver fails on it
+    _wheel(wheels, "packaging", "0.0.1", "raise ImportError('the folder shadowed this machine')\n")
+    _wheel(wheels, "wmr_lacking", "1.0", "")
+    result = _check(tmp_path, "--install-only", "--wheels", str(wheels))
+    install = (tmp_path / "out" / "install.txt").read_text()
+    assert result.returncode == 0, (result.stdout[-2000:], install[-2000:])
+    assert "what the machine lacks goes on PYTHONPATH" in result.stdout
+    assert "kept this machine's packaging" in install
+    assert f"on PYTHONPATH from {wheels}: wmr_lacking-1.0-py3-none-any.whl" in result.stdout
+    assert "imports: all present" in result.stdout
+    assert not (tmp_path / "out" / "bench.txt").exists()  # --install-only: nothing measured
