@@ -2,12 +2,15 @@
 #   docker build -t wm-refiner .
 # CUDA (any CUDA runtime base; torch wheels from the matching index):
 #   docker build -t wm-refiner:cuda \
-#     --build-arg BASE_IMAGE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04 \
-#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 .
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04 \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 --build-arg INSTALL=. .
+# INSTALL: what pip installs. `.[cpu]` pins the CPU build of torch; `.` takes the newest torch (>= 2.11) that
+# TORCH_INDEX offers for that CUDA.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG INSTALL=".[cpu]"
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -33,7 +36,7 @@ COPY pyproject.toml README.md ./
 COPY app ./app
 COPY models ./models
 COPY configs ./configs
-RUN python -m pip install --extra-index-url "${TORCH_INDEX}" -e .
+RUN python -m pip install --extra-index-url "${TORCH_INDEX}" -e "${INSTALL}"
 
 USER app
 ENV WM_REFINER_HOST=0.0.0.0 \

@@ -19,8 +19,8 @@
 # machine's packages where they satisfy them). Should pip's resolver refuse that mix, the wheels of the projects the
 # machine lacks go to a folder of their own on PYTHONPATH (--no-deps; the machine's copies of the others are kept,
 # whatever their version), and the import check below decides.
-# The project itself is not pip-installed: it runs from this checkout (PYTHONPATH), because pyproject pins
-# torch==2.13.0 (the CPU build) and Python 3.11, and installing it would try to replace the machine's CUDA torch.
+# The project itself is not pip-installed: it runs from this checkout (PYTHONPATH), so a borrowed machine is left
+# with no editable install pointing at a folder that goes away (`pip install -e .` would also keep its CUDA torch).
 # $PYTHON (default python3, the interpreter that holds the CUDA torch on the workplace's image) runs everything.
 # In this workplace, with a device lent: `bash bench/gpu_wheels.sh .whl` here, then the device tool's run with
 # carry [".whl"] and the command `bash bench/gpu_check.sh --wheels .whl "$OUT"` (timeout_s 570): OUT's 6 files
