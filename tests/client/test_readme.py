@@ -276,3 +276,24 @@ def test_every_marker_selects_tests_and_the_default_run_leaves_out_only_gpu():
     assert gpu[0] >= 1 and slow[0] >= 1 and fast[0] >= 1
     assert default[1] == gpu[0], "the default run leaves out the gpu tests, and only them"
     assert default[0] == slow[0] + fast[0], "the default run keeps the slow tests"
+
+
+def test_the_set_up_commands_pin_the_cpu_torch_and_ci_runs_the_test_command():
+    # The README keeps two set-up commands for a fresh CPU machine; both take the `cpu` extra, which pins the CPU
+    # build of torch (without it pip takes the newest torch, a CUDA build of GBs), while the base requirement admits
+    # the CUDA torch a GPU machine brings (>= 2.11), so that `pip install -e .` there keeps it. CI runs the second.
+    from packaging.requirements import Requirement
+
+    blocks = bash_blocks(section("## Set-up (fresh machine"))
+    commands = [block.strip() for block in blocks]
+    assert commands == ["python -m pip install -e '.[cpu]' && python -m app serve",
+                        "python -m pip install -e '.[cpu,test]' && python -m pytest -q"], commands
+    assert commands[1] in (ROOT / ".ci/run").read_text().replace("pip install -q ", "pip install ")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_base = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"]
+    torch_cpu = [Requirement(r) for r in project["optional-dependencies"]["cpu"]]
+    assert len(torch_base) == 1 and [r.name for r in torch_cpu] == ["torch"]
+    for gpu_torch in ("2.11.0", "2.11.0+cu130", "2.13.0"):
+        assert torch_base[0].specifier.contains(gpu_torch), gpu_torch
+    assert not torch_base[0].specifier.contains("2.10.0")
+    assert str(torch_cpu[0].specifier) == "==2.13.0" and torch_cpu[0].specifier.contains("2.13.0+cpu")
