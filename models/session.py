@@ -221,6 +221,11 @@ class RefinerSession:
     ``app.engine.worker``; ``stream``/``push`` here), so that path is tested without a GPU."""
 
     defer_finite_check: bool | None = None
+    # The dtype a block's noise is drawn in. None: the model's, as the reference pipeline draws it (float64, the
+    # verification twin of a float32 run, draws float32). A float32 twin of a bfloat16 run sets bfloat16 so that the
+    # two see the same noise and differ in arithmetic only: from one seed a CPU draws other values in bfloat16 than
+    # in float32, by tensor size and torch release (the same first 15 values, then not, on torch 2.11).
+    noise_dtype: torch.dtype | None = None
 
     def __init__(self, refiner: Refiner, config: SessionConfig | None = None, prompt: Prompt | None = None):
         self.refiner = refiner
@@ -397,7 +402,7 @@ class RefinerSession:
         generator = torch.Generator(device=_generator_device(refiner.device))
         generator.set_state(state.rng_state)
         # float64 is the verification twin of a float32 run: it draws the same float32 noise and widens it.
-        noise_dtype = torch.float32 if dtype == torch.float64 else dtype
+        noise_dtype = self.noise_dtype or (torch.float32 if dtype == torch.float64 else dtype)
         if refiner.device.type == "meta":  # shapes only (models.loading, device="meta"): meta has no generator
             noise = torch.randn(frames.shape, device=refiner.device, dtype=noise_dtype)
         else:
