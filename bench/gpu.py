@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from models import RefinerSession, SessionConfig, from_model
+from models import RefinerSession, SessionConfig, from_model, refine_clip
 from models.checkpoints import PRESETS, VAE_PRESETS
 from models.clock import CallClock
 from models.loading import resolve_device
@@ -132,13 +132,6 @@ def _inputs(refiner, frames: int, height: int, width: int, prompt_tokens: int, s
     latents = torch.randn(1, refiner.info.in_channels, frames, height, width, generator=generator)
     embeds = torch.randn(1, prompt_tokens, refiner.info.caption_channels, generator=generator)
     return latents, embeds
-
-
-def _clip(refiner, latents, embeds, noise_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``refine_clip``, its noise drawn in ``noise_dtype`` (``RefinerSession.noise_dtype``)."""
-    session = RefinerSession(refiner, SessionConfig())
-    session.noise_dtype = noise_dtype
-    return torch.cat([unit.latents for unit in session.push(latents, embeds, flush=True)], dim=2)
 
 
 def _steady_sessions(refiner, count: int, height: int, width: int, prompt_tokens: int) -> list[RefinerSession]:
@@ -293,8 +286,8 @@ def section_parity(ctx: Context) -> dict[str, Any]:
             a.copy_(b.float())  # the bf16 weights exactly, widened: only the arithmetic differs
     height, width = ctx.preset["parity_geometry"]
     latents, embeds = _inputs(high, 1 + 2 * SessionConfig().block_size, height, width, ctx.preset["prompt_tokens"], 3)
-    want = _clip(high, latents, embeds, noise_dtype=torch.bfloat16).float().cpu()  # bf16's noise, widened
-    got = _clip(low, latents, embeds).float().cpu()
+    want = refine_clip(high, latents, embeds, noise_dtype=torch.bfloat16).float().cpu()  # bf16's noise, widened
+    got = refine_clip(low, latents, embeds).float().cpu()
     del low, high
     diff = got - want
     return {"compared": "bfloat16 vs float32", "max_abs": diff.abs().max().item(),

@@ -26,13 +26,16 @@ def refine_clip(
     prompt_embeds: torch.Tensor,
     prompt_attention_mask: torch.Tensor | None = None,
     config: SessionConfig | None = None,
+    noise_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The refined clip (B, C, T, H, W) in the model's dtype: the sink frames unchanged, then every block.
 
-    Like the reference pipeline, a clip must have more frames than ``sink_frames``.
+    Like the reference pipeline, a clip must have more frames than ``sink_frames``. ``noise_dtype``:
+    ``RefinerSession.noise_dtype`` (a float32 twin of a bfloat16 run passes bfloat16).
     """
     config = config or SessionConfig()
     check_clip_length(latents, config)
     session = RefinerSession(refiner, config)
+    session.noise_dtype = noise_dtype
     units = session.push(latents, prompt_embeds, prompt_attention_mask, flush=True)
     return torch.cat([unit.latents for unit in units], dim=2)  # (B, C, T, H, W)
