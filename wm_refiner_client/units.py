@@ -120,8 +120,10 @@ class EncodedVideo:
         """The frames, uint8 (B, F, H, W, 3) RGB."""
         rows = [self._decode_row(row) for row in range(len(self.pieces))]
         if not rows or not rows[0]:
-            return np.zeros((len(rows), 0, 0, 0, 3), dtype=np.uint8)
-        return np.stack([np.stack(frames[self.skip:]) for frames in rows])
+            return np.zeros((len(rows), 0, 0, 0, 3), dtype=np.uint8)  # no frame: no size to give either
+        height, width = rows[0][0].shape[:2]
+        return np.stack([np.stack(frames[self.skip:]) if len(frames) > self.skip
+                         else np.zeros((0, height, width, 3), dtype=np.uint8) for frames in rows])
 
     def _decode_row(self, row: int) -> list[np.ndarray]:
         if self.format not in FORMATS:
@@ -326,7 +328,8 @@ class Unit:
 
 def concat(units: Iterable[Unit], field_name: Literal["latents", "video"] = "latents") -> Array:
     """The units' ``latents`` (frame axis 2) or ``video`` (frame axis 1) joined into one array or tensor (encoded
-    video decoded first)."""
+    video decoded first). Units without frames add nothing: an encoded unit with no frame (the first units of a
+    session whose decoder is still filling its look-ahead) decodes to (B, 0, 0, 0, 3), not the session's size."""
     if field_name == "video":
         units = [unit.decode_video() for unit in units]
     parts = [getattr(unit, field_name) for unit in units]
@@ -334,6 +337,7 @@ def concat(units: Iterable[Unit], field_name: Literal["latents", "video"] = "lat
     if not parts:
         raise ValueError(f"no unit carries {field_name}")
     axis = 2 if field_name == "latents" else 1
+    parts = [part for part in parts if part.shape[axis]] or parts[:1]
     if is_torch(parts[0]):
         import torch
 

@@ -18,7 +18,7 @@ from app.outputs import video as video_stage
 from app.outputs.kinds import Outputs
 from app.outputs.video import HostVideo, VideoStage
 from models.checkpoints import write_vae_checkpoint
-from wm_refiner_client import EncodedVideo, Unit
+from wm_refiner_client import EncodedVideo, Unit, concat
 
 from tests.app.conftest import OCTET, make_clip, payload, running_app, wait_until
 
@@ -97,6 +97,9 @@ def test_h264_segments_concatenate_into_one_playable_file():
     joined = unit_of([as_host(frames[:, :5], 0), as_host(frames[:, 5:12], 5)], outputs, 96, 128)
     assert joined.encoded_video.decode().shape == frames.shape
     assert EncodedVideo.join([u.encoded_video for u in units]).decode().shape == frames.shape
+    # A resent unit the client holds whole (H.264 cannot be cut, so it skips every frame): no frame, the same size.
+    held = units[1].after(units[1].frame_end, video_frame=6)
+    assert held.decode_video().video.shape == (1, 0, 96, 128, 3)
 
 
 def test_a_failed_encoding_sends_the_raw_frames_and_says_why():
@@ -186,6 +189,11 @@ def test_sessions_and_watchers_choose_encoded_formats(make_settings, vae_dir, mo
         assert list(errors.argmin(axis=1)) == list(range(raw_video.shape[1]))
     same_video = np.concatenate([u.decode_video().video for u in watched["same"] if u.video_frames], axis=1)
     assert np.array_equal(same_video, jpeg_video) and all(u.latents is None for u in watched["same"])
+    # concat over every unit, those without frames too (they decode to (1, 0, 0, 0, 3)): what client.md shows.
+    assert any(not u.video_frames for u in watched["h264"] + watched["same"])
+    assert np.array_equal(concat(responses, "video"), jpeg_video)
+    assert np.array_equal(concat(watched["same"], "video"), jpeg_video)
+    assert np.array_equal(concat(watched["h264"], "video"), h264_video)
     # The response and the video-only watcher shared each unit's JPEG; the h264 watcher had its own.
     with_frames = len(produced)
     assert sorted(calls) == sorted([("jpeg", 85, u.video_frame_start) for u in produced]
