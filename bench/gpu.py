@@ -18,7 +18,8 @@ from its config alone with random weights, in bfloat16 on the GPU, and measures:
 - ``step_modes``: the engine's step eager, compiled (``models.compiled.CompiledStep``, ``compile_mode: default``)
   and graphed (``compile_mode: reduce-overhead``: CUDA graphs) at 480p for 1 and 4 sessions batched, each mode's
   compile time, and the ``recommended_mode`` those figures give (``section_step_modes``). Last, and bounded by its
-  own time cap and the run's end (``--end-s``), so it never costs another section's figures.
+  own time cap and the run's end (``--end-s``/``--end-at``), so it never costs another section's figures; its
+  figures so far are saved after each mode (graphed before compiled), so a run killed in a compile keeps them.
 
 Every section fails soft: its error goes into ``summary.json`` and the next runs, so one broken figure does not
 waste a loan. Every figure is named with its unit (``_s``, ``_ms``, ``_bytes``, ``_fps``, ``_sessions`` ...).
@@ -111,6 +112,10 @@ def random_refiner(config: dict[str, Any] | None, device: torch.device, dtype: t
     return from_model(model, device=str(device), dtype=str(dtype).removeprefix("torch."))
 
 
+# AutoencoderKLLTX2Video's buffers and the values its constructor gives them (per-channel latent statistics).
+VAE_BUFFERS = {"latents_mean": 0.0, "latents_std": 1.0}
+
+
 def random_vae(config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
     from diffusers import AutoencoderKLLTX2Video
 
@@ -118,6 +123,11 @@ def random_vae(config: dict[str, Any] | None, device: torch.device, dtype: torch
         vae = AutoencoderKLLTX2Video.from_config(dict(config or {}))
     vae = vae.to_empty(device=device).to(dtype).eval()
     _randomize(vae, seed)
+    with torch.no_grad():
+        for name, buffer in vae.named_buffers():  # garbage after to_empty: the config's identity normalisation
+            if name not in VAE_BUFFERS:
+                raise RuntimeError(f"the VAE has a buffer {name}: random_vae does not know its default")
+            buffer.fill_(VAE_BUFFERS[name])
     return vae
 
 
@@ -187,6 +197,9 @@ class Context:
         self.end_s = float("inf")  # the run ends by then (seconds from its start): step_modes stops short of it
         self.blocks: dict[str, dict[str, float]] = {}
         self.parked_session: RefinerSession | None = None
+        # Writes a section's figures so far (``run`` points it at summary.json): a long section saves as it goes,
+        # so a run killed in its middle (the loan's end, a compiler crash) keeps what it had measured.
+        self.save: Callable[[str, dict[str, Any]], None] = lambda name, figures: None
 
 
 def section_startup(ctx: Context) -> dict[str, Any]:
@@ -372,6 +385,9 @@ STEP_MODES = {  # the section's name for a mode -> the settings that select it (
     "compiled": {"compile_step": True, "compile_mode": "default"},
     "graphed": {"compile_step": True, "compile_mode": "reduce-overhead"},
 }
+# The order the section measures them in: graphed before compiled, since the loan's end or the section's cap cuts
+# the last one short and graphed is the figure the section is for (``recommend`` compares whatever was measured).
+MEASURE_ORDER = ("eager", "graphed", "compiled")
 MODE_MARGIN = 0.05  # a mode must beat the simpler one by 5% at every measured count to be recommended
 
 
@@ -471,7 +487,8 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
     skipped: dict[str, str] = {}
     errors: dict[str, str] = {}
     try:
-        for mode in STEP_MODES:
+        for mode in MEASURE_ORDER:
+            ctx.save("step_modes", _conclude(dict(out), counts, skipped, errors, partial=True))
             left = deadline - time.perf_counter()
             if mode == "graphed" and ctx.device.type != "cuda":
                 skipped[mode] = "CUDA graphs need a CUDA device (on a CPU reduce-overhead compiles as compiled does)"
@@ -488,6 +505,7 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
                 traceback.print_exc()
                 out[mode] = {f"batched_{n}_sessions_block_s": None for n in counts} | {"compile_s": None}
         # After the modes (graphed is the figure this section is for), within the run's end: eager, a few blocks.
+        ctx.save("step_modes", _conclude(dict(out), counts, skipped, errors, partial=True))
         out["padding"] = None
         left = ctx.started + ctx.end_s - time.perf_counter()
         if left < spec["padding_min_s"]:
@@ -503,17 +521,29 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
         del sessions
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
-    eager = out["eager"]
+    return _conclude(out, counts, skipped, errors)
+
+
+def _conclude(out: dict[str, Any], counts, skipped: dict[str, str], errors: dict[str, str],
+              partial: bool = False) -> dict[str, Any]:
+    """``section_step_modes``' figures with the speed-ups over eager and the recommendation, from the modes
+    measured so far (``partial``: saved while the section still runs; the modes not reached are absent)."""
+    eager = out.get("eager", {})
     for mode in ("compiled", "graphed"):
+        if mode not in out:
+            continue
+        out[mode] = dict(out[mode])
         for n in counts:
-            value, base = out[mode][f"batched_{n}_sessions_block_s"], eager[f"batched_{n}_sessions_block_s"]
+            value, base = out[mode][f"batched_{n}_sessions_block_s"], eager.get(f"batched_{n}_sessions_block_s")
             out[mode][f"speedup_{n}_sessions_ratio"] = None if value is None or base is None else base / value
     out["recommended_mode"] = recommend(out, counts)
     out["recommended_settings"] = dict(STEP_MODES[out["recommended_mode"]])
-    if out["recommended_settings"]["compile_step"] and (out["padding"] or {}).get("recommended_compile_buckets"):
+    if out["recommended_settings"]["compile_step"] and (out.get("padding") or {}).get("recommended_compile_buckets"):
         out["recommended_settings"]["compile_buckets"] = out["padding"]["recommended_compile_buckets"]
     out["skipped"] = [f"{mode}: {why}" for mode, why in skipped.items()]
     out["mode_errors"] = [f"{mode}: {why}" for mode, why in errors.items()]
+    if partial:
+        out["partial"] = "the section was still running when this was written: the modes missing were not reached"
     return out
 
 
@@ -526,7 +556,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("decode", section_decode),
     ("park", section_park),
     ("attention", section_attention),
-    ("step_modes", section_step_modes),  # last: it compiles, and stops short of the run's end (--end-s)
+    ("step_modes", section_step_modes),  # last: it compiles, and stops short of the run's end (--end-at)
 ]
 
 
@@ -542,7 +572,9 @@ def machine(device: torch.device) -> dict[str, Any]:
 
 
 def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float = 360.0,
-        end_s: float = float("inf")) -> dict[str, Any]:
+        end_s: float = float("inf"), end_at: float | None = None) -> dict[str, Any]:
+    """``end_s``: seconds from here by which the run ends; ``end_at``: the same as a Unix time (what a caller that
+    started its clock before this process, and its imports, passes: ``gpu_check.sh``), the earlier of the two."""
     preset = SMOKE if smoke else FULL
     device = torch.device(device or ("cpu" if smoke else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -551,9 +583,17 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
     use_device(device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     ctx = Context(preset, device, dtype)
+    if end_at is not None:
+        end_s = min(end_s, end_at - time.time())
     ctx.budget_s, ctx.end_s = budget_s, end_s
     summary: dict[str, Any] = {"mode": "smoke" if smoke else "full", "dtype": str(dtype).removeprefix("torch."),
                                "machine": machine(device), "sections": {}, "errors": {}, "seconds": {}}
+
+    def save(name: str, figures: dict[str, Any]) -> None:
+        summary["sections"][name] = figures
+        _write(out_dir, summary)
+
+    ctx.save = save
     total = time.perf_counter()
     with torch.no_grad():
         for name, section in SECTIONS:
@@ -618,7 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--end-s", type=float, default=float("inf"),
                         help="seconds from the start by which the run must end: step_modes starts no mode it cannot "
                              "finish by then (skipped, with the reason)")
+    parser.add_argument("--end-at", type=float, default=None,
+                        help="the same as a Unix time (a caller's clock, started before this process's imports)")
     args = parser.parse_args(argv)
-    summary = run(args.out, args.smoke, args.device, args.budget_s, args.end_s)
+    summary = run(args.out, args.smoke, args.device, args.budget_s, args.end_s, args.end_at)
     print((args.out / "summary.md").read_text())
     return 1 if summary["errors"] else 0

@@ -175,3 +175,51 @@ def test_when_pip_refuses_the_wheels_only_what_the_machine_lacks_goes_on_the_pat
     assert f"on PYTHONPATH from {wheels}: wmr_lacking-1.0-py3-none-any.whl" in result.stdout
     assert "imports: all present" in result.stdout
     assert not (tmp_path / "out" / "bench.txt").exists()  # --install-only: nothing measured
+
+
+def test_a_run_killed_during_the_step_modes_keeps_the_modes_it_measured(monkeypatch):
+    """summary.json is written after each mode, not only after the section: a kill in a mode's compile (the loan's
+    end, a compiler crash) keeps the modes before it and a recommendation from them. Graphed is measured before
+    compiled (on a CPU it is skipped, with its reason)."""
+    import copy
+
+    import torch
+
+    from bench import gpu
+
+    ctx = gpu.Context(gpu.SMOKE, torch.device("cpu"), torch.float32)
+    ctx.refiner = gpu.random_refiner(gpu.SMOKE["config"], ctx.device, ctx.dtype)
+    saved = []
+    ctx.save = lambda name, figures: saved.append((name, copy.deepcopy(figures)))
+    measured = []
+    real = gpu._measure_mode
+
+    def measure(ctx, sessions, mode, counts, blocks):
+        measured.append(mode)
+        if mode == "compiled":
+            raise KeyboardInterrupt  # what a kill looks like to the section: nothing it catches
+        return real(ctx, sessions, mode, counts, blocks)
+
+    monkeypatch.setattr(gpu, "_measure_mode", measure)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        gpu.section_step_modes(ctx)
+    assert measured == ["eager", "compiled"] and gpu.MEASURE_ORDER == ("eager", "graphed", "compiled")
+    name, last = saved[-1]
+    assert name == "step_modes" and last["partial"] and "compiled" not in last
+    assert last["eager"]["batched_2_sessions_block_s"] > 0 and last["graphed"]["batched_2_sessions_block_s"] is None
+    assert last["recommended_mode"] == "eager" and last["recommended_settings"] == {"compile_step": False}
+    assert last["skipped"] == ["graphed: CUDA graphs need a CUDA device (on a CPU reduce-overhead compiles as "
+                               "compiled does)"]
+
+
+def test_the_random_vae_has_its_configs_normalisation_not_garbage():
+    """``to_empty`` leaves buffers uninitialised; the VAE's latent mean and std get the constructor's values."""
+    import torch
+
+    from bench.gpu import random_vae
+    from models.checkpoints import VAE_PRESETS
+
+    vae = random_vae(VAE_PRESETS["tiny-vae"], torch.device("cpu"), torch.float32)
+    buffers = dict(vae.named_buffers())
+    assert set(buffers) == {"latents_mean", "latents_std"}
+    assert torch.equal(buffers["latents_mean"], torch.zeros(128)) and torch.equal(buffers["latents_std"], torch.ones(128))

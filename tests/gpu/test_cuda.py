@@ -171,38 +171,6 @@ def test_kv_memory_is_allocated_once(medium):
     assert len(set(allocated[5:])) == 1, allocated
 
 
-def test_compiled_step_with_cuda_graphs(medium, monkeypatch):
-    """Compiled with CUDA graphs: within the bf16 tolerance of eager, nothing compiled after the warm-up, and CUDA
-    graphs really recorded. Reported, not asserted: how many were recorded after the warm-up (CUDA-graph trees
-    record a piece on a later call than its first, by rules of their own; the warm-up's several forward kinds per
-    shape should be those calls, so that no client's call pays for a recording: the GPU run says whether they are)."""
-    from torch._inductor import cudagraph_trees
-
-    recorded = []
-    record = cudagraph_trees.CUDAGraphTreeManager.record_function
-
-    def counting(manager, *args, **kwargs):
-        recorded.append(1)
-        return record(manager, *args, **kwargs)
-
-    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
-    torch._dynamo.reset()
-    step = CompiledStep(medium.model, max_rows=4, mode="reduce-overhead")
-    step.warm_up(warmup_forwards(medium, SessionConfig(), 8, 8, 16))
-    compiled, during_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"], len(recorded)
-    forwards = steady_forwards(medium, 3)
-    eager = run_batch(medium.model, forwards)
-    got = step(medium.model, forwards)
-    step(medium.model, forwards)
-    print(f"CUDA graphs recorded: {during_warm_up} during the warm-up, {len(recorded) - during_warm_up} after")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "compiled again after warm-up"
-    assert step.uncompiled_calls == 0, "the warmed shape ran eagerly"
-    assert during_warm_up > 0, "no CUDA graph was recorded: the graphed mode ran without graphs"
-    worst = max(close_enough(a, b)[0] for a, b in zip(got, eager))
-    print(f"compiled (reduce-overhead) vs eager: max abs {worst:.4g}")
-    assert worst <= BF16_MAX_ABS
-
-
 @pytest.mark.parametrize("atomic", [True, False], ids=["http_chunk", "stream_message"])
 def test_a_late_non_finite_verdict_is_undone_on_cuda(atomic):
     """The engine's late verdict where it is late for real (``tests/app/outputs/test_delivery_finite.py`` runs the same
@@ -218,3 +186,38 @@ def test_a_late_non_finite_verdict_is_undone_on_cuda(atomic):
     assert (late["units"] - late["expected"]).abs().max().item() <= 1e-5
     if not atomic:
         assert (7, True) in late["handed"] and [u.frame_start for u in late["failed"].withdrawn] == [7]
+
+
+def test_compiled_step_with_cuda_graphs(medium, monkeypatch):
+    """Compiled with CUDA graphs: within the bf16 tolerance of eager, nothing compiled after the warm-up, and CUDA
+    graphs really recorded. Reported, not asserted: how many were recorded after the warm-up (CUDA-graph trees
+    record a piece on a later call than its first, by rules of their own; the warm-up's several forward kinds per
+    shape should be those calls, so that no client's call pays for a recording: the GPU run says whether they are).
+    Last in this file, and run alone by ``bench/gpu_check.sh``: it compiles, the slowest test here by far."""
+    from torch._inductor import cudagraph_trees
+
+    recorded = []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(manager, *args, **kwargs):
+        recorded.append(1)
+        return record(manager, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    torch._dynamo.reset()
+    # One bucket, the 3 rows below run at (the service's warm-up compiles every bucket: tests/models/test_compiled.py
+    # on the CPU): 3 shapes to compile and record instead of 12, so this test fits the loan's time.
+    step = CompiledStep(medium.model, max_rows=3, mode="reduce-overhead", sizes=(3,))
+    step.warm_up(warmup_forwards(medium, SessionConfig(), 8, 8, 16))
+    compiled, during_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"], len(recorded)
+    forwards = steady_forwards(medium, 3)
+    eager = run_batch(medium.model, forwards)
+    got = step(medium.model, forwards)
+    step(medium.model, forwards)
+    print(f"CUDA graphs recorded: {during_warm_up} during the warm-up, {len(recorded) - during_warm_up} after")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "compiled again after warm-up"
+    assert step.uncompiled_calls == 0, "the warmed shape ran eagerly"
+    assert during_warm_up > 0, "no CUDA graph was recorded: the graphed mode ran without graphs"
+    worst = max(close_enough(a, b)[0] for a, b in zip(got, eager))
+    print(f"compiled (reduce-overhead) vs eager: max abs {worst:.4g}")
+    assert worst <= BF16_MAX_ABS
