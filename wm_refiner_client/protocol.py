@@ -287,7 +287,8 @@ class StreamProtocol:
         if code in FATAL_CLOSE_CODES:
             if code == 1009:
                 raise PayloadTooLargeCodeError(
-                    f"session {self.session_id}: {reason or 'a message was over the size limit'}", status=413)
+                    f"session {self.session_id}: {reason or 'a message was over the size limit'} (the server's "
+                    "max_ws_message_bytes); send fewer frames per chunk", status=413)
             raise StreamInUseError(f"session {self.session_id}: the stream was closed: {reason or 'policy violation'}",
                                    status=409)
         self.failures += 1

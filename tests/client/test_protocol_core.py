@@ -135,8 +135,8 @@ def test_failures_that_end_a_stream_and_those_that_reconnect():
     stream = new_stream()
     with pytest.raises(wm.StreamInUseError):
         stream.lost(1008, "another connection took the session")
-    with pytest.raises(wm.PayloadTooLargeCodeError):
-        stream.lost(1009, "message too big")
+    with pytest.raises(wm.PayloadTooLargeCodeError, match="max_ws_message_bytes.*fewer frames per chunk"):
+        stream.lost(1009, "frame with 300 bytes exceeds limit of 200 bytes")
     draining = json.dumps({"type": "error", "error": {"code": "draining", "message": "m"}})
     assert stream.opened(draining) is False and stream.failures == 1  # resumable: the server closes, reconnect
     with pytest.raises(wm.InvalidInputError):

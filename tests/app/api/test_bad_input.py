@@ -8,6 +8,7 @@ the refusal comes before the body is read.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import struct
 
@@ -487,6 +488,8 @@ def test_oversized_websocket_message_closes_1009_and_the_session_goes_on(small_s
             while True:
                 ws.recv(timeout=DEADLINE_S)
         assert ws.close_code == 1009
+        # The reason names the limit (api.md's error table): the client adds which setting it is.
+        assert re.fullmatch(r"frame with \d+ bytes exceeds limit of \d+ bytes", ws.close_reason), ws.close_reason
     for session_id, state in before.items():
         assert live_state(http, session_id) == state
     # A new connection to the same session carries on from where it was.
