@@ -40,11 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML settings file (see configs/)")
     serve.add_argument("--model", help="refiner folder; default: the embedded tiny refiner, built on first start")
     serve.add_argument("--vae", help="LTX-2 video VAE folder (AutoencoderKLLTX2Video) for video outputs")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--device")
-    serve.add_argument("--dtype")
-    serve.add_argument("--api-key")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface: set "
+                                      "--api-key then)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    serve.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: CUDA if available)")
+    serve.add_argument("--dtype", help="float32, bfloat16, float16, float64 or auto (default: bf16 on CUDA, else fp32)")
+    serve.add_argument("--api-key", help="bearer key every route but /health, /ready, /metrics needs (default: none)")
+    serve.epilog = ("Every setting, with its WM_REFINER_* variable and YAML key: docs/operations.md. Flags override "
+                    "the environment, which overrides the --config file.")
 
     add_stream_parser(commands)
     add_sessions_parser(commands)
@@ -124,11 +127,16 @@ def _report_errors(run) -> int:
 
         refiner_errors = sys.modules.get("models.errors")  # not loaded: the error cannot be one of them
         serve = sys.modules.get("app.cli.serve")
+        settings = sys.modules.get("app.core.settings")
         known = isinstance(exc, WmRefinerError) or (
             refiner_errors is not None and isinstance(exc, refiner_errors.RefinerError)
-        ) or (serve is not None and isinstance(exc, serve.StartUpError))
+        ) or (serve is not None and isinstance(exc, serve.StartUpError)) or (
+            settings is not None and isinstance(exc, settings.SettingsInputError))
         kind = "error" if known else f"error ({type(exc).__name__})"
-        print(f"{kind}: {exc}", file=sys.stderr)
+        from wm_refiner_client import UnauthorizedError
+
+        hint = " (the CLI sends it from --api-key KEY or $WM_REFINER_API_KEY)" if isinstance(exc, UnauthorizedError) else ""
+        print(f"{kind}: {exc}{hint}", file=sys.stderr)
         return 2
 
 

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -228,11 +229,41 @@ class LoadFailure(logging.Filter):
         logging.getLogger("uvicorn.error").addFilter(self)
 
 
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """A warning for each ``WM_REFINER_*`` variable that names no setting (a typo is otherwise silently ignored, while
+    a YAML key or a flag with one is refused), with the nearest setting's variable."""
+    import difflib
+
+    from app.core.settings import ENV_PREFIX
+
+    known = {name.upper() for name in Settings.model_fields} | {"CONFIG", "URL"}  # + the file; the client's server
+    warnings = []
+    for name in sorted(os.environ if environ is None else environ):
+        if name.startswith(ENV_PREFIX) and name.removeprefix(ENV_PREFIX) not in known:
+            close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1)
+            hint = f"did you mean ${ENV_PREFIX}{close[0]}?" if close else "docs/operations.md lists every setting"
+            warnings.append(f"${name} is not a setting and is ignored ({hint})")
+    return warnings
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def serve_command(args: argparse.Namespace) -> int:
     settings = embedded_defaults(settings_from_args(args))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     preflight(settings)
+    for warning in unknown_variables():
+        log.warning("%s", warning)
     sockets = bind_sockets(settings.host, settings.port)
+    for sock in sockets:  # uvicorn names no address for sockets it is handed: said here (the port, if 0, chosen)
+        host, port = sock.getsockname()[:2]
+        log.info("listening on http://%s:%d (ready once the model is loaded and warmed up: GET /ready)",
+                 f"[{host}]" if ":" in host else host, port)
+    if settings.api_key is None and not _loopback(settings.host):
+        log.warning("listening on %s without api_key: anyone who reaches this port can use the service; set "
+                    "--api-key or $WM_REFINER_API_KEY (docs/operations.md)", settings.host)
     try:
         if not settings.model:
             folder = ensure_embedded_model(settings.embedded_model_dir)

@@ -529,13 +529,70 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+class SettingsInputError(ValueError):
+    """A setting given wrong (a YAML key, a ``WM_REFINER_*`` variable or a flag), said in one line: which setting,
+    where its value came from, what is wrong and what to give instead (pydantic's own report runs over several lines,
+    names an internal class and never the variable or the file)."""
+
+
+def _settings_error(exc: Exception, file: str | None, file_values: dict[str, Any],
+                    overrides: dict[str, Any]) -> SettingsInputError:
+    import difflib
+
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    def source(name: str) -> str:
+        if name in overrides:
+            return f"--{name.replace('_', '-')}"
+        if f"{ENV_PREFIX}{name.upper()}" in os.environ:
+            return f"${ENV_PREFIX}{name.upper()}"
+        if name in file_values:
+            return f"{name} in {file}"
+        return name
+
+    if isinstance(exc, SettingsError):  # a variable pydantic-settings could not even parse (JSON for lists)
+        match = re.search(r'field "(\w+)"', str(exc))
+        name = match.group(1) if match else "?"
+        value = os.environ.get(f"{ENV_PREFIX}{name.upper()}", "")
+        return SettingsInputError(
+            f"{source(name)}={value!r} cannot be read: from the environment this setting takes JSON (a list as "
+            "[0.9, 0.5, 0.0], a mapping as {\"key\": 1}), or set it in the YAML file")
+    assert isinstance(exc, ValidationError)
+    parts = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else ""
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(name, Settings.model_fields, n=1)
+            hint = f"did you mean {close[0]}?" if close else "docs/operations.md lists every setting"
+            parts.append(f"{source(name)}: no such setting ({hint})")
+        elif name:
+            parts.append(f"{source(name)}={error.get('input')!r}: {message}")
+        else:
+            parts.append(message)
+    return SettingsInputError("; ".join(parts))
+
+
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
     """Settings from the YAML file (or ``WM_REFINER_CONFIG``), the environment and explicit overrides.
 
-    ``None`` overrides are ignored, so unset command-line flags fall through to the environment and the file.
+    ``None`` overrides are ignored, so unset command-line flags fall through to the environment and the file. A value
+    that does not validate raises ``SettingsInputError``: one line naming the setting and where it came from.
     """
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
     path = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
     file_values = read_yaml(path) if path else {}
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return _load_layered(file_values, overrides)
+    except (ValidationError, SettingsError) as exc:
+        raise _settings_error(exc, str(path) if path else None, file_values, overrides) from None
+
+
+def _load_layered(file_values: dict[str, Any], overrides: dict[str, Any]) -> Settings:
 
     class _Layered(Settings):
         @classmethod
@@ -549,6 +606,6 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             return (init_settings, env_settings, InitSettingsSource(settings_cls, file_values))
 
-    layered = _Layered(**{key: value for key, value in overrides.items() if value is not None})
+    layered = _Layered(**overrides)
     # Hand back the plain class: the layering only matters while the values are being read.
     return Settings.model_construct(**layered.model_dump())

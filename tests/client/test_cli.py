@@ -322,3 +322,14 @@ def test_the_benchmarks_are_not_a_service_command():
                 if any(name == "bench" or name.startswith("bench.") for name in names):
                     importers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not importers, f"the service imports its benchmarks: {importers}"
+
+
+def test_a_missing_or_wrong_key_says_how_the_cli_sends_one(make_settings):
+    """A 401 from a server with api_key: the server's message, and where the CLI takes the key from."""
+    with ThreadServer(make_settings(api_key="k" * 32, warmup=False)) as live:
+        refused = run_cli("sessions", "--server", live.base_url)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert refused.stderr.startswith("error: 401 unauthorized") and refused.stderr.rstrip().endswith(
+            "(the CLI sends it from --api-key KEY or $WM_REFINER_API_KEY)"), refused.stderr
+        allowed = run_cli("sessions", "--server", live.base_url, "--api-key", "k" * 32)
+        assert allowed.returncode == 0, allowed.stderr

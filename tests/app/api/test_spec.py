@@ -354,7 +354,7 @@ def test_replica_id_must_be_a_safe_token(monkeypatch):
         with pytest.raises(ValueError, match="safe token"):
             check_replica_id(bad)
     monkeypatch.setenv("WM_REFINER_REPLICA_ID", "bad/one")
-    with pytest.raises(ValidationError, match="replica_id"):
+    with pytest.raises(ValueError, match=r"^\$WM_REFINER_REPLICA_ID='bad/one': replica_id"):
         load_settings()
     monkeypatch.delenv("WM_REFINER_REPLICA_ID")
     default = Settings().replica_id

@@ -80,6 +80,24 @@ def test_start_up_failures_are_one_clear_line_and_a_non_zero_exit(tmp_path):
         assert "Traceback" not in output and "drain" not in output
 
 
+def test_settings_given_wrong_are_one_line_naming_the_setting_and_where_it_came_from(tmp_path):
+    """A YAML typo, an environment variable that does not parse, one that needs JSON: ``error: ...`` on one line
+    (docs/operations.md), naming the file or the variable and what to give instead, not pydantic's report."""
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("max_sesions: 4\n")
+    cases = [
+        (["--config", str(typo)], {}, f"error: max_sesions in {typo}: no such setting (did you mean max_sessions?)"),
+        ([], {"WM_REFINER_MAX_SESSIONS": "lots"}, "error: $WM_REFINER_MAX_SESSIONS='lots': Input should be a valid integer"),
+        ([], {"WM_REFINER_DEFAULT_SIGMAS": "0.9,0.5,0.0"}, "error: $WM_REFINER_DEFAULT_SIGMAS='0.9,0.5,0.0' cannot be "
+                                                           "read: from the environment this setting takes JSON"),
+    ]
+    for flags, extra, start in cases:
+        done = subprocess.run([sys.executable, "-m", "app", "serve", "--port", str(free_port()), *flags], cwd=ROOT,
+                              env={**_serve_env(tmp_path), **extra}, capture_output=True, text=True, timeout=120)
+        output = done.stdout + done.stderr
+        assert done.returncode == 2 and output.strip().count("\n") == 0 and output.startswith(start), (flags, output)
+
+
 def _serve_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
     env.update(WM_REFINER_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1",

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from app.cli.commands import build_parser
 from app.cli.serve import settings_from_args
-from app.core.settings import Settings, load_settings
+from app.core.settings import SettingsInputError, Settings, load_settings
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -69,7 +69,8 @@ def test_shipped_configs_load(name):
 def test_mistakes_are_loud(tmp_path):
     typo = tmp_path / "typo.yaml"
     typo.write_text("max_sesions: 3\n")
-    with pytest.raises(ValidationError, match="max_sesions"):
+    with pytest.raises(SettingsInputError, match=r"^max_sesions in .*typo.yaml: no such setting \(did you mean "
+                                                 r"max_sessions\?\)$"):
         load_settings(typo)
     with pytest.raises(FileNotFoundError):
         load_settings(tmp_path / "missing.yaml")
@@ -110,3 +111,36 @@ def test_every_setting_is_documented():
     doc = (Path(__file__).resolve().parents[3] / "docs" / "operations.md").read_text()
     for name in Settings.model_fields:
         assert f"`WM_REFINER_{name.upper()}`" in doc, f"docs/operations.md does not list {name}"
+
+
+def test_a_value_given_wrong_names_its_setting_and_where_it_came_from(tmp_path, monkeypatch):
+    """One line per mistake, whichever layer it came from (flag, variable, file), with pydantic's reason or a hint."""
+    config = tmp_path / "c.yaml"
+    config.write_text("max_sessions: 0\n")
+    with pytest.raises(SettingsInputError, match=r"^max_sessions in .*c.yaml=0: Input should be greater than 0$"):
+        load_settings(config)
+    with pytest.raises(SettingsInputError, match=r"^--port='http': Input should be a valid integer"):
+        load_settings(port="http")
+    monkeypatch.setenv("WM_REFINER_MAX_SESSIONS", "lots")
+    monkeypatch.setenv("WM_REFINER_PORT", "-1")
+    with pytest.raises(SettingsInputError) as raised:
+        load_settings()
+    assert "$WM_REFINER_MAX_SESSIONS='lots': Input should be a valid integer" in str(raised.value)
+    assert "\n" not in str(raised.value)
+    monkeypatch.delenv("WM_REFINER_MAX_SESSIONS")
+    monkeypatch.delenv("WM_REFINER_PORT")
+    monkeypatch.setenv("WM_REFINER_DEFAULT_SIGMAS", "0.9,0.5,0.0")
+    with pytest.raises(SettingsInputError, match=r"takes JSON \(a list as \[0.9, 0.5, 0.0\]"):
+        load_settings()
+    monkeypatch.setenv("WM_REFINER_DEFAULT_SIGMAS", "[0.9, 0.5, 0.0]")
+    assert load_settings().default_sigmas == (0.9, 0.5, 0.0)
+
+
+def test_a_variable_that_names_no_setting_is_warned_about():
+    from app.cli.serve import unknown_variables
+
+    warnings = unknown_variables({"WM_REFINER_MAX_SESION": "3", "WM_REFINER_PORT": "1", "WM_REFINER_URL": "x",
+                                  "WM_REFINER_CONFIG": "c.yaml", "WM_REFINER_ZZZ_QQQ": "1", "HOME": "/"})
+    assert warnings == ["$WM_REFINER_MAX_SESION is not a setting and is ignored (did you mean "
+                        "$WM_REFINER_MAX_SESSIONS?)",
+                        "$WM_REFINER_ZZZ_QQQ is not a setting and is ignored (docs/operations.md lists every setting)"]
