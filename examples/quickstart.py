@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         over_http = concat(units)
 
         # 2. A WebSocket stream: units arrive as blocks are refined; drops and restarts are resumed by the client.
-        session = client.create_session(seed=42, block_size=3)
+        http_session, session = session, client.create_session(seed=42, block_size=3)
         chunks = (latents[:, :, start : start + 2] for start in range(0, 11, 2))
         units = list(session.stream(chunks, prompt=prompt))
         print("stream:", [(u.frame_start, u.frame_end) for u in units])
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for summary in client.sessions():
             print("session", summary.session_id, summary.frames_returned, "frames, flushed:", summary.flushed)
+        http_session.delete()
         session.delete()
 
     same = np.array_equal(over_http, whole) and np.array_equal(streamed, whole)

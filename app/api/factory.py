@@ -155,7 +155,8 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            error = ApiError("not_found", f"no route {request.url.path}; see /docs for the routes")
+            error = ApiError("not_found", f"no route {request.url.path}; /openapi.json lists the routes "
+                             "(docs/api.md describes them)")
         elif exc.status_code == 405:
             allowed = allowed_methods(request)
             if request.method == "OPTIONS":  # what may be done here (RFC 9110 9.3.7); a CORS preflight never
