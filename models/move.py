@@ -1,6 +1,7 @@
 """Moving a live session's tensors to another device (parking to the host, a page-in back) without a host wait:
 the copies run on a side stream of the CUDA device (``Move``), and ``move_session`` moves every tensor a session
-holds in place. Used by ``app.sessions.parking`` on the engine thread."""
+holds in place. Used by ``app.sessions.parking`` on the engine thread, after ``stage_host`` has page-locked the host
+memory the move needs on a worker thread."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 
 import torch
 
-from .transfer import pinned_copy, pinned_empty
+from .transfer import pinned_copy, pinned_empty, use_device
 
 
 class Move:
@@ -34,10 +35,13 @@ class Move:
     first (a page-in: the park's; a park: the last page-in's). Elsewhere (CPU to CPU) nothing is copied unless
     ``copy`` asks for it (tests do, to prove that no tensor of the moved session is shared with the one before)."""
 
-    def __init__(self, device: torch.device, copy: bool = False, after=None, cuda_device: torch.device | None = None):
+    def __init__(self, device: torch.device, copy: bool = False, after=None, cuda_device: torch.device | None = None,
+                 host: dict[int, torch.Tensor] | None = None):
         self.device = torch.device(device)
         self.copy = copy
         self.after = after
+        # Pinned host memory ``stage_host`` prepared off the engine thread, by the id of the tensor it is for.
+        self.host = dict(host or {})
         # The CUDA device whose streams carry the copies: the target when it is CUDA, else the tensors' own device
         # (``cuda_device``; the current device when not given).
         self.cuda_device = self.device if self.device.type == "cuda" else cuda_device
@@ -79,18 +83,28 @@ class Move:
         if tensor.device.type == self.device.type and (self.device.type == "cpu" or tensor.device == self.device):
             return tensor.clone() if self.copy else tensor
         if self.device.type == "cpu":  # from CUDA, on the side stream
-            host = pinned_empty(tensor.shape, tensor.dtype)
+            host = self._staged(tensor)
+            if host is None:  # not staged: locked here, on the engine thread (seconds for gigabytes)
+                host = pinned_empty(tensor.shape, tensor.dtype)
             host.copy_(tensor, non_blocking=True)
             tensor.record_stream(self._stream)
             # Kept alive until the copy is done: the session may be deleted meanwhile, and an exact-size buffer is
             # plain host memory (unregistered and freed with its tensor) that the copy would go on writing into.
             self._sources.append(host)
             return host
-        staged = pinned_copy(tensor)  # a spilled session's tensors come back from a file in plain memory
+        staged = self._staged(tensor)
+        if staged is None:  # a spilled session's tensors come back from a file in plain memory
+            staged = pinned_copy(tensor)
         moved = staged.to(self.device, non_blocking=True)
         moved.record_stream(self._compute)  # allocated on the side stream, read by the compute stream's forwards
         self._sources.append(staged)
         return moved
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        staged = self.host.pop(id(tensor), None)
+        if staged is not None and (staged.shape != tensor.shape or staged.dtype != tensor.dtype):
+            return None  # staged for another tensor that had this id (it changed since): not this one's
+        return staged
 
     @staticmethod
     def after_ready(ready) -> None:
@@ -122,11 +136,45 @@ def release_finished() -> None:
         _in_flight[:] = [(event, tensors) for event, tensors in _in_flight if not event.query()]
 
 
-def move_session(session, device: torch.device, copy: bool = False, after=None):
+def _held(session) -> list[torch.Tensor]:
+    """The tensors ``move_session`` moves: the KV cache's, the prompt's, the pending frames."""
+    kv, state = session.kv, session.state
+    held = [kv.window, kv.sink_key, kv.history_key] if kv is not None else []
+    if state.prompt is not None:
+        held += [state.prompt.embeds, state.prompt.mask]
+    return [tensor for tensor in held + [state.pending] if tensor is not None]
+
+
+def stage_host(session, device: torch.device) -> dict[int, torch.Tensor]:
+    """The pinned host memory a ``move_session(session, device)`` needs, page-locked here instead of on the engine
+    thread: to the host, an empty exact-size pinned buffer per CUDA tensor; to CUDA, a pinned copy of each tensor in
+    plain host memory (a spilled session read back from its file). Keyed by the tensor's id; pass it as
+    ``move_session(..., host=)``. Locking a 720p window's 9 GiB faults in and maps every page (seconds), which on
+    the engine thread would stall every session; a worker thread calls this (``app.sessions.parking``) while the
+    session is excluded from scheduling (its tensors are only read here, by shape, or copied on the host). Nothing
+    without CUDA."""
+    device = torch.device(device)
+    held = _held(session)
+    cuda = next((t.device for t in held if t.device.type == "cuda"), device if device.type == "cuda" else None)
+    if cuda is None:
+        return {}
+    use_device(cuda)  # a thread with no current device would open a context on cuda:0 for the registration
+    staged = {}
+    for tensor in held:
+        if device.type == "cpu" and tensor.device.type == "cuda":
+            staged[id(tensor)] = pinned_empty(tensor.shape, tensor.dtype)
+        elif device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+            staged[id(tensor)] = pinned_copy(tensor)
+    return staged
+
+
+def move_session(session, device: torch.device, copy: bool = False, after=None,
+                 host: dict[int, torch.Tensor] | None = None):
     """Move every tensor ``session`` holds (its KV cache, pending frames and prompt) to ``device`` in place, without
     a host wait; returns the CUDA event the copies complete with (None elsewhere): reading the moved tensors on the
     device (or on the host) must wait for it. ``after``: an event the copies must wait for first (a page-in waits
-    for the park's copies, a park for the last page-in's). The caption projection prepared
+    for the park's copies, a park for the last page-in's). ``host``: what ``stage_host`` prepared (a tensor it has
+    nothing for is staged here, on the calling thread). The caption projection prepared
     from the prompt is dropped (recomputed from the moved prompt by the next forward, bit for bit: it is the same
     computation on the same values). Only the engine thread may call this, between two of its jobs, and only for a
     session with no run in flight (nothing else reads those tensors then)."""
@@ -135,7 +183,7 @@ def move_session(session, device: torch.device, copy: bool = False, after=None):
         raise RuntimeError("a session is moved between two pieces of work, never with a rollback point open")
     held = session.kv.window if session.kv is not None else state.pending
     source = held.device if held is not None and held.device.type == "cuda" else None
-    with Move(device, copy, after=after, cuda_device=source) as move:
+    with Move(device, copy, after=after, cuda_device=source, host=host) as move:
         kv = session.kv
         if kv is not None:
             kv.window = move(kv.window)

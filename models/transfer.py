@@ -11,7 +11,10 @@ rounds every request up to the next power of two (``pinned_max_round_threshold``
 freed blocks cached for reuse: a parked 9.02 GiB window took a 16 GiB block and held it after the page-in. For
 buffers of a session's size we instead allocate plain host memory and page-lock exactly its bytes with
 ``cudaHostRegister`` (what ``torch.cuda._pin_memory_utils`` does for checkpoint staging); the registration is
-undone when the tensor is freed. Small, short-lived buffers (a chunk, a unit) keep the caching allocator: its
+undone when the tensor is freed. Locking and unlocking gigabytes takes a while (the pages are faulted in and mapped
+for the GPU: seconds for a 720p window), so neither happens on the engine thread: ``models.move.stage_host`` locks
+a session's buffers on a worker thread before the engine queues its copies, and a freed buffer is unlocked (then
+freed) on a thread of its own (``_unlocking``). Small, short-lived buffers (a chunk, a unit) keep the caching allocator: its
 rounding costs little there and its reuse saves a registration per call.
 
 Every host-to-device copy of the model code goes through
@@ -21,7 +24,9 @@ Every host-to-device copy of the model code goes through
 
 from __future__ import annotations
 
+import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -37,23 +42,47 @@ def use_device(device: torch.device | str) -> None:
         torch.cuda.set_device(device)
 
 
-def _unregister(pointer: int) -> None:
+_unlocker: ThreadPoolExecutor | None = None
+_unlocker_lock = threading.Lock()
+
+
+def _unregister(base: torch.Tensor, pointer: int) -> None:
+    """Unlock an exact-size buffer, then let its memory go (``base``, the last reference to it, dies here: after the
+    unlock, never before)."""
     torch.cuda.cudart().cudaHostUnregister(pointer)
+    del base
+
+
+def _unlocking(base: torch.Tensor, pointer: int) -> None:
+    """The buffer's tensor was freed (on whatever thread dropped it, often the engine's): its unlock goes to a
+    thread of its own. At interpreter exit, when that thread takes no more work, it happens here."""
+    global _unlocker
+    try:
+        with _unlocker_lock:
+            if _unlocker is None:
+                _unlocker = ThreadPoolExecutor(1, thread_name_prefix="wm-unpin")
+        _unlocker.submit(_unregister, base, pointer)
+    except RuntimeError:  # shutting down: "cannot schedule new futures"
+        _unregister(base, pointer)
 
 
 def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised page-locked host tensor. From ``EXACT_PIN_BYTES`` up, exactly its bytes are locked (see the
-    module docstring); a caller that copies into or out of it asynchronously keeps it alive until the copy's event
-    has passed (``models.move.Move`` does)."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if tensor.nbytes < EXACT_PIN_BYTES:
+    module docstring: seconds for gigabytes, so not on the engine thread), and unlocked off the thread that frees it;
+    a caller that copies into or out of it asynchronously keeps it alive until the copy's event has passed
+    (``models.move.Move`` does)."""
+    if torch.Size(shape).numel() * dtype.itemsize < EXACT_PIN_BYTES:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    pointer = tensor.data_ptr()
-    error = int(torch.cuda.cudart().cudaHostRegister(pointer, tensor.nbytes, 1))  # 1: portable (every device)
+    base = torch.empty(shape, dtype=dtype)
+    pointer = base.data_ptr()
+    error = int(torch.cuda.cudart().cudaHostRegister(pointer, base.nbytes, 1))  # 1: portable (every device)
     if error != 0:
-        raise RuntimeError(f"cudaHostRegister of {tensor.nbytes} bytes failed with CUDA error {error} (host memory "
+        raise RuntimeError(f"cudaHostRegister of {base.nbytes} bytes failed with CUDA error {error} (host memory "
                            "locked past the limit? check `ulimit -l` and the container's memlock)")
-    weakref.finalize(tensor, _unregister, pointer)
+    # The caller gets a view; ``base`` stays with the finalizer, so the memory outlives the caller's tensor until
+    # the unlocking thread has unregistered it (freeing first would let malloc hand out pages still registered).
+    tensor = base.view(base.shape)
+    weakref.finalize(tensor, _unlocking, base, pointer)
     return tensor
 
 

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from models import Refiner
-from models.move import move_session
+from models.move import move_session, stage_host
 from models.session import Geometry
 from models.session_bytes import session_bytes_estimate
 from models.snapshot import SnapshotError, _read_metadata, read_header
@@ -293,11 +293,13 @@ class Parking:
             await self.make_room(max(moved, handle.reserved_bytes), f"session {handle.id} (coming back from "
                                  "host memory)", exclude=handle)
             device, session, ready = self.refiner().device, handle.session, handle.park_ready
+            # A spilled session read back from its file is in plain memory: pinned here, off the engine thread.
+            host = await asyncio.to_thread(stage_host, session, device)
 
             def page_in():
                 # On a side stream, after the copies that parked it; its next forward waits for these copies on the
                 # device (``app.engine.worker.wait_for``), other sessions' forwards do not.
-                moved = move_session(session, device, after=ready)
+                moved = move_session(session, device, after=ready, host=host)
                 handle.engine_session.ready = moved
                 return moved
 
@@ -318,8 +320,13 @@ class Parking:
             if not self.registry.holds(handle):
                 return False
             device, session, paged_in = torch.device("cpu"), handle.session, handle.park_ready
+            # The host buffers, page-locked on a worker thread (seconds for a 720p window: on the engine thread that
+            # would stall every session); work that arrived meanwhile keeps the session active.
+            host = await asyncio.to_thread(stage_host, session, device)
+            if not _idle(handle) or self.draining() or not self.registry.holds(handle):
+                return False
             # after=: the copies of its last page-in, if no work of it ran since (nothing else waited for them).
-            ready = await self.engine.call(lambda: move_session(session, device, after=paged_in))
+            ready = await self.engine.call(lambda: move_session(session, device, after=paged_in, host=host))
             handle.memory_state = "parked"
             handle.park_ready = ready
             self.moves.labels(to="parked").inc()

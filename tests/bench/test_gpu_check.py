@@ -68,7 +68,7 @@ def test_the_figures_are_the_ones_asked_for(summary):
     # bf16 against fp32 with the same weights: close, not equal.
     assert 0 < s["parity"]["relative_rms_ratio"] < 0.05
     assert s["decode"]["frames_per_second_fps"] > 0 and s["decode"]["pixel_frames_count"] > 0
-    assert s["park"]["session_bytes"] > 0 and s["park"]["park_ms"] >= 0
+    assert s["park"]["session_bytes"] > 0 and s["park"]["park_ms"] >= 0 and s["park"]["lock_host_ms"] >= 0
     assert any("attention" in op for op in s["attention"]["ops"])
     modes = s["step_modes"]
     assert modes["geometry"] == "tiny" and modes["mode_errors"] == []

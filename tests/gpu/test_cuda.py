@@ -125,9 +125,18 @@ def test_host_copy_from_another_device_than_the_current_one():
     assert torch.equal(got, big.cpu())
 
 
-def test_exact_size_pinned_buffers_bypass_the_caching_host_allocator():
-    """A buffer of a session's size is page-locked exactly (cudaHostRegister), not rounded up to a power of two."""
+def test_exact_size_pinned_buffers_bypass_the_caching_host_allocator(monkeypatch):
+    """A buffer of a session's size is page-locked exactly (cudaHostRegister), not rounded up to a power of two, and
+    unlocked on a thread of its own once freed (not on the thread that drops it, the engine's)."""
+    import threading
+
+    import models.transfer as transfer
     from models.transfer import EXACT_PIN_BYTES, pinned_empty
+
+    unlocked_on = []
+    real_unregister = transfer._unregister
+    monkeypatch.setattr(transfer, "_unregister", lambda base, pointer: unlocked_on.append(
+        threading.current_thread().name) or real_unregister(base, pointer))
 
     nbytes = EXACT_PIN_BYTES + 4096  # just past a power of two: the caching allocator would take twice as much
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
@@ -138,7 +147,9 @@ def test_exact_size_pinned_buffers_bypass_the_caching_host_allocator():
     buffer.copy_(device, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(buffer, device.cpu())
-    del buffer  # unregistered with it
+    del buffer  # unregistered with it, on the unlocking thread
+    transfer._unlocker.submit(lambda: None).result(timeout=30)
+    assert len(unlocked_on) == 1 and unlocked_on[0].startswith("wm-unpin"), unlocked_on
 
 
 def test_park_and_page_in_on_a_side_stream_keep_the_session_bit_exact(medium):
@@ -155,6 +166,33 @@ def test_park_and_page_in_on_a_side_stream_keep_the_session_bit_exact(medium):
     ready = move_session(twins[1], torch.device("cpu"))
     moved.ready = move_session(twins[1], torch.device("cuda"), after=ready)
     wait_for(moved)  # what the engine does before the session's next model call
+    units = [session.push(latents[:, :, 16:]) for session in twins]
+    assert torch.equal(units[0][-1].latents, units[1][-1].latents)
+
+
+def test_a_park_staged_on_another_thread_keeps_the_session_bit_exact(medium):
+    """What ``app.sessions.parking`` does: the host buffers locked on a worker thread (``stage_host``), the copies
+    queued into them, the page-in back; the session refines its next block exactly as its twin that stayed."""
+    import threading
+
+    from app.engine.worker import EngineSession, wait_for
+    from models.move import move_session, stage_host
+
+    latents, embeds = clip(frames=19)
+    twins = [RefinerSession(medium, SessionConfig()) for _ in range(2)]
+    for session in twins:
+        session.push(latents[:, :, :16], embeds)
+    staged = {}
+    worker = threading.Thread(target=lambda: staged.update(stage_host(twins[1], torch.device("cpu"))))
+    worker.start()
+    worker.join(60)
+    assert staged and all(buffer.is_pinned() for buffer in staged.values())
+    window = twins[1].kv.window
+    moved = EngineSession(twins[1])
+    ready = move_session(twins[1], torch.device("cpu"), host=staged)
+    assert twins[1].kv.window is staged[id(window)]
+    moved.ready = move_session(twins[1], torch.device("cuda"), after=ready)
+    wait_for(moved)
     units = [session.push(latents[:, :, 16:]) for session in twins]
     assert torch.equal(units[0][-1].latents, units[1][-1].latents)
 

@@ -107,3 +107,73 @@ def test_parks_and_page_ins_each_keep_one_side_stream(fake_cuda):
             streams.append(move._stream)
     park, page_in = streams[0], streams[1]
     assert park is not page_in and streams[2] is park and streams[3] is page_in
+
+
+def test_a_staged_park_copies_into_the_buffers_staged_off_the_engine_thread(fake_cuda, monkeypatch):
+    """``stage_host`` page-locks a park's host buffers on a worker thread (one per CUDA tensor the session holds, of
+    its shape and dtype); the move then locks nothing itself and copies into those. A tensor staged for is matched
+    by identity, and a buffer that no longer fits (shape changed) is not used."""
+    locked = []
+
+    def host_buffer(shape, dtype):
+        locked.append(tuple(shape))
+        buffer = torch.empty(shape, dtype=dtype)
+        buffer.copy_ = lambda source, non_blocking=False: None  # the D2H copy, queued
+        return buffer
+
+    monkeypatch.setattr(move_module, "pinned_empty", host_buffer)
+    bound = []
+    monkeypatch.setattr(move_module, "use_device", bound.append)
+
+    def on_device(shape):
+        return SimpleNamespace(device=torch.device("cuda", 0), shape=torch.Size(shape), dtype=torch.bfloat16,
+                               record_stream=lambda stream: None)
+
+    window, sink, pending = on_device((2, 4, 8)), on_device((1, 4)), on_device((1, 3))
+    session = SimpleNamespace(kv=SimpleNamespace(window=window, sink_key=sink, history_key=None),
+                              state=SimpleNamespace(prompt=None, pending=pending))
+    staged = move_module.stage_host(session, torch.device("cpu"))
+    assert sorted(locked) == [(1, 3), (1, 4), (2, 4, 8)] and bound == [torch.device("cuda", 0)]
+    assert set(staged) == {id(window), id(sink), id(pending)}
+    locked.clear()
+    with Move(torch.device("cpu"), host=staged) as move:
+        assert move(window) is staged[id(window)] and move(sink) is staged[id(sink)]
+        wider = on_device((2, 3))
+        staged_wrong = {id(wider): torch.empty(5)}
+    assert locked == []  # nothing locked by the move itself
+    with Move(torch.device("cpu"), host=staged_wrong) as move:
+        assert move(wider).shape == (2, 3)  # the misfit was not used: locked here instead
+    assert locked == [(2, 3)]
+    # Without CUDA anywhere nothing is staged.
+    on_host = SimpleNamespace(kv=None, state=SimpleNamespace(prompt=None, pending=torch.zeros(2)))
+    assert move_module.stage_host(on_host, torch.device("cpu")) == {}
+
+
+def test_an_exact_size_buffer_is_unlocked_off_the_thread_that_frees_it_and_freed_only_after(monkeypatch):
+    """``pinned_empty`` from ``EXACT_PIN_BYTES`` up: its bytes registered exactly once; when the caller's tensor is
+    dropped (here on this thread, in the service the engine's), the unregistration runs on the unlocking thread, and
+    the memory is still held until it has (a stub stands in for the CUDA runtime: no CUDA here)."""
+    import threading
+
+    import models.transfer as transfer
+
+    calls = []
+    runtime = SimpleNamespace(
+        cudaHostRegister=lambda pointer, size, flags: calls.append(("register", pointer, size, flags)) or 0,
+        cudaHostUnregister=lambda pointer: calls.append(("unregister", pointer, threading.current_thread().name)) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    real_unregister = transfer._unregister
+
+    def unregister(base, pointer):
+        calls.append(("base alive", base.data_ptr() == pointer))
+        real_unregister(base, pointer)
+
+    monkeypatch.setattr(transfer, "_unregister", unregister)
+    count = transfer.EXACT_PIN_BYTES // 4 + 1024
+    buffer = transfer.pinned_empty((count,), torch.float32)
+    pointer = buffer.data_ptr()
+    assert buffer.shape == (count,) and calls == [("register", pointer, count * 4, 1)]
+    del buffer
+    transfer._unlocker.submit(lambda: None).result(timeout=30)
+    assert calls[1:] == [("base alive", True), ("unregister", pointer, calls[2][2])]
+    assert calls[2][2].startswith("wm-unpin") and calls[2][2] != threading.current_thread().name

@@ -100,7 +100,15 @@ def _one_session_bytes(refiner, frames_shape, prompt_tokens: int = 0) -> int:
                                       chunk_frames=frames).values())
 
 
-def test_admission_by_bytes_parks_idle_sessions_never_busy_ones_and_refuses_what_does_not_fit(make_settings, refiner):
+def test_admission_by_bytes_parks_idle_sessions_never_busy_ones_and_refuses_what_does_not_fit(make_settings, refiner,
+                                                                                                monkeypatch):
+    import app.sessions.parking as parking_module
+
+    staged_on = []  # the threads that page-locked host memory for a park (on CUDA: seconds for a 720p window)
+    real_stage = parking_module.stage_host
+    monkeypatch.setattr(parking_module, "stage_host",
+                        lambda session, device: staged_on.append(threading.current_thread().name)
+                        or real_stage(session, device))
     one = _one_session_bytes(refiner, LATENTS[:, :, :5].shape, EMBEDS.shape[1])
     settings = make_settings(device_memory_budget=int(one * 1.5), park_after_s=600, batching=True)
     with LiveServer(settings) as server, httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
@@ -128,6 +136,7 @@ def test_admission_by_bytes_parks_idle_sessions_never_busy_ones_and_refuses_what
         # Once a is idle, admission parks it (least recently used, no work) and b fits.
         assert chunk(b, payload(LATENTS[:, :, :5], EMBEDS, MASK), 0).status_code == 200
         assert _state(http, a)["state"] == "parked" and _state(http, b)["state"] == "active"
+        assert staged_on and "refiner-engine" not in staged_on, staged_on  # never the engine thread
         # A budget below one session refuses the first chunk however idle the others are.
     with running_app(make_settings(device_memory_budget=one // 2)) as client:
         sid = client.post("/v1/sessions").json()["session_id"]
