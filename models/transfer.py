@@ -14,8 +14,8 @@ buffers of a session's size we instead allocate plain host memory and page-lock 
 undone when the tensor is freed. Locking and unlocking gigabytes takes a while (the pages are faulted in and mapped
 for the GPU: seconds for a 720p window), so neither happens on the engine thread: ``models.move.stage_host`` locks
 a session's buffers on a worker thread before the engine queues its copies, and a freed buffer is unlocked (then
-freed) on a thread of its own (``_unlocking``). Small, short-lived buffers (a chunk, a unit) keep the caching allocator: its
-rounding costs little there and its reuse saves a registration per call.
+freed) on a thread of its own (``_unlocking``). Small, short-lived buffers (a chunk, a unit) keep the caching
+allocator: its rounding costs little there and its reuse saves a registration per call.
 
 Every host-to-device copy of the model code goes through
 ``to_device`` (never ``torch.tensor(data, device=...)``, a pageable copy that waits for the stream), so that

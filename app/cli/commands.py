@@ -135,7 +135,8 @@ def _report_errors(run) -> int:
         kind = "error" if known else f"error ({type(exc).__name__})"
         from wm_refiner_client import UnauthorizedError
 
-        hint = " (the CLI sends it from --api-key KEY or $WM_REFINER_API_KEY)" if isinstance(exc, UnauthorizedError) else ""
+        unauthorized = isinstance(exc, UnauthorizedError)
+        hint = " (the CLI sends it from --api-key KEY or $WM_REFINER_API_KEY)" if unauthorized else ""
         print(f"{kind}: {exc}{hint}", file=sys.stderr)
         return 2
 

@@ -24,7 +24,7 @@ from models.loading import WEIGHTS, WEIGHTS_INDEX, read_config_file, resolve_dev
 from app.api.factory import create_app
 from app.api.guards import BodyBudget, GuardedHttpToolsProtocol
 from app.api.uvicorn_websocket import GuardedWebSocketProtocol
-from app.core.settings import Settings, load_settings
+from app.core.settings import ENV_PREFIX, Settings, load_settings
 from app.runtime.services import Services, ensure_embedded_model
 
 log = logging.getLogger("app")
@@ -233,8 +233,6 @@ def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
     """A warning for each ``WM_REFINER_*`` variable that names no setting (a typo is otherwise silently ignored, while
     a YAML key or a flag with one is refused), with the nearest setting's variable."""
     import difflib
-
-    from app.core.settings import ENV_PREFIX
 
     known = {name.upper() for name in Settings.model_fields} | {"CONFIG", "URL"}  # + the file; the client's server
     warnings = []

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, PositiveFloat, PositiveInt, create_model, field_validator, model_validator
-from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (Field, PositiveFloat, PositiveInt, ValidationError, create_model, field_validator,
+                      model_validator)
+from pydantic_settings import (BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource,
+                               SettingsConfigDict, SettingsError)
 
 from models.config import SessionConfig
 from models.errors import InvalidConfigError
@@ -539,9 +541,6 @@ def _settings_error(exc: Exception, file: str | None, file_values: dict[str, Any
                     overrides: dict[str, Any]) -> SettingsInputError:
     import difflib
 
-    from pydantic import ValidationError
-    from pydantic_settings import SettingsError
-
     def source(name: str) -> str:
         if name in overrides:
             return f"--{name.replace('_', '-')}"
@@ -580,9 +579,6 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
     ``None`` overrides are ignored, so unset command-line flags fall through to the environment and the file. A value
     that does not validate raises ``SettingsInputError``: one line naming the setting and where it came from.
     """
-    from pydantic import ValidationError
-    from pydantic_settings import SettingsError
-
     path = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
     file_values = read_yaml(path) if path else {}
     overrides = {key: value for key, value in overrides.items() if value is not None}
