@@ -105,24 +105,24 @@ def probe_batch_invariance(refiner, height: int, width: int, prompt_tokens: int,
     runner = runner or run_batch
     sessions = max(2, min(max_rows, 8))
     forwards = []
-    for index in range(sessions):
-        config = SessionConfig(seed=seed + index, positions="rebased" if index % 3 == 2 else "absolute",
-                               **({} if block_frames is None else {"block_size": block_frames}))
-        generator = torch.Generator().manual_seed(seed + index)
-        blocks = 1 + index % 2
-        frames = config.sink_frames + (blocks + 1) * config.block_size
-        latents = torch.randn(1, info.in_channels, frames, height, width, generator=generator)  # (1, C, T, H, W)
-        embeds = torch.randn(1, prompt_tokens + index, info.caption_channels, generator=generator)  # (1, L, D)
-        session = RefinerSession(refiner, config)
-        session.push(latents[:, :, : frames - config.block_size], embeds)
-        session.append(session.check(latents[:, :, frames - config.block_size :]))
-        forwards.append(session.next_forward(session.start(session.plan())))
-
-    group = forwards[0].group
-    try:
-        return _compare(refiner, forwards, runner, sessions, threads, seed, group)
+    try:  # the sessions are freed (and on CUDA the cache emptied) even when building them runs out of memory
+        for index in range(sessions):
+            config = SessionConfig(seed=seed + index, positions="rebased" if index % 3 == 2 else "absolute",
+                                   **({} if block_frames is None else {"block_size": block_frames}))
+            generator = torch.Generator().manual_seed(seed + index)
+            blocks = 1 + index % 2
+            frames = config.sink_frames + (blocks + 1) * config.block_size
+            latents = torch.randn(1, info.in_channels, frames, height, width, generator=generator)  # (1, C, T, H, W)
+            embeds = torch.randn(1, prompt_tokens + index, info.caption_channels, generator=generator)  # (1, L, D)
+            session = RefinerSession(refiner, config)
+            session.push(latents[:, :, : frames - config.block_size], embeds)
+            session.append(session.check(latents[:, :, frames - config.block_size :]))
+            forwards.append(session.next_forward(session.start(session.plan())))
+            del session
+        return _compare(refiner, forwards, runner, sessions, threads, seed, forwards[0].group)
     finally:
-        del forwards, session
+        forwards.clear()
+        session = latents = embeds = None  # a half-built session is not kept alive by an exception's frame
         if refiner.device.type == "cuda":
             torch.cuda.empty_cache()
 
