@@ -79,7 +79,7 @@ class Checkpoints:
         this one wait for the next chance; the drain waits for them before it saves (``app.sessions.drain``)."""
         settings, folder = self.settings, self.folder
         every, interval = settings.checkpoint_every_blocks, settings.checkpoint_interval_s
-        if folder is None or self.draining() or not (every or interval):
+        if folder is None or self.draining() or not (every or interval) or _ended(handle):
             return
         blocks = handle.session.state.blocks_refined
         due = (every and blocks - handle.checkpoint_blocks >= every) or (
@@ -94,27 +94,30 @@ class Checkpoints:
             tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
         except Draining:  # the engine stopped (drain): the drain saves the session itself
             return
-        handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
         metrics, lease = self.metrics, self.leases_held.get(handle.id)
+        if lease is None or _ended(handle):
+            # It ended (deleted, evicted, lost to another replica) while its units were flushed or its tensors
+            # copied: its file and lease went with it (``forget``), and no checkpoint may bring it back. A live
+            # session always holds its lease (taken at its creation or adoption), so one is never taken here.
+            return
+        handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
 
-        def write() -> Lease:
+        def write() -> None:
             started = time.perf_counter()
-            # A session's first checkpoint takes its lease; every write is fenced by it.
-            held, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
-                                      replica_id=settings.replica_id, lease_s=settings.session_lease_s,
-                                      key=settings.signing_key)
+            # Fenced by the session's lease: a replica that lost it never writes over its new owner's file.
+            _, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
+                                   replica_id=settings.replica_id, lease_s=settings.session_lease_s,
+                                   key=settings.signing_key)
             metrics.checkpoint_seconds.observe(time.perf_counter() - started)
             metrics.checkpoint_bytes.inc(path.stat().st_size)
-            return held
 
         async def run() -> None:
             try:
-                held = await asyncio.to_thread(write)
+                await asyncio.to_thread(write)
             except (LeaseHeld, LeaseLost) as exc:
-                self.lose(handle, exc)
+                if self.leases_held.get(handle.id) is lease:  # not ended or dropped meanwhile
+                    self.lose(handle, exc)
                 return
-            # Kept even if the session ended meanwhile: its removal (which waits for this write) releases it.
-            self.leases_held[handle.id] = held
             handle.durable_frames = max(handle.durable_frames or 0, frames)
 
         handle.checkpoint_write = asyncio.ensure_future(run())
@@ -186,3 +189,9 @@ class Checkpoints:
 def _log_failed_checkpoint(task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("writing a checkpoint failed: %r", task.exception())
+
+
+def _ended(handle: SessionHandle) -> bool:
+    """The session's handle is closed: it ended (deleted, evicted, dropped, spilled), or its output failed (no work
+    of it runs again here, so there is nothing new to save)."""
+    return handle.engine_session.closed is not None

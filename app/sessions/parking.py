@@ -108,6 +108,12 @@ class Parking:
         self.budget: int | None = None  # resolved once the model is warm (``resolve_budget``)
         self._moves: set[asyncio.Future] = set()  # CUDA copies of parked sessions not complete yet
         self._clip_bytes = 0
+        # Device bytes of sessions on their way back (a page-in, an adoption from snapshot_dir), by id: counted
+        # from the moment room was made for them until they count as active, so that no one else takes that room
+        # while they await the engine or the disk.
+        self._incoming: dict[str, int] = {}
+        # Spills letting go of their lease, by id: an adoption of the id waits for it (``released``).
+        self._releasing: dict[str, asyncio.Future] = {}
         self.page_in_seconds = metrics.page_in_seconds
         self.moves = metrics.session_moves
 
@@ -136,7 +142,8 @@ class Parking:
     def device_used(self, exclude: Any = None) -> int:
         """Device bytes the sessions hold or have reserved (an active session counts at least what admission
         reserved for it; a parked one only what stays on the device), plus clips being refined."""
-        used = self._clip_bytes
+        used = self._clip_bytes + sum(n for session_id, n in self._incoming.items()
+                                      if exclude is None or session_id != getattr(exclude, "id", None))
         for handle in self.registry.handles():
             if handle is exclude:
                 continue
@@ -208,15 +215,22 @@ class Parking:
         ``need`` bytes fit; 503 insufficient_memory when they still do not."""
         if self.budget is None:
             return
+        tried: set[str] = set()
         while not self.fits(need, exclude):
+            # Least recently used first; those being parked already (the upkeep's round, another admission) last.
             idle = sorted((h for h in self.registry.handles()
-                           if h is not exclude and h.memory_state == "active" and _idle(h)
+                           if h is not exclude and h.id not in tried and h.memory_state == "active" and _idle(h)
                            and handle_bytes(h)["device"] > 0),
-                          key=lambda h: h.last_work)
+                          key=lambda h: (h.moving.locked(), h.last_work))
             if not idle:
                 break
-            if not await self.park(idle[0], reason="admission"):
-                break
+            handle = idle[0]
+            tried.add(handle.id)  # each at most once: one that got work meanwhile stays, the next is tried
+            if handle.moving.locked():  # its park is under way: its bytes are on their way off the device
+                async with handle.moving:
+                    pass
+            else:
+                await self.park(handle, reason="admission")
         self.require(need, what, exclude)
 
     def estimate(self, config: Any, shape: tuple[int, ...], prompt_tokens: int = 0) -> int:
@@ -258,26 +272,51 @@ class Parking:
         finally:
             self._clip_bytes -= need
 
-    async def room_for_file(self, folder: Path, session_id: str) -> None:
-        """Before a session saved in ``folder`` is adopted: its bytes, from the file's header alone, must fit."""
-        if self.budget is None:
-            return
+    @contextlib.asynccontextmanager
+    async def room_for_file(self, folder: Path, session_id: str):
+        """While a session saved in ``folder`` is adopted: its bytes, from the file's header alone, must fit, and
+        stay counted until the adopted session counts for itself (the context's end)."""
+        need = await self._file_bytes(folder, session_id) if self.budget is not None else 0
+        if need:
+            await self.make_room(need, f"session {session_id} (saved in snapshot_dir)")
+        with self._coming_in(session_id, need):
+            yield
+
+    async def _file_bytes(self, folder: Path, session_id: str) -> int:
+        """Device bytes the session saved in ``folder`` will hold, from the file's header (0: unreadable; the
+        adoption reports what is wrong with the file)."""
         try:
             headers, metadata = await asyncio.to_thread(read_header, snapshot_path(folder, session_id))
             _, config, counters = _read_metadata(metadata)
             geometry = counters.get("geometry")
         except (SnapshotError, OSError):
-            return  # the adoption reports what is wrong with the file
+            return 0
         if not isinstance(geometry, list) or len(geometry) != 4:
-            return
+            return 0
         refiner = self.refiner()
         prompt = headers.get("prompt_embeds")  # (B, L, caption): what the file's session holds
         tokens = int(prompt.shape[1]) if prompt is not None and len(prompt.shape) == 3 else 0
-        need = sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
+        return sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, config,
                                           Geometry(*(int(n) for n in geometry)), refiner.dtype,
                                           prompt_tokens=tokens, caption_channels=refiner.info.caption_channels
                                           ).values())
-        await self.make_room(need, f"session {session_id} (saved in snapshot_dir)")
+
+    @contextlib.contextmanager
+    def _coming_in(self, session_id: str, need: int):
+        """``need`` device bytes counted for ``session_id`` (not yet active) while the context lasts."""
+        self._incoming[session_id] = self._incoming.get(session_id, 0) + need
+        try:
+            yield
+        finally:
+            left = self._incoming.pop(session_id, 0) - need
+            if left > 0:
+                self._incoming[session_id] = left
+
+    async def released(self, session_id: str) -> None:
+        """Wait until a spill of ``session_id`` has let go of its lease (before an adoption takes it)."""
+        releasing = self._releasing.get(session_id)
+        if releasing is not None:
+            await asyncio.wait({releasing})
 
     # --- park and page in ----------------------------------------------------------------------------------------
     async def activate(self, handle: SessionHandle) -> None:
@@ -290,21 +329,25 @@ class Parking:
                 return
             started = time.perf_counter()
             moved = sum(n for name, n in handle_parts(handle).items() if name in MOVED_PARTS)
-            await self.make_room(max(moved, handle.reserved_bytes), f"session {handle.id} (coming back from "
-                                 "host memory)", exclude=handle)
+            need = max(moved, handle.reserved_bytes)
+            await self.make_room(need, f"session {handle.id} (coming back from host memory)", exclude=handle)
             device, session, ready = self.refiner().device, handle.session, handle.park_ready
-            # A spilled session read back from its file is in plain memory: pinned here, off the engine thread.
-            host = await asyncio.to_thread(stage_host, session, device)
+            with self._coming_in(handle.id, need):  # the room just made is its own until it counts as active
+                # A spilled session read back from its file is in plain memory: pinned here, off the engine thread.
+                host = await asyncio.to_thread(stage_host, session, device)
 
-            def page_in():
-                # On a side stream, after the copies that parked it; its next forward waits for these copies on the
-                # device (``app.engine.worker.wait_for``), other sessions' forwards do not.
-                moved = move_session(session, device, after=ready, host=host)
-                handle.engine_session.ready = moved
-                return moved
+                def page_in():
+                    # On a side stream, after the copies that parked it; its next forward waits for these copies on
+                    # the device (``app.engine.worker.wait_for``), other sessions' forwards do not.
+                    moved = move_session(session, device, after=ready, host=host)
+                    handle.engine_session.ready = moved
+                    return moved
 
-            handle.park_ready = await self.engine.call(page_in)
-            handle.memory_state = "active"
+                def paged_in(ready) -> None:
+                    handle.park_ready = ready
+                    handle.memory_state = "active"
+
+                await self._move(page_in, paged_in)
             self.page_in_seconds.labels(state="parked").observe(time.perf_counter() - started)
             self.moves.labels(to="active").inc()
 
@@ -325,18 +368,37 @@ class Parking:
             host = await asyncio.to_thread(stage_host, session, device)
             if not _idle(handle) or self.draining() or not self.registry.holds(handle):
                 return False
+
+            def parked(ready) -> None:
+                handle.memory_state = "parked"
+                handle.park_ready = ready
+                self.moves.labels(to="parked").inc()
+                if ready is not None:
+                    # Accounted as host bytes at once; the drain waits for the copies before it reads them.
+                    waiting = asyncio.ensure_future(asyncio.to_thread(ready.synchronize))
+                    self._moves.add(waiting)
+                    waiting.add_done_callback(self._moves.discard)
+                log.debug("parked session %s (%s)", handle.id, reason)
+
             # after=: the copies of its last page-in, if no work of it ran since (nothing else waited for them).
-            ready = await self.engine.call(lambda: move_session(session, device, after=paged_in, host=host))
-            handle.memory_state = "parked"
-            handle.park_ready = ready
-            self.moves.labels(to="parked").inc()
-            if ready is not None:
-                # Accounted as host bytes at once; the drain waits for the copies before it reads them.
-                waiting = asyncio.ensure_future(asyncio.to_thread(ready.synchronize))
-                self._moves.add(waiting)
-                waiting.add_done_callback(self._moves.discard)
-            log.debug("parked session %s (%s)", handle.id, reason)
+            await self._move(lambda: move_session(session, device, after=paged_in, host=host), parked)
             return True
+
+    async def _move(self, move: Callable[[], Any], moved: Callable[[Any], None]) -> None:
+        """Run ``move`` (a park's or page-in's ``move_session``) on the engine thread, then ``moved(its result)``:
+        the state that says where the session's tensors are. A call queued on the engine cannot be taken back, so
+        a caller cancelled meanwhile (a request that went away while it made room) still waits for it and records
+        it, with the session's lock still held, before the cancellation goes on: the state never says "active"
+        while the tensors are on the host."""
+        call = asyncio.ensure_future(self.engine.call(move))
+        try:
+            result = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if call.cancelled():
+                raise
+            moved(await call)
+            raise
+        moved(result)
 
     async def settle(self) -> None:
         """Every queued device-to-host copy complete (before a drain reads the parked sessions)."""
@@ -365,15 +427,27 @@ class Parking:
             frames = handle.session.state.frames_received
             tensors, metadata = await self.engine.call(lambda: record_tensors(record()))
             settings, lease = self.settings, self.leases_held.get(handle.id)
-            try:
+            if lease is None or not registry.holds(handle):
+                return False  # it ended meanwhile (its lease went with it): nothing of it may be written
+
+            def write() -> int:
                 # Like a checkpoint: the file is written under the session's lease, fenced by it.
-                held, path = await asyncio.to_thread(
-                    write_fenced, folder, handle.id, tensors, metadata, lease=lease,
-                    replica_id=settings.replica_id, lease_s=settings.session_lease_s, key=settings.signing_key)
+                _, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
+                                       replica_id=settings.replica_id, lease_s=settings.session_lease_s,
+                                       key=settings.signing_key)
+                return path.stat().st_size
+
+            # Tracked as the session's write in flight: a session deleted meanwhile has its file removed (and its
+            # floor raised) only once this write is done (``Checkpoints.forget`` waits for it), never before.
+            handle.checkpoint_write = asyncio.ensure_future(asyncio.to_thread(write))
+            try:
+                size = await asyncio.shield(handle.checkpoint_write)
             except (LeaseHeld, LeaseLost) as exc:
-                self.lose(handle, exc)
+                if self.leases_held.get(handle.id) is lease:  # not ended or dropped meanwhile
+                    self.lose(handle, exc)
                 return False
-            self.leases_held[handle.id] = held
+            if self.leases_held.get(handle.id) is not lease or not registry.holds(handle):
+                return False  # it ended (deleted, lost) while the file was written: the file went with it
             if self.draining():
                 return False  # the drain saves it (over this file): it must find it live
             if not _spillable(handle) or handle.taken != seen or not registry.holds(handle):
@@ -383,15 +457,22 @@ class Parking:
                 else:  # the lease stays: a live session holds it, checkpoints or not (SessionStore.create)
                     await asyncio.to_thread(remove_record, folder, handle.id)
                 return False
-            # Released, as a drain's file is: whichever replica is asked for the session next adopts it at once.
+            # Committed here, with no await since the check above: a request, stream or watcher that takes the
+            # session from now on finds it gone from memory and adopts it from the file, once the lease is let go
+            # (``released``: the adoption waits for it). Released, as a drain's file is: whichever replica is asked
+            # for the session next adopts it at once.
             self.leases_held.pop(handle.id, None)
-            await asyncio.to_thread(leases.release, folder, handle.id, held)
-            self.spilled[handle.id] = spilled(handle, path.stat().st_size)  # what the listing and GET show of it now
+            self.spilled[handle.id] = spilled(handle, size)  # what the listing and GET show of it now
             registry.release(handle, ApiError(
                 "session_not_found", f"session {handle.id} was moved to snapshot_dir; send the request again"))
             handle.memory_state = "spilled"
+            releasing = asyncio.ensure_future(asyncio.to_thread(leases.release, folder, handle.id, lease))
+            self._releasing[handle.id] = releasing
+            releasing.add_done_callback(
+                lambda done: self._releasing.pop(handle.id) if self._releasing.get(handle.id) is done else None)
+            await asyncio.wait({releasing})
             self.moves.labels(to="spilled").inc()
-            log.debug("spilled session %s to %s", handle.id, path.name)
+            log.debug("spilled session %s to %s", handle.id, snapshot_path(folder, handle.id).name)
             return True
 
     # --- the bound on spilled sessions ---------------------------------------------------------------------------

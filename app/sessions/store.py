@@ -191,11 +191,15 @@ class SessionStore:
         folder = self.snapshot_folder
         if folder is not None and has_snapshot(folder, session_id):
             started = time.perf_counter()
-            await self.parking.room_for_file(folder, session_id)  # its bytes, from the header, before the claim
             # One adoption per id in this process (other replicas are kept off by the lease). The entry stays in
             # the table while anyone waits on it, so a lookup arriving meanwhile queues on the same lock.
             async with _turn(self._adopting, session_id):
-                handle = self.registry.existing(session_id) or await self._adopt(folder, session_id)
+                handle = self.registry.existing(session_id)
+                if handle is None:
+                    await self.parking.released(session_id)  # a spill of it here lets go of its lease first
+                    # Its bytes, from the header, before the claim; counted until it counts for itself.
+                    async with self.parking.room_for_file(folder, session_id):
+                        handle = await self._adopt(folder, session_id)
             if handle is not None:
                 self.parking.paged_in(session_id, started)  # a spilled session of this replica is back
                 return handle

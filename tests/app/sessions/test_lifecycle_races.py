@@ -1,0 +1,298 @@
+"""Interleavings of a session's lifecycle (app.sessions.parking, app.sessions.checkpoints, app.sessions.store): each
+test holds one step on a gate (a worker thread, the engine, an await) while another request runs, the order a busy
+server can meet. What must hold: an ended session never comes back, a session asked for is never dropped, the
+device bytes held never pass device_memory_budget, room is made while a session could still be parked, and a
+cancelled park still records where the session's tensors are."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import app.persistence.leases as leases_module
+import app.sessions.parking as parking_module
+import app.sessions.store as store_module
+from app.persistence.records import has_snapshot
+from app.sessions.footprint import handle_bytes
+from models import SessionConfig
+from models.session import Geometry
+from models.session_bytes import session_bytes_estimate
+
+from tests.app.conftest import DEADLINE_S, OCTET, EngineHold, make_clip, payload, running_app, wait_until
+
+LATENTS, EMBEDS, MASK = make_clip(frames=15, seed=31)
+FIRST, SECOND = LATENTS[:, :, :5], LATENTS[:, :, 5:10]
+
+
+def _start(client, sid: str) -> None:
+    reply = client.post(f"/v1/sessions/{sid}/chunks?seq=0", content=payload(FIRST, EMBEDS, MASK), headers=OCTET)
+    assert reply.status_code == 200, reply.text
+
+
+def _gate_threads(monkeypatch, module, name: str, when=lambda *a, **k: True, after: bool = False):
+    """Hold the first worker-thread call of ``module.name`` (that ``when`` accepts) until the gate opens: before
+    the call, or once it is done (``after``)."""
+    gate, entered = threading.Event(), threading.Event()
+    real = getattr(module, name)
+
+    def held(*args, **kwargs):
+        if (threading.current_thread() is threading.main_thread() or entered.is_set()
+                or not when(*args, **kwargs)):
+            return real(*args, **kwargs)
+        result = real(*args, **kwargs) if after else None
+        entered.set()
+        gate.wait(DEADLINE_S)
+        return result if after else real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, held)
+    return gate, entered
+
+
+def _used(client, parking) -> int:
+    async def read():
+        return parking.device_used()
+    return client.portal.call(read)
+
+
+def test_a_session_deleted_before_its_checkpoint_is_written_stays_deleted(make_settings, tmp_path):
+    """The DELETE lands after the engine refined the chunk, before its checkpoint: no file, no lease, 404."""
+    folder = tmp_path / "snaps"
+    with running_app(make_settings(snapshot_dir=folder, checkpoint_every_blocks=1)) as client:
+        services = client.app.state.services
+        store = services.store
+        sid = client.post("/v1/sessions").json()["session_id"]
+        real_run = services.encoder.run
+        deleted = []
+
+        async def run_then_delete(build, *args, **kwargs):  # the response is encoded: the checkpoint comes next
+            if not deleted:
+                deleted.append(sid)
+                store.delete(sid)
+                await asyncio.wait(set(store.checkpoints.removals))  # its file, floor and lease handled
+            return await real_run(build, *args, **kwargs)
+
+        services.encoder.run = run_then_delete
+        try:
+            _start(client, sid)
+        finally:
+            services.encoder.run = real_run
+        assert deleted
+        client.portal.call(asyncio.sleep, 0.3)  # a checkpoint write, had one been started, is done by now
+        assert not has_snapshot(folder, sid), "a deleted session's checkpoint was written after its deletion"
+        assert sid not in store.leases, "a deleted session's lease is held (and renewed) again"
+        assert client.get(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_a_session_deleted_while_it_is_spilled_leaves_no_lease_behind(make_settings, tmp_path, monkeypatch):
+    """The DELETE lands once the spill's file is in place, before the spill goes on: no file, no lease, 404."""
+    gate, entered = _gate_threads(monkeypatch, parking_module, "write_fenced", after=True)
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
+        services = client.app.state.services
+        store, parking = services.store, services.store.parking
+        sid = client.post("/v1/sessions").json()["session_id"]
+        _start(client, sid)
+        handle = services.registry.existing(sid)
+        assert client.portal.call(parking.park, handle)
+        spill = client.portal.start_task_soon(parking.spill, handle)
+        assert entered.wait(DEADLINE_S)
+        assert client.delete(f"/v1/sessions/{sid}").status_code == 204
+        gate.set()
+        assert spill.result(DEADLINE_S) is False
+        wait_until(lambda: not store.checkpoints.removals, "the deleted session's removal")
+        assert sid not in store.leases, "a deleted session's lease was put back in the table"
+        assert not has_snapshot(tmp_path / "snaps", sid), "the spill's file of a deleted session stayed"
+        assert client.get(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_a_request_while_a_spill_lets_go_of_its_lease_adopts_the_session(make_settings, tmp_path, monkeypatch):
+    """The spill committed (the session is off the registry) and releases its lease: a chunk sent now waits for
+    the release and adopts the file, and goes on from where the session was."""
+    gate, entered = _gate_threads(monkeypatch, leases_module, "release")
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
+        services = client.app.state.services
+        parking = services.store.parking
+        sid = client.post("/v1/sessions").json()["session_id"]
+        _start(client, sid)
+        handle = services.registry.existing(sid)
+        assert client.portal.call(parking.park, handle)
+        spill = client.portal.start_task_soon(parking.spill, handle)
+        assert entered.wait(DEADLINE_S)
+        result = {}
+        sender = threading.Thread(target=lambda: result.update(reply=client.post(
+            f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)))
+        sender.start()
+        sender.join(0.5)
+        assert sender.is_alive(), "the chunk did not wait for the spill's lease release"
+        gate.set()
+        assert spill.result(DEADLINE_S) is True
+        sender.join(DEADLINE_S)
+        assert result["reply"].status_code == 200, result["reply"].text
+        adopted = services.registry.existing(sid)
+        assert adopted is not handle and adopted.session.state.frames_received == 10
+        assert sid in services.store.leases
+
+
+def test_a_watcher_joining_while_a_spill_lets_go_of_its_lease_gets_the_adopted_session(make_settings, tmp_path,
+                                                                                       monkeypatch):
+    gate, entered = _gate_threads(monkeypatch, leases_module, "release")
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
+        services = client.app.state.services
+        parking = services.store.parking
+        sid = client.post("/v1/sessions").json()["session_id"]
+        _start(client, sid)
+        handle = services.registry.existing(sid)
+        assert client.portal.call(parking.park, handle)
+        spill = client.portal.start_task_soon(parking.spill, handle)
+        assert entered.wait(DEADLINE_S)
+        watching = client.portal.start_task_soon(services.sessions.watch, sid, {}, _Watcher)
+        gate.set()
+        assert spill.result(DEADLINE_S) is True
+        watcher = watching.result(DEADLINE_S)
+        reply = client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        live = services.registry.existing(sid)
+        assert live is not handle and watcher in live.watchers
+        assert watcher.offered > 0, "the watcher was left on the spilled handle"
+
+
+def test_a_page_in_keeps_the_room_it_made_while_it_waits(make_settings, refiner, monkeypatch):
+    """Session a's page-in made room and waits for its host buffers: b's first chunk must not take that room."""
+    one = sum(session_bytes_estimate(refiner.num_layers, refiner.info.inner_dim, SessionConfig(),
+                                     Geometry(1, FIRST.shape[1], FIRST.shape[3], FIRST.shape[4]), refiner.dtype,
+                                     prompt_tokens=EMBEDS.shape[1], caption_channels=refiner.info.caption_channels,
+                                     chunk_frames=FIRST.shape[2]).values())
+    budget = int(one * 1.5)
+    staged = []
+    gate, entered = _gate_threads(monkeypatch, parking_module, "stage_host",
+                                  when=lambda session, device: staged.append(device) or len(staged) == 2)
+    with running_app(make_settings(device_memory_budget=budget)) as client:
+        services = client.app.state.services
+        parking = services.store.parking
+        a, b = (client.post("/v1/sessions").json()["session_id"] for _ in range(2))
+        _start(client, a)
+        handle = services.registry.existing(a)
+        assert client.portal.call(parking.park, handle)  # the first stage_host call
+        result = {}
+        sender = threading.Thread(target=lambda: result.update(reply=client.post(
+            f"/v1/sessions/{a}/chunks?seq=1", content=payload(SECOND), headers=OCTET)))
+        sender.start()
+        assert entered.wait(DEADLINE_S)  # a's page-in made room and is staging
+        other = client.post(f"/v1/sessions/{b}/chunks?seq=0", content=payload(FIRST, EMBEDS, MASK), headers=OCTET)
+        assert other.status_code == 503 and other.json()["error"]["code"] == "insufficient_memory", other.text
+        gate.set()
+        sender.join(DEADLINE_S)
+        assert result["reply"].status_code == 200, result["reply"].text
+        assert _used(client, parking) <= budget
+
+
+def test_two_adoptions_never_share_one_room(make_settings, tmp_path, monkeypatch):
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
+        services = client.app.state.services
+        store, parking = services.store, services.store.parking
+        ids = [client.post("/v1/sessions").json()["session_id"] for _ in range(2)]
+        for sid in ids:
+            _start(client, sid)
+        one = handle_bytes(services.registry.existing(ids[0]))["device"]
+        for sid in ids:
+            handle = services.registry.existing(sid)
+            assert client.portal.call(parking.park, handle) and client.portal.call(parking.spill, handle)
+        parking.budget = int(one * 1.5)  # room for one of them
+        reads = []
+        real_read = store_module.read_record
+
+        def read(*args, **kwargs):  # the first adoption reads its file only once the other got as far as it can
+            reads.append(1)
+            deadline = time.monotonic() + 2.0
+            while len(reads) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return real_read(*args, **kwargs)
+
+        monkeypatch.setattr(store_module, "read_record", read)
+
+        async def both():
+            return await asyncio.gather(*(store.lookup(sid) for sid in ids), return_exceptions=True)
+
+        outcomes = client.portal.call(both)
+        codes = sorted(getattr(o, "kind", "adopted") for o in outcomes)
+        assert codes == ["adopted", "insufficient_memory"], outcomes
+        assert _used(client, parking) <= parking.budget
+
+
+def test_room_is_made_from_another_idle_session_while_one_is_being_parked(make_settings, monkeypatch):
+    armed = []
+    gate, entered = _gate_threads(monkeypatch, parking_module, "stage_host", when=lambda *a, **k: bool(armed))
+    with running_app(make_settings()) as client:
+        services = client.app.state.services
+        parking = services.store.parking
+        a, b, c = (client.post("/v1/sessions").json()["session_id"] for _ in range(3))
+        for sid in (a, b):
+            _start(client, sid)
+        parking.budget = _used(client, parking) + 1000  # a and b fit; c's first chunk needs one of them parked
+        armed.append(1)
+        parking_a = client.portal.start_task_soon(parking.park, services.registry.existing(a))  # the upkeep's
+        assert entered.wait(DEADLINE_S)
+        reply = client.post(f"/v1/sessions/{c}/chunks?seq=0", content=payload(FIRST, EMBEDS, MASK), headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        assert services.registry.existing(b).memory_state == "parked"
+        gate.set()
+        assert parking_a.result(DEADLINE_S) is True
+
+
+def test_a_park_cancelled_while_its_move_is_queued_still_records_it(make_settings, monkeypatch):
+    moved = []
+    real_move = parking_module.move_session
+    monkeypatch.setattr(parking_module, "move_session",
+                        lambda session, device, **kw: moved.append(str(device)) or real_move(session, device, **kw))
+    with running_app(make_settings()) as client:
+        services = client.app.state.services
+        parking = services.store.parking
+        sid = client.post("/v1/sessions").json()["session_id"]
+        _start(client, sid)
+        handle = services.registry.existing(sid)
+        hold = EngineHold()
+        held = client.portal.start_task_soon(services.engine.call, hold)
+        hold.wait_started()
+
+        async def park_then_cancel():
+            task = asyncio.ensure_future(parking.park(handle))
+            while not services.engine._inbox:  # its move is queued behind the hold
+                await asyncio.sleep(0.01)
+            task.cancel()
+            hold.release.set()
+            return (await asyncio.gather(task, return_exceptions=True))[0]
+
+        outcome = client.portal.call(park_then_cancel)
+        held.result(DEADLINE_S)
+        assert isinstance(outcome, asyncio.CancelledError)
+        assert moved == ["cpu"] and handle.memory_state == "parked"
+        reply = client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)
+        assert reply.status_code == 200 and handle.memory_state == "active"
+
+
+class _Watcher:
+    """A watcher's subscriber as ``SessionOps.watch`` builds it, counting what it is offered."""
+
+    is_closed = True
+
+    def __init__(self, session_id, outputs):
+        self.session_id, self.outputs = session_id, outputs
+        self.offered, self.ended = 0, None
+
+    def offer(self, *args, **kwargs):
+        self.offered += 1
+
+    def end(self, error):
+        self.ended = error
+
+    def finish(self, frames):
+        pass
+
+    def close(self, code, reason):
+        self.ended = (code, reason)
+
+    async def closed(self):
+        return None
+
+    def abort(self):
+        pass
