@@ -266,8 +266,12 @@ class RefinerSession:
         return SessionCheckpoint(self._state, kv, kv.checkpoint() if kv is not None else None)
 
     def rollback(self, checkpoint: SessionCheckpoint) -> None:
-        """Go back to ``checkpoint``: the state and the cache are exactly as they were then."""
+        """Go back to ``checkpoint``: the state and the cache are exactly as they were then. A prompt the rolled-back
+        work brought is forgotten with what was prepared from it (its cross-attention K/V: held and counted
+        otherwise until the next accepted block); the restored prompt's is prepared again by the next forward."""
         self._state = checkpoint.state
+        if self._prepared is not None and self._prepared[0] is not self._state.prompt:
+            self._prepared = None
         if checkpoint.kv is None or not checkpoint.mark.had_sink:
             self._kv = None
         else:

@@ -104,3 +104,26 @@ def test_the_rollback_copies_are_counted_while_a_point_is_open(positions):
     assert session_bytes(session)["kv_rollback"] == sum(t.nbytes for t in saved) == session.kv.checkpoint_bytes > 0
     session.release(mark)
     assert not session.kv.rollback_open and session_bytes(session)["kv_rollback"] == 0
+
+
+def test_a_rolled_back_prompt_leaves_nothing_prepared_from_it():
+    """A chunk with a new prompt that fails (rolled back) must not leave the new prompt's cross-attention K/V held
+    and counted; the session then refines exactly as one that never got that chunk."""
+    refiner = from_model(build_model("tiny"))
+    config = SessionConfig(block_size=2)
+    latents, embeds = make_inputs(frames=7, prompt_len=6)
+    _, other = make_inputs(frames=1, prompt_len=20, seed=9)
+    session, twin = RefinerSession(refiner, config), RefinerSession(refiner, config)
+    for s in (session, twin):
+        s.push(latents[:, :, :3], embeds)
+    before = session_bytes(session)["prompt"]
+    mark = session.checkpoint()
+    session.push(latents[:, :, 3:5], other)  # refined with the new prompt, then the chunk fails
+    assert session_bytes(session)["prompt"] > before
+    session.rollback(mark)
+    # The restored prompt's own K/V are prepared again by the next forward: until then only its embeddings count.
+    assert session_bytes(session)["prompt"] <= before
+    assert session._prepared is None or session._prepared[0] is session.state.prompt
+    mine, theirs = session.push(latents[:, :, 3:7]), twin.push(latents[:, :, 3:7])
+    assert [u.frame_start for u in mine] == [u.frame_start for u in theirs] == [3, 5]
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(mine, theirs))
