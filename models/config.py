@@ -93,8 +93,9 @@ def _problems(config: SessionConfig) -> list[str]:
         problems.append(f"seed must be in [0, 2**63), got {config.seed}")
     if isinstance(config.fps, bool) or not isinstance(config.fps, (int, float)) or not math.isfinite(config.fps):
         problems.append(f"fps must be a finite number, got {config.fps!r}")
-    elif not 0 < config.fps <= 1000:
-        problems.append(f"fps must be in (0, 1000], got {config.fps}")
+    elif not 0.001 <= config.fps <= 1000:
+        # Below 0.001 the float32 RoPE time positions (pixel frame / fps) overflow and every block is NaN.
+        problems.append(f"fps must be in [0.001, 1000], got {config.fps}")
     if not 1 <= config.sink_frames <= _INT_LIMIT:
         problems.append(f"sink_frames must be >= 1, got {config.sink_frames}")
     if not 1 <= config.block_size <= _INT_LIMIT:

@@ -26,6 +26,9 @@ from . import formats
 # --- bounds a single field can state (rules across fields stay with models.config: 422 invalid_config) ---------------
 SEED_MAX = 2**63 - 1
 FPS_MAX = 1000.0
+# Below this the RoPE time positions (pixel frame / fps, float32) overflow: the model's output is NaN, which the
+# service would report as the input's fault. 0.001 fps is a latent frame every 8000 s: no video comes near it.
+FPS_MIN = 0.001
 FRAMES_MAX = 1 << 20  # sink_frames, block_size, kv_max_frames, video_lookahead
 KV_MAX_FRAMES_MIN = 2  # the smallest sink_frames + block_size
 SIGMAS_MIN_ITEMS = 2
@@ -186,8 +189,8 @@ class SessionField:
 
 _MODEL_FIELDS: tuple[SessionField, ...] = (
     SessionField("seed", INTEGER, 42, "noise seed", minimum=0, maximum=SEED_MAX, setting="default_seed"),
-    SessionField("fps", NUMBER, 16.0, "frame rate (the RoPE time scale)", minimum=0, exclusive_minimum=True,
-                 maximum=FPS_MAX, setting="default_fps"),
+    SessionField("fps", NUMBER, 16.0, "frame rate (the RoPE time scale)", minimum=FPS_MIN, maximum=FPS_MAX,
+                 setting="default_fps"),
     SessionField("sink_frames", INTEGER, 1, "leading frames kept raw, the attention sink S", minimum=1,
                  maximum=FRAMES_MAX, setting="default_sink_frames"),
     SessionField("block_size", INTEGER, 3, "frames refined together", minimum=1, maximum=FRAMES_MAX,

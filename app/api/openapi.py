@@ -22,6 +22,7 @@ from wm_refiner_client import spec
 # (kv_max_frames >= sink_frames + block_size; sigmas strictly decreasing to 0.0) cannot be written in a JSON schema:
 # they stay the model's, answered with 422 invalid_config.
 SEED_MAX = spec.SEED_MAX
+FPS_MIN = spec.FPS_MIN
 FPS_MAX = spec.FPS_MAX
 FRAMES_MAX = spec.FRAMES_MAX
 KV_MAX_FRAMES_MIN = spec.KV_MAX_FRAMES_MIN

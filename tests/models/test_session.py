@@ -164,6 +164,22 @@ def test_flush_semantics():
     assert_parity(torch.cat([u.latents for u in units + final], dim=2), expected, "flushed short tail")
 
 
+
+@pytest.mark.parametrize("fps", [0.001, 1000.0])
+def test_the_fps_bounds_refine_like_the_reference(fps):
+    """Every fps the config accepts refines finitely and within parity: below 0.001 the float32 RoPE time positions
+    overflow (every block NaN, reported as if the input were at fault), so the config refuses it."""
+    refiner = from_model(build_model("tiny"))
+    latents, embeds = make_inputs(frames=7)
+    session = RefinerSession(refiner, SessionConfig(fps=fps))
+    units = session.push(latents, embeds, flush=True)
+    got = torch.cat([u.latents for u in units], dim=2)
+    assert torch.isfinite(got).all()
+    assert_parity(got, reference_refine(build_model("tiny"), latents, embeds, fps=fps), f"fps={fps}")
+    with pytest.raises(InvalidConfigError, match=r"fps must be in \[0.001, 1000\]"):
+        SessionConfig(fps=fps * (1 - 1e-9) if fps < 1 else fps * (1 + 1e-9))
+
+
 BAD_CHUNKS = [
     ("rank", lambda lat, emb: (lat[0], emb), InvalidInputError, "rank 5"),
     ("channels", lambda lat, emb: (lat[:, :64], emb), InvalidInputError, "channels"),

@@ -348,7 +348,7 @@ F = openapi.FRAMES_MAX
 # step past each bound.
 AT_THE_BOUNDS = [
     dict(seed=0), dict(seed=openapi.SEED_MAX),
-    dict(fps=1e-9), dict(fps=openapi.FPS_MAX),
+    dict(fps=openapi.FPS_MIN), dict(fps=openapi.FPS_MAX),
     dict(sink_frames=1), dict(sink_frames=F - 1, block_size=1, kv_max_frames=F),
     dict(block_size=1), dict(block_size=F - 1, sink_frames=1, kv_max_frames=F),
     dict(kv_max_frames=openapi.KV_MAX_FRAMES_MIN, sink_frames=1, block_size=1), dict(kv_max_frames=F),
@@ -356,7 +356,7 @@ AT_THE_BOUNDS = [
 ]
 PAST_THE_BOUNDS = [
     dict(seed=-1), dict(seed=openapi.SEED_MAX + 1),
-    dict(fps=0.0), dict(fps=openapi.FPS_MAX * (1 + 1e-9)),
+    dict(fps=openapi.FPS_MIN * (1 - 1e-9)), dict(fps=openapi.FPS_MAX * (1 + 1e-9)),
     dict(sink_frames=0), dict(sink_frames=F + 1, kv_max_frames=F),
     dict(block_size=0), dict(block_size=F + 1, kv_max_frames=F),
     dict(kv_max_frames=openapi.KV_MAX_FRAMES_MIN - 1, sink_frames=1, block_size=1), dict(kv_max_frames=F + 1),
