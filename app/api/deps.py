@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
-from typing import Annotated
+from typing import Annotated, Awaitable, TypeVar
 
 from fastapi import Depends
 from fastapi.dependencies.models import Dependant
@@ -113,3 +114,28 @@ async def read_body(request: Request, limit: int) -> bytes:
         # Nobody is left to answer; end the request without logging it as a server error.
         raise ApiError("invalid_payload", "the client disconnected before the body was complete") from None
     return b"".join(parts)
+
+
+T = TypeVar("T")
+
+
+async def until_client_leaves(request: Request, work: Awaitable[T], body_read: asyncio.Event) -> T | None:
+    """``work``'s result, or None once the client has closed its connection (``work`` is cancelled then: nobody
+    is left to answer). Listens for the disconnect only once ``body_read`` is set: before that, the body's own
+    messages are the route's to read (and a client gone then already ended the read)."""
+
+    async def gone() -> None:
+        await body_read.wait()
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return None
+    return task.result()

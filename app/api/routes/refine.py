@@ -11,7 +11,9 @@ refined payload the same way) and ``latency_ms`` from the body having been read 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
@@ -20,12 +22,13 @@ from starlette.responses import Response
 
 from wm_refiner_client import spec
 
-from app.api.deps import OCTET_BODY, PlainInteger, ServicesDep, read_body, require_content_type
+from app.api.deps import OCTET_BODY, PlainInteger, ServicesDep, read_body, require_content_type, until_client_leaves
 from app.api.openapi import REFINE_400, REFINE_RESPONSE, errors
 from app.api.routes.sessions import check_fields
 from app.core.codec import OCTET_STREAM
 from app.core.error_kinds import ApiError
 
+log = logging.getLogger("app")
 router = APIRouter(tags=["refine"])
 # Lists and the look-ahead arrive as text (``outputs=latents,video``, ``video_lookahead=2``); these bound the text.
 _TEXT_MAX_LENGTH = {spec.CHOICES: 32, spec.LOOKAHEAD: 16}
@@ -85,9 +88,19 @@ async def refine(
     services: ServicesDep,
     given: Annotated[dict[str, Any], Depends(session_query)],
 ) -> Response:
+    body_read = asyncio.Event()
+
     async def read_payload() -> bytes:
         require_content_type(request, OCTET_STREAM)
-        return await read_body(request, services.settings.max_body_bytes)
+        data = await read_body(request, services.settings.max_body_bytes)
+        body_read.set()
+        return data
 
-    payload = await services.sessions.refine_clip(lambda: check_fields(query_fields(given)), read_payload)
+    # A client that closes its connection stops its clip (at the engine's next block) and frees its place: nobody
+    # is left to take the result.
+    payload = await until_client_leaves(
+        request, services.sessions.refine_clip(lambda: check_fields(query_fields(given)), read_payload), body_read)
+    if payload is None:
+        log.info("a /v1/refine client went away before its clip was refined: stopped")
+        return Response(status_code=499)  # never sent: the connection is closed (nginx's "client closed request")
     return Response(payload, media_type=OCTET_STREAM)

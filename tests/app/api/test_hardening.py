@@ -210,3 +210,33 @@ def test_slow_headers_and_trickled_bodies_are_cut_off(make_settings):
         assert time.monotonic() - started < 9, "the trickled body was not cut off"
         for sock in (idle, partial, trickle):
             sock.close()
+
+
+def test_a_clip_whose_client_goes_away_stops_and_frees_its_place(make_settings):
+    """api.md: a /v1/refine "stops if its client goes away": its place (max_sessions) is free at once, and its
+    throwaway session is refined no further than the block under way."""
+    import httpx
+
+    from tests.app.conftest import metric_value
+
+    latents, embeds, mask = make_clip(frames=121, height=8, width=8)  # the sink and 40 blocks
+    body = payload(latents, embeds, mask)
+    with LiveServer(make_settings(max_sessions=1)) as server:
+        registry = server.services.registry
+
+        def calls() -> float:
+            return metric_value(httpx.get(f"{server.base_url}/metrics").text, "refiner_model_call_seconds_count")
+
+        before = calls()
+        sock = _connect(server)
+        sock.sendall((f"POST /v1/refine HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        wait_until(lambda: calls() > before, "the clip's first model call")
+        sock.close()
+        wait_until(lambda: registry.clips == 0, "the clip's place given back")
+        assert httpx.post(f"{server.base_url}/v1/sessions").status_code == 201  # the one place is free again
+        wait_until(lambda: metric_value(httpx.get(f"{server.base_url}/metrics").text, "refiner_engine_queue_depth") == 0,
+                   "the engine to finish the block under way")
+        time.sleep(0.5)
+        ran = calls() - before
+        assert ran < 40 * 4 / 2, f"the clip went on for {ran:g} model calls after its client left"
