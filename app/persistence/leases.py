@@ -200,6 +200,23 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
     return Lease(session_id, generation + 1, target, previous, floor)
 
 
+def held_elsewhere(folder: Path, session_id: str, replica_id: str, lease_s: float,
+                   now: float | None = None) -> LeaseHeld | None:
+    """The live lease another replica holds on the session (as ``acquire`` would refuse it), or None."""
+    current = generations(folder, session_id)
+    if not current:
+        return None
+    path = lease_path(folder, session_id, current[-1])
+    owner = _owner(path)
+    if owner is None or owner == replica_id:
+        return None
+    try:
+        expires_in = remaining(path.stat().st_mtime, time.time() if now is None else now, lease_s)
+    except FileNotFoundError:
+        return None
+    return LeaseHeld(session_id, owner, expires_in) if expires_in > 0 else None
+
+
 def check(lease: Lease) -> None:
     """``LeaseLost`` unless ``lease`` is still the session's current one."""
     if not lease.path.exists():

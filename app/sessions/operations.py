@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import re
 import time
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Mapping, Protocol
@@ -44,7 +45,7 @@ from app.outputs.stage import OutputStages, OutUnit
 from app.sessions import views
 from app.sessions.limits import check_config_limits, check_payload
 from app.sessions.peers import peer_headers, peer_sessions, peer_urls
-from app.sessions.registry import SessionHandle
+from app.sessions.registry import SessionHandle, page_after
 from app.sessions.store import SessionStore
 from app.sessions.subscriptions import StreamSubscriber, WatchSubscriber
 
@@ -176,15 +177,14 @@ class SessionOps:
         merged: dict[str, dict[str, Any]] = {}
         for entry in [*mine, *theirs]:
             merged.setdefault(entry["session_id"], entry)  # a session seen twice (mid-move): the first answer
-        ordered = sorted(merged.values(), key=lambda e: (e["created_at"], e["session_id"]))
-        if after is not None:
-            ids = [entry["session_id"] for entry in ordered]
-            if after not in ids:
-                raise ApiError("invalid_request", f"after={after!r} is not a live session of this deployment; pass "
-                                                  "the 'next' of the previous page")
-            ordered = ordered[ids.index(after) + 1 :]
-        page = ordered[:limit]
-        body: dict[str, Any] = {"sessions": page, "next": page[-1]["session_id"] if len(ordered) > limit else None}
+
+        def ended(session_id: str) -> tuple[str, str] | None:  # one that ended on this replica (ISO times sort)
+            position = self.store.registry.ended_position(session_id)
+            return None if position is None else (views.iso_time(position[0]), session_id)
+
+        page, following = page_after(list(merged.values()), lambda e: (e["created_at"], e["session_id"]), after,
+                                     limit, ended, "this deployment")
+        body: dict[str, Any] = {"sessions": page, "next": following}
         if unreachable:
             body["unreachable"] = unreachable
         return body
@@ -666,10 +666,9 @@ _INLINE_SCAN_BYTES = 256 * 1024
 def parse_resume_from(value: str | None) -> int | None:
     if value is None:
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
+    # Decimal digits only, like every integer in a query (``app.api.deps.PlainInteger``): int() would take "+4",
+    # "4_0" (as 40) or other scripts' digits, and the error would then name a number the client never sent.
+    number = int(value) if re.fullmatch(r"[0-9]{1,19}", value) else -1
     if number < 0:
         raise ApiError(
             "invalid_request",

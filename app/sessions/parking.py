@@ -533,6 +533,7 @@ class Parking:
                                    self.settings.replica_id)
                 remove_record(self.folder, session_id)
             registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+            registry.remember_ended(session_id, stub.created_at)
             deleted += 1
         return deleted
 
@@ -597,9 +598,11 @@ class Parking:
 
     def forget(self, session_id: str) -> bool:
         """Delete a spilled session (its file); False if it is not one."""
-        if self.stub(session_id) is None:
+        stub = self.stub(session_id)
+        if stub is None:
             return False
         self.spilled.pop(session_id, None)
+        self.registry.remember_ended(session_id, stub.created_at)
         # Ended: the file it was spilled to (under the floor's generation) may not be adopted back if put back
         # (the floor first, as above).
         leases.raise_floor(self.folder, session_id, leases.read_floor(self.folder, session_id) + 1,

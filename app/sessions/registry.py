@@ -11,6 +11,7 @@ does not extend the wait (a client polling GET is not back); a new stream, or a 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import time
 from collections import OrderedDict
@@ -121,6 +122,9 @@ class Registry:
         self.clips = 0  # one-shot clips being refined: they count against max_sessions while they run
         # Evicted ids answer 410 (the client should start over), unknown or deleted ones 404; the value says why.
         self._evicted: OrderedDict[str, str] = OrderedDict()
+        # When each session that ended lately was created: a listing's ``after`` may name one (the ``next`` of a page
+        # whose last session was deleted or evicted since), and the next page goes on from where it stood.
+        self._ended: OrderedDict[str, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -258,17 +262,20 @@ class Registry:
         """Sessions oldest first (creation order), ``limit`` of them after the id ``after``; and the id to pass
         as ``after`` for the next page (None at the end)."""
         self.evict_idle()
-        handles = sorted(self._sessions.values(), key=lambda h: (h.created_at, h.id))
-        if after is not None:
-            ids = [h.id for h in handles]
-            if after not in ids:
-                raise ApiError(
-                    "invalid_request",
-                    f"after={after!r} is not a live session of this server; pass the 'next' of the previous page",
-                )
-            handles = handles[ids.index(after) + 1 :]
-        page = handles[:limit]
-        return page, (page[-1].id if len(handles) > limit else None)
+        return page_after(self.handles(), lambda h: (h.created_at, h.id), after, limit, self.ended_position,
+                          "this server")
+
+    def remember_ended(self, session_id: str, created_at: float) -> None:
+        """A session that ended (here, or spilled by this replica and deleted): where it stood in the listing."""
+        self._ended[session_id] = created_at
+        self._ended.move_to_end(session_id)
+        while len(self._ended) > self.remember_evicted:
+            self._ended.popitem(last=False)
+
+    def ended_position(self, session_id: str) -> tuple[float, str] | None:
+        """The listing's sort key of a session that ended here lately, None if none is remembered."""
+        created_at = self._ended.get(session_id)
+        return None if created_at is None else (created_at, session_id)
 
     # --- internals -----------------------------------------------------------------------------------------
     def _idle(self, handle: SessionHandle, now: float) -> bool:
@@ -303,8 +310,26 @@ class Registry:
     def _close(self, handle: SessionHandle, error: ApiError) -> None:
         handle.engine_session.closed = error
         self._sessions.pop(handle.id, None)
+        self.remember_ended(handle.id, handle.created_at)
         if self._on_close is not None:
             self._on_close(handle)
         for watcher in list(handle.watchers):
             watcher.end(error)
 
+
+def page_after(entries: list[Any], key: Callable[[Any], tuple[Any, str]], after: str | None, limit: int,
+               ended: Callable[[str], tuple[Any, str] | None], where: str) -> tuple[list[Any], str | None]:
+    """A page of ``entries`` in ``key`` order ((created, id): oldest first): ``limit`` of them after the one whose
+    id is ``after``, and the id to pass as ``after`` for the next (None at the end). ``after`` may name a session
+    that ended since its page was served, if ``ended`` still knows where it stood: the listing goes on from there,
+    so churn (a delete, an eviction) never stops a client walking the pages. 422 for an id never listed here."""
+    ordered = sorted(entries, key=key)
+    if after is not None:
+        keys = [key(entry) for entry in ordered]
+        at = next((k for k in keys if k[1] == after), None) or ended(after)
+        if at is None:
+            raise ApiError("invalid_request", f"after={after!r} is not a session of {where} (nor one that ended "
+                                              "lately); pass the 'next' of the previous page")
+        ordered = ordered[bisect.bisect_right(keys, at):]
+    page = ordered[:limit]
+    return page, (key(page[-1])[1] if len(ordered) > limit else None)

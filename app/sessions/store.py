@@ -50,7 +50,7 @@ from app.persistence.records import (
 )
 from app.sessions.checkpoints import Checkpoints
 from app.sessions.parking import Parking
-from app.sessions.registry import Registry, SessionHandle
+from app.sessions.registry import Registry, SessionHandle, page_after
 from app.sessions.subscriptions import Connection
 
 log = logging.getLogger("app")
@@ -203,6 +203,12 @@ class SessionStore:
             if handle is not None:
                 self.parking.paged_in(session_id, started)  # a spilled session of this replica is back
                 return handle
+        if folder is not None and self.registry.existing(session_id) is None:
+            # Live on another replica that has written no file of it yet: say where, rather than "no session".
+            held = await asyncio.to_thread(leases.held_elsewhere, folder, session_id, self.settings.replica_id,
+                                           self.settings.session_lease_s)
+            if held is not None:
+                raise _moved(held)
         return self.registry.get(session_id)
 
     def delete(self, session_id: str) -> None:
@@ -235,15 +241,8 @@ class SessionStore:
         if not self.parking.spilled:
             return self.registry.listing(limit, after)
         self.registry.evict_idle()
-        entries = sorted(await self.everything(), key=lambda e: (e.created_at, e.id))
-        if after is not None:
-            ids = [entry.id for entry in entries]
-            if after not in ids:
-                raise ApiError("invalid_request", f"after={after!r} is not a live session of this server; pass the "
-                                                  "'next' of the previous page")
-            entries = entries[ids.index(after) + 1 :]
-        page = entries[:limit]
-        return page, (page[-1].id if len(entries) > limit else None)
+        return page_after(await self.everything(), lambda e: (e.created_at, e.id), after, limit,
+                          self.registry.ended_position, "this server")
 
     async def everything(self) -> list[Any]:
         """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir
@@ -278,12 +277,7 @@ class SessionStore:
             return await asyncio.to_thread(leases.acquire, folder, session_id, settings.replica_id,
                                            settings.session_lease_s)
         except LeaseHeld as held:
-            raise ApiError(
-                "session_moved",
-                f"{held}: the session lives there. Send its requests through the router (or to that replica); "
-                "if that replica is gone, this one takes the session once the lease expires: retry then",
-                retry_after_s=max(1, math.ceil(held.expires_in)),
-            ) from None
+            raise _moved(held) from None
 
     async def _adopt(self, folder: Path, session_id: str) -> SessionHandle | None:
         """Take the session's lease, load its file and hold the session (None when the file went meanwhile or
@@ -392,3 +386,12 @@ async def _turn(table: dict[str, _Turn], session_id: str):
         if not turn.waiters:
             del table[session_id]
 
+
+def _moved(held: LeaseHeld) -> ApiError:
+    """503 session_moved for a session another replica holds the live lease on."""
+    return ApiError(
+        "session_moved",
+        f"{held}: the session lives there. Send its requests through the router (or to that replica); if that "
+        "replica is gone, this one takes the session once the lease expires: retry then",
+        retry_after_s=max(1, math.ceil(held.expires_in)),
+    )

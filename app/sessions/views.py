@@ -52,8 +52,8 @@ def summary(entry: SessionHandle | Spilled) -> dict[str, Any]:
     handle, state = entry, entry.session.state
     return {
         "session_id": handle.id,
-        "created_at": _iso(handle.created_at),
-        "last_active_at": _iso(handle.last_active_wall),
+        "created_at": iso_time(handle.created_at),
+        "last_active_at": iso_time(handle.last_active_wall),
         "frames_received": state.frames_received,
         "frames_returned": state.frames_returned,
         "flushed": state.flushed,
@@ -99,13 +99,13 @@ def description(entry: SessionHandle | Spilled) -> dict[str, Any]:
         # The earliest frame a reattaching stream can ask for again (resume_from).
         "resumable_from": handle.retained.first_frame(state.frames_returned),
         **({} if handle.durable_frames is None else {"durable_frames": handle.durable_frames}),
-        "created_at": _iso(handle.created_at),
-        "last_active_at": _iso(handle.last_active_wall),
+        "created_at": iso_time(handle.created_at),
+        "last_active_at": iso_time(handle.last_active_wall),
         # Where it is (app.sessions.parking) and what it holds there, by part (app.sessions.footprint).
         "state": handle.memory_state,
         "bytes": {**handle_bytes(handle), "disk": 0},
     }
 
 
-def _iso(timestamp: float) -> str:
+def iso_time(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from wm_refiner_client import spec
 
-from app.api.deps import ServicesDep, read_body, require_content_type
+from app.api.deps import PlainInteger, ServicesDep, read_body, require_content_type
 from app.api.openapi import CONFIG_400, PUT_409, SessionCreate, SessionCreated, SessionDescription, SessionList, errors
 from app.core.error_kinds import ApiError
 
@@ -110,7 +110,7 @@ def _expects(loc: tuple) -> str:
 )
 async def list_sessions(
     services: ServicesDep,
-    limit: Annotated[int, Query(ge=1, le=1000, description="sessions per page")] = 100,
+    limit: Annotated[int, PlainInteger, Query(ge=1, le=1000, description="sessions per page")] = 100,
     after: Annotated[str | None, Query(max_length=128, description="the 'next' of the previous page")] = None,
     scope: Annotated[
         Literal["deployment", "local"],

@@ -208,3 +208,55 @@ def test_admission_counts_sessions_and_clips_alike(make_settings):
         assert services.registry.clips == 0
         client.portal.call(ops.create, _fields({}))
         assert len(services.registry) == 2
+
+
+@pytest.mark.parametrize("spilled", [False, True], ids=["live", "with-a-spilled-session"])
+def test_the_session_list_goes_on_past_a_cursor_that_was_deleted(make_settings, tmp_path, spilled):
+    """A page's ``next`` names its last session; deleting (or evicting) that session before the next page is asked
+    for must not stop the walk: the list goes on from where it stood. An id never listed is still a 422."""
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
+        ids = [client.post("/v1/sessions").json()["session_id"] for _ in range(5)]
+        if spilled:  # the listing then includes spilled sessions (SessionStore.listing, not the registry's)
+            services = client.app.state.services
+            handle = services.registry.existing(ids[4])
+            assert client.portal.call(services.store.parking.park, handle)
+            assert client.portal.call(services.store.parking.spill, handle)
+        first = client.get("/v1/sessions", params={"limit": 2}).json()
+        assert first["next"] == ids[1]
+        assert client.delete(f"/v1/sessions/{ids[1]}").status_code == 204
+        rest = client.get("/v1/sessions", params={"limit": 10, "after": first["next"]})
+        assert rest.status_code == 200, rest.text
+        assert [s["session_id"] for s in rest.json()["sessions"]] == ids[2:] and rest.json()["next"] is None
+        assert client.delete(f"/v1/sessions/{ids[4]}").status_code == 204  # a spilled one's place is kept too
+        assert client.get("/v1/sessions", params={"after": ids[4]}).json()["sessions"] == []
+        refused = client.get("/v1/sessions", params={"after": "f" * 32})
+        assert refused.status_code == 422 and "pass the 'next' of the previous page" in refused.text
+
+
+@pytest.mark.parametrize("text", ["+4", "4_0", "\u0664", " 4", "4.0", "-1", "x", "", "9" * 30])
+def test_resume_from_and_limit_take_decimal_digits_only(text, client):
+    """Like every integer in a query (seq, seed): int() would read "4_0" as 40, and the error then name a number
+    the client never sent."""
+    from app.sessions.operations import parse_resume_from
+
+    with pytest.raises(ApiError, match="is not a frame index"):
+        parse_resume_from(text)
+    assert parse_resume_from("40") == 40 and parse_resume_from("0") == 0
+    assert client.get("/v1/sessions", params={"limit": text}).status_code == 422
+
+
+def test_a_session_live_on_another_replica_is_503_session_moved_not_404(make_settings, tmp_path):
+    """Replica a holds a live session and has written no file of it (no checkpoints): replica b, sharing
+    snapshot_dir, knows from the lease where it lives and says so, as its PUT of the same id does."""
+    folder = tmp_path / "shared"
+    with running_app(make_settings(snapshot_dir=folder, replica_id="replica-a")) as a, \
+            running_app(make_settings(snapshot_dir=folder, replica_id="replica-b")) as b:
+        sid = a.post("/v1/sessions").json()["session_id"]
+        for reply in (b.get(f"/v1/sessions/{sid}"), b.delete(f"/v1/sessions/{sid}"),
+                      b.post(f"/v1/sessions/{sid}/chunks?seq=0", content=payload(*make_clip(frames=2)),
+                             headers={"Content-Type": "application/octet-stream"})):
+            assert reply.status_code == 503, reply.text
+            assert reply.json()["error"]["code"] == "session_moved" and "replica-a" in reply.text
+            assert int(reply.headers["Retry-After"]) >= 1
+        assert a.get(f"/v1/sessions/{sid}").status_code == 200  # nothing of it changed
+        assert b.get(f"/v1/sessions/{'e' * 32}").status_code == 404  # an id nobody holds is still unknown
