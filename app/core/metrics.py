@@ -6,7 +6,7 @@ No label carries a session id: cardinality stays bounded however many sessions c
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -110,13 +110,15 @@ class Metrics:
             "compiled)", registry=r,
         )
 
-        self._memory = _MemoryCollector(dict, dict)
+        self._memory = _MemoryCollector(dict, dict, dict)
         r.register(self._memory)
 
-    def track_memory(self, totals: Callable[[], dict[tuple[str, str], int]], counts: Callable[[], dict[str, int]]) -> None:
-        """Per-state session bytes (``refiner_session_bytes{state,where}``) and counts (``refiner_sessions{state}``),
-        read at scrape time."""
-        self._memory._totals, self._memory._counts = totals, counts
+    def track_memory(self, totals: Callable[[], dict[tuple[str, str], int]], counts: Callable[[], dict[str, int]],
+                     report: Callable[[], dict[str, Any]]) -> None:
+        """Per-state session bytes (``refiner_session_bytes{state,where}``), counts (``refiner_sessions{state}``)
+        and ``/v1/info``'s ``memory`` figures (``report``: the device budget, the device bytes used, the host
+        bytes), read at scrape time."""
+        self._memory._totals, self._memory._counts, self._memory._report = totals, counts, report
 
     def track(self, sessions: Callable[[], int], cache_bytes: Callable[[], int], queue: Callable[[], int]) -> None:
         """Read the live values at scrape time instead of keeping gauges in step by hand."""
@@ -129,8 +131,8 @@ class Metrics:
 
 
 class _MemoryCollector:
-    def __init__(self, totals, counts):
-        self._totals, self._counts = totals, counts
+    def __init__(self, totals, counts, report):
+        self._totals, self._counts, self._report = totals, counts, report
 
     def describe(self):
         return []
@@ -145,3 +147,17 @@ class _MemoryCollector:
         for state, value in self._counts().items():
             count.add_metric([state], value)
         yield count
+        report = self._report()
+        families = {
+            "device_budget": GaugeMetricFamily("refiner_device_memory_budget_bytes", "device_memory_budget, in bytes "
+                                               "(no sample without a budget: a CPU server's default)"),
+            "device_used": GaugeMetricFamily("refiner_device_memory_used_bytes", "Device bytes the sessions hold or "
+                                             "have reserved (and clips being refined): what admission counts against "
+                                             "the budget"),
+            "host_used": GaugeMetricFamily("refiner_host_memory_used_bytes", "Host bytes the sessions hold off the "
+                                           "device (parked sessions, units kept for a reattach or a repeated seq)"),
+        }
+        for name, family in families.items():
+            if report.get(name) is not None:
+                family.add_metric([], report[name])
+            yield family

@@ -246,11 +246,11 @@ class Settings(_SessionDefaults):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         default="inductor", description="torch.compile backend of compile_step (the others are for debugging)"
     )
-    admission: Literal["none", "realtime"] = Field(
+    admission: Literal["none", "count", "realtime"] = Field(
         default="none",
         description="realtime: refuse a new realtime session (503 over_capacity) when, by the engine's measured "
         "cost per row, the realtime sessions held plus it would need more than admission_max_load of the engine's "
-        "time; none: admit by count only",
+        "time; none (or count, the specification's name for it): admit by count and memory budget only",
     )
     admission_max_load: PositiveFloat = Field(
         default=0.9,

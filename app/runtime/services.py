@@ -93,7 +93,7 @@ class Services:
             cache_bytes=self.registry.total_cache_bytes,
             queue=lambda: self.engine.outstanding,
         )
-        self.metrics.track_memory(self.store.parking.totals, self.store.parking.counts)
+        self.metrics.track_memory(self.store.parking.totals, self.store.parking.counts, self.store.parking.report)
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
         self.not_ready_reason: str | None = "loading the model"
         self.warmup_gate = warmup_gate

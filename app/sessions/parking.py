@@ -178,12 +178,17 @@ class Parking:
         """``/v1/info``'s ``memory``."""
         used = self.device_used()
         totals = self.totals()
+        host = sum(n for (state, where), n in totals.items() if where == "host")
         return {
             "budget": self.budget,
             "used": used,
             "free": None if self.budget is None else max(self.budget - used, 0),
-            "host": sum(n for (state, where), n in totals.items() if where == "host"),
+            "host": host,
             "disk": totals[("spilled", "disk")],
+            # The same figures under the names of the service's spec (api.md 1.2), and as /metrics gauges.
+            "device_budget": self.budget,
+            "device_used": used,
+            "host_used": host,
             "sessions": self.counts(),
             "park_after_s": self.settings.park_after_s,
             "spill_after_s": self.settings.spill_after_s if self.folder is not None else None,

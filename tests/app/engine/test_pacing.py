@@ -210,8 +210,9 @@ def test_admission_refuses_the_session_that_would_overload_the_engine_by_the_mea
         assert client.post("/v1/sessions", json={"realtime": True}).status_code == 503
 
 
-def test_without_admission_realtime_sessions_are_admitted_by_count(make_settings):
-    with running_app(make_settings(warmup=False, batching=False, max_sessions=3)) as client:
+@pytest.mark.parametrize("admission", ["none", "count"])  # count: the specification's name for none
+def test_without_admission_realtime_sessions_are_admitted_by_count(make_settings, admission):
+    with running_app(make_settings(warmup=False, batching=False, max_sessions=3, admission=admission)) as client:
         client.app.state.services.engine.pacer.cost.set(48, 10.0)  # hopeless, but admission is none
         assert [client.post("/v1/sessions", json={"realtime": True}).status_code for _ in range(4)] == [201] * 3 + [503]
 

@@ -260,3 +260,24 @@ def test_a_session_live_on_another_replica_is_503_session_moved_not_404(make_set
             assert int(reply.headers["Retry-After"]) >= 1
         assert a.get(f"/v1/sessions/{sid}").status_code == 200  # nothing of it changed
         assert b.get(f"/v1/sessions/{'e' * 32}").status_code == 404  # an id nobody holds is still unknown
+
+
+def test_info_memory_and_metrics_carry_the_specified_memory_figures(make_settings):
+    """The spec's names (api.md 1.2): /v1/info memory device_budget, device_used, host_used, the same as gauges."""
+    from tests.app.conftest import metric_value
+
+    latents, embeds, mask = make_clip(frames=5)
+    with running_app(make_settings(device_memory_budget=10**9)) as client:
+        sid = client.post("/v1/sessions").json()["session_id"]
+        assert client.post(f"/v1/sessions/{sid}/chunks?seq=0", content=payload(latents, embeds, mask),
+                           headers={"Content-Type": "application/octet-stream"}).status_code == 200
+        memory = client.get("/v1/info").json()["memory"]
+        assert (memory["device_budget"], memory["device_used"], memory["host_used"]) == (
+            memory["budget"], memory["used"], memory["host"]) and memory["used"] > 0 and memory["host"] > 0
+        text = client.get("/metrics").text
+        assert metric_value(text, "refiner_device_memory_budget_bytes") == 10**9
+        assert metric_value(text, "refiner_device_memory_used_bytes") == memory["device_used"]
+        assert metric_value(text, "refiner_host_memory_used_bytes") == memory["host_used"]
+    with running_app(make_settings()) as client:  # no budget: the gauge has no sample
+        assert client.get("/v1/info").json()["memory"]["device_budget"] is None
+        assert "\nrefiner_device_memory_budget_bytes " not in client.get("/metrics").text
