@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
     serve.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: CUDA if available)")
     serve.add_argument("--dtype", help="float32, bfloat16, float16, float64 or auto (default: bf16 on CUDA, else fp32)")
-    serve.add_argument("--api-key", help="bearer key every route but /health, /ready, /metrics, /view and its script needs (default: none)")
+    serve.add_argument("--api-key", help="bearer key every route but /health, /ready, /metrics, /view and its script "
+                       "needs (default: none)")
     serve.epilog = ("Every setting, with its WM_REFINER_* variable and YAML key: docs/operations.md. Flags override "
                     "the environment, which overrides the --config file.")
 
