@@ -30,6 +30,16 @@ def _start(client, sid: str) -> None:
     assert reply.status_code == 200, reply.text
 
 
+def _parked(client):
+    """A session that had its first chunk, parked: the services, its id and its handle."""
+    services = client.app.state.services
+    sid = client.post("/v1/sessions").json()["session_id"]
+    _start(client, sid)
+    handle = services.registry.existing(sid)
+    assert client.portal.call(services.store.parking.park, handle)
+    return services, sid, handle
+
+
 def _gate_threads(monkeypatch, module, name: str, when=lambda *a, **k: True, after: bool = False):
     """Hold the first worker-thread call of ``module.name`` (that ``when`` accepts) until the gate opens: before
     the call, or once it is done (``after``)."""
@@ -88,12 +98,8 @@ def test_a_session_deleted_while_it_is_spilled_leaves_no_lease_behind(make_setti
     """The DELETE lands once the spill's file is in place, before the spill goes on: no file, no lease, 404."""
     gate, entered = _gate_threads(monkeypatch, parking_module, "write_fenced", after=True)
     with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
-        services = client.app.state.services
+        services, sid, handle = _parked(client)
         store, parking = services.store, services.store.parking
-        sid = client.post("/v1/sessions").json()["session_id"]
-        _start(client, sid)
-        handle = services.registry.existing(sid)
-        assert client.portal.call(parking.park, handle)
         spill = client.portal.start_task_soon(parking.spill, handle)
         assert entered.wait(DEADLINE_S)
         assert client.delete(f"/v1/sessions/{sid}").status_code == 204
@@ -110,12 +116,8 @@ def test_a_request_while_a_spill_lets_go_of_its_lease_adopts_the_session(make_se
     the release and adopts the file, and goes on from where the session was."""
     gate, entered = _gate_threads(monkeypatch, leases_module, "release")
     with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
-        services = client.app.state.services
+        services, sid, handle = _parked(client)
         parking = services.store.parking
-        sid = client.post("/v1/sessions").json()["session_id"]
-        _start(client, sid)
-        handle = services.registry.existing(sid)
-        assert client.portal.call(parking.park, handle)
         spill = client.portal.start_task_soon(parking.spill, handle)
         assert entered.wait(DEADLINE_S)
         result = {}
@@ -137,12 +139,8 @@ def test_a_watcher_joining_while_a_spill_lets_go_of_its_lease_gets_the_adopted_s
                                                                                        monkeypatch):
     gate, entered = _gate_threads(monkeypatch, leases_module, "release")
     with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
-        services = client.app.state.services
+        services, sid, handle = _parked(client)
         parking = services.store.parking
-        sid = client.post("/v1/sessions").json()["session_id"]
-        _start(client, sid)
-        handle = services.registry.existing(sid)
-        assert client.portal.call(parking.park, handle)
         spill = client.portal.start_task_soon(parking.spill, handle)
         assert entered.wait(DEADLINE_S)
         watching = client.portal.start_task_soon(services.sessions.watch, sid, {}, _Watcher)
