@@ -131,11 +131,17 @@ async def until_client_leaves(request: Request, work: Awaitable[T], body_read: a
 
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        return None
-    return task.result()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task  # until the work has let go of what it holds
+    except (asyncio.CancelledError, Exception):  # nobody is left to tell
+        pass
+    return None

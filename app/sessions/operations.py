@@ -301,10 +301,15 @@ class SessionOps:
         target = EngineSession(session=session, name="one-shot clip", stages=services.stages.for_session(wanted, config))
         work = Work(target, latents, tensors.get(PROMPT_EMBEDS), tensors.get(PROMPT_MASK), flush=True, one_shot=True,
                     finite_checked=True)
+        run = asyncio.ensure_future(services.engine.run(work))
         try:
-            return await services.engine.run(work)
+            return await asyncio.shield(run)
         except asyncio.CancelledError:
+            # The engine drops it at its next block; until then its tensors are held, so its place and its bytes
+            # (device_memory_budget) stay counted: the caller gives them back only once this returns.
             target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
+            with contextlib.suppress(Exception):
+                await run
             raise
 
     # --- streams ---------------------------------------------------------------------------------------------

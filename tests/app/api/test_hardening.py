@@ -4,6 +4,7 @@ huge requests, inputs that turn a session's output non-finite (issue 16, items 2
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -212,13 +213,14 @@ def test_slow_headers_and_trickled_bodies_are_cut_off(make_settings):
             sock.close()
 
 
-def test_a_clip_whose_client_goes_away_stops_and_frees_its_place(make_settings):
+def test_a_clip_whose_client_goes_away_stops_and_frees_its_place(make_settings, caplog):
     """api.md: a /v1/refine "stops if its client goes away": its place (max_sessions) is free at once, and its
     throwaway session is refined no further than the block under way."""
     import httpx
 
     from tests.app.conftest import metric_value
 
+    caplog.set_level(logging.INFO, logger="app")
     latents, embeds, mask = make_clip(frames=121, height=8, width=8)  # the sink and 40 blocks
     body = payload(latents, embeds, mask)
     with LiveServer(make_settings(max_sessions=1)) as server:
@@ -240,3 +242,6 @@ def test_a_clip_whose_client_goes_away_stops_and_frees_its_place(make_settings):
         time.sleep(0.5)
         ran = calls() - before
         assert ran < 40 * 4 / 2, f"the clip went on for {ran:g} model calls after its client left"
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert not errors, [record.getMessage() for record in errors]
+    assert any("went away before its clip was refined" in record.getMessage() for record in caplog.records)
