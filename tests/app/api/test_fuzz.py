@@ -20,6 +20,7 @@ no deadline, no example database. ``WM_FUZZ_EXAMPLES=500`` makes it a deeper, ra
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 from schemathesis import GenerationMode
+from schemathesis.core.parameters import ParameterLocation
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -103,7 +105,8 @@ def randn(draw, shape) -> torch.Tensor:
 def valid_chunk(draw) -> dict[str, torch.Tensor]:
     # A small fixed geometry most of the time, so a long-lived session keeps accepting chunks.
     batch, side = draw(st.sampled_from([(1, 2), (1, 2), (1, 2), (1, 3), (2, 2)]))
-    frames = draw(st.integers(0, 5))
+    # Mostly what both tensor routes take (a clip needs more frames than its sink), sometimes 0 or too many.
+    frames = draw(st.sampled_from([2, 3, 4, 1, 0, 5]))
     chunk = {"latents": randn(draw, (batch, 128, frames, side, side)).to(draw(st.sampled_from(DTYPES[:3])))}
     if draw(st.sampled_from([True, True, False])):
         tokens = draw(st.integers(1, 5))
@@ -227,9 +230,14 @@ def fuzzed(request, checkpoint_dir, tmp_path_factory):
 def fuzz(fuzzed: Fuzzed, method: str, path: str, mode: GenerationMode) -> None:
     operation = fuzzed.schema[path][method]
     session_scoped = "{session_id}" in path
+    refine_config = path == "/v1/refine" and mode == GenerationMode.POSITIVE
     checks = CHECKS + ([ignored_auth] if fuzzed.headers else [])
 
-    @given(case=operation.as_strategy(generation_mode=mode), target=st.sampled_from(["generated", "fresh", "shared"]))
+    @given(
+        case=operation.as_strategy(generation_mode=mode),
+        target=st.sampled_from(["generated", "fresh", "shared"]),
+        defaults=st.booleans(),
+    )
     @settings(
         # The tensor routes hold most of the logic worth fuzzing; they get more of the budget.
         max_examples=EXAMPLES * (3 if path in TENSOR_ROUTES else 1),
@@ -238,21 +246,43 @@ def fuzz(fuzzed: Fuzzed, method: str, path: str, mode: GenerationMode) -> None:
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
     )
-    def run(case, target):
+    def run(case, target, defaults):
+        if defaults and refine_config:
+            # Schema-valid settings drawn at random rarely meet the rules across fields (kv_max_frames >=
+            # sink_frames + block_size, each up to 2**20), so most clips would end in 422 before the engine: half
+            # the positive /v1/refine cases take the server's defaults, and the body decides.
+            case.query = {}
         if case.query:
-            # requests leaves a None-valued parameter out of the URL, so a negative case's unknown parameter
-            # would never be sent and its acceptance be blamed on the server; send it, as the text null.
-            case.query = {name: "null" if value is None else value for name, value in case.query.items()}
+            # requests leaves a None-valued or empty-list parameter out of the URL, and sends a list as repeated
+            # keys (the last one read), so a negative case's broken parameter could arrive valid or not at all and
+            # its acceptance be blamed on the server; send such values as their JSON text (no parameter takes a
+            # list).
+            case.query = {name: as_sent(value) for name, value in case.query.items()}
+        headers = fuzzed.headers
+        if leaves_the_key_out(case):
+            headers = {}  # the case is negative by leaving the required key out: do not put it back
         if session_scoped and target != "generated":
             case.path_parameters = {"session_id": fuzzed.new_session() if target == "fresh" else fuzzed.shared()}
         fuzzed.requests += 1
         response = case.call_and_validate(
-            base_url=fuzzed.server.base_url, headers=fuzzed.headers, checks=checks, timeout=DEADLINE_S
+            base_url=fuzzed.server.base_url, headers=headers, checks=checks, timeout=DEADLINE_S
         )
         fuzzed.statuses[method, path, response.status_code] += 1
 
     run()
     fuzzed.done.add((method, path, mode))
+
+
+def as_sent(value):
+    return json.dumps(value) if value is None or isinstance(value, (list, dict)) else value
+
+
+def leaves_the_key_out(case) -> bool:
+    mutations = getattr(case.meta.phase.data, "mutations", ()) if case.meta is not None else ()
+    return any(
+        mutation.parameter_location == ParameterLocation.HEADER and mutation.parameter == "Authorization"
+        for mutation in mutations
+    )
 
 
 CASES = [
@@ -275,11 +305,12 @@ def test_after_fuzzing_the_app_still_works(fuzzed, refiner):
     assert fuzzed.requests >= len(CASES) * EXAMPLES // 2, "the fuzzer sent suspiciously few requests"
     # The generated safetensors got past the parser and the checks into the engine, not only into 400s.
     chunks = "/v1/sessions/{session_id}/chunks"
+    seen = "\n".join(f"{method} {path} {status}: {n}" for (method, path, status), n in sorted(fuzzed.statuses.items()))
     for status in (200, 400, 404, 422):
-        assert fuzzed.statuses["POST", chunks, status] > 0, (status, fuzzed.statuses)
+        assert fuzzed.statuses["POST", chunks, status] > 0, f"no POST chunks {status}; answered:\n{seen}"
     for status in (200, 400, 422):
-        assert fuzzed.statuses["POST", "/v1/refine", status] > 0, (status, fuzzed.statuses)
-    assert fuzzed.statuses["POST", chunks, 413] + fuzzed.statuses["POST", "/v1/refine", 413] > 0, fuzzed.statuses
+        assert fuzzed.statuses["POST", "/v1/refine", status] > 0, f"no POST /v1/refine {status}; answered:\n{seen}"
+    assert fuzzed.statuses["POST", chunks, 413] + fuzzed.statuses["POST", "/v1/refine", 413] > 0, seen
     client, headers = fuzzed.client, fuzzed.headers
     services = fuzzed.server.services
     wait_until(lambda: services.engine.outstanding == 0, "the engine to settle")
