@@ -142,9 +142,13 @@ class Parking:
     def device_used(self, exclude: Any = None) -> int:
         """Device bytes the sessions hold or have reserved (an active session counts at least what admission
         reserved for it; a parked one only what stays on the device), plus clips being refined."""
+        handles = self.registry.handles()
+        # A session coming in counts its reservation until it counts for itself (active here), not both at once.
+        counted = {handle.id for handle in handles if handle.memory_state == "active"}
         used = self._clip_bytes + sum(n for session_id, n in self._incoming.items()
-                                      if exclude is None or session_id != getattr(exclude, "id", None))
-        for handle in self.registry.handles():
+                                      if session_id not in counted
+                                      and (exclude is None or session_id != getattr(exclude, "id", None)))
+        for handle in handles:
             if handle is exclude:
                 continue
             device = handle_bytes(handle)["device"]
@@ -518,7 +522,7 @@ class Parking:
                     "max_spilled_bytes": settings.max_spilled_bytes},
         )
 
-    def expire_spilled(self, view: FolderView | None = None) -> int:
+    def expire_spilled(self, view: FolderView | None = None, releasing: frozenset[str] = frozenset()) -> int:
         """Delete the spilled sessions past session_retention_s, oldest first (their files too; 410 from then on);
         how many. One adopted by another replica meanwhile is not this one's to delete: it is only forgotten."""
         registry, retention = self.registry, self.settings.retention_s
@@ -527,7 +531,7 @@ class Parking:
                          if now - stub.last_active > retention)
         deleted = 0
         for _, session_id in expired:
-            stub = self.stub(session_id, view)
+            stub = self.stub(session_id, view, releasing)
             if stub is None or now - stub.last_active <= retention:
                 continue  # adopted elsewhere, or asked for while the folder was listed
             self.spilled.pop(session_id, None)
@@ -542,21 +546,27 @@ class Parking:
             deleted += 1
         return deleted
 
-    def stub(self, session_id: str, view: FolderView | None = None) -> Spilled | None:
+    def stub(self, session_id: str, view: FolderView | None = None,
+             releasing: frozenset[str] = frozenset()) -> Spilled | None:
         """The spilled session ``session_id`` if its file is still there (another replica may have adopted it).
         ``view``: the folder as one listing saw it (``folder_view``), for a caller asking about many sessions;
-        without it this looks at the folder for this one session."""
+        without it this looks at the folder for this one session. ``releasing``: the sessions whose spill was
+        still letting go of its lease when that listing began."""
         stub = self.spilled.get(session_id)
         if stub is None:
             return None
         folder = self.folder
+        # A lease on it is another replica's (that replica adopted it), unless this replica's spill is still
+        # releasing its own: the session is spilled (and counted) from the moment the spill commits, before the
+        # lease file is gone.
+        ours = session_id in self._releasing or session_id in releasing
         if folder is None:
             gone = True
         elif view is not None:
-            gone = session_id not in view.saved or session_id in view.leased
+            gone = session_id not in view.saved or (session_id in view.leased and not ours)
         else:
-            gone = not snapshot_path(folder, session_id).is_file() or bool(leases.generations(folder, session_id))
-        # A lease on it now is another replica's (a spill releases this one's): that replica adopted it.
+            gone = not snapshot_path(folder, session_id).is_file() or (
+                not ours and bool(leases.generations(folder, session_id)))
         if gone:
             self.spilled.pop(session_id, None)
             return None
@@ -569,8 +579,10 @@ class Parking:
         folder = self.folder
         if not self.spilled:
             return []
+        releasing = frozenset(self._releasing)  # before the listing: it may see their leases, gone by its end
         view = None if folder is None else await asyncio.to_thread(folder_view, folder)
-        return [stub for session_id in list(self.spilled) if (stub := self.stub(session_id, view)) is not None]
+        return [stub for session_id in list(self.spilled)
+                if (stub := self.stub(session_id, view, releasing)) is not None]
 
     def read(self, session_id: str) -> dict[str, Any] | None:
         """GET of a spilled session: its description, without bringing it back (a request all the same: its
@@ -632,10 +644,10 @@ class Parking:
                     log.exception("spilling session %s failed; it stays parked", handle.id)
         retention = settings.retention_s
         if any(now - stub.last_active > retention for stub in self.spilled.values()):
-            view = None
+            view, releasing = None, frozenset(self._releasing)
             if self.folder is not None:
                 view = await asyncio.to_thread(folder_view, self.folder)
-            self.expire_spilled(view)
+            self.expire_spilled(view, releasing)
 
 
 def _idle(handle: SessionHandle) -> bool:

@@ -7,13 +7,14 @@ cancelled park still records where the session's tensors are."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import threading
 import time
 
 import app.persistence.leases as leases_module
 import app.sessions.parking as parking_module
 import app.sessions.store as store_module
-from app.persistence.records import has_snapshot
+from app.persistence.records import SUFFIX, has_snapshot
 from app.sessions.footprint import handle_bytes
 from models import SessionConfig
 from models.session import Geometry
@@ -152,6 +153,48 @@ def test_a_watcher_joining_while_a_spill_lets_go_of_its_lease_gets_the_adopted_s
         live = services.registry.existing(sid)
         assert live is not handle and watcher in live.watchers
         assert watcher.offered > 0, "the watcher was left on the spilled handle"
+
+
+def test_a_listing_while_a_spill_lets_go_of_its_lease_keeps_the_session(make_settings, tmp_path, monkeypatch):
+    """The spill committed and its own lease file is still there: a listing must not take that lease for another
+    replica's adoption and forget the session (gone from every listing and /v1/info, and a later DELETE adopting it
+    back, at max_sessions a 503)."""
+    gate, entered = _gate_threads(monkeypatch, leases_module, "release")
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps", max_sessions=1)) as client:
+        services, sid, handle = _parked(client)
+        parking = services.store.parking
+        spill = client.portal.start_task_soon(parking.spill, handle)
+        assert entered.wait(DEADLINE_S)
+        listed = [s["session_id"] for s in client.get("/v1/sessions").json()["sessions"]]
+        assert client.get(f"/v1/sessions/{sid}").json()["state"] == "spilled"
+        gate.set()
+        assert spill.result(DEADLINE_S) is True
+        assert listed == [sid]
+        assert [s["session_id"] for s in client.get("/v1/sessions").json()["sessions"]] == [sid]
+        assert client.get("/v1/info").json()["memory"]["sessions"]["spilled"] == 1
+        assert client.post("/v1/sessions").status_code == 201  # the one live place is taken now
+        assert client.delete(f"/v1/sessions/{sid}").status_code == 204  # ended from its file, not adopted first
+        assert not has_snapshot(tmp_path / "snaps", sid)
+
+
+def test_an_adopted_session_is_counted_once_while_its_file_is_removed(make_settings, tmp_path, monkeypatch):
+    """Without checkpoints an adoption removes the file once the session is live: meanwhile the room it reserved
+    and the session itself are one session's bytes, not two (a memory check then would park or refuse for
+    nothing)."""
+    gate, entered = _gate_threads(monkeypatch, pathlib.Path, "unlink",
+                                  when=lambda path, *a, **k: path.name.endswith(SUFFIX))
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps", device_memory_budget=1 << 40)) as client:
+        services, sid, handle = _parked(client)
+        parking = services.store.parking
+        assert client.portal.call(parking.spill, handle)
+        assert _used(client, parking) == 0
+        adopting = client.portal.start_task_soon(services.store.lookup, sid)
+        assert entered.wait(DEADLINE_S)  # live again, its file being removed
+        adopted = services.registry.existing(sid)
+        during = _used(client, parking)
+        gate.set()
+        assert adopting.result(DEADLINE_S) is adopted
+        assert during == _used(client, parking) == handle_bytes(adopted)["device"] > 0
 
 
 def test_a_page_in_keeps_the_room_it_made_while_it_waits(make_settings, refiner, monkeypatch):
