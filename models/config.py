@@ -94,7 +94,8 @@ def _problems(config: SessionConfig) -> list[str]:
     if isinstance(config.fps, bool) or not isinstance(config.fps, (int, float)) or not math.isfinite(config.fps):
         problems.append(f"fps must be a finite number, got {config.fps!r}")
     elif not 0.001 <= config.fps <= 1000:
-        # Below 0.001 the float32 RoPE time positions (pixel frame / fps) overflow and every block is NaN.
+        # Far below 0.001 (about 1e-35) the float32 RoPE time positions (pixel frame / fps) overflow and every
+        # block is NaN; the floor is a margin (wm_refiner_client.spec.FPS_MIN).
         problems.append(f"fps must be in [0.001, 1000], got {config.fps}")
     if not 1 <= config.sink_frames <= _INT_LIMIT:
         problems.append(f"sink_frames must be >= 1, got {config.sink_frames}")

@@ -26,8 +26,9 @@ from . import formats
 # --- bounds a single field can state (rules across fields stay with models.config: 422 invalid_config) ---------------
 SEED_MAX = 2**63 - 1
 FPS_MAX = 1000.0
-# Below this the RoPE time positions (pixel frame / fps, float32) overflow: the model's output is NaN, which the
-# service would report as the input's fault. 0.001 fps is a latent frame every 8000 s: no video comes near it.
+# Far below this (about 1e-35) the RoPE time positions (pixel frame / fps, float32) overflow and the model's output is
+# NaN, which the service would report as the input's fault. The floor leaves a wide margin where the refiner is
+# checked within parity (tests/models/test_session.py): 0.001 fps is a latent frame every 8000 s, no video's rate.
 FPS_MIN = 0.001
 FRAMES_MAX = 1 << 20  # sink_frames, block_size, kv_max_frames, video_lookahead
 KV_MAX_FRAMES_MIN = 2  # the smallest sink_frames + block_size
