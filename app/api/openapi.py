@@ -248,6 +248,8 @@ class SessionSummary(BaseModel):
 class SessionList(BaseModel):
     sessions: list[SessionSummary]
     next: str | None = Field(description="pass as ?after= for the next page; null on the last one")
+    after_created_at: str | None = Field(None, description="with ?after= and scope=local: when that session was "
+                                         "created, where the page starts (a replica asks its peers for it)")
 
 
 class SessionCreated(BaseModel):

@@ -44,7 +44,7 @@ from app.outputs.replay import SentUnit
 from app.outputs.stage import OutputStages, OutUnit
 from app.sessions import views
 from app.sessions.limits import check_config_limits, check_payload
-from app.sessions.peers import peer_headers, peer_sessions, peer_urls
+from app.sessions.peers import peer_headers, peer_position, peer_sessions, peer_urls
 from app.sessions.registry import SessionHandle, page_after
 from app.sessions.store import SessionStore
 from app.sessions.subscriptions import StreamSubscriber, WatchSubscriber
@@ -171,16 +171,27 @@ class SessionOps:
         replica = self.settings.replica_id
         if scope == "local" or not self.settings.peers:
             page, following = await self.store.listing(limit, after)
-            return {"sessions": [{**views.summary(entry), "replica": replica} for entry in page], "next": following}
+            body = {"sessions": [{**views.summary(entry), "replica": replica} for entry in page], "next": following}
+            if after is not None and (created_at := self.store.created_at(after)) is not None:
+                body["after_created_at"] = views.iso_time(created_at)  # where the page starts (peers ask it)
+            return body
+        urls, headers = await peer_urls(self.settings), peer_headers(self.settings)
         mine = [{**views.summary(entry), "replica": replica} for entry in await self.store.everything()]
-        theirs, unreachable = await peer_sessions(await peer_urls(self.settings), peer_headers(self.settings))
+        theirs, unreachable = await peer_sessions(urls, headers)
         merged: dict[str, dict[str, Any]] = {}
         for entry in [*mine, *theirs]:
             merged.setdefault(entry["session_id"], entry)  # a session seen twice (mid-move): the first answer
+        elsewhere = None
+        if after is not None and after not in merged and self.store.registry.ended_position(after) is None:
+            # Ended on another replica (the router sent the previous page's request there): that replica knows
+            # where it stood.
+            elsewhere = await peer_position(urls, headers, after)
 
-        def ended(session_id: str) -> tuple[str, str] | None:  # one that ended on this replica (ISO times sort)
+        def ended(session_id: str) -> tuple[str, str] | None:  # one that ended lately (ISO times sort)
             position = self.store.registry.ended_position(session_id)
-            return None if position is None else (views.iso_time(position[0]), session_id)
+            if position is not None:
+                return views.iso_time(position[0]), session_id
+            return (elsewhere, session_id) if elsewhere is not None and session_id == after else None
 
         page, following = page_after(list(merged.values()), lambda e: (e["created_at"], e["session_id"]), after,
                                      limit, ended, "this deployment")

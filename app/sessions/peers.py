@@ -81,20 +81,45 @@ async def peer_sessions(urls: list[str], headers: dict[str, str]) -> tuple[list[
     return [entry for found in answers for entry in found], sorted(unreachable)
 
 
+async def peer_position(urls: list[str], headers: dict[str, str], session_id: str) -> str | None:
+    """Where ``session_id`` stands in the listings (its ``created_at``), from the first replica at ``urls`` that
+    knows it, live or lately ended: the ``after_created_at`` of its ``scope=local`` page after that id. None if
+    none does within ``PEER_DEADLINE_S`` (a peer that does not answer, or answers out of shape, knows nothing)."""
+    import httpx
+
+    async def ask(base: str, http: httpx.AsyncClient) -> str | None:
+        params = {"scope": "local", "limit": 1, "after": session_id}
+        try:
+            data = await asyncio.wait_for(_read(base, http, params, headers), PEER_DEADLINE_S)
+            value = json.loads(data).get("after_created_at")
+        except (httpx.HTTPError, PeerMisbehaved, asyncio.TimeoutError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, str) and len(value) <= 64 else None
+
+    async with httpx.AsyncClient(timeout=PEER_DEADLINE_S) as http:
+        answers = await asyncio.gather(*(ask(base, http) for base in urls))
+    return next((answer for answer in answers if answer is not None), None)
+
+
+async def _read(base: str, http, params: dict[str, Any], headers: dict[str, str]) -> bytes:
+    """One page of the peer's listing, at most ``MAX_PEER_BYTES``; an error status raises."""
+    async with http.stream("GET", f"{base}/v1/sessions", params=params, headers=headers) as reply:
+        reply.raise_for_status()
+        data = bytearray()
+        async for part in reply.aiter_bytes():
+            data += part
+            if len(data) > MAX_PEER_BYTES:
+                raise PeerMisbehaved(f"a page of more than {MAX_PEER_BYTES} bytes")
+    return bytes(data)
+
+
 async def _listing(base: str, http, headers: dict[str, str]) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     following: str | None = None
     seen: set[str] = set()
     for _ in range(MAX_PEER_PAGES):
         params = {"scope": "local", "limit": PAGE_LIMIT, **({"after": following} if following else {})}
-        async with http.stream("GET", f"{base}/v1/sessions", params=params, headers=headers) as reply:
-            reply.raise_for_status()
-            data = bytearray()
-            async for part in reply.aiter_bytes():
-                data += part
-                if len(data) > MAX_PEER_BYTES:
-                    raise PeerMisbehaved(f"a page of more than {MAX_PEER_BYTES} bytes")
-        entries, following = _page(bytes(data))
+        entries, following = _page(await _read(base, http, params, headers))
         found += entries
         if following is None:
             return found

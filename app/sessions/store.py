@@ -244,6 +244,14 @@ class SessionStore:
         return page_after(await self.everything(), lambda e: (e.created_at, e.id), after, limit,
                           self.registry.ended_position, "this server")
 
+    def created_at(self, session_id: str) -> float | None:
+        """When ``session_id`` was created, if this replica holds it (live or spilled) or it ended here lately."""
+        for entry in (*self.registry.handles(), *self.parking.spilled.values()):
+            if entry.id == session_id:
+                return entry.created_at
+        position = self.registry.ended_position(session_id)
+        return None if position is None else position[0]
+
     async def everything(self) -> list[Any]:
         """Every session of this replica: the live ones and the spilled ones whose file is still in snapshot_dir
         (one listing of the folder, off the event loop: ``Parking.stubs``)."""

@@ -11,9 +11,10 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
-from tests.app.conftest import running_app
+from tests.app.conftest import LiveServer, running_app
 
 GOOD_ENTRY = {"session_id": "peer-session-0001", "created_at": "2026-01-01T00:00:00+00:00", "frames_received": 3,
               "frames_returned": 3, "flushed": False, "replica": "peer"}
@@ -96,6 +97,35 @@ def test_misbehaving_peers_cannot_hang_or_break_the_listing(make_settings, peers
     # The peers get the replicas' credential; the caller's key never leaves this replica.
     sent = {auth for server in peers.values() for auth in server.authorization}
     assert sent == {"Bearer replica-key"}
+
+
+def test_misbehaving_peers_cannot_hang_a_cursor_nobody_knows(make_settings, peers):
+    """An ``after`` unknown here is asked of the peers (it may have ended on one of them): none of these knows it,
+    so 422, within the same 2 s per peer."""
+    with running_app(make_settings(peers=",".join(url(s) for s in peers.values()))) as client:
+        started = time.monotonic()
+        reply = client.get("/v1/sessions", params={"after": "f" * 32})
+        took = time.monotonic() - started
+    assert reply.status_code == 422 and "pass the 'next' of the previous page" in reply.text, reply.text
+    assert took < 8, f"the listing took {took:.1f} s"
+
+
+def test_a_cursor_that_ended_on_another_replica_still_pages_the_deployment(make_settings):
+    """Behind a router the next page may reach another replica than the one where the previous page's last session
+    ended: that replica asks its peers where the session stood, and the walk goes on."""
+    with LiveServer(make_settings()) as other, httpx.Client(base_url=other.base_url) as on_other, \
+            running_app(make_settings(peers=other.base_url)) as client:
+        theirs = [on_other.post("/v1/sessions").json()["session_id"] for _ in range(2)]
+        mine = client.post("/v1/sessions").json()["session_id"]
+        first = client.get("/v1/sessions", params={"limit": 1}).json()
+        assert [s["session_id"] for s in first["sessions"]] == [theirs[0]] and first["next"] == theirs[0]
+        assert on_other.delete(f"/v1/sessions/{theirs[0]}").status_code == 204
+        rest = client.get("/v1/sessions", params={"after": first["next"]})
+        assert rest.status_code == 200, rest.text
+        assert [s["session_id"] for s in rest.json()["sessions"]] == [theirs[1], mine]
+        # The peer's answer that made it possible, as a replica asks it.
+        local = on_other.get("/v1/sessions", params={"scope": "local", "limit": 1, "after": theirs[0]}).json()
+        assert local["sessions"][0]["session_id"] == theirs[1] and local["after_created_at"] is not None
 
 
 def test_without_a_peer_key_the_replica_sends_its_own(make_settings, peers):
