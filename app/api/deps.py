@@ -13,6 +13,7 @@ from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from app.core.codec import OCTET_STREAM
+from app.core.tasks import outlast
 from app.core.error_kinds import ApiError
 from app.runtime.services import Services
 
@@ -140,8 +141,10 @@ async def until_client_leaves(request: Request, work: Awaitable[T], body_read: a
     if task in done:
         return task.result()
     task.cancel()
-    try:
-        await task  # until the work has let go of what it holds
-    except (asyncio.CancelledError, Exception):  # nobody is left to tell
-        pass
+    # Until the work has let go of what it holds, even if the route is cancelled meanwhile (the server shutting
+    # down): that cancellation then goes on, rather than being taken for the work's own.
+    if await outlast(task):
+        raise asyncio.CancelledError
+    if not task.cancelled():
+        task.exception()  # nobody is left to tell; retrieved, so that asyncio does not log it either
     return None

@@ -35,6 +35,7 @@ from app.core.codec import EMPTY_CHUNK, EMPTY_MESSAGE, LATENTS, PROMPT_EMBEDS, P
 from app.core.error_kinds import ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
+from app.core.tasks import outlast
 from app.engine import pacing
 from app.engine.worker import Engine, EngineSession, Work
 from app.outputs.delivery import Deliveries, Encoder, UnitCopies, unit_metadata
@@ -319,8 +320,9 @@ class SessionOps:
             # The engine drops it at its next block; until then its tensors are held, so its place and its bytes
             # (device_memory_budget) stay counted: the caller gives them back only once this returns.
             target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
-            with contextlib.suppress(Exception):
-                await run
+            await outlast(run)  # through a second cancellation too (the server's shutdown)
+            if not run.cancelled():
+                run.exception()  # nobody is left to tell
             raise
 
     # --- streams ---------------------------------------------------------------------------------------------

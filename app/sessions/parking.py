@@ -52,6 +52,7 @@ from models.snapshot import SnapshotError, _read_metadata, read_header
 from app.core.error_kinds import ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
+from app.core.tasks import outlast
 from app.engine.worker import Engine
 from app.outputs.delivery import Encoder
 from app.persistence import leases
@@ -400,14 +401,12 @@ class Parking:
         it, with the session's lock still held, before the cancellation goes on: the state never says "active"
         while the tensors are on the host."""
         call = asyncio.ensure_future(self.engine.call(move))
-        try:
-            result = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            if call.cancelled():
-                raise
-            moved(await call)
-            raise
-        moved(result)
+        cancelled = await outlast(call)  # cancelled twice (the request gone, then the shutdown) waits all the same
+        if call.cancelled():
+            raise asyncio.CancelledError
+        moved(call.result())
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def settle(self) -> None:
         """Every queued device-to-host copy complete (before a drain reads the parked sessions)."""

@@ -36,6 +36,7 @@ from wm_refiner_client import spec
 from app.core.error_kinds import WS_SERVICE_RESTART, ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
+from app.core.tasks import outlast, to_thread_to_the_end
 from app.engine.engine_errors import Draining
 from app.engine.pacing import Admission
 from app.engine.worker import Engine
@@ -156,7 +157,7 @@ class SessionStore:
             try:
                 self.admit(realtime=admitted)  # checked again: the place may have gone while the lease was taken
             except BaseException:
-                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                await to_thread_to_the_end(leases.release, folder, session_id, lease)
                 raise
             self.leases[session_id] = lease
         handle = self.registry.adopt(session_id, RefinerSession(refiner, config, prompt), outputs=outputs)
@@ -281,11 +282,19 @@ class SessionStore:
         """The session's lease for this replica (``app.persistence.leases.acquire``, on a worker thread); 503 session_moved
         naming the owner while another replica holds a live one."""
         settings = self.settings
-        try:
-            return await asyncio.to_thread(leases.acquire, folder, session_id, settings.replica_id,
-                                           settings.session_lease_s)
-        except LeaseHeld as held:
-            raise _moved(held) from None
+        claim = asyncio.ensure_future(asyncio.to_thread(leases.acquire, folder, session_id, settings.replica_id,
+                                                        settings.session_lease_s))
+        # The thread takes the lease whether or not its caller is still there: one cancelled meanwhile (a client
+        # gone, a shutdown) lets go of it, or the id would be nobody's until the lease expired.
+        cancelled = await outlast(claim)
+        error = claim.exception()
+        if cancelled:
+            if error is None:
+                await to_thread_to_the_end(leases.release, folder, session_id, claim.result())
+            raise asyncio.CancelledError
+        if isinstance(error, LeaseHeld):
+            raise _moved(error) from None
+        return claim.result()
 
     async def _adopt(self, folder: Path, session_id: str) -> SessionHandle | None:
         """Take the session's lease, load its file and hold the session (None when the file went meanwhile or
@@ -312,10 +321,10 @@ class SessionStore:
                 record = await self.engine.call(
                     lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id))
             except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
-                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                await to_thread_to_the_end(leases.release, folder, session_id, lease)
                 return None
-            except Draining:
-                await asyncio.to_thread(leases.release, folder, session_id, lease)
+            except (Draining, asyncio.CancelledError):  # a drain began, or the lookup was cancelled (client gone)
+                await to_thread_to_the_end(leases.release, folder, session_id, lease)
                 raise
             except StaleRecord as exc:
                 # Its client is ahead of it: loading it would answer with an older session under the same id (the
@@ -327,14 +336,14 @@ class SessionStore:
                     os.replace(path, aside)
                 self.registry.mark_evicted(session_id, "its file in snapshot_dir turned out to be an older copy of "
                                                        f"it (set aside as {aside.name}): {exc}")
-                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                await to_thread_to_the_end(leases.release, folder, session_id, lease)
                 return None
             except Exception as exc:
                 aside = folder / f"{path.name}.corrupt"
                 log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
                 with contextlib.suppress(OSError):
                     os.replace(path, aside)
-                await asyncio.to_thread(leases.release, folder, session_id, lease)
+                await to_thread_to_the_end(leases.release, folder, session_id, lease)
                 return None
         finally:
             self.registry.clips -= 1
@@ -348,7 +357,7 @@ class SessionStore:
             handle.durable_frames = record.session.state.frames_received
             handle.checkpoint_blocks = record.session.state.blocks_refined
         else:
-            await asyncio.to_thread(path.unlink, missing_ok=True)
+            await to_thread_to_the_end(path.unlink, missing_ok=True)  # the session lives here now, cancelled or not
         log.info("adopted session %s from %s (lease generation %d)", session_id, folder, lease.generation)
         return handle
 

@@ -3,6 +3,7 @@ huge requests, inputs that turn a session's output non-finite (issue 16, items 2
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -11,7 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.app.conftest import OCTET, make_clip, payload, running_app
+from app.api.deps import until_client_leaves
+from tests.app.conftest import DEADLINE_S, OCTET, EngineHold, make_clip, payload, running_app
 
 
 def _rss_mib() -> float:
@@ -245,3 +247,76 @@ def test_a_clip_whose_client_goes_away_stops_and_frees_its_place(make_settings, 
     errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
     assert not errors, [record.getMessage() for record in errors]
     assert any("went away before its clip was refined" in record.getMessage() for record in caplog.records)
+
+
+def test_a_route_cancelled_while_its_work_lets_go_is_still_cancelled():
+    """The client left, so the route cancelled its work and waits for it to let go of what it holds; a
+    cancellation of the route meanwhile (the server shutting down) waits for that too, then ends the route instead
+    of being taken for the work's own."""
+    from app.core.tasks import outlast
+
+    class Gone:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    async def main():
+        let_go, released = asyncio.Event(), []
+
+        async def work():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                await outlast(asyncio.ensure_future(let_go.wait()))  # its engine work ends at the next block
+                released.append(1)
+                raise
+
+        body_read = asyncio.Event()
+        body_read.set()
+        route = asyncio.ensure_future(until_client_leaves(Gone(), work(), body_read))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        route.cancel()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not route.done(), "the route ended while its work still held what it holds"
+        let_go.set()
+        outcome = (await asyncio.gather(route, return_exceptions=True))[0]
+        assert released == [1]
+        assert isinstance(outcome, asyncio.CancelledError), f"the route's cancellation was swallowed: {outcome!r}"
+
+    asyncio.run(main())
+
+
+def test_a_clip_cancelled_twice_holds_its_place_until_the_engine_drops_it(make_settings):
+    """A /v1/refine whose client left, then the server's shutdown: both cancel the clip while its work is queued on
+    the engine; its place (max_sessions) stays counted until the engine has let go of it, not until the second
+    cancellation."""
+    latents, embeds, mask = make_clip(frames=9, height=8, width=8)
+    body = payload(latents, embeds, mask)
+    with running_app(make_settings(max_sessions=1)) as client:
+        services = client.app.state.services
+        hold = EngineHold()
+        held = client.portal.start_task_soon(services.engine.call, hold)
+        hold.wait_started()
+
+        async def read_payload():
+            return body
+
+        async def refine_then_cancel_twice():
+            clip = asyncio.ensure_future(services.sessions.refine_clip(dict, read_payload))
+            while not services.engine._inbox:  # queued behind the hold
+                await asyncio.sleep(0.01)
+            for _ in range(2):
+                clip.cancel()
+                for _ in range(5):
+                    await asyncio.sleep(0)
+                assert not clip.done(), "the clip ended while the engine still held its work"
+                assert services.registry.clips == 1, "the clip's place was given back while the engine held it"
+            hold.release.set()
+            return (await asyncio.gather(clip, return_exceptions=True))[0]
+
+        outcome = client.portal.call(refine_then_cancel_twice)
+        held.result(DEADLINE_S)
+        assert isinstance(outcome, asyncio.CancelledError)
+        assert services.registry.clips == 0
+        assert client.post("/v1/sessions").status_code == 201  # the one place is free again

@@ -11,6 +11,8 @@ import pathlib
 import threading
 import time
 
+import pytest
+
 import app.persistence.leases as leases_module
 import app.sessions.parking as parking_module
 import app.sessions.store as store_module
@@ -280,7 +282,9 @@ def test_room_is_made_from_another_idle_session_while_one_is_being_parked(make_s
         assert parking_a.result(DEADLINE_S) is True
 
 
-def test_a_park_cancelled_while_its_move_is_queued_still_records_it(make_settings, monkeypatch):
+@pytest.mark.parametrize("cancels", [1, 2], ids=["cancelled", "cancelled-twice"])
+def test_a_park_cancelled_while_its_move_is_queued_still_records_it(make_settings, monkeypatch, cancels):
+    # Twice: the request that made room went away, then the server shut down while the move was still queued.
     moved = []
     real_move = parking_module.move_session
     monkeypatch.setattr(parking_module, "move_session",
@@ -299,7 +303,11 @@ def test_a_park_cancelled_while_its_move_is_queued_still_records_it(make_setting
             task = asyncio.ensure_future(parking.park(handle))
             while not services.engine._inbox:  # its move is queued behind the hold
                 await asyncio.sleep(0.01)
-            task.cancel()
+            for _ in range(cancels):
+                task.cancel()
+                for _ in range(5):  # the cancellation delivered: the park waits on its queued move again
+                    await asyncio.sleep(0)
+                assert not task.done()
             hold.release.set()
             return (await asyncio.gather(task, return_exceptions=True))[0]
 
@@ -337,3 +345,70 @@ class _Watcher:
 
     def abort(self):
         pass
+
+
+async def _cancel_while_held(task: asyncio.Future, entered: threading.Event, gate: threading.Event, cancels: int):
+    """Cancel ``task`` ``cancels`` times while its worker thread is held (a client gone, then a shutdown), then let
+    the thread go on; what the task ended with."""
+    while not entered.is_set():
+        await asyncio.sleep(0.01)
+    for _ in range(cancels):
+        task.cancel()
+        for _ in range(5):  # the cancellation delivered: the task waits on its thread again
+            await asyncio.sleep(0)
+        assert not task.done(), "the task ended while its worker thread still ran"
+    gate.set()
+    return (await asyncio.gather(task, return_exceptions=True))[0]
+
+
+def _held_by_anyone(folder, sid) -> bool:
+    return leases_module.held_elsewhere(folder, sid, "another-replica", 60.0) is not None
+
+
+@pytest.mark.parametrize("cancels", [1, 2], ids=["cancelled", "cancelled-twice"])
+def test_a_creation_cancelled_while_it_takes_the_lease_lets_go_of_it(make_settings, tmp_path, monkeypatch, cancels):
+    """A PUT whose request was cancelled while the worker thread took the session's lease: the thread takes it
+    all the same, and the creation lets go of it before it ends, so the id is free for any replica at once rather
+    than nobody's until the lease expires."""
+    folder, sid = tmp_path / "snaps", "cancelled-create-1"
+    gate, entered = _gate_threads(monkeypatch, leases_module, "acquire", after=True,
+                                  when=lambda folder, session_id, *a, **k: session_id == sid)
+    with running_app(make_settings(snapshot_dir=folder, session_lease_s=60.0)) as client:
+        services = client.app.state.services
+
+        async def no_fields():
+            return {}
+
+        async def create_then_cancel():
+            return await _cancel_while_held(asyncio.ensure_future(services.sessions.put(sid, no_fields)), entered,
+                                            gate, cancels)
+
+        assert isinstance(client.portal.call(create_then_cancel), asyncio.CancelledError)
+        assert not _held_by_anyone(folder, sid), "a cancelled creation left the session's lease behind"
+        assert sid not in services.store.leases
+        assert client.get(f"/v1/sessions/{sid}").status_code == 404
+        assert client.put(f"/v1/sessions/{sid}", json={}).status_code == 201
+
+
+@pytest.mark.parametrize("cancels", [1, 2], ids=["cancelled", "cancelled-twice"])
+def test_an_adoption_cancelled_while_it_reads_the_file_lets_go_of_the_lease(make_settings, tmp_path, monkeypatch,
+                                                                           cancels):
+    """A request for a spilled session was cancelled while its file was read: the lease it took is let go and the
+    file stays, so another replica (or this one, next time) adopts the session from where it was."""
+    folder = tmp_path / "snaps"
+    gate, entered = _gate_threads(monkeypatch, store_module, "read_record")
+    with running_app(make_settings(snapshot_dir=folder, session_lease_s=60.0)) as client:
+        services, sid, handle = _parked(client)
+        assert client.portal.call(services.store.parking.spill, handle) is True
+        assert not _held_by_anyone(folder, sid)
+
+        async def adopt_then_cancel():
+            return await _cancel_while_held(asyncio.ensure_future(services.store.lookup(sid)), entered, gate,
+                                            cancels)
+
+        assert isinstance(client.portal.call(adopt_then_cancel), asyncio.CancelledError)
+        assert not _held_by_anyone(folder, sid), "a cancelled adoption left the session's lease behind"
+        assert has_snapshot(folder, sid) and services.registry.existing(sid) is None
+        reply = client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        assert services.registry.existing(sid).session.state.frames_received == 10

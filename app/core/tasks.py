@@ -1,0 +1,31 @@
+"""Waiting on work that cannot be taken back (a worker thread, a call queued on the engine thread) from a coroutine
+that may be cancelled meanwhile, once or many times: e.g. a request whose client left, then the server's shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def outlast(future: asyncio.Future) -> bool:
+    """Wait until ``future`` is done, through any number of cancellations of the caller; True when the caller was
+    cancelled meanwhile. The caller then records or undoes what ``future`` did (its lease, where its tensors are)
+    and raises ``asyncio.CancelledError`` itself, so that the cancellation still ends it. ``future``'s result or
+    error is left for the caller to read (``future.result()``)."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait({future})
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
+async def to_thread_to_the_end(func, /, *args, **kwargs):
+    """``asyncio.to_thread(func, *args, **kwargs)``, seen to its end even when the caller is cancelled meanwhile (a
+    lease released, a file removed: half done is worse than late); the cancellation then goes on."""
+    future = asyncio.ensure_future(asyncio.to_thread(func, *args, **kwargs))
+    if await outlast(future):
+        if not future.cancelled():
+            future.exception()  # retrieved: nobody is left to tell
+        raise asyncio.CancelledError
+    return future.result()
