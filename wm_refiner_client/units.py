@@ -108,6 +108,21 @@ class EncodedVideo:
     def nbytes(self) -> int:
         return sum(len(piece) for row in self.pieces for piece in row)
 
+    def __repr__(self) -> str:
+        """A summary, not the bytes (a unit's JPEGs are kilobytes each): format, codec, quality, rows (the batch),
+        per row its frames (JPEG: one image a frame) or segments (H.264, whose frames are known once decoded; one
+        number when every row has as many), bytes in all, and H.264's init sizes and skipped frames when set."""
+        counts = [len(row) for row in self.pieces]
+        per_row: int | list[int] = counts[0] if len(set(counts)) == 1 else counts
+        parts = [f"format={self.format!r}", f"codec={self.codec!r}", f"quality={self.quality!r}",
+                 f"rows={len(self.pieces)}", f"{'frames' if self.format == 'jpeg' else 'segments'}={per_row}",
+                 f"nbytes={self.nbytes}"]
+        if self.init_sizes:
+            parts.append(f"init_sizes={self.init_sizes!r}")
+        if self.skip:
+            parts.append(f"skip={self.skip}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
     def segment(self, row: int = 0, init: bool = True) -> bytes:
         """H.264: row ``row``'s bytes, with its init segment (``init``) or only the media segment (to append to a
         file or a MediaSource that has the init segment already)."""

@@ -62,3 +62,18 @@ def test_a_flush_joins_previews_unit_by_unit():
     assert (joined.frame_start, joined.frame_end) == (0, 7) and joined.latents.shape[2] == 7
     frames = joined.preview.decode()
     assert frames.shape[:2] == (1, 2) and frames[0, 0].mean() < frames[0, 1].mean()
+
+
+def test_encoded_media_print_as_a_summary_not_their_bytes():
+    images = [jpeg(value, (64, 96)) for value in (10, 120, 240)]
+    unit = Unit.from_payload(response(0, 3, images))
+    nbytes = sum(map(len, images))
+    text = repr(unit.preview)
+    assert text == (f"EncodedVideo(format='jpeg', codec='image/jpeg', quality=85, rows=1, frames=3, "
+                    f"nbytes={nbytes})")
+    assert str(unit.preview) == text  # print() shows the same
+    assert "\\x" not in repr(unit) and len(repr(unit)) < 1000  # a unit holding it prints its summary too
+    # H.264: a row is one fragmented-MP4 segment, whose frames are unknown until decoded; rows may differ.
+    h264 = EncodedVideo("h264", "avc1.64001F", 23, ((b"\0" * 900,), ()), init_sizes=(700, 0), skip=1)
+    assert repr(h264) == ("EncodedVideo(format='h264', codec='avc1.64001F', quality=23, rows=2, segments=[1, 0], "
+                          "nbytes=900, init_sizes=(700, 0), skip=1)")
