@@ -22,6 +22,7 @@ that last served the session to this client: on a single server (one replica id)
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from typing import Any, Callable, Mapping
 
@@ -53,25 +54,68 @@ def is_gateway_error(error: APIError) -> bool:
 # Tries of a client's first request when the server refuses the connection: the retries cover a server that is
 # just binding its port (well under a second), not the policy's ~30 s meant for a restart mid-stream.
 FIRST_CONTACT_ATTEMPTS = 4
+# Causes of a failed first contact that no later try can change (``unreachable_cause``): raised at the first.
+FINAL_CAUSES = frozenset({"dns", "tls", "certificate"})
+# What OpenSSL says when the bytes that answered a TLS handshake are not TLS (a plain-HTTP server's "400 Bad
+# Request"): WRONG_VERSION_NUMBER up to OpenSSL 3.1, "record layer failure" from 3.2 on.
+NOT_TLS_REASONS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "RECORD LAYER FAILURE", "WRONG VERSION NUMBER",
+                   "HTTP_REQUEST", "UNKNOWN_PROTOCOL", "PACKET_LENGTH_TOO_LONG")
+SETTING = "(--server, $WM_REFINER_URL)"
 
 
 def unreachable_cause(exc: BaseException, server: str | None = None) -> tuple[str, str] | None:
-    """``("dns" | "refused", the likely cause and the fix)`` when ``exc`` (or an exception it was raised from) is an
-    unknown host or a refused connection; None for any other failure."""
+    """``(kind, the likely cause and the fix)`` when ``exc`` (or an exception it was raised from) says the address is
+    wrong rather than the server down: ``"dns"`` an unknown host, ``"refused"`` nothing listening, ``"tls"`` a TLS
+    (https://) handshake that failed (most often: the server speaks plain HTTP), ``"certificate"`` a server
+    certificate this client does not trust; None for any other failure."""
     where = server or "the server"
     seen: BaseException | None = exc
     for _ in range(8):  # httpx wraps httpcore's error, which wraps the socket's
         if seen is None:
             break
         if isinstance(seen, socket.gaierror):
-            return "dns", (f"cannot resolve the host of {where} ({seen}): check the address (--server, "
-                           "$WM_REFINER_URL)")
+            return "dns", f"cannot resolve the host of {where} ({seen}): check the address {SETTING}"
         if isinstance(seen, ConnectionRefusedError):
             return "refused", (f"nothing listens at {where} (connection refused): is the server running on that host "
                                "and port? Start it with `python -m app serve` (its port: --port, $WM_REFINER_PORT), "
-                               "or give its address (--server, $WM_REFINER_URL)")
+                               f"or give its address {SETTING}")
+        if isinstance(seen, ssl.SSLCertVerificationError):  # before SSLError: it is one
+            return "certificate", certificate_cause(seen, where)
+        if isinstance(seen, ssl.SSLError):
+            return "tls", tls_cause(seen, server)
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def tls_cause(error: ssl.SSLError, server: str | None) -> str:
+    """Why a TLS handshake with ``server`` failed, and the fix: an answer that is not TLS is a plain-HTTP server (the
+    service serves plain HTTP unless a proxy in front of it terminates TLS); any other failure names OpenSSL's
+    reason."""
+    where, plain = server or "the server", plain_http(server)
+    said = f"{getattr(error, 'reason', None) or ''} {error}".upper()
+    if any(reason in said for reason in NOT_TLS_REASONS):
+        there = f"the server at {server}" if server else "the server"
+        return (f"{there} does not speak TLS (HTTPS): it answered the handshake with something else ({error}); most "
+                f"likely it is a plain-HTTP server: give {plain} instead {SETTING}")
+    return (f"the TLS (HTTPS) handshake with {where} failed ({error}): the server's TLS settings refuse this client "
+            f"(a client certificate it requires, no protocol version or cipher in common); if it is a plain-HTTP "
+            f"server, give {plain} instead {SETTING}")
+
+
+def certificate_cause(error: ssl.SSLCertVerificationError, where: str) -> str:
+    """A server certificate this client does not trust: OpenSSL's reason, and the two fixes."""
+    reason = error.verify_message or error.reason or str(error)
+    return (f"the TLS certificate of {where} cannot be verified ({reason}): fix the server's certificate (it must "
+            "name this host and be signed by a CA this client trusts), or, for a private CA or a self-signed "
+            "certificate, point $SSL_CERT_FILE at that CA's certificate (PEM; a self-signed certificate is its own "
+            "CA)")
+
+
+def plain_http(server: str | None) -> str:
+    """``server`` with http:// for https:// (the address of the same port, spoken in plain HTTP)."""
+    if server and server.startswith("https://"):
+        return "http://" + server[len("https://"):]
+    return "http://host:port"
 
 
 class RequestAttempts:
@@ -81,10 +125,11 @@ class RequestAttempts:
     ``idempotent``: repeating the request is harmless (reads, deletes, PUT of a session, a chunk with its ``seq``).
     ``known_replica``: the replica that last served this request's session to this client (None: not a session
     request, or a session not served yet); a 404 from another replica is a move (module docstring).
-    ``first_contact``: the client has had no answer from ``server`` yet. Then an unknown host fails at once and a
-    refused connection after ``FIRST_CONTACT_ATTEMPTS`` tries (about a second), naming the likely cause: a wrong
-    address is far likelier than a restart, and retrying it for the policy's half minute only hides the typo. Once
-    the server has answered, a refused connection is a restart and gets the whole policy."""
+    ``first_contact``: the client has had no answer from ``server`` yet. Then an unknown host, a failed TLS
+    handshake (https:// to a plain-HTTP server) and an untrusted certificate fail at once, and a refused connection
+    after ``FIRST_CONTACT_ATTEMPTS`` tries (about a second), naming the likely cause: a wrong address is far likelier
+    than a restart, and retrying it for the policy's half minute only hides the typo. Once the server has answered,
+    a refused connection is a restart and gets the whole policy."""
 
     def __init__(self, policy: RetryPolicy, what: str, *, idempotent: bool = True,
                  known_replica: str | None = None, clock: Callable[[], float] = time.monotonic,
@@ -103,8 +148,8 @@ class RequestAttempts:
         """The connection failed (``never_sent``: it was refused before the request left)."""
         self.failures += 1
         cause = unreachable_cause(exc, self.server) if self.first_contact else None
-        if cause is not None and (cause[0] == "dns" or self.failures >= min(FIRST_CONTACT_ATTEMPTS,
-                                                                             self.policy.attempts)):
+        if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= min(FIRST_CONTACT_ATTEMPTS,
+                                                                                    self.policy.attempts)):
             raise TransportError(f"{self.what}: {cause[1]}") from exc
         if not (self.idempotent or never_sent) or self.failures >= self.policy.attempts:
             raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc

@@ -1,12 +1,19 @@
-"""What a new user trips on first (issue 26): a server address without a scheme or with a typo, a server that is
-not there, and the command line's answers to them."""
+"""What a new user trips on first (issue 26 and a later walkthrough): a server address without a scheme or with a
+typo, a server that is not there, https:// to a plain-HTTP server or to a certificate the client does not trust,
+and the command line's answers to them."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import http.server
+import ipaddress
 import json
+import ssl
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -46,11 +53,25 @@ def test_websocket_schemes_are_taken_for_http():
 
 
 def recorded_waits(monkeypatch, module) -> list[float]:
+    """The client's retry waits (``time.sleep`` for ``"sync"``, ``asyncio.sleep`` for ``"async"``), recorded and
+    skipped. Only this thread's: a server on a thread of this process (``ThreadServer``) waits as usual."""
     waits: list[float] = []
+    here = threading.get_ident()
     if module == "sync":
-        monkeypatch.setattr("wm_refiner_client.client.time.sleep", waits.append)
+        real_sleep = time.sleep
+
+        def sleep(seconds):
+            if threading.get_ident() != here:
+                return real_sleep(seconds)
+            waits.append(seconds)
+
+        monkeypatch.setattr("wm_refiner_client.client.time.sleep", sleep)
     else:
-        async def sleep(seconds):
+        real_async_sleep = asyncio.sleep
+
+        async def sleep(seconds, *args, **kwargs):
+            if threading.get_ident() != here:
+                return await real_async_sleep(seconds, *args, **kwargs)
             waits.append(seconds)
 
         monkeypatch.setattr("wm_refiner_client.aio.asyncio.sleep", sleep)
@@ -108,6 +129,165 @@ def test_the_command_line_says_when_nothing_listens(tmp_path):
     result = run_cli("sessions", "--server", url)
     assert result.returncode == 2
     assert result.stderr.startswith(f"error: GET /v1/sessions: nothing listens at {url} (connection refused)")
+
+
+# --- https:// to a server that does not speak it, or whose certificate is not trusted -------------------------------
+@pytest.fixture(scope="module")
+def full_server(make_settings):
+    """A plain-HTTP server (the service, on http://) holding its maximum of sessions: max_sessions=1, one taken."""
+    from bench.live import ThreadServer
+
+    with ThreadServer(make_settings(max_sessions=1)) as live, Client(live.base_url) as client:
+        client.create_session()
+        yield live
+
+
+def call(module: str, url: str, operation: str, **kwargs):
+    """``operation`` (a method name) of a new ``Client`` (``"sync"``) or ``AsyncClient`` (``"async"``) on ``url``."""
+    if module == "sync":
+        with Client(url, **kwargs) as client:
+            return getattr(client, operation)()
+
+    async def run():
+        async with AsyncClient(url, **kwargs) as client:
+            return await getattr(client, operation)()
+
+    return asyncio.run(run())
+
+
+def ssl_errors_in(exc: BaseException) -> list[ssl.SSLError]:
+    """The ``ssl.SSLError``s among ``exc`` and the exceptions it was raised from."""
+    found, seen = [], exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            found.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return found
+
+
+@pytest.mark.parametrize("module", ["sync", "async"])
+def test_https_to_a_plain_http_server_fails_at_once_naming_http(full_server, monkeypatch, module):
+    waits = recorded_waits(monkeypatch, module)
+    url = f"https://127.0.0.1:{full_server.port}"
+    with pytest.raises(wm.TransportError) as failed:
+        call(module, url, "sessions")
+    message = str(failed.value)
+    assert message.startswith(f"GET /v1/sessions: the server at {url} does not speak TLS (HTTPS)"), message
+    assert "plain-HTTP server" in message and f"give http://127.0.0.1:{full_server.port} instead" in message
+    assert ssl_errors_in(failed.value)  # the handshake's own error stays attached
+    assert waits == []  # final at once: no retry waited (the policy's ten tries waited ~27 s)
+
+
+def test_the_command_line_says_https_to_a_plain_http_server_is_the_wrong_scheme(full_server):
+    url = f"https://127.0.0.1:{full_server.port}"
+    result = run_cli("sessions", "--server", url)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: GET /v1/sessions: the server at {url} does not speak TLS (HTTPS)")
+    assert f"give http://127.0.0.1:{full_server.port} instead" in result.stderr
+
+
+def self_signed_certificate(folder) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 that signs itself (its own CA), and its key: PEM files in ``folder``."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "wm-refiner test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+class InfoHandler(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with the JSON ``{"tls": "ok"}``."""
+
+    def do_GET(self):
+        body = b'{"tls": "ok"}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    """``(https URL, certificate file)`` of a TLS server on 127.0.0.1 whose certificate no public CA signed."""
+    cert_file, key_file = self_signed_certificate(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), InfoHandler)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, name="tls-stub", daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}", cert_file
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("module", ["sync", "async"])
+def test_an_untrusted_certificate_fails_at_once_naming_the_fix_that_works(tls_server, monkeypatch, module):
+    url, cert_file = tls_server
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    waits = recorded_waits(monkeypatch, module)
+    with pytest.raises(wm.TransportError) as failed:
+        call(module, url, "info")
+    message = str(failed.value)
+    assert message.startswith(f"GET /v1/info: the TLS certificate of {url} cannot be verified"), message
+    assert "self-signed certificate" in message  # OpenSSL's reason, as it gave it
+    assert "fix the server's certificate" in message and "$SSL_CERT_FILE" in message
+    assert "does not speak TLS" not in message  # it does: a different cause
+    assert isinstance(ssl_errors_in(failed.value)[0], ssl.SSLCertVerificationError)
+    assert waits == []
+    # The fix the message names works: the server's certificate (its own CA) in $SSL_CERT_FILE.
+    monkeypatch.setenv("SSL_CERT_FILE", cert_file)
+    assert call(module, url, "info") == {"tls": "ok"}
+
+
+@pytest.mark.parametrize("error,cause", [
+    (ssl.SSLError(1, "[SSL] record layer failure (_ssl.c:1000)"), "does not speak TLS (HTTPS)"),  # OpenSSL >= 3.2
+    (ssl.SSLError(1, "[SSL: SSLV3_ALERT_HANDSHAKE_FAILURE] sslv3 alert handshake failure (_ssl.c:1000)"),
+     "the TLS (HTTPS) handshake with https://h:1 failed"),
+])
+def test_every_tls_failure_of_a_first_contact_is_final_at_once(error, cause):
+    import httpx
+
+    try:
+        try:
+            raise error
+        except ssl.SSLError as inner:
+            raise httpx.ConnectError(str(inner)) from inner
+    except httpx.ConnectError as wrapped:
+        failure = wrapped
+    first = RequestAttempts(RetryPolicy(), "GET /v1/info", first_contact=True, server="https://h:1")
+    with pytest.raises(wm.TransportError, match=r"give http://h:1 instead") as failed:
+        first.after_transport_error(failure, never_sent=True)
+    assert cause in str(failed.value) and first.failures == 1
+    # Once the server answered over TLS, a failed handshake is a hiccup of a server that speaks it: retried.
+    later = RequestAttempts(RetryPolicy(), "GET /v1/info", first_contact=False, server="https://h:1")
+    assert later.after_transport_error(failure, never_sent=True) > 0
 
 
 # --- the optional video libraries (the `video` extra) ------------------------------------------------------------
