@@ -118,6 +118,23 @@ def plain_http(server: str | None) -> str:
     return "http://host:port"
 
 
+def shorten(text: str, limit: int = 120) -> str:
+    """``text`` on one line, cut at a word to at most ``limit`` characters (a message quoted in a log line)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    return text[: limit - 3].rsplit(" ", 1)[0] + "..."
+
+
+def describe_failure(failure: BaseException) -> str:
+    """A failure in a retry's log line: an error answer's status, code and message (shortened), else the
+    exception's type and text."""
+    if isinstance(failure, APIError):
+        return f"{failure.status} {failure.code} ({shorten(failure.message)})"
+    text = shorten(str(failure))
+    return f"{type(failure).__name__} ({text})" if text else type(failure).__name__
+
+
 class RequestAttempts:
     """The retry decisions of one HTTP request. After each failure the driver asks for the wait before the next
     try; the failure is raised instead once it is not worth retrying or the policy's bounds are spent.
@@ -129,7 +146,9 @@ class RequestAttempts:
     handshake (https:// to a plain-HTTP server) and an untrusted certificate fail at once, and a refused connection
     after ``FIRST_CONTACT_ATTEMPTS`` tries (about a second), naming the likely cause: a wrong address is far likelier
     than a restart, and retrying it for the policy's half minute only hides the typo. Once the server has answered,
-    a refused connection is a restart and gets the whole policy."""
+    a refused connection is a restart and gets the whole policy.
+
+    ``retry_note(wait)`` is the log line of a retry: the last failure, the try that comes next of how many."""
 
     def __init__(self, policy: RetryPolicy, what: str, *, idempotent: bool = True,
                  known_replica: str | None = None, clock: Callable[[], float] = time.monotonic,
@@ -142,14 +161,17 @@ class RequestAttempts:
         self.first_contact = first_contact
         self.server = server
         self.failures = 0
+        self.last_failure: BaseException | None = None
+        self.tries = policy.attempts  # how many tries the last failure allows in all (fewer for a first contact)
         self._moving_since: float | None = None
 
     def after_transport_error(self, exc: BaseException, *, never_sent: bool) -> float:
         """The connection failed (``never_sent``: it was refused before the request left)."""
         self.failures += 1
+        self.last_failure = exc
         cause = unreachable_cause(exc, self.server) if self.first_contact else None
-        if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= min(FIRST_CONTACT_ATTEMPTS,
-                                                                                    self.policy.attempts)):
+        self.tries = self.policy.attempts if cause is None else min(FIRST_CONTACT_ATTEMPTS, self.policy.attempts)
+        if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= self.tries):
             raise TransportError(f"{self.what}: {cause[1]}") from exc
         if not (self.idempotent or never_sent) or self.failures >= self.policy.attempts:
             raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
@@ -158,9 +180,19 @@ class RequestAttempts:
     def after_error(self, error: APIError, replica: str | None = None) -> float:
         """The server (or the router) answered with ``error``; ``replica``: its ``X-Replica`` header."""
         self.failures += 1
+        self.last_failure = error
+        self.tries = self.policy.attempts
         if self.failures >= self.policy.attempts or not self.retryable(error, replica):
             raise error
         return self.policy.delay(self.failures, getattr(error, "retry_after", None))
+
+    def retry_note(self, wait: float) -> str:
+        """The log line of the retry about to wait ``wait`` seconds: what failed (a server's error: its status, code
+        and message), and which try comes next of how many (the policy's ``attempts``; ``FIRST_CONTACT_ATTEMPTS``
+        for a refused first contact), e.g. ``POST /v1/sessions: 503 too_many_sessions (the server holds its
+        maximum ...); try 2 of 10 in 30.0 s``."""
+        failed = describe_failure(self.last_failure) if self.last_failure is not None else "failed"
+        return f"{self.what}: {failed}; try {self.failures + 1} of {self.tries} in {wait:.1f} s"
 
     def retryable(self, error: APIError, replica: str | None = None) -> bool:
         """Whether the same request may succeed later: a 503 (refused before anything changed), a router's

@@ -19,7 +19,10 @@ class RetryPolicy:
     """``attempts``: tries of one operation, the first included, before the error is raised (a stream that makes
     progress starts counting again). The n-th wait is ``backoff_s * 2**n`` capped at ``max_backoff_s``, scaled
     by a random factor in [0.5, 1] so clients reconnecting to a restarted server do not arrive in step; a 503's
-    ``Retry-After`` is waited at least, up to ``max_retry_after_s``. ``move_timeout_s``: how long a 404 for a
+    ``Retry-After`` is waited at least, up to ``max_retry_after_s``. So one request waits at most ``attempts - 1``
+    times ``max(max_backoff_s, max_retry_after_s)`` in all: with the defaults 9 x 30 s, about 4.5 min, on a server
+    that keeps answering 503 with a long ``Retry-After`` (a full server: ``too_many_sessions``); ``attempts=1``
+    (``NO_RETRY``) fails at the first error instead. ``move_timeout_s``: how long a 404 for a
     session is retried when it comes from a replica other than the one that last served the session (behind a
     router the session is moving: the next replica adopts it from the shared snapshots on a request); the 404 is
     raised (``SessionNotFoundError``) after that, or at once when the session's own replica answers it.

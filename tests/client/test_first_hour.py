@@ -1,6 +1,6 @@
 """What a new user trips on first (issue 26 and a later walkthrough): a server address without a scheme or with a
-typo, a server that is not there, https:// to a plain-HTTP server or to a certificate the client does not trust,
-and the command line's answers to them."""
+typo, a server that is not there, https:// to a plain-HTTP server or to a certificate the client does not trust, a
+full server's retries (what the log says, how long they wait), and the command line's answers to them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import datetime
 import http.server
 import ipaddress
 import json
+import logging
 import ssl
 import subprocess
 import sys
@@ -79,14 +80,19 @@ def recorded_waits(monkeypatch, module) -> list[float]:
 
 
 @pytest.mark.parametrize("module", ["sync", "async"])
-def test_a_refused_port_fails_after_a_few_tries_naming_the_likely_cause(monkeypatch, module):
+def test_a_refused_port_fails_after_a_few_tries_naming_the_likely_cause(monkeypatch, caplog, module):
     waits = recorded_waits(monkeypatch, module)
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with pytest.raises(wm.TransportError) as failed:
+    with pytest.raises(wm.TransportError) as failed, caplog.at_level(logging.INFO, logger="wm_refiner_client"):
         if module == "sync":
             Client(url).info()
         else:
             asyncio.run(AsyncClient(url).info())
+    # each retry's log line counts the tries a first contact gets, not the policy's ten
+    notes = [r.getMessage() for r in caplog.records if r.name == "wm_refiner_client"]
+    assert [note.split("; ")[-1].split(" in ")[0] for note in notes] == [
+        f"try {n} of {FIRST_CONTACT_ATTEMPTS}" for n in range(2, FIRST_CONTACT_ATTEMPTS + 1)]
+    assert all(note.startswith("GET /v1/info: ConnectError (") for note in notes), notes
     message = str(failed.value)
     assert "connection refused" in message and url in message and "python -m app serve" in message
     # the policy's ten tries would wait ~30 s; a first contact waits FIRST_CONTACT_ATTEMPTS - 1 short backoffs
@@ -288,6 +294,35 @@ def test_every_tls_failure_of_a_first_contact_is_final_at_once(error, cause):
     # Once the server answered over TLS, a failed handshake is a hiccup of a server that speaks it: retried.
     later = RequestAttempts(RetryPolicy(), "GET /v1/info", first_contact=False, server="https://h:1")
     assert later.after_transport_error(failure, never_sent=True) > 0
+
+
+# --- a full server: the retries say what they wait for, and how long they can take ----------------------------------
+@pytest.mark.parametrize("module", ["sync", "async"])
+def test_a_full_server_is_retried_saying_why_and_which_try_within_the_documented_bound(full_server, monkeypatch,
+                                                                                        caplog, module):
+    waits = recorded_waits(monkeypatch, module)
+    policy = RetryPolicy()
+    with caplog.at_level(logging.INFO, logger="wm_refiner_client"):
+        with pytest.raises(wm.TooManySessionsError):
+            call(module, full_server.base_url, "create_session")
+    retries = [r for r in caplog.records if r.name == "wm_refiner_client" and "POST /v1/sessions" in r.getMessage()]
+    assert [r.levelno for r in retries] == [logging.INFO] * (policy.attempts - 1)
+    first = retries[0].getMessage()
+    assert first.startswith("POST /v1/sessions: 503 too_many_sessions (the server holds its maximum of 1 sessions "
+                            "(max_sessions); delete one you no longer need"), first
+    assert [r.getMessage().rsplit("; ", 1)[1] for r in retries] == [
+        f"try {n} of {policy.attempts} in 30.0 s" for n in range(2, policy.attempts + 1)]
+    assert all(len(r.getMessage()) < 220 for r in retries)  # the server's message shortened
+    # The server asks for 600 s (its idle session's release); each wait is capped at max_retry_after_s, so the
+    # defaults wait (attempts - 1) * 30 s = 4.5 min in all, as docs/client.md says.
+    assert waits == [policy.max_retry_after_s] * (policy.attempts - 1) and sum(waits) == 270
+
+    caplog.clear()
+    waits.clear()
+    with caplog.at_level(logging.INFO, logger="wm_refiner_client"):
+        with pytest.raises(wm.TooManySessionsError):  # the documented way to fail fast instead
+            call(module, full_server.base_url, "create_session", retry=RetryPolicy(attempts=1))
+    assert waits == [] and not [r for r in caplog.records if r.name == "wm_refiner_client"]
 
 
 # --- the optional video libraries (the `video` extra) ------------------------------------------------------------
