@@ -148,13 +148,13 @@ class AsyncClient:
             except httpx.TransportError as exc:
                 wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
                                                                                         httpx.ConnectTimeout)))
-                log.info("%s", attempts.retry_note(wait))
+                log.info("%s", attempts.retry_note(wait), extra={"wait_s": wait})
                 await asyncio.sleep(wait)
                 continue
             wait = self._replicas.answer_or_wait(response, session_id, attempts)
             if wait is None:
                 return response
-            log.info("%s", attempts.retry_note(wait))
+            log.info("%s", attempts.retry_note(wait), extra={"wait_s": wait})
             await asyncio.sleep(wait)
 
     async def _connect(self, path: str, query: Mapping[str, Any] | None = None) -> ClientConnection:

@@ -148,7 +148,8 @@ class RequestAttempts:
     than a restart, and retrying it for the policy's half minute only hides the typo. Once the server has answered,
     a refused connection is a restart and gets the whole policy.
 
-    ``retry_note(wait)`` is the log line of a retry: the last failure, the try that comes next of how many."""
+    ``retry_note(wait)`` is the log line of a retry: the last failure, the try that comes next of how many (logged at
+    INFO with the wait as the record's ``wait_s``: the command line shows the long ones)."""
 
     def __init__(self, policy: RetryPolicy, what: str, *, idempotent: bool = True,
                  known_replica: str | None = None, clock: Callable[[], float] = time.monotonic,

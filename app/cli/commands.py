@@ -113,6 +113,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command in ("stream", "sessions"):
         from app.cli import remote
 
+        remote.show_retries()
         return remote.stream_command(args) if args.command == "stream" else remote.sessions_command(args)
     return 1
 
@@ -147,9 +148,8 @@ def refine_command(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
-    from app.cli.remote import session_flags
+    from app.cli.remote import check_clip, session_flags
     from models import SessionConfig, load_refiner
-    from models.errors import MissingInputError
     from wm_refiner_client import spec
 
     input_path = Path(args.input)
@@ -159,9 +159,7 @@ def refine_command(args: argparse.Namespace) -> int:
         tensors = load_file(str(input_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise ValueError(f"{input_path} is not a safetensors file ({exc}); write it with safetensors.torch.save_file")
-    for name in ("latents", "prompt_embeds"):
-        if name not in tensors:
-            raise MissingInputError(f"{input_path} has no {name!r} tensor (found {sorted(tensors)})")
+    check_clip(input_path, tensors)
     config = SessionConfig.from_dict(session_flags(args, spec.CONFIG_NAMES))
     refiner = load_refiner(args.model, device=args.device, dtype=args.dtype)
     refined = refine_with_progress(

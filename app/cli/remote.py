@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,25 @@ def add_session_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] = 
             default=field.default_json() if defaults else None,
             help=f"{field.doc} (default: {default})",
         )
+
+
+# Retry waits at least this long are said on stderr; shorter ones (a first try's backoff) would only be noise.
+SHOWN_WAIT_S = 1.0
+
+
+def show_retries() -> None:
+    """The client's long retry waits as lines on stderr (``POST /v1/sessions: 503 too_many_sessions ...``): a full
+    server or a lost connection makes a command wait, minutes at most (docs/client.md), and the wait is said
+    rather than silent. Only the client's own lines (``wait_s`` on the record): not its WebSocket library's."""
+    logger = logging.getLogger("wm_refiner_client")
+    if any(getattr(handler, "wm_refiner_cli", False) for handler in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(lambda record: record.name == logger.name and getattr(record, "wait_s", 0.0) >= SHOWN_WAIT_S)
+    handler.wm_refiner_cli = True
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _server_url(text: str) -> str:
@@ -167,11 +187,13 @@ def stream_command(args: argparse.Namespace) -> int:
                 f"{args.output} lacks refined frames from {kept.shape[2]} on that session {session.id} returned to an "
                 f"earlier run and no longer keeps ({exc.message}); put that run's output back, or start over with a "
                 "new --session-id", status=exc.status) from None
-        except Exception:
+        except Exception as exc:
             if units:  # what came back is kept for a rerun (the error itself is app.cli.commands's line)
                 refined = write(complete=False)
                 print(f"wrote refined frames [0, {refined.shape[2]}) of {total} to {args.output}; once the cause "
                       f"below is fixed, run {again}{within} to continue session {session.id}", file=sys.stderr)
+            elif not args.session_id:
+                let_go_if_empty(client, session, exc)
             raise
         finally:
             stream.close()
@@ -187,6 +209,22 @@ def stream_command(args: argparse.Namespace) -> int:
     print(f"refined {refined.shape[2]} frames in {stats.units} units -> {args.output} (session {session.id}, "
           f"{stats.reconnects} reconnects)" + (f"; {video.frames} video frames -> {args.video}" if video else ""))
     return 0
+
+
+def let_go_if_empty(client, session, error: Exception) -> None:
+    """Delete the session this run created when the server refused its input before taking a frame (a 4xx: the
+    frames' dtype, size, ...): nothing in it is worth a rerun, and it would hold one of the server's max_sessions
+    places until it expired. Only after an answer from the server (one that cannot be reached is not asked again),
+    and quietly: the refusal is what the user is told."""
+    from wm_refiner_client import APIError
+
+    if not isinstance(error, APIError) or not 400 <= (error.status or 0) < 500:
+        return
+    try:
+        if session.state().frames_received == 0:
+            client.delete_session(session.id)
+    except Exception:  # noqa: BLE001 -- the server's own idle expiry ends it then
+        pass
 
 
 def require_video_libraries() -> None:
@@ -306,10 +344,32 @@ def read_clip(path: Path) -> tuple[Any, Any, Any]:
         tensors = load_torch(str(path))
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{path} is not a safetensors file ({exc}); write it with safetensors' save_file") from None
+    check_clip(path, tensors)
+    return tensors["latents"], tensors["prompt_embeds"], tensors.get("prompt_attention_mask")
+
+
+# The tensors a clip file holds, with the axes each must have (as a chunk's payload: docs/api.md).
+CLIP_TENSORS = {"latents": "(B, C, T, H, W)", "prompt_embeds": "(B, L, caption_channels)",
+                "prompt_attention_mask": "(B, L)"}
+
+
+def check_clip(path: Path, tensors: dict[str, Any]) -> None:
+    """ValueError, before anything is sent or loaded, when a clip file is not what ``refine`` and ``stream`` read:
+    a tensor missing, one of another rank, or a name neither reads (a misspelt prompt_attention_mask would
+    otherwise be left out without a word, as the server refuses it: docs/api.md)."""
+    unknown = sorted(set(tensors) - set(CLIP_TENSORS))
+    if unknown:
+        raise ValueError(f"{path} holds tensor(s) {unknown} that this command does not read; a clip file holds only "
+                         f"{list(CLIP_TENSORS)}: rename or remove them")
     for name in ("latents", "prompt_embeds"):
         if name not in tensors:
-            raise ValueError(f"{path} has no {name!r} tensor (found {sorted(tensors)})")
-    return tensors["latents"], tensors["prompt_embeds"], tensors.get("prompt_attention_mask")
+            raise ValueError(f"{path} has no {name!r} tensor (found {sorted(tensors)}); a clip file holds latents "
+                             f"{CLIP_TENSORS['latents']} and prompt_embeds {CLIP_TENSORS['prompt_embeds']}")
+    for name, tensor in tensors.items():
+        axes = CLIP_TENSORS[name]
+        if len(tensor.shape) != axes.count(",") + 1:
+            raise ValueError(f"{name} in {path} must have rank {axes.count(',') + 1} {axes}, got shape "
+                             f"{tuple(tensor.shape)}; add the batch/time axes as needed")
 
 
 def paced(latents, chunk_frames: int, rate: float, skip: int = 0):

@@ -333,3 +333,56 @@ def test_a_missing_or_wrong_key_says_how_the_cli_sends_one(make_settings):
             "(the CLI sends it from --api-key KEY or $WM_REFINER_API_KEY)"), refused.stderr
         allowed = run_cli("sessions", "--server", live.base_url, "--api-key", "k" * 32)
         assert allowed.returncode == 0, allowed.stderr
+
+
+def test_a_clip_file_neither_command_can_read_is_refused_before_anything_is_sent(server, checkpoint_dir, tmp_path):
+    """A wrong rank or a misspelt tensor name is one line naming the fix, from ``stream`` and ``refine`` alike, and
+    no session is created for it (a misspelt prompt_attention_mask was dropped without a word: the run went on
+    unmasked)."""
+    cases = {
+        "rank4": ({"latents": LATENTS[0], "prompt_embeds": PROMPT}, r"latents in .* must have rank 5 \(B, C, T, H, W\)"),
+        "rank1": ({"latents": LATENTS.reshape(-1), "prompt_embeds": PROMPT}, r"must have rank 5 .*got shape \(\d+,\)"),
+        "mask-rank": ({"latents": LATENTS, "prompt_embeds": PROMPT, "prompt_attention_mask": MASK[0]},
+                      r"prompt_attention_mask in .* must have rank 2 \(B, L\)"),
+        "misspelt": ({"latents": LATENTS, "prompt_embeds": PROMPT, "prompt_attention_maks": MASK},
+                     r"\['prompt_attention_maks'\] that this command does not read; a clip file holds only"),
+    }
+    with Client(server.base_url) as client:
+        before = {summary.session_id for summary in client.sessions()}
+    for name, (tensors, message) in cases.items():
+        source = tmp_path / f"{name}.safetensors"
+        save_file({key: np.ascontiguousarray(value) for key, value in tensors.items()}, str(source))
+        for args in (["stream", "--server", server.base_url], ["refine", "--model", str(checkpoint_dir)]):
+            result = run_cli(*args, "--input", str(source), "--output", str(tmp_path / "out.safetensors"))
+            assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, (name, args[0], result.stderr)
+            assert re.search(message, result.stderr), (name, args[0], result.stderr)
+    with Client(server.base_url) as client:
+        assert not {summary.session_id for summary in client.sessions()} - before  # (other tests' may end)
+
+
+def test_a_stream_the_server_refuses_at_once_leaves_no_session_behind(server, tmp_path):
+    """The server refuses the first frames (float64 latents: 422): the session this run created took nothing and
+    is deleted, rather than holding one of max_sessions places until it expires; the refusal is the line shown."""
+    source = write_clip(tmp_path / "f64.safetensors", latents=LATENTS.astype(np.float64))
+    with Client(server.base_url) as client:
+        before = {summary.session_id for summary in client.sessions()}
+    result = run_cli("stream", "--server", server.base_url, "--input", str(source), "--output",
+                     str(tmp_path / "out.safetensors"))
+    assert result.returncode == 2 and "float64" in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    with Client(server.base_url) as client:
+        assert not {summary.session_id for summary in client.sessions()} - before  # (other tests' may end)
+
+
+def test_a_full_server_s_wait_is_said_on_stderr_then_the_stream_goes_on(make_settings, tmp_path):
+    """At max_sessions the server answers 503 too_many_sessions with when its next idle session is released; the
+    client waits that long and tries again. The CLI says so on stderr (it sat silent for minutes), then streams."""
+    source = write_clip(tmp_path / "in.safetensors")
+    with ThreadServer(make_settings(max_sessions=1, session_idle_timeout_s=2.0)) as full:
+        with Client(full.base_url) as client:
+            client.create_session()  # the one place, idle from now on
+        result = run_cli("stream", "--server", full.base_url, "--input", str(source), "--output",
+                         str(tmp_path / "out.safetensors"))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^POST /v1/sessions: 503 too_many_sessions .*; try 2 of \d+ in \d", result.stderr, re.MULTILINE), result.stderr
+    assert "refined 24 frames" in result.stdout
