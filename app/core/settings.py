@@ -107,7 +107,7 @@ class Settings(_SessionDefaults):
         default_factory=_default_cache_dir, description="where the embedded tiny refiner is built on first start"
     )
     device: str = Field(default="auto", description="cpu, cuda, cuda:N or auto")
-    dtype: str = Field(default="auto", description="float32, bfloat16, float16, float64 or auto")
+    dtype: str = Field(default="auto", description="float32, bfloat16, float16, float64 (or bf16, fp16, ...) or auto")
     vae: str | None = Field(
         default=None,
         description="LTX-2 video VAE folder (diffusers layout, AutoencoderKLLTX2Video) for sessions with video "
@@ -407,6 +407,13 @@ class Settings(_SessionDefaults):
         if value is None or value == "auto":
             return value
         return parse_bytes(value)
+
+    @property
+    def upkeep_interval_s(self) -> float:
+        """How often the sessions' timer runs (app.sessions.upkeep): half the shortest of the idle settings, at most
+        5 s."""
+        return min(self.retention_s / 2, self.ws_reattach_grace_s / 2, self.park_after_s / 2, self.spill_after_s / 2,
+                   5.0)
 
     @property
     def retention_s(self) -> float:

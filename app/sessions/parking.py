@@ -490,16 +490,27 @@ class Parking:
     def spill_full(self) -> bool:
         """At ``max_spilled_sessions`` (or ``max_spilled_bytes``) once the spilled sessions past their retention
         are deleted (oldest first)."""
-        settings = self.settings
-
-        def full() -> bool:
-            return len(self.spilled) >= settings.max_spilled_sessions or (
-                settings.max_spilled_bytes is not None and self.spilled_bytes() >= settings.max_spilled_bytes)
-
-        if not full():
+        if not self._at_spill_bound():
             return False
         self.expire_spilled()
-        return full()
+        return self._at_spill_bound()
+
+    def _at_spill_bound(self) -> bool:
+        settings = self.settings
+        return len(self.spilled) >= settings.max_spilled_sessions or (
+            settings.max_spilled_bytes is not None and self.spilled_bytes() >= settings.max_spilled_bytes)
+
+    def spills_at(self, handle: SessionHandle) -> float | None:
+        """When (the registry's clock) the timer spills ``handle`` if nothing happens, which frees its max_sessions
+        place: a 503 too_many_sessions says that time when it comes before any release. None when it will not be
+        spilled (no snapshot_dir, at the spill bound, in use, a stream or watcher attached, flushed)."""
+        if self.folder is None or self._at_spill_bound() or handle.memory_state not in ("active", "parked"):
+            return None
+        if not _idle(handle) or handle.streaming or handle.watchers or handle.session.state.flushed:
+            return None
+        settings = self.settings
+        # It parks first (park_after_s), then spills at the timer's next round past spill_after_s.
+        return handle.last_work + max(settings.park_after_s, settings.spill_after_s) + settings.upkeep_interval_s
 
     def require_spill_room(self) -> None:
         """Before a new session is created: 503 over_capacity when the spilled sessions are at their bound (it

@@ -117,6 +117,8 @@ class Registry:
         self.clock = clock
         self._deliveries = deliveries
         self._on_close = on_close  # a session ended (deleted, evicted): forget its checkpoint
+        # When the timer would spill a session (app.sessions.parking), which frees its place too; set by the store.
+        self.spills_at: Callable[[SessionHandle], float | None] = lambda handle: None
         self._stages = stages  # the server's output stages, once loaded: a new session's come from there
         self._sessions: dict[str, SessionHandle] = {}
         self.clips = 0  # one-shot clips being refined: they count against max_sessions while they run
@@ -153,8 +155,9 @@ class Registry:
                 when, retry = ("every session is in use, so none will be released on its own: retry once a client "
                                "deletes or finishes one"), None
             else:
-                retry = max(1, math.ceil(soonest))
-                when = f"the next idle session is released in {soonest:.0f} s: retry then"
+                wait, how = soonest
+                retry = max(1, math.ceil(wait))
+                when = f"the next idle session is {how} in {wait:.0f} s: retry then"
             raise ApiError(
                 "too_many_sessions",
                 f"the server holds its maximum of {self.max_sessions} sessions (max_sessions){clips}; delete one "
@@ -162,11 +165,17 @@ class Registry:
                 retry_after_s=retry,
             )
 
-    def _soonest_release(self) -> float | None:
-        """Seconds until the first session that is not in use would be evicted or released (None: all in use)."""
+    def _soonest_release(self) -> tuple[float, str] | None:
+        """Seconds until the first session that is not in use would be evicted (released) or spilled, each of which
+        frees its place, and which of the two; None: all in use."""
         now = self.clock()
-        waits = [at - now for at in map(self._release_at, self._sessions.values()) if at is not None]
-        return max(min(waits), 0.0) if waits else None
+        times = [(at - now, how) for handle in self._sessions.values()
+                 for at, how in ((self._release_at(handle), "released"),
+                                 (self.spills_at(handle), "spilled to snapshot_dir")) if at is not None]
+        if not times:
+            return None
+        wait, how = min(times)
+        return max(wait, 0.0), how
 
     def adopt(self, session_id: str, session: RefinerSession, detached: bool = False, outputs: Outputs = Outputs(),
               stages: SessionStages | None = None) -> SessionHandle:

@@ -108,6 +108,7 @@ class SessionStore:
             refiner=refiner, folder=self.snapshot_folder, checkpointing=self.checkpoints.enabled,
             leases_held=self.leases, draining=lambda: self.draining, lose=self.lose,
         )
+        self.registry.spills_at = self.parking.spills_at  # a 503 too_many_sessions counts the spills to come
         # Real-time admission (setting ``admission``): by the engine's measured cost per row (app.engine.pacing).
         self.realtime = Admission(settings, engine.pacer, self.registry.handles, refiner)
 

@@ -29,8 +29,7 @@ async def upkeep_forever(settings: Settings, registry: Registry, parking: Parkin
                          draining: Callable[[], bool]) -> None:
     """Evict, park / spill / delete and sweep, until cancelled. ``draining``: a drain is under way (nothing
     moves)."""
-    interval = min(settings.retention_s / 2, settings.ws_reattach_grace_s / 2, settings.park_after_s / 2,
-                   settings.spill_after_s / 2, 5.0)
+    interval = settings.upkeep_interval_s
     next_sweep = time.monotonic() + max(60.0, settings.retention_s / 4)  # start-up swept already
     while True:
         await asyncio.sleep(interval)

@@ -410,3 +410,24 @@ def test_latents_of_no_session_geometry_are_the_sessions_422_not_an_estimate_cra
     for reply in (clip, chunk):
         assert reply.status_code == 422, reply.text
         assert reply.json()["error"]["code"] == "invalid_input"
+
+
+def test_a_full_server_s_retry_after_counts_the_spill_that_frees_a_place(make_settings, tmp_path):
+    """At max_sessions, a 503 too_many_sessions says when a place frees: an idle session is spilled to snapshot_dir
+    (spilled ones hold no place) long before it is released, so its Retry-After is the spill's time, not the
+    retention's (it said about session_retention_s, 600 s here, while a place freed within seconds)."""
+    settings = make_settings(snapshot_dir=tmp_path / "spill", max_sessions=1, park_after_s=1.0, spill_after_s=3.0,
+                             session_retention_s=600.0)
+    with running_app(settings) as client:
+        sid = client.post("/v1/sessions").json()["session_id"]
+        sent = time.monotonic()
+        reply = client.post(f"/v1/sessions/{sid}/chunks", content=payload(LATENTS[:, :, :4], EMBEDS, MASK),
+                            headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        full = client.post("/v1/sessions")
+        assert full.status_code == 503 and full.json()["error"]["code"] == "too_many_sessions", full.text
+        spilled_in = 3.0 + settings.upkeep_interval_s - (time.monotonic() - sent)
+        assert int(full.headers["retry-after"]) <= spilled_in + 2, full.headers["retry-after"]  # (rounded up)
+        assert "spilled to snapshot_dir" in full.json()["error"]["message"]
+        wait_until(lambda: client.get(f"/v1/sessions/{sid}").json()["state"] == "spilled", "the session to spill")
+        assert client.post("/v1/sessions").status_code == 201
