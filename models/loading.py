@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # (same config arguments, same parameter names).
 SUPPORTED_CLASSES = ("SanaWMLTX2RefinerTransformer3DModel", "LTX2VideoTransformer3DModel")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}  # the short names
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
@@ -120,9 +121,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
-    return DTYPES[dtype]
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} (or {sorted(DTYPE_ALIASES)}), "
+                             "or 'auto'")
+    return DTYPES[name]
 
 
 def read_config_file(config_path: Path) -> dict[str, Any]:

@@ -164,7 +164,8 @@ class SessionField:
         if self.kind == NUMBERS:
             return f"a list of numbers in [{bound(self.minimum)}, {bound(self.maximum)}]"
         if self.kind == WORD_OR_INTEGER:
-            return f"{self.word!r} or an integer in [{bound(self.minimum)}, {bound(self.maximum)}]"
+            # The range is the widest; what it means (per format, for video_quality) is the field's doc.
+            return f"{self.word!r} or an integer in [{bound(self.minimum)}, {bound(self.maximum)}]: {self.doc}"
         if self.kind == BOOLEAN:
             return "true or false"
         return f"a {self.kind}"

@@ -16,9 +16,6 @@ if TYPE_CHECKING:  # torch and the model code load only when a plan is made: bui
 
     from models.plan import Gpu, Plan
 
-# The short names people type for the dtypes models.loading.DTYPES knows.
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
-
 # Memory sizes the plan is most often asked about; --gpu-memory takes any list.
 KNOWN_GPUS = {"H100": "80GB", "H200": "141GB", "B200": "180GB"}
 
@@ -102,7 +99,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def parse_dtype(name: str) -> torch.dtype:
     """A dtype by its name (``bfloat16``) or short name (``bf16``); ValueError naming the ones there are."""
-    from models.loading import DTYPES
+    from models.loading import DTYPE_ALIASES, DTYPES
 
     dtype = DTYPES.get(DTYPE_ALIASES.get(name, name))
     if dtype is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from models.errors import ModelLoadError
-from models.loading import WEIGHTS, WEIGHTS_INDEX, read_config_file, resolve_device
+from models.loading import WEIGHTS, WEIGHTS_INDEX, read_config_file, resolve_device, resolve_dtype
 
 from app.api.factory import create_app
 from app.api.guards import BodyBudget, GuardedHttpToolsProtocol
@@ -91,9 +91,9 @@ class PortInUseError(StartUpError):
 
 def preflight(settings: Settings) -> None:
     """What can be checked before uvicorn starts, so that a wrong flag is one clear line (app.cli.commands prints it) and a
-    non-zero exit, not a start-up traceback: the device, that the model and VAE folders hold a config.json, and that
-    the model's config builds a refiner whose parameters have the shapes of the weights on disk."""
-    resolve_device(settings.device)
+    non-zero exit, not a start-up traceback: the device and the dtype, that the model and VAE folders hold a
+    config.json, and that the model's config builds a refiner whose parameters have the shapes of the weights on disk."""
+    resolve_dtype(settings.dtype, resolve_device(settings.device))
     for name, value, what in (("model", settings.model, "a local refiner folder in diffusers layout, or no --model "
                                "to serve the embedded tiny refiner"),
                               ("vae", settings.vae, "a local AutoencoderKLLTX2Video folder in diffusers layout "

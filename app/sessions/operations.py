@@ -125,7 +125,17 @@ class SessionOps:
         config, outputs = self.resolve_config(fields)
         body = {"session_id": session_id, "config": {**config.to_dict(), **outputs.to_dict(), **flags}}
         async with self.store.creating(session_id):  # the id checked free and taken in one turn
-            existing = await self._existing(session_id)
+            try:
+                existing = await self._existing(session_id)
+            except ApiError as error:
+                if error.kind != "session_evicted":
+                    raise
+                # A PUT is a creation: "create a new session" alone sent clients back to this same id.
+                raise ApiError("session_evicted", f"{error.message} under another id (PUT /v1/sessions/{{another "
+                                                  "id}}, or POST /v1/sessions for one the server picks): this id "
+                                                  "stays taken while the server remembers it as evicted (its last "
+                                                  "evicted_ids_remembered ended sessions), so that a client resuming "
+                                                  "it learns that it is gone instead of finding it empty") from None
             if existing is not None:
                 if existing.config == config and existing.outputs == outputs and pacing.flags_of(existing) == flags:
                     return body, False
@@ -301,6 +311,7 @@ class SessionOps:
         async with self.store.parking.clip(need):  # its bytes (device_memory_budget), then its place (max_sessions)
             with self.store.clip():
                 result = await self._clip(config, wanted, latents, tensors)
+        self.services.metrics.frames_in.inc(result.frames_in)  # a clip's frames count in, as a chunk's do
         self.count_out(result.units)
         # The clip is its throwaway session's one chunk: seq 0, as the first chunk of a session would say.
         return await services.encoder.run(services.encoder.response(

@@ -91,10 +91,25 @@ def check_fields(data: dict[str, Any]) -> dict[str, Any]:
     try:
         parsed = SessionCreate.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}{_expects(e['loc'])}" for e in exc.errors())
+        problems = "; ".join(_problems(exc.errors()))
         fields = ", ".join(SessionCreate.model_fields)
         raise ApiError("invalid_config", f"invalid session config: {problems}; the fields are {fields}") from None
     return parsed.model_dump(exclude_none=True)
+
+
+def _problems(errors: list[dict[str, Any]]) -> list[str]:
+    """One line per problem. A value that fits no branch of a field's union (video_quality: "auto" or an integer)
+    is one line saying what was sent and what the field takes, not one line per branch named in pydantic's terms."""
+    by_field: dict[Any, list[dict[str, Any]]] = {}
+    for error in errors:
+        by_field.setdefault(error["loc"][0] if error["loc"] else "", []).append(error)
+    lines = []
+    for name, found in by_field.items():
+        if len(found) > 1 and all(len(e["loc"]) == 2 and isinstance(e["loc"][1], str) for e in found):
+            lines.append(f"{name}: got {found[0].get('input')!r}{_expects(found[0]['loc'])}")
+            continue
+        lines.extend(f"{'.'.join(map(str, e['loc']))}: {e['msg']}{_expects(e['loc'])}" for e in found)
+    return lines
 
 
 def _expects(loc: tuple) -> str:

@@ -238,6 +238,19 @@ def test_invalid_session_config_creates_nothing(client, body, headers, status, c
     assert len(client.app.state.services.registry) == count
 
 
+@pytest.mark.parametrize("value", ["high", 200, True])
+def test_a_value_no_branch_of_a_field_takes_is_one_line_saying_what_the_field_means(client, value):
+    """video_quality is "auto" or an integer whose range depends on the format: a value that is neither is one
+    problem, quoting it and what the field takes per format (it was a line per pydantic union branch, in pydantic's
+    words, and said [0, 100] though jpeg takes 1-100 and h264 0-51)."""
+    message = assert_error(client.post("/v1/sessions", json={"video_quality": value}), 422,
+                           "invalid_config")["error"]["message"]
+    problems = message.split("; the fields are")[0]
+    assert problems.count("video_quality") == 1, message
+    assert f"video_quality: got {value!r}" in problems and "literal" not in problems, message
+    assert "jpeg: quality 1-100" in problems and "h264: CRF 0-51" in problems, message
+
+
 def test_one_shot_errors(client):
     clip = payload(LATENTS, EMBEDS, MASK)
     assert_error(client.post("/v1/refine", content=payload(LATENTS[:, :, :1], EMBEDS), headers=OCTET), 422,
@@ -326,6 +339,12 @@ def test_evicted_session_is_410(make_settings):
             with client.websocket_connect(f"/v1/sessions/{session_id}/stream"):
                 pass
         assert denied.value.status_code == 410
+        # A PUT is a creation: its 410 says to take another id (this one stays taken while it is remembered).
+        put = assert_error(client.put(f"/v1/sessions/{session_id}", json={}), 410, "session_evicted")
+        assert "under another id" in put["error"]["message"]
+        assert "evicted_ids_remembered" in put["error"]["message"]
+        other = client.put(f"/v1/sessions/{session_id}-2", json={})
+        assert other.status_code == 201, other.text
 
 
 def test_too_many_sessions_is_503_with_a_retry_after_that_tells_the_truth(make_settings):

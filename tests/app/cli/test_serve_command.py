@@ -66,7 +66,8 @@ def test_start_up_failures_are_one_clear_line_and_a_non_zero_exit(tmp_path):
 
     empty = tmp_path / "empty-model"
     empty.mkdir()
-    cases = [(["--model", str(empty)], "has no config.json"), (["--vae", str(tmp_path / "nope")], "does not exist")]
+    cases = [(["--model", str(empty)], "has no config.json"), (["--vae", str(tmp_path / "nope")], "does not exist"),
+             (["--dtype", "half"], "unknown dtype 'half'; use one of ['bfloat16', 'float16'")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "CUDA is not available"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}

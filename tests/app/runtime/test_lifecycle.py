@@ -91,6 +91,12 @@ def test_metrics_count_blocks_frames_and_sessions(make_settings):
         assert value(samples, "refiner_active_sessions") == 1
         assert value(samples, "refiner_kv_cache_bytes") == states[1]["kv_cache_bytes"]
 
+        # A one-shot clip's frames count in and out as a session's do.
+        assert client.post("/v1/refine", content=payload(latents, embeds, mask), headers=OCTET).status_code == 200
+        samples = scrape(client)
+        assert value(samples, "refiner_frames_in_total") == 15 + 8
+        assert value(samples, "refiner_frames_out_total") == 15 + 8
+
 
 def test_shutdown_finishes_in_flight_blocks_then_closes_streams_with_1001(make_settings, refiner):
     server = LiveServer(make_settings())
