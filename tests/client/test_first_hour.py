@@ -194,7 +194,7 @@ def test_the_command_line_says_https_to_a_plain_http_server_is_the_wrong_scheme(
 
 def self_signed_certificate(folder) -> tuple[str, str]:
     """A certificate for 127.0.0.1 that signs itself (its own CA), and its key: PEM files in ``folder``."""
-    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
