@@ -306,7 +306,10 @@ class AsyncStream(AsyncIterator[Unit]):
         session._seq.forget()
         try:
             while True:
-                await asyncio.sleep(protocol.wait_before_connect())
+                wait = protocol.wait_before_connect()
+                if wait:
+                    log.info("%s", protocol.reconnect_note(wait), extra={"wait_s": wait})
+                await asyncio.sleep(wait)
                 try:
                     ws = await client._connect(session_path(session.id, "/stream"), protocol.query())
                 except (APIError, TransportError) as exc:

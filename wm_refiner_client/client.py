@@ -411,7 +411,10 @@ class Stream(Iterator[Unit]):
         session, client, protocol = self.session, self.session.client, self._protocol
         session._seq.forget()  # stream messages count as chunks: the handle asks the server before its next send
         while True:
-            time.sleep(protocol.wait_before_connect())
+            wait = protocol.wait_before_connect()
+            if wait:
+                log.info("%s", protocol.reconnect_note(wait), extra={"wait_s": wait})
+            time.sleep(wait)
             try:
                 ws = client._connect(session_path(session.id, "/stream"), protocol.query())
             except (APIError, TransportError) as exc:

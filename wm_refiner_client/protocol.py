@@ -67,7 +67,8 @@ def unreachable_cause(exc: BaseException, server: str | None = None) -> tuple[st
     """``(kind, the likely cause and the fix)`` when ``exc`` (or an exception it was raised from) says the address is
     wrong rather than the server down: ``"dns"`` an unknown host, ``"refused"`` nothing listening, ``"tls"`` a TLS
     (https://) handshake that failed (most often: the server speaks plain HTTP), ``"certificate"`` a server
-    certificate this client does not trust; None for any other failure."""
+    certificate this client does not trust, ``"tls-closed"`` a handshake the other end cut off (retried as a
+    refusal is: a restart does that too); None for any other failure."""
     where = server or "the server"
     seen: BaseException | None = exc
     for _ in range(8):  # httpx wraps httpcore's error, which wraps the socket's
@@ -81,6 +82,10 @@ def unreachable_cause(exc: BaseException, server: str | None = None) -> tuple[st
                                f"or give its address {SETTING}")
         if isinstance(seen, ssl.SSLCertVerificationError):  # before SSLError: it is one
             return "certificate", certificate_cause(seen, where)
+        if isinstance(seen, (ssl.SSLEOFError, ssl.SSLSyscallError)):  # before SSLError: a restart may cause these
+            return "tls-closed", (f"the TLS (HTTPS) handshake with {where} was cut off ({seen}): is a server or a "
+                                  f"proxy restarting there? If it speaks plain HTTP, give {plain_http(server)} "
+                                  f"instead {SETTING}")
         if isinstance(seen, ssl.SSLError):
             return "tls", tls_cause(seen, server)
         seen = seen.__cause__ or seen.__context__
@@ -303,6 +308,13 @@ class StreamProtocol:
         wait = self.policy.delay(self.failures, self.retry_after)
         self.retry_after = None
         return wait
+
+    def reconnect_note(self, wait: float) -> str:
+        """The log line of a reconnection about to wait ``wait`` seconds (as ``RequestAttempts.retry_note``): what
+        ended or refused the last connection, and which connection comes next of how many."""
+        failed = describe_failure(self.last_error) if self.last_error is not None else "connection lost"
+        return (f"stream of session {self.session_id}: {failed}; connection {self.failures + 1} of "
+                f"{self.policy.attempts} in {wait:.1f} s")
 
     def query(self) -> dict[str, int]:
         """The next connection's query: replay from the first frame the caller lacks."""

@@ -135,6 +135,7 @@ async def until_client_leaves(request: Request, work: Awaitable[T], body_read: a
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         task.cancel()
+        task.add_done_callback(_retrieved)  # it lets go on its own; nobody is left to tell how it ended
         raise
     finally:
         watcher.cancel()
@@ -143,8 +144,13 @@ async def until_client_leaves(request: Request, work: Awaitable[T], body_read: a
     task.cancel()
     # Until the work has let go of what it holds, even if the route is cancelled meanwhile (the server shutting
     # down): that cancellation then goes on, rather than being taken for the work's own.
-    if await outlast(task):
+    cancelled = await outlast(task)
+    _retrieved(task)  # nobody is left to tell; retrieved, so that asyncio does not log it either
+    if cancelled:
         raise asyncio.CancelledError
-    if not task.cancelled():
-        task.exception()  # nobody is left to tell; retrieved, so that asyncio does not log it either
     return None
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -41,13 +41,17 @@ SHOWN_WAIT_S = 1.0
 def show_retries() -> None:
     """The client's long retry waits as lines on stderr (``POST /v1/sessions: 503 too_many_sessions ...``): a full
     server or a lost connection makes a command wait, minutes at most (docs/client.md), and the wait is said
-    rather than silent. Only the client's own lines (``wait_s`` on the record): not its WebSocket library's."""
+    rather than silent: a retry's or a reconnection's line (``wait_s`` on the record) of a second or more, and any
+    warning or error."""
     logger = logging.getLogger("wm_refiner_client")
     if any(getattr(handler, "wm_refiner_cli", False) for handler in logger.handlers):
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    handler.addFilter(lambda record: record.name == logger.name and getattr(record, "wait_s", 0.0) >= SHOWN_WAIT_S)
+    # Its warnings and errors too (those of its WebSocket library included): with a handler of its own, the client's
+    # logger no longer falls back to Python's last-resort one, which printed them.
+    handler.addFilter(lambda record: record.levelno >= logging.WARNING or (
+        record.name == logger.name and getattr(record, "wait_s", 0.0) >= SHOWN_WAIT_S))
     handler.wm_refiner_cli = True
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

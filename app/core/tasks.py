@@ -4,6 +4,7 @@ that may be cancelled meanwhile, once or many times: e.g. a request whose client
 from __future__ import annotations
 
 import asyncio
+import functools
 
 
 async def outlast(future: asyncio.Future) -> bool:
@@ -20,10 +21,18 @@ async def outlast(future: asyncio.Future) -> bool:
     return cancelled
 
 
+def in_thread(func, /, *args, **kwargs) -> asyncio.Future:
+    """``func(*args, **kwargs)`` on the loop's default executor, as a plain future: unlike ``asyncio.to_thread``'s
+    task, nothing cancels it (neither its caller's cancellation nor a shutdown's cancel-all), so what the thread does
+    is always there to be read and undone."""
+    return asyncio.get_running_loop().run_in_executor(None, functools.partial(func, *args, **kwargs))
+
+
 async def to_thread_to_the_end(func, /, *args, **kwargs):
-    """``asyncio.to_thread(func, *args, **kwargs)``, seen to its end even when the caller is cancelled meanwhile (a
-    lease released, a file removed: half done is worse than late); the cancellation then goes on."""
-    future = asyncio.ensure_future(asyncio.to_thread(func, *args, **kwargs))
+    """``func(*args, **kwargs)`` on a worker thread, seen to its end even when the caller is cancelled meanwhile (a
+    lease released, a file removed: half done is worse than late); the cancellation then goes on, whatever the
+    thread ended with."""
+    future = in_thread(func, *args, **kwargs)
     if await outlast(future):
         if not future.cancelled():
             future.exception()  # retrieved: nobody is left to tell

@@ -508,6 +508,8 @@ class Parking:
             return None
         if not _idle(handle) or handle.streaming or handle.watchers or handle.session.state.flushed:
             return None
+        if handle.spill_declined_at is not None and handle.spill_declined_at >= handle.last_work:
+            return None  # tried since its last work and kept (a full disk, a checkpoint in flight): not to count on
         settings = self.settings
         # It parks first (park_after_s), then spills at the timer's next round past spill_after_s.
         return handle.last_work + max(settings.park_after_s, settings.spill_after_s) + settings.upkeep_interval_s
@@ -648,10 +650,13 @@ class Parking:
                 await self.park(handle)
             if (handle.memory_state == "parked" and idle_for >= settings.spill_after_s
                     and self.folder is not None):
+                moved = False
                 try:
-                    await self.spill(handle)
+                    moved = await self.spill(handle)
                 except Exception:  # a full disk must not stop parking; the session stays parked
                     log.exception("spilling session %s failed; it stays parked", handle.id)
+                if not moved:
+                    handle.spill_declined_at = registry.clock()  # no longer a place that frees soon (spills_at)
         retention = settings.retention_s
         if any(now - stub.last_active > retention for stub in self.spilled.values()):
             view, releasing = None, frozenset(self._releasing)

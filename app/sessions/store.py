@@ -36,7 +36,7 @@ from wm_refiner_client import spec
 from app.core.error_kinds import WS_SERVICE_RESTART, ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
-from app.core.tasks import outlast, to_thread_to_the_end
+from app.core.tasks import in_thread, outlast, to_thread_to_the_end
 from app.engine.engine_errors import Draining
 from app.engine.pacing import Admission
 from app.engine.worker import Engine
@@ -283,15 +283,15 @@ class SessionStore:
         """The session's lease for this replica (``app.persistence.leases.acquire``, on a worker thread); 503 session_moved
         naming the owner while another replica holds a live one."""
         settings = self.settings
-        claim = asyncio.ensure_future(asyncio.to_thread(leases.acquire, folder, session_id, settings.replica_id,
-                                                        settings.session_lease_s))
+        claim = in_thread(leases.acquire, folder, session_id, settings.replica_id, settings.session_lease_s)
         # The thread takes the lease whether or not its caller is still there: one cancelled meanwhile (a client
         # gone, a shutdown) lets go of it, or the id would be nobody's until the lease expired.
         cancelled = await outlast(claim)
         error = claim.exception()
         if cancelled:
             if error is None:
-                await to_thread_to_the_end(leases.release, folder, session_id, claim.result())
+                with contextlib.suppress(Exception):  # the cancellation is what goes on; the lease expires then
+                    await to_thread_to_the_end(leases.release, folder, session_id, claim.result())
             raise asyncio.CancelledError
         if isinstance(error, LeaseHeld):
             raise _moved(error) from None

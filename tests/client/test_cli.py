@@ -378,7 +378,7 @@ def test_a_full_server_s_wait_is_said_on_stderr_then_the_stream_goes_on(make_set
     """At max_sessions the server answers 503 too_many_sessions with when its next idle session is released; the
     client waits that long and tries again. The CLI says so on stderr (it sat silent for minutes), then streams."""
     source = write_clip(tmp_path / "in.safetensors")
-    with ThreadServer(make_settings(max_sessions=1, session_idle_timeout_s=2.0)) as full:
+    with ThreadServer(make_settings(max_sessions=1, session_idle_timeout_s=6.0)) as full:
         with Client(full.base_url) as client:
             client.create_session()  # the one place, idle from now on
         result = run_cli("stream", "--server", full.base_url, "--input", str(source), "--output",
@@ -386,3 +386,28 @@ def test_a_full_server_s_wait_is_said_on_stderr_then_the_stream_goes_on(make_set
     assert result.returncode == 0, result.stderr
     assert re.search(r"^POST /v1/sessions: 503 too_many_sessions .*; try 2 of \d+ in \d", result.stderr, re.MULTILINE), result.stderr
     assert "refined 24 frames" in result.stdout
+
+
+def test_the_cli_shows_long_waits_and_every_warning_of_the_client_and_nothing_else(capsys):
+    """show_retries: a retry or reconnection line waiting a second or more, and any warning or error of the client
+    (its WebSocket library's too: with a handler of its own the logger no longer falls back to Python's last-resort
+    one), are printed; short waits and other INFO lines are not."""
+    import logging
+
+    from app.cli import remote
+
+    logger = logging.getLogger("wm_refiner_client")
+    before = list(logger.handlers), logger.level
+    try:
+        remote.show_retries()
+        remote.show_retries()  # once only
+        logger.info("a short wait", extra={"wait_s": 0.25})
+        logger.info("a long wait", extra={"wait_s": 4.0})
+        logger.info("some other line")
+        logging.getLogger("wm_refiner_client.websocket").warning("the socket said something")
+        logging.getLogger("wm_refiner_client.websocket").info("a frame", extra={"wait_s": 9.0})
+        logger.error("an error of its own")
+    finally:
+        logger.handlers[:] = before[0]
+        logger.setLevel(before[1])
+    assert capsys.readouterr().err.splitlines() == ["a long wait", "the socket said something", "an error of its own"]

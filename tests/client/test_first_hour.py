@@ -277,7 +277,7 @@ def test_an_untrusted_certificate_fails_at_once_naming_the_fix_that_works(tls_se
     (ssl.SSLError(1, "[SSL: SSLV3_ALERT_HANDSHAKE_FAILURE] sslv3 alert handshake failure (_ssl.c:1000)"),
      "the TLS (HTTPS) handshake with https://h:1 failed"),
 ])
-def test_every_tls_failure_of_a_first_contact_is_final_at_once(error, cause):
+def test_a_tls_failure_of_a_first_contact_is_final_at_once(error, cause):
     import httpx
 
     try:
@@ -294,6 +294,25 @@ def test_every_tls_failure_of_a_first_contact_is_final_at_once(error, cause):
     # Once the server answered over TLS, a failed handshake is a hiccup of a server that speaks it: retried.
     later = RequestAttempts(RetryPolicy(), "GET /v1/info", first_contact=False, server="https://h:1")
     assert later.after_transport_error(failure, never_sent=True) > 0
+
+
+def test_a_handshake_cut_off_is_retried_as_a_refused_connection_is():
+    """An EOF in the middle of a TLS handshake is what a restarting server or proxy does too: not final at once, but
+    the first contact's few tries, then the cause and the plain-HTTP fix."""
+    import httpx
+
+    try:
+        try:
+            raise ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:1000)")
+        except ssl.SSLError as inner:
+            raise httpx.ConnectError(str(inner)) from inner
+    except httpx.ConnectError as wrapped:
+        failure = wrapped
+    first = RequestAttempts(RetryPolicy(), "GET /v1/info", first_contact=True, server="https://h:1")
+    for _ in range(FIRST_CONTACT_ATTEMPTS - 1):
+        assert first.after_transport_error(failure, never_sent=True) > 0
+    with pytest.raises(wm.TransportError, match=r"was cut off .*give http://h:1 instead"):
+        first.after_transport_error(failure, never_sent=True)
 
 
 # --- a full server: the retries say what they wait for, and how long they can take ----------------------------------

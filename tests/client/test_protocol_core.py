@@ -165,6 +165,18 @@ def test_a_stream_gives_up_after_its_attempts_without_progress():
         stream.wait_before_connect()
 
 
+def test_a_reconnection_s_note_says_what_ended_the_last_connection_and_which_comes_next():
+    stream = new_stream()
+    stream.refused(error_from(503, {"error": {"code": "draining", "message": "the server is draining"}},
+                              retry_after=3.0))
+    wait = stream.wait_before_connect()
+    assert stream.reconnect_note(wait) == ("stream of session s-000001: 503 draining (the server is draining); "
+                                           "connection 2 of 4 in 3.0 s")
+    stream.failed(wm.TransportError("the stream closed before the session event"))
+    assert stream.reconnect_note(0.25).endswith("TransportError (the stream closed before the session event); "
+                                                "connection 3 of 4 in 0.2 s")
+
+
 def test_a_refused_handshake_is_retried_only_when_another_try_may_succeed():
     clock = Clock()
     stream = new_stream(known_replica="replica-a", clock=clock)

@@ -396,15 +396,32 @@ def test_an_adoption_cancelled_while_it_reads_the_file_lets_go_of_the_lease(make
     """A request for a spilled session was cancelled while its file was read: the lease it took is let go and the
     file stays, so another replica (or this one, next time) adopts the session from where it was."""
     folder = tmp_path / "snaps"
-    gate, entered = _gate_threads(monkeypatch, store_module, "read_record")
+    reading, read = _gate_threads(monkeypatch, store_module, "read_record")
+    armed = []  # the spill's own release goes by
+    releasing, released = _gate_threads(monkeypatch, leases_module, "release", when=lambda *a, **k: bool(armed))
     with running_app(make_settings(snapshot_dir=folder, session_lease_s=60.0)) as client:
         services, sid, handle = _parked(client)
         assert client.portal.call(services.store.parking.spill, handle) is True
         assert not _held_by_anyone(folder, sid)
+        armed.append(1)
 
         async def adopt_then_cancel():
-            return await _cancel_while_held(asyncio.ensure_future(services.store.lookup(sid)), entered, gate,
-                                            cancels)
+            # The first cancellation while the file is read, the second while the lease is let go: that release is
+            # seen to its end all the same.
+            task = asyncio.ensure_future(services.store.lookup(sid))
+            while not read.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            reading.set()
+            while not released.is_set():
+                await asyncio.sleep(0.01)
+            for _ in range(cancels - 1):
+                task.cancel()
+                for _ in range(5):
+                    await asyncio.sleep(0)
+            assert not task.done(), "the adoption ended while its lease was still being let go"
+            releasing.set()
+            return (await asyncio.gather(task, return_exceptions=True))[0]
 
         assert isinstance(client.portal.call(adopt_then_cancel), asyncio.CancelledError)
         assert not _held_by_anyone(folder, sid), "a cancelled adoption left the session's lease behind"

@@ -420,9 +420,9 @@ def test_a_full_server_s_retry_after_counts_the_spill_that_frees_a_place(make_se
                              session_retention_s=600.0)
     with running_app(settings) as client:
         sid = client.post("/v1/sessions").json()["session_id"]
-        sent = time.monotonic()
         reply = client.post(f"/v1/sessions/{sid}/chunks", content=payload(LATENTS[:, :, :4], EMBEDS, MASK),
                             headers=OCTET)
+        sent = time.monotonic()  # its work ended (before the reply): the spill is due at most 3 s + a round from now
         assert reply.status_code == 200, reply.text
         full = client.post("/v1/sessions")
         assert full.status_code == 503 and full.json()["error"]["code"] == "too_many_sessions", full.text
@@ -431,3 +431,28 @@ def test_a_full_server_s_retry_after_counts_the_spill_that_frees_a_place(make_se
         assert "spilled to snapshot_dir" in full.json()["error"]["message"]
         wait_until(lambda: client.get(f"/v1/sessions/{sid}").json()["state"] == "spilled", "the session to spill")
         assert client.post("/v1/sessions").status_code == 201
+
+
+def test_a_spill_that_failed_is_not_counted_on_by_the_retry_after(make_settings, tmp_path, monkeypatch):
+    """The timer tried to spill the idle session and could not (a full disk): until its next work, a full server's
+    Retry-After no longer counts on that spill (it said 0 s, again and again, so clients spent their tries in
+    seconds) but on the session's release."""
+    import app.sessions.parking as parking_module
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(parking_module, "write_fenced", full_disk)
+    settings = make_settings(snapshot_dir=tmp_path / "spill", max_sessions=1, park_after_s=0.2, spill_after_s=0.5,
+                             session_retention_s=600.0)
+    with running_app(settings) as client:
+        sid = client.post("/v1/sessions").json()["session_id"]
+        reply = client.post(f"/v1/sessions/{sid}/chunks", content=payload(LATENTS[:, :, :4], EMBEDS, MASK),
+                            headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        handle = client.app.state.services.registry.existing(sid)
+        wait_until(lambda: handle.spill_declined_at is not None, "the timer's spill to fail")
+        full = client.post("/v1/sessions")
+        assert full.status_code == 503 and full.json()["error"]["code"] == "too_many_sessions", full.text
+        assert int(full.headers["retry-after"]) >= 590, full.headers["retry-after"]
+        assert "is released in" in full.json()["error"]["message"]
