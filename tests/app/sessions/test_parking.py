@@ -412,6 +412,14 @@ def test_latents_of_no_session_geometry_are_the_sessions_422_not_an_estimate_cra
         assert reply.json()["error"]["code"] == "invalid_input"
 
 
+def _the_one_session(client) -> str:
+    """A session with its first chunk (so it may be parked and spilled), taking a server's one place."""
+    sid = client.post("/v1/sessions").json()["session_id"]
+    reply = client.post(f"/v1/sessions/{sid}/chunks", content=payload(LATENTS[:, :, :4], EMBEDS, MASK), headers=OCTET)
+    assert reply.status_code == 200, reply.text
+    return sid
+
+
 def test_a_full_server_s_retry_after_counts_the_spill_that_frees_a_place(make_settings, tmp_path):
     """At max_sessions, a 503 too_many_sessions says when a place frees: an idle session is spilled to snapshot_dir
     (spilled ones hold no place) long before it is released, so its Retry-After is the spill's time, not the
@@ -419,11 +427,8 @@ def test_a_full_server_s_retry_after_counts_the_spill_that_frees_a_place(make_se
     settings = make_settings(snapshot_dir=tmp_path / "spill", max_sessions=1, park_after_s=1.0, spill_after_s=3.0,
                              session_retention_s=600.0)
     with running_app(settings) as client:
-        sid = client.post("/v1/sessions").json()["session_id"]
-        reply = client.post(f"/v1/sessions/{sid}/chunks", content=payload(LATENTS[:, :, :4], EMBEDS, MASK),
-                            headers=OCTET)
+        sid = _the_one_session(client)
         sent = time.monotonic()  # its work ended (before the reply): the spill is due at most 3 s + a round from now
-        assert reply.status_code == 200, reply.text
         full = client.post("/v1/sessions")
         assert full.status_code == 503 and full.json()["error"]["code"] == "too_many_sessions", full.text
         spilled_in = 3.0 + settings.upkeep_interval_s - (time.monotonic() - sent)
@@ -446,10 +451,7 @@ def test_a_spill_that_failed_is_not_counted_on_by_the_retry_after(make_settings,
     settings = make_settings(snapshot_dir=tmp_path / "spill", max_sessions=1, park_after_s=0.2, spill_after_s=0.5,
                              session_retention_s=600.0)
     with running_app(settings) as client:
-        sid = client.post("/v1/sessions").json()["session_id"]
-        reply = client.post(f"/v1/sessions/{sid}/chunks", content=payload(LATENTS[:, :, :4], EMBEDS, MASK),
-                            headers=OCTET)
-        assert reply.status_code == 200, reply.text
+        sid = _the_one_session(client)
         handle = client.app.state.services.registry.existing(sid)
         wait_until(lambda: handle.spill_declined_at is not None, "the timer's spill to fail")
         full = client.post("/v1/sessions")
