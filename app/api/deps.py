@@ -13,8 +13,8 @@ from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from app.core.codec import OCTET_STREAM
-from app.core.tasks import outlast
 from app.core.error_kinds import ApiError
+from app.core.tasks import outlast, retrieve
 from app.runtime.services import Services
 
 
@@ -135,7 +135,7 @@ async def until_client_leaves(request: Request, work: Awaitable[T], body_read: a
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         task.cancel()
-        task.add_done_callback(_retrieved)  # it lets go on its own; nobody is left to tell how it ended
+        task.add_done_callback(retrieve)  # it lets go on its own; nobody is left to tell how it ended
         raise
     finally:
         watcher.cancel()
@@ -145,12 +145,7 @@ async def until_client_leaves(request: Request, work: Awaitable[T], body_read: a
     # Until the work has let go of what it holds, even if the route is cancelled meanwhile (the server shutting
     # down): that cancellation then goes on, rather than being taken for the work's own.
     cancelled = await outlast(task)
-    _retrieved(task)  # nobody is left to tell; retrieved, so that asyncio does not log it either
+    retrieve(task)  # nobody is left to tell; retrieved, so that asyncio does not log it either
     if cancelled:
         raise asyncio.CancelledError
     return None
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()

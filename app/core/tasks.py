@@ -34,7 +34,13 @@ async def to_thread_to_the_end(func, /, *args, **kwargs):
     thread ended with."""
     future = in_thread(func, *args, **kwargs)
     if await outlast(future):
-        if not future.cancelled():
-            future.exception()  # retrieved: nobody is left to tell
+        retrieve(future)  # nobody is left to tell
         raise asyncio.CancelledError
     return future.result()
+
+
+def retrieve(future: asyncio.Future) -> None:
+    """Mark ``future``'s error as read, where nobody is left to be told it: asyncio would log "exception was never
+    retrieved" (a done-callback, or after ``outlast``)."""
+    if not future.cancelled():
+        future.exception()

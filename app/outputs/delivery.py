@@ -41,6 +41,7 @@ from models.transfer import HostCopy
 
 from app.core.codec import encode
 from app.core.metrics import Metrics
+from app.core.tasks import retrieve
 from app.outputs.catalog import build_stages
 from app.outputs.kinds import HostUnit, Outputs, payload
 from app.outputs.replay import SentUnit
@@ -274,7 +275,7 @@ class Deliveries:
             item = self._queue[0]
             if item.withdrawn:
                 self._queue.popleft()
-                item.encoded.add_done_callback(_retrieve)  # it fails with the NaN/Inf error nobody awaits now
+                item.encoded.add_done_callback(retrieve)  # it fails with the NaN/Inf error nobody awaits now
                 continue
             try:
                 host, data = await asyncio.shield(item.encoded)
@@ -297,7 +298,3 @@ class Deliveries:
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
 
-
-def _retrieve(done: asyncio.Future) -> None:
-    if not done.cancelled():
-        done.exception()  # retrieved: asyncio would log "exception was never retrieved"

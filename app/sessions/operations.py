@@ -35,7 +35,7 @@ from app.core.codec import EMPTY_CHUNK, EMPTY_MESSAGE, LATENTS, PROMPT_EMBEDS, P
 from app.core.error_kinds import ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
-from app.core.tasks import outlast
+from app.core.tasks import outlast, retrieve
 from app.engine import pacing
 from app.engine.worker import Engine, EngineSession, Work
 from app.outputs.delivery import Deliveries, Encoder, UnitCopies, unit_metadata
@@ -332,8 +332,7 @@ class SessionOps:
             # (device_memory_budget) stay counted: the caller gives them back only once this returns.
             target.closed = ApiError("invalid_request", "the client went away before its clip was refined")
             await outlast(run)  # through a second cancellation too (the server's shutdown)
-            if not run.cancelled():
-                run.exception()  # nobody is left to tell
+            retrieve(run)  # nobody is left to tell
             raise
 
     # --- streams ---------------------------------------------------------------------------------------------
@@ -630,8 +629,7 @@ class StreamSession:
 
         def settled(done: asyncio.Future) -> None:
             jobs.discard(done)
-            if not done.cancelled():
-                done.exception()  # retrieved: a job whose connection is gone must not log "never retrieved"
+            retrieve(done)  # a job whose connection is gone must not log "never retrieved"
 
         task.add_done_callback(settled)
         await asyncio.shield(task)
@@ -671,8 +669,7 @@ def durable_metadata(handle: SessionHandle) -> dict[str, str]:
 def _settled(running: set[asyncio.Future]) -> Callable[[asyncio.Future], None]:
     def settled(done: asyncio.Future) -> None:
         running.discard(done)
-        if not done.cancelled():
-            done.exception()  # retrieved: the request that awaited it may be gone; its own caller saw the error
+        retrieve(done)  # the request that awaited it may be gone; its own caller saw the error
 
     return settled
 
