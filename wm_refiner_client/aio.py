@@ -40,7 +40,7 @@ from ._common import (
 )
 from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error
 from .errors import APIError, TransportError
-from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol
+from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol, connect_failure
 from .retry import RetryPolicy
 from .units import Array, ReturnTensors, Unit, encode
 
@@ -160,13 +160,16 @@ class AsyncClient:
     async def _connect(self, path: str, query: Mapping[str, Any] | None = None) -> ClientConnection:
         url = ws_url(self.base_url, path, query)
         try:
-            return await connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
-                                 compression=None, open_timeout=self.timeout,
-                                 close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
+            ws = await connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
+                               compression=None, open_timeout=self.timeout,
+                               close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
+            self._reached = True  # the server answered (a refusal is an answer)
             raise handshake_error(exc) from None
         except (OSError, TimeoutError, InvalidHandshake) as exc:
-            raise TransportError(f"WebSocket {path}: {type(exc).__name__}: {exc}") from exc
+            raise connect_failure(f"WebSocket {path}", exc, self.base_url, not self._reached) from exc
+        self._reached = True
+        return ws
 
 
 class AsyncSession:

@@ -45,7 +45,7 @@ from ._common import (
     ws_url,
 )
 from .errors import APIError, SessionNotFoundError, TransportError
-from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol
+from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol, connect_failure
 from .retry import RetryPolicy
 from .units import Array, EncodedVideo, ReturnTensors, Unit, concat, encode
 
@@ -229,13 +229,16 @@ class Client:
         """A WebSocket to ``path``; a refused handshake raises the typed error of its status and body."""
         url = ws_url(self.base_url, path, query)
         try:
-            return connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
-                           compression=None, open_timeout=self.timeout,
-                           close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
+            ws = connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
+                         compression=None, open_timeout=self.timeout,
+                         close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
+            self._reached = True  # the server answered (a refusal is an answer)
             raise handshake_error(exc) from None
         except (OSError, TimeoutError, InvalidHandshake) as exc:
-            raise TransportError(f"WebSocket {path}: {type(exc).__name__}: {exc}") from exc
+            raise connect_failure(f"WebSocket {path}", exc, self.base_url, not self._reached) from exc
+        self._reached = True
+        return ws
 
 
 def handshake_error(exc: InvalidStatus) -> APIError:

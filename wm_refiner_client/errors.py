@@ -28,7 +28,15 @@ class WmRefinerError(Exception):
 
 
 class TransportError(WmRefinerError):
-    """The server could not be reached, or the connection kept failing, after every retry."""
+    """The server could not be reached, or the connection kept failing, after every retry. ``final``: no retry can
+    change it (an unknown host, https:// to a plain-HTTP server, an untrusted certificate): the address or the
+    client's set-up is wrong, and the message says how."""
+
+    final: bool = False
+
+    def __init__(self, message: str, *, final: bool = False):
+        super().__init__(message)
+        self.final = final
 
 
 class ProtocolError(WmRefinerError):

@@ -92,6 +92,16 @@ def unreachable_cause(exc: BaseException, server: str | None = None) -> tuple[st
     return None
 
 
+def connect_failure(what: str, exc: BaseException, server: str | None, first_contact: bool) -> TransportError:
+    """The error of a WebSocket ``what`` that could not be opened: before the server ever answered this client, a
+    wrong address's cause and fix (``unreachable_cause``; ``final`` when no retry can change it, so a stream raises
+    it at once rather than reconnecting for minutes), else the socket's own error (a stream retries it)."""
+    cause = unreachable_cause(exc, server) if first_contact else None
+    if cause is not None:
+        return TransportError(f"{what}: {cause[1]}", final=cause[0] in FINAL_CAUSES)
+    return TransportError(f"{what}: {type(exc).__name__}: {exc}")
+
+
 def tls_cause(error: ssl.SSLError, server: str | None) -> str:
     """Why a TLS handshake with ``server`` failed, and the fix: an answer that is not TLS is a plain-HTTP server (the
     service serves plain HTTP unless a proxy in front of it terminates TLS); any other failure names OpenSSL's
@@ -178,7 +188,7 @@ class RequestAttempts:
         cause = unreachable_cause(exc, self.server) if self.first_contact else None
         self.tries = self.policy.attempts if cause is None else min(FIRST_CONTACT_ATTEMPTS, self.policy.attempts)
         if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= self.tries):
-            raise TransportError(f"{self.what}: {cause[1]}") from exc
+            raise TransportError(f"{self.what}: {cause[1]}", final=cause[0] in FINAL_CAUSES) from exc
         if not (self.idempotent or never_sent) or self.failures >= self.policy.attempts:
             raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
         return self.policy.delay(self.failures)
@@ -328,7 +338,7 @@ class StreamProtocol:
             if not self._attempts.retryable(exc, replica):
                 raise exc
             self.retry_after = exc.retry_after if isinstance(exc, ServiceUnavailableError) else None
-        elif not isinstance(exc, TransportError):
+        elif not isinstance(exc, TransportError) or exc.final:
             raise exc
         self.failures += 1
         self.last_error = exc

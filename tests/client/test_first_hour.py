@@ -184,6 +184,31 @@ def test_https_to_a_plain_http_server_fails_at_once_naming_http(full_server, mon
     assert waits == []  # final at once: no retry waited (the policy's ten tries waited ~27 s)
 
 
+@pytest.mark.parametrize("module", ["sync", "async"])
+def test_a_stream_whose_first_contact_is_its_websocket_says_the_cause_at_once(full_server, monkeypatch, module):
+    """A handle made without a request (``Session(client, id, config)``) contacts the server first by its stream's
+    WebSocket: https:// to the plain-HTTP server is the same final cause as over HTTP, not ten reconnections."""
+    url = f"https://127.0.0.1:{full_server.port}"
+    waits = recorded_waits(monkeypatch, module)
+    frames = [np.zeros((1, 128, 1, 4, 4), np.float32)]
+    with pytest.raises(wm.TransportError) as failed:
+        if module == "sync":
+            with Client(url) as client:
+                list(wm.Session(client, "first-contact-ws", {}).stream(frames))
+        else:
+            async def run():
+                async with AsyncClient(url) as client:
+                    return [unit async for unit in wm.AsyncSession(client, "first-contact-ws", {}).stream(frames)]
+
+            asyncio.run(run())
+    message = str(failed.value)
+    assert message.startswith(f"WebSocket /v1/sessions/first-contact-ws/stream: the server at {url} does not speak "
+                              "TLS (HTTPS)"), message
+    assert f"give http://127.0.0.1:{full_server.port} instead" in message
+    assert failed.value.final and ssl_errors_in(failed.value)
+    assert not any(waits)  # no reconnection waited (the first connection "waits" 0 s)
+
+
 def test_the_command_line_says_https_to_a_plain_http_server_is_the_wrong_scheme(full_server):
     url = f"https://127.0.0.1:{full_server.port}"
     result = run_cli("sessions", "--server", url)
