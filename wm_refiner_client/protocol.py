@@ -185,7 +185,9 @@ class RequestAttempts:
         """The connection failed (``never_sent``: it was refused before the request left)."""
         self.failures += 1
         self.last_failure = exc
-        cause = unreachable_cause(exc, self.server) if self.first_contact else None
+        # A wrong address shows while connecting (TLS is part of it): an error after the request left is the
+        # server's hiccup, whatever it wraps.
+        cause = unreachable_cause(exc, self.server) if self.first_contact and never_sent else None
         self.tries = self.policy.attempts if cause is None else min(FIRST_CONTACT_ATTEMPTS, self.policy.attempts)
         if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= self.tries):
             raise TransportError(f"{self.what}: {cause[1]}", final=cause[0] in FINAL_CAUSES) from exc

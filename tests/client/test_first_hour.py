@@ -319,6 +319,9 @@ def test_a_tls_failure_of_a_first_contact_is_final_at_once(error, cause):
     # Once the server answered over TLS, a failed handshake is a hiccup of a server that speaks it: retried.
     later = RequestAttempts(RetryPolicy(), "GET /v1/info", first_contact=False, server="https://h:1")
     assert later.after_transport_error(failure, never_sent=True) > 0
+    # The same error after the connection was made (the request had left: a read failed) is no wrong address.
+    reading = RequestAttempts(RetryPolicy(), "GET /v1/info", first_contact=True, server="https://h:1")
+    assert reading.after_transport_error(httpx.ReadError(str(error)), never_sent=False) > 0
 
 
 def test_a_handshake_cut_off_is_retried_as_a_refused_connection_is():
