@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'ratio':>8s} {'n':>3s}")
     for row in signing_rows:
         print(row)
-    print(f"# a signed session file adopted: the engine thread's time (p50 of {args.signing_rounds}), all of "
-          "load_record on it (before) vs only record_from_tensors, read_record on a worker thread (after)")
+    print(f"# a signed session file adopted: the engine thread's time (p50 of {args.signing_rounds}): all of "
+          "load_record on it (all); record_from_tensors building the session, read_record on a worker thread "
+          "(build); the session built in host memory on a worker thread too, the engine only queuing its move (move)")
     for name, values in engine_ms.items():
         print(f"signing engine {name:6s} {1000 * statistics.median(values):10.2f} ms")
     return 0

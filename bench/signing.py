@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from app.persistence.records import load_record, read_record, record_from_tensors, write_record
+from app.persistence.records import host_session, load_record, read_record, record_from_tensors, write_record
 from models.snapshot import read_tensors, signature, verify
 
 BENCH_KEY = b"bench-signing-key-of-32-or-more-characters"
@@ -95,20 +95,25 @@ def format_rows(name: str, tensors: dict[str, torch.Tensor], figures: dict[str, 
 
 def engine_time(tensors: dict[str, torch.Tensor], metadata: dict[str, str], session_id: str, folder: Path, refiner,
                 stages, on_engine, rounds: int) -> dict[str, list[float]]:
-    """Seconds the engine thread spends adopting the session file ``tensors``/``metadata`` signed: ``before``, all
-    of ``load_record`` on it (read, verify, build); ``after``, only ``record_from_tensors`` there, ``read_record``
-    (read + verify) done first on this thread, as an adoption does on a worker thread now. ``on_engine(fn)``: runs
-    ``fn`` on the engine thread and returns its result. Alternating, as ``measure``."""
+    """Seconds the engine thread spends adopting the session file ``tensors``/``metadata`` signed, three ways, each
+    a step of its history: ``all``, all of ``load_record`` on it (read, verify, build: the first adoption);
+    ``build``, only ``record_from_tensors`` there, building the session from what ``read_record`` (read + verify)
+    read first on this thread (the adoption after "Snapshot signing"); ``move``, the session built in host memory
+    on this thread too (``host_session``), the engine thread only checking the record and queuing the move to the
+    model's device (the adoption now; nothing to move on the CPU). ``on_engine(fn)``: runs ``fn`` on the engine
+    thread and returns its result. In turn, the order rotating each round, as ``measure`` alternates."""
     path = write_record(folder, session_id, tensors, metadata, key=BENCH_KEY)
-    times: dict[str, list[float]] = {"before": [], "after": []}
+    kinds = ("all", "build", "move")
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_index in range(rounds):
-        for kind in (("before", "after") if round_index % 2 == 0 else ("after", "before")):
-            if kind == "before":
+        for kind in kinds[round_index % 3:] + kinds[:round_index % 3]:
+            if kind == "all":
                 began = time.perf_counter()
                 on_engine(lambda: load_record(path, refiner, stages, session_id, key=BENCH_KEY))
             else:
                 read, read_metadata = read_record(path, refiner, key=BENCH_KEY)
+                built = host_session(refiner, read, read_metadata) if kind == "move" else None
                 began = time.perf_counter()
-                on_engine(lambda: record_from_tensors(path, read, read_metadata, refiner, stages, session_id))
+                on_engine(lambda: record_from_tensors(path, read, read_metadata, refiner, stages, session_id, built))
             times[kind].append(time.perf_counter() - began)
     return times

@@ -38,6 +38,8 @@ from typing import Callable
 
 import torch
 
+from .transfer import pinned_empty
+
 RopeFn = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -116,29 +118,25 @@ class SessionKV:
         dtype: torch.dtype,
         device: torch.device,
         rebased: bool,
+        pin: bool = False,
     ):
+        """``pin``: in page-locked host memory (``device`` the CPU), for a cache built on the host that goes to a
+        CUDA device next without a host wait (an adopted session, ``app.persistence.records.host_session``)."""
         self.layout = layout
         self.num_layers = num_layers
         self.batch = batch
         self.rebased = rebased
-        self.window = torch.zeros(
-            num_layers, 2, batch, layout.capacity, inner_dim, dtype=dtype, device=device
-        )  # (Y, 2, B, N_window, D)
-        self.sink_key = torch.zeros(
-            num_layers, batch, layout.sink_tokens, inner_dim, dtype=dtype, device=device
-        )  # (Y, B, S*T, D), pre-RoPE
+
+        def zeros(*shape: int) -> torch.Tensor:
+            if pin:
+                return pinned_empty(shape, dtype).zero_()
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.window = zeros(num_layers, 2, batch, layout.capacity, inner_dim)  # (Y, 2, B, N_window, D)
+        self.sink_key = zeros(num_layers, batch, layout.sink_tokens, inner_dim)  # (Y, B, S*T, D), pre-RoPE
         # Rebased only: pre-RoPE keys of the history and the block slot, at window offsets minus the sink.
         self.history_key = (
-            torch.zeros(
-                num_layers,
-                batch,
-                layout.capacity - layout.sink_tokens,
-                inner_dim,
-                dtype=dtype,
-                device=device,
-            )
-            if rebased
-            else None
+            zeros(num_layers, batch, layout.capacity - layout.sink_tokens, inner_dim) if rebased else None
         )  # (Y, B, (Hmax + block)*T, D)
         self.has_sink = False
         self.history_frames = 0

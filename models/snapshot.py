@@ -268,12 +268,16 @@ def _read_metadata(metadata: dict[str, str]) -> tuple[dict, SessionConfig, dict]
         raise SnapshotError(f"snapshot metadata is unreadable: {exc}") from None
 
 
-def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
-    """Rebuild a session saved by ``session_to_tensors``; returns (session, metadata)."""
+def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                         device: torch.device | None = None, pin: bool = False):
+    """Rebuild a session saved by ``session_to_tensors``; returns (session, metadata). ``device``: where its tensors
+    go (default: the model's; the host for a session built off the engine thread and moved to the model's device
+    afterwards, ``models.move.move_session``), its KV cache in page-locked memory with ``pin``."""
     model, config, counters = _read_metadata(metadata)
     if model != _model_key(refiner):
         raise SnapshotError(f"snapshot was made for model {model}, the loaded model is {_model_key(refiner)}")
-    device, num_layers = refiner.device, refiner.num_layers
+    device = refiner.device if device is None else torch.device(device)
+    num_layers = refiner.num_layers
 
     def get(name: str) -> torch.Tensor:
         if name not in tensors:
@@ -297,7 +301,7 @@ def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], met
             prompt=prompt,
             has_sink=bool(counters["has_sink"]),
             history_frames=history_frames,
-            rng_state=_rng_state(tensors["rng_state"].to(torch.uint8), device),
+            rng_state=_rng_state(tensors["rng_state"].to(torch.uint8), refiner.device),  # the model's generator
             flushed=bool(counters["flushed"]),
             blocks_refined=int(counters["blocks_refined"]),
         )
@@ -315,7 +319,8 @@ def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], met
                                   geometry.tokens_per_frame)
             if history_frames > layout.max_history_frames:
                 raise SnapshotError(f"snapshot holds {history_frames} history frames, more than the config allows")
-            kv = SessionKV(num_layers, geometry.batch, layout, refiner.info.inner_dim, refiner.dtype, device, rebased)
+            kv = SessionKV(num_layers, geometry.batch, layout, refiner.info.inner_dim, refiner.dtype, device, rebased,
+                           pin=pin)
             empty = [None] * num_layers
             kv.load(
                 layers("sink", "key"),

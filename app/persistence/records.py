@@ -22,7 +22,9 @@ lease records that lease's generation (``lease_generation``), and a file below t
 is never loaded over the session's later state.
 
 Building records (``record_tensors``, ``record_from_tensors``) runs on the engine thread (the session's tensors
-are the engine's); reading and verifying a file (``read_record``) touches no session and runs on a worker thread.
+are the engine's); reading and verifying a file (``read_record``) touches no session and runs on a worker thread,
+and so does building an adopted session in host memory (``host_session``: gigabytes copied, and on CUDA locked),
+which the engine thread then only sends to the device on a side stream, as a page-in does.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from models import Refiner, RefinerSession
+from models.move import move_session, stage_host
 from models.snapshot import (
     SnapshotError,
     SnapshotLimits,
@@ -91,6 +94,9 @@ class SessionRecord:
     created_at: float | None = None  # wall clock (time.time()) of the session's creation
     checkpoint: bool = False  # read from a crash checkpoint rather than a drain's snapshot
     realtime: bool = False  # its blocks have deadlines (app.engine.pacing): a moved or spilled session keeps them
+    # The event its tensors' copies to the device complete with (a session built in host memory: its first forward
+    # waits for it on the device, ``app.engine.worker.wait_for``); None when nothing was copied (on the CPU).
+    ready: Any = None
 
 
 def snapshot_path(folder: Path, session_id: str) -> Path:
@@ -271,11 +277,28 @@ def read_record(path: Path, refiner: Refiner, limits: SnapshotLimits | None = No
     return tensors, metadata
 
 
+HostSession = tuple[RefinerSession, dict[int, torch.Tensor]]
+
+
+def host_session(refiner: Refiner, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> HostSession:
+    """The session ``read_record``'s tensors hold, built in host memory (its KV cache page-locked when the model is
+    on CUDA), and the pinned copies of the rest that its move to the model's device needs (``stage_host``): the part
+    of an adoption that copies gigabytes (and locks them), done on a worker thread rather than the engine's, where
+    it stalled every other session's blocks for the length of a 720p window's copy (and on CUDA queued ~200
+    pageable copies, each waiting for the GPU). ``SnapshotError`` as ``session_from_tensors``; it touches no model
+    state. Pass it to ``record_from_tensors(..., built=)``."""
+    session, _ = session_from_tensors(refiner, tensors, metadata, device=torch.device("cpu"),
+                                      pin=refiner.device.type == "cuda")
+    return session, stage_host(session, refiner.device)
+
+
 def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], refiner: Refiner,
-                        stages: OutputStages, expected_id: str | None = None) -> SessionRecord:
+                        stages: OutputStages, expected_id: str | None = None,
+                        built: HostSession | None = None) -> SessionRecord:
     """The record ``read_record`` read from ``path`` (named in errors), built into a session and its output stages:
     ``SnapshotError`` when its fields are unreadable, foreign, for another session or another model. On the engine
-    thread (the session it builds is the engine's)."""
+    thread (the session it builds is the engine's). ``built``: ``host_session``'s session, sent to the model's
+    device here without a host wait (the record's ``ready`` says when it is there) instead of built here."""
     try:
         fields = json.loads(metadata["app"])
         if fields.get("format") != APP_FORMAT:
@@ -301,7 +324,7 @@ def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
         raise SnapshotError(f"{path.name}: the session outputs {list(outputs.kinds)} but {exc}") from None
     except Exception as exc:
         raise SnapshotError(f"{path.name}: its output stages' state does not fit this server ({exc!r})") from None
-    session, _ = session_from_tensors(refiner, tensors, metadata)
+    session = session_from_tensors(refiner, tensors, metadata)[0] if built is None else built[0]
     for earlier, later in zip(units, units[1:]):
         if later.frame_start != earlier.frame_end:
             raise SnapshotError(f"{path.name}: retained units are not contiguous")
@@ -310,10 +333,12 @@ def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
             f"{path.name}: retained units end at frame {units[-1].frame_end}, after the session's "
             f"{session.state.frames_returned} returned frames"
         )
+    # Last, once nothing can refuse the file: on a side stream, the engine thread only queues the copies.
+    ready = None if built is None else move_session(session, refiner.device, host=built[1])
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
                          outputs=replace(outputs, fps=session.config.fps), stages=session_stages,
                          created_at=fields.get("created_at"), checkpoint=bool(fields.get("checkpoint")),
-                         realtime=fields.get("realtime") is True)
+                         realtime=fields.get("realtime") is True, ready=ready)
 
 
 def record_generation(metadata: dict[str, str], name: str = "snapshot") -> int:

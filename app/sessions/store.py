@@ -46,7 +46,7 @@ from app.outputs.stage import OutputStages
 from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld
 from app.persistence.records import (
-    SessionRecord, StaleRecord, has_snapshot, read_record, record_from_tensors, snapshot_limits,
+    SessionRecord, StaleRecord, has_snapshot, host_session, read_record, record_from_tensors, snapshot_limits,
     snapshot_path,
 )
 from app.sessions.checkpoints import Checkpoints
@@ -317,10 +317,12 @@ class SessionStore:
                 if not path.is_file():
                     raise FileNotFoundError(path)
                 # Read, header-checked and (signed) verified on a worker thread: the hash reads every byte of the
-                # file, time the engine thread spends on other sessions' blocks. Built into a session on it.
+                # file, time the engine thread spends on other sessions' blocks. The session is built there too, in
+                # host memory (pinned on CUDA); the engine thread only checks the record and queues its copies.
                 tensors, metadata = await asyncio.to_thread(read_record, path, refiner, limits, key, floor)
+                built = await asyncio.to_thread(host_session, refiner, tensors, metadata)
                 record = await self.engine.call(
-                    lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id))
+                    lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id, built))
             except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
                 await to_thread_to_the_end(leases.release, folder, session_id, lease)
                 return None
@@ -370,6 +372,8 @@ class SessionStore:
         if record.created_at is not None:
             handle.created_at = record.created_at
         handle.from_checkpoint = record.checkpoint
+        # Its next forward waits on the device for the copies that brought it (a park, for the copies it reads).
+        handle.engine_session.ready = handle.park_ready = record.ready
         if record.realtime:
             handle.engine_session.pacing = self.realtime.pacing(record.session.config)
         chunks = handle.chunks

@@ -197,6 +197,35 @@ def test_a_park_staged_on_another_thread_keeps_the_session_bit_exact(medium):
     assert torch.equal(units[0][-1].latents, units[1][-1].latents)
 
 
+def test_an_adopted_session_built_on_the_host_comes_to_the_gpu_bit_exact(medium):
+    """What an adoption does (``app.sessions.store``): the file's session built in host memory on a worker thread,
+    its KV cache page-locked (``host_session``), then sent to the GPU on a side stream by the engine thread without
+    a host wait; it refines its next block exactly as the session it was saved from."""
+    import threading
+
+    from app.engine.worker import EngineSession, wait_for
+    from app.persistence.records import host_session
+    from models.move import move_session
+    from models.snapshot import session_to_tensors
+
+    latents, embeds = clip(frames=19)
+    original = RefinerSession(medium, SessionConfig())
+    original.push(latents[:, :, :16], embeds)
+    tensors, metadata = session_to_tensors(original)  # on the host, as a file reads them
+    built = {}
+    worker = threading.Thread(target=lambda: built.update(host=host_session(medium, tensors, metadata)))
+    worker.start()
+    worker.join(60)
+    session, staged = built["host"]
+    assert session.kv.window.device.type == "cpu" and session.kv.window.is_pinned()
+    adopted = EngineSession(session)
+    adopted.ready = move_session(session, medium.device, host=staged)
+    assert session.kv.window.device == medium.device and adopted.ready is not None
+    wait_for(adopted)  # what the engine does before the session's next model call
+    units = [s.push(latents[:, :, 16:]) for s in (original, session)]
+    assert torch.equal(units[0][-1].latents, units[1][-1].latents)
+
+
 def test_kv_memory_is_allocated_once(medium):
     latents, embeds = clip(frames=1 + 3 * 12)
     session = RefinerSession(medium, SessionConfig())

@@ -113,10 +113,11 @@ def test_with_a_signing_key_an_edited_or_foreign_record_is_refused_as_a_corrupt_
     assert KEY not in caplog.text and OTHER_KEY not in caplog.text
 
 
-def test_a_signed_record_is_verified_off_the_engine_thread(make_settings, tmp_path, monkeypatch):
-    """Verifying reads and hashes every byte of the file (~0.7 s per GiB, docs/benchmarks.md "Snapshot signing"): an
-    adoption does it on a worker thread, never on the engine thread that refines every other session's blocks; the
-    session is then built there (its first chunk after adoption is refined as usual)."""
+def test_a_signed_record_is_verified_and_built_off_the_engine_thread(make_settings, tmp_path, monkeypatch):
+    """Verifying reads and hashes every byte of the file (~0.7 s per GiB, docs/benchmarks.md "Snapshot signing") and
+    building the session copies its KV cache (gigabytes at 720p; on CUDA also locked, then sent on a side stream): an
+    adoption does both on a worker thread, never on the engine thread that refines every other session's blocks; its
+    first chunk after adoption is refined as usual."""
     import threading
 
     from app.persistence import records
@@ -124,13 +125,19 @@ def test_a_signed_record_is_verified_off_the_engine_thread(make_settings, tmp_pa
     folder = tmp_path / "snapshots"
     session_id = _drained(make_settings, folder, snapshot_signing_key=KEY)
     verified_on: list[str] = []
-    real_verify = records.verify
+    built_on: list[str] = []
+    real_verify, real_build = records.verify, records.session_from_tensors
 
     def recording_verify(*args, **kwargs):
         verified_on.append(threading.current_thread().name)
         return real_verify(*args, **kwargs)
 
+    def recording_build(*args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        return real_build(*args, **kwargs)
+
     monkeypatch.setattr(records, "verify", recording_verify)
+    monkeypatch.setattr(records, "session_from_tensors", recording_build)
     latents, _, _ = make_clip(frames=16)
     with running_app(make_settings(snapshot_dir=folder, snapshot_signing_key=KEY)) as client:
         assert _adopted(client, session_id) == 200
@@ -139,6 +146,7 @@ def test_a_signed_record_is_verified_off_the_engine_thread(make_settings, tmp_pa
         assert reply.status_code == 200, reply.text
         engine_thread = client.app.state.services.engine._thread.name
     assert len(verified_on) == 1 and verified_on[0] != engine_thread == "refiner-engine"
+    assert len(built_on) == 1 and built_on[0] != engine_thread, built_on
 
 
 def test_with_a_signing_key_an_unsigned_record_is_refused(make_settings, tmp_path, caplog):
