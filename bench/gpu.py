@@ -225,6 +225,12 @@ def section_blocks(ctx: Context) -> dict[str, Any]:
     clock = CallClock(ctx.device)
     counts = ctx.preset["sessions"]
     for name, (height, width) in ctx.preset["geometries"].items():
+        if time.perf_counter() - ctx.started > ctx.budget_s:
+            # Over the time budget before this geometry: no sessions filled for nothing (a 720p fill is seconds).
+            out[name] = ctx.blocks[name] = {f"{'batched' if b else 'solo'}_{n}_sessions_block_s": None
+                                            for n in counts for b in (True, False)} | {
+                "tokens_per_frame_count": height * width, "latent_height_width": f"{height}x{width}"}
+            continue
         sessions = _steady_sessions(ctx.refiner, max(counts), height, width, ctx.preset["prompt_tokens"])
         figures: dict[str, float] = {}
         for count in counts:
@@ -575,10 +581,30 @@ def machine(device: torch.device) -> dict[str, Any]:
     return out
 
 
+def section_names(only: str | None = None, skip: str | None = None) -> list[str]:
+    """The sections a run measures, in ``SECTIONS``' order: ``only`` (comma-separated names; default every one)
+    less ``skip``. ``startup`` is always first: every other section measures the model it builds."""
+    names = [name for name, _ in SECTIONS]
+
+    def listed(text: str | None) -> set[str]:
+        return {n.strip() for n in (text or "").split(",") if n.strip()}
+
+    unknown = sorted((listed(only) | listed(skip)) - set(names))
+    if unknown:
+        raise SystemExit(f"unknown section {', '.join(unknown)}: the sections are {', '.join(names)}")
+    return ["startup"] + [n for n in names if n != "startup" and (only is None or n in listed(only))
+                          and n not in listed(skip)]
+
+
 def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float = 360.0,
-        end_s: float = float("inf"), end_at: float | None = None) -> dict[str, Any]:
+        end_s: float = float("inf"), end_at: float | None = None,
+        sections: list[str] | None = None) -> dict[str, Any]:
     """``end_s``: seconds from here by which the run ends; ``end_at``: the same as a Unix time (what a caller that
-    started its clock before this process, and its imports, passes: ``gpu_check.sh``), the earlier of the two."""
+    started its clock before this process, and its imports, passes: ``gpu_check.sh``), the earlier of the two.
+    ``sections``: the names to measure (``section_names``; default all). A run of some sections adds them to the
+    ``summary.json`` already in ``out_dir`` (``gpu_check.sh`` runs the compiling section in a process of its own:
+    a compiler crash or overrun there costs no other figure); its own start-up figures go in only where the file
+    has none."""
     preset = SMOKE if smoke else FULL
     device = torch.device(device or ("cpu" if smoke else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -590,8 +616,14 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
     if end_at is not None:
         end_s = min(end_s, end_at - time.time())
     ctx.budget_s, ctx.end_s = budget_s, end_s
+    names = section_names() if sections is None else sections
     summary: dict[str, Any] = {"mode": "smoke" if smoke else "full", "dtype": str(dtype).removeprefix("torch."),
                                "machine": machine(device), "sections": {}, "errors": {}, "seconds": {}}
+    earlier = out_dir / "summary.json"
+    if sections is not None and earlier.is_file():
+        summary = json.loads(earlier.read_text())  # an earlier process's sections: this run adds its own
+    again = "startup" in summary["sections"] or "startup" in summary["errors"]  # a later process of one check
+    total_key = "total_again_s" if again else "total_s"
 
     def save(name: str, figures: dict[str, Any]) -> None:
         summary["sections"][name] = figures
@@ -601,17 +633,24 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
     total = time.perf_counter()
     with torch.no_grad():
         for name, section in SECTIONS:
+            if name not in names:
+                continue
+            # Start-up again in a later process: recorded apart (its seconds, any error), the first one's figures
+            # stand. Any other section asked for again replaces what the file had of it.
+            key = "startup_again" if name == "startup" and again else name
             started = time.perf_counter()
             print(f"== {name}", flush=True)
             try:
-                summary["sections"][name] = section(ctx)
+                figures = section(ctx)
+                if key == name:
+                    summary["sections"][name] = figures
             except Exception as exc:  # fail soft: record and go on (a loan is too short to rerun for one figure)
-                summary["errors"][name] = f"{type(exc).__name__}: {exc}"
+                summary["errors"][key] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
-            summary["seconds"][f"{name}_s"] = time.perf_counter() - started
-            print(json.dumps({name: summary["sections"].get(name, summary["errors"].get(name))}, default=str),
+            summary["seconds"][f"{key}_s"] = time.perf_counter() - started
+            print(json.dumps({name: summary["sections"].get(name, summary["errors"].get(key))}, default=str),
                   flush=True)
-            summary["seconds"]["total_s"] = time.perf_counter() - total
+            summary["seconds"][total_key] = time.perf_counter() - total
             _write(out_dir, summary)  # after every section: a run stopped by the loan's end keeps what it measured
     return summary
 
@@ -664,7 +703,12 @@ def main(argv: list[str] | None = None) -> int:
                              "finish by then (skipped, with the reason)")
     parser.add_argument("--end-at", type=float, default=None,
                         help="the same as a Unix time (a caller's clock, started before this process's imports)")
+    parser.add_argument("--only", default=None, metavar="NAMES",
+                        help="comma-separated sections to measure (startup always runs first), added to OUT's "
+                             "summary.json when it has one: " + ", ".join(name for name, _ in SECTIONS))
+    parser.add_argument("--skip", default=None, metavar="NAMES", help="comma-separated sections not to measure")
     args = parser.parse_args(argv)
-    summary = run(args.out, args.smoke, args.device, args.budget_s, args.end_s, args.end_at)
+    summary = run(args.out, args.smoke, args.device, args.budget_s, args.end_s, args.end_at,
+                  None if args.only is None and args.skip is None else section_names(args.only, args.skip))
     print((args.out / "summary.md").read_text())
     return 1 if summary["errors"] else 0

@@ -46,6 +46,8 @@ def test_every_section_ran_without_error(summary):
     assert summary["errors"] == {}
     assert set(summary["sections"]) == set(SECTIONS)
     assert summary["mode"] == "smoke" and summary["machine"]["cpu"]
+    # The step modes ran in a process of their own (as on the loan) and added to the first one's summary.
+    assert {"startup_s", "startup_again_s", "step_modes_s", "total_s", "total_again_s"} <= set(summary["seconds"])
 
 
 def test_every_figure_is_named_with_its_unit(summary):
