@@ -86,12 +86,19 @@ async def deny(websocket: WebSocket, error: ApiError, services: Services) -> Non
         return
     await websocket.accept(subprotocol=subprotocol(websocket))
     await websocket.send_text(json.dumps({"type": "error", **error.envelope()}))
-    await websocket.close(error.spec.ws_close or WS_POLICY_VIOLATION, error.message[:_MAX_REASON])
+    await websocket.close(error.spec.ws_close or WS_POLICY_VIOLATION, close_reason(error.message))
 
 
 def subprotocol(websocket: WebSocket) -> str | None:
     """What to accept with: a browser fails a connection whose 101 names none of the subprotocols it offered."""
     return select_subprotocol(websocket.scope.get("subprotocols") or [])
+
+
+def close_reason(text: str) -> str:
+    """``text`` as a close frame's reason: at most ``_MAX_REASON`` bytes of UTF-8, cut at a character (a control
+    frame carries 125 bytes, 2 of them the code; websockets refuses a longer one: a message that quotes what a client
+    sent in another script, 3 bytes a character, was cut to 120 characters and broke the close)."""
+    return text.encode()[:_MAX_REASON].decode(errors="ignore")
 
 
 async def refuse(websocket: WebSocket, error: ApiError, services: Services) -> None:
@@ -100,7 +107,7 @@ async def refuse(websocket: WebSocket, error: ApiError, services: Services) -> N
     services.reject(error)
     await websocket.accept(subprotocol=subprotocol(websocket))
     await websocket.send_text(json.dumps({"type": "error", **error.envelope()}))
-    await websocket.close(error.spec.ws_close or WS_POLICY_VIOLATION, error.message[:_MAX_REASON])
+    await websocket.close(error.spec.ws_close or WS_POLICY_VIOLATION, close_reason(error.message))
 
 
 class StreamConnection:
@@ -152,6 +159,10 @@ class StreamConnection:
                 self._reader = asyncio.create_task(self._read_loop(), name=f"ws-reader {self.session_id}")
                 # wait() rather than await: the writer cancels the reader after a close it initiated.
                 await asyncio.wait({self._reader})
+                failed = None if self._reader.cancelled() else self._reader.exception()
+                if failed is not None:  # a bug: said to the client and the log, not a silent end of the stream
+                    log.error("stream %s: reading the connection failed", self.session_id, exc_info=failed)
+                    self._report(failed, close_code=WS_INTERNAL_ERROR)
                 # Units of the messages already handed over are still being encoded: they go out before the end
                 # (a failed or late hand-over is the session's: its units stay retained for a resume).
                 with contextlib.suppress(Exception):
@@ -191,7 +202,7 @@ class StreamConnection:
         """Close after everything already queued has been sent (drain, session deleted)."""
         if not self.closing:
             self.closing = True
-            self.outbox.put_nowait(("close", code, reason[:_MAX_REASON]))
+            self.outbox.put_nowait(("close", code, close_reason(reason)))
 
     def abandon(self) -> None:
         """A reattaching connection took the session over: stop at once. Nothing is lost by dropping the queue:
@@ -274,7 +285,7 @@ class StreamConnection:
     async def _command(self, text: str) -> None:
         try:
             command = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # "[" * 5000 nests past the parser's recursion limit
             command = None
         if not isinstance(command, dict) or command.get("type") != "flush":
             self._report(

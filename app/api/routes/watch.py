@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from app.api.routes.stream import deny, subprotocol
+from app.api.routes.stream import close_reason, deny, subprotocol
 from app.core.error_kinds import WS_NORMAL, ApiError
 from app.outputs.delivery import UnitCopies
 from app.outputs.kinds import HostUnit, Outputs
@@ -41,8 +41,6 @@ from app.runtime.services import Services
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["sessions"])
-
-_MAX_REASON = 120
 
 
 @router.websocket("/v1/sessions/{session_id}/watch")
@@ -125,7 +123,7 @@ class Watcher:
     def close(self, code: int, reason: str) -> None:
         if not self.closing:
             self.closing = True
-            self.queue.append(("close", code, reason[:_MAX_REASON]))
+            self.queue.append(("close", code, close_reason(reason)))
             self.wakeup.set()
 
     def abort(self) -> None:

@@ -30,8 +30,10 @@ LATENTS, EMBEDS, MASK = make_clip(frames=8, seed=3)
 
 @pytest.fixture(scope="module")
 def client(checkpoint_dir, tmp_path_factory):
+    # Room for every session the tests on this one app create (flushed ones stay for flushed_session_ttl_s).
     settings = Settings(
-        model=str(checkpoint_dir), device="cpu", dtype="float32", cache_dir=tmp_path_factory.mktemp("cache"), **LIMITS
+        model=str(checkpoint_dir), device="cpu", dtype="float32", cache_dir=tmp_path_factory.mktemp("cache"),
+        max_sessions=64, **LIMITS
     )
     with running_app(settings) as client:
         yield client
@@ -289,6 +291,7 @@ def receive_until_event(ws):
         (payload(torch.randn(1, 128, 9, 4, 4)), "too_many_frames"),
         ('{"type": "rewind"}', "invalid_payload"),
         ("not json", "invalid_payload"),
+        ("[" * 5000, "invalid_payload"),  # nests past json's recursion limit: it killed the reader, unsaid
     ],
 )
 def test_bad_websocket_message_is_an_event_and_the_stream_continues(client, expected, message, code):
