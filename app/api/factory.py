@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         document_api_key(app, PUBLIC_PATHS)
     # Innermost: after the API key (a caller without it learns nothing about the routes), before any route runs.
     app.add_middleware(QueryRule, services=services)
+    app.add_middleware(HeadAsGet)
     # Errors raised by the routes, not by the middlewares around them.
     app.add_middleware(AnswerUnexpectedErrors, services=services)
     app.add_middleware(
@@ -129,16 +130,48 @@ def error_response(error: ApiError, services: Services) -> JSONResponse:
     )
 
 
+def methods_at(app, path: str) -> set[str]:
+    """The methods the routes at ``path`` declare (several routes may share a path)."""
+    methods: set[str] = set()
+    for context in iter_route_contexts(app.routes):
+        if context.methods and compile_path(context.path)[0].fullmatch(path):
+            methods |= context.methods
+    return methods
+
+
 def allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at this path. Starlette's 405 names only the first route whose path matches,
-    and several routes share a path (``GET`` and ``POST /v1/sessions``)."""
-    methods: set[str] = set()
-    for context in iter_route_contexts(request.app.routes):
-        if context.methods and compile_path(context.path)[0].fullmatch(request.url.path):
-            methods |= context.methods
+    and several routes share a path (``GET`` and ``POST /v1/sessions``). HEAD wherever GET is (``HeadAsGet``)."""
+    methods = methods_at(request.app, request.url.path)
     if "GET" in methods:
         methods.add("HEAD")
     return sorted(methods | {"OPTIONS"})
+
+
+class HeadAsGet:
+    """HEAD on a path whose routes serve GET but do not declare HEAD: the GET's status and headers without its body
+    (RFC 9110, 9.3.2). FastAPI's routes serve only the methods they name, so HEAD was a 405 on every GET route but
+    the probes while ``Allow`` named it. Inside the API-key check and the metrics (they see HEAD), outside the
+    query rule (it checks the GET route's parameters)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        methods = methods_at(scope["app"], scope["path"])
+        if "HEAD" in methods or "GET" not in methods:
+            await self.app(scope, receive, send)
+            return
+
+        async def headless(message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headless)
 
 
 def install_error_handlers(app: FastAPI, services: Services) -> None:

@@ -204,7 +204,7 @@ def test_routes_and_methods_that_do_not_exist_use_the_envelope(client):
 
 def test_allow_names_every_method_of_a_path_and_head_answers_like_get(client):
     """Several routes share a path (GET and POST /v1/sessions): a 405 and OPTIONS name all of their methods, not the
-    first route's; HEAD on the probes answers like GET, without a body."""
+    first route's; HEAD answers like GET wherever GET is, without a body."""
     refused = client.put("/v1/sessions")
     assert refused.headers["allow"] == "GET, HEAD, OPTIONS, POST" and "allowed: GET, HEAD, OPTIONS, POST" in refused.text
     options = client.options("/v1/sessions")
@@ -213,6 +213,15 @@ def test_allow_names_every_method_of_a_path_and_head_answers_like_get(client):
     for path in ("/health", "/ready"):
         head = client.head(path)
         assert head.status_code == 200 and head.content == b"" and head.headers["content-type"] == "application/json"
+    # Every GET route answers HEAD as Allow says: the GET's status and headers, no body.
+    session_id = new_session(client)
+    for path in (f"/v1/sessions/{session_id}", "/v1/sessions", "/v1/info", "/metrics", "/v1/sessions/nosuchone"):
+        head, get = client.head(path), client.get(path)
+        assert head.status_code == get.status_code and head.content == b"", (path, head.status_code)
+        assert head.headers["content-type"] == get.headers["content-type"], path
+    assert client.head("/v1/sessions?limit=1&limit=2").status_code == 422  # the query rule, as for GET
+    refused = client.head("/v1/refine")  # POST only: no GET to answer like
+    assert refused.status_code == 405 and refused.headers["allow"] == "OPTIONS, POST"
 
 
 @pytest.mark.parametrize(
