@@ -88,13 +88,14 @@ def require_content_type(request: Request, expected: str) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+FRAMES_ADVICE = "(max_body_bytes); send fewer frames per chunk"
+
+
+async def read_body(request: Request, limit: int, advice: str = FRAMES_ADVICE) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit``: from Content-Length before
-    reading anything, else while it streams in, so an oversized body is never held in memory."""
-    too_large = ApiError(
-        "payload_too_large",
-        f"the body is larger than the limit of {limit} bytes (max_body_bytes); send fewer frames per chunk",
-    )
+    reading anything, else while it streams in, so an oversized body is never held in memory. ``advice``: the
+    limit's name and what to send instead (default: a chunk's)."""
+    too_large = ApiError("payload_too_large", f"the body is larger than the limit of {limit} bytes {advice}")
     declared = request.headers.get("content-length")
     if declared is not None:
         try:

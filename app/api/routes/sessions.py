@@ -62,8 +62,30 @@ async def put_session(session_id: str, request: Request, services: ServicesDep) 
 
 
 async def _read_fields(request: Request, services) -> dict[str, Any]:
-    body = await read_body(request, min(MAX_CONFIG_BYTES, services.settings.max_body_bytes))
-    return parse_config_body(request, body)
+    limit = min(MAX_CONFIG_BYTES, services.settings.max_body_bytes)
+    return parse_config_body(request, await read_body(request, limit, "for a session config; send only the fields "
+                                                                        "you set, e.g. {\"seed\": 7}"))
+
+
+def _config_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object of the body, refused when a key comes twice (the parser would keep the last without a word,
+    as a repeated query parameter would be: that is refused too) or is not valid Unicode (a lone surrogate)."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ApiError("invalid_config", f"the config names {key[:40]!r} twice; send each field once")
+        seen.add(key)
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            raise ApiError("invalid_payload", f"a key of the body, {key[:40]!r}, is not valid Unicode (a lone UTF-16 "
+                                              "surrogate); send the field names as docs/api.md spells them") from None
+    return dict(pairs)
+
+
+def _not_a_number(name: str) -> None:
+    """``NaN``, ``Infinity``, ``-Infinity``: Python's parser takes them, JSON has no such numbers."""
+    raise ApiError("invalid_payload", f"the body is not JSON: {name} is not a JSON number; send a finite number")
 
 
 def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
@@ -72,8 +94,11 @@ def parse_config_body(request: Request, body: bytes) -> dict[str, Any]:
         return {}
     require_content_type(request, "application/json")
     try:
-        data = json.loads(body)
+        data = json.loads(body, object_pairs_hook=_config_object, parse_constant=_not_a_number)
     except (ValueError, UnicodeDecodeError) as exc:
+        if "digits" in str(exc):  # Python's limit on converting long integers (4300 digits)
+            raise ApiError("invalid_config", "a number in the body has thousands of digits; send each field's value "
+                                             "within its range (docs/api.md)") from None
         raise ApiError("invalid_payload", f"the body is not JSON ({exc}); send a JSON object such as {{\"seed\": 7}}")
     except RecursionError:
         # Found by the schema fuzzer: a few kB of "[[[[..." exhaust the parser's stack; that is the client's 400.

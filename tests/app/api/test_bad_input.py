@@ -277,8 +277,12 @@ CONFIG_CASES = [
     (b"null", 422, "invalid_config"),
     (b'"seed"', 422, "invalid_config"),
     (b"[" * 50_000, 400, "invalid_payload"),  # found by fuzzing: used to blow the parser's stack (500)
-    (b'{"fps": NaN}', 422, "invalid_config"),
-    (b'{"fps": Infinity}', 422, "invalid_config"),
+    (b'{"fps": NaN}', 400, "invalid_payload"),  # not JSON numbers, though Python's parser takes them
+    (b'{"fps": Infinity}', 400, "invalid_payload"),
+    (b'{"sigmas": [1.0, -Infinity, 0.0]}', 400, "invalid_payload"),
+    (b'{"seed": 1, "seed": 2}', 422, "invalid_config"),  # was the last one, silently
+    (b'{"seed": ' + b"9" * 5000 + b"}", 422, "invalid_config"),
+    (b'{"\\ud800": 1}', 400, "invalid_payload"),
     (b"\xff\xfe\x00", 400, "invalid_payload"),
     (b'{"seed": 7}' + b" " * 70_000, 413, "payload_too_large"),  # over the 64 KiB a config body may take
 ]
@@ -302,6 +306,21 @@ def test_bad_session_config_changes_nothing(client, expected, body, status, code
     assert_error(response, status, code)
     sessions.assert_unchanged()
     sessions.finish(expected)
+
+
+@pytest.mark.parametrize("body,said", [
+    (b'{"fps": NaN}', "NaN is not a JSON number; send a finite number"),
+    (b'{"seed": 1, "seed": 2}', "names 'seed' twice; send each field once"),
+    (b'{"seed": ' + b"9" * 5000 + b"}", "thousands of digits; send each field's value within its range"),
+    (b'{"\\ud800": 1}', "is not valid Unicode (a lone UTF-16 surrogate)"),
+    (b'{"seed": 7}' + b" " * 70_000, "bytes for a session config; send only the fields you set"),
+], ids=["nan", "key-twice", "5000-digits", "lone-surrogate", "over-64KiB"])
+def test_a_bad_config_body_says_what_was_wrong_in_the_clients_terms(client, body, said):
+    """What a hostile-client probe found said in the server's terms (its Python's sys.set_int_max_str_digits, the
+    chunk limit's "send fewer frames") or not at all (a key twice, last one wins)."""
+    response = client.post("/v1/sessions", content=body, headers={"content-type": "application/json"})
+    message = response.json()["error"]["message"]
+    assert said in message and "sys.set_int_max_str_digits" not in message and "frames" not in message, message
 
 
 # --- one shot ------------------------------------------------------------------------------------------------
