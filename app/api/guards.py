@@ -195,6 +195,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                      f"the request's {'headers' if part == 'head' else 'body'} did not arrive within {limit:g} s "
                      f"({setting}); send the whole request at once")
 
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse (Content-Length and Transfer-Encoding together, two Content-Lengths, a
+        negative one, a malformed chunk size or header line): the error envelope every other error has, instead of
+        uvicorn's plain-text "Invalid HTTP request received." (uvicorn has logged it already)."""
+        self.transport.write(_head_response(
+            400, "Bad Request", "invalid_payload",
+            "the request is not valid HTTP/1.1 (the server's parser refused it: e.g. Content-Length and "
+            "Transfer-Encoding together, two or a negative Content-Length, a malformed chunk size, header line or "
+            "line ending); send one well-formed request (any HTTP client library does)"))
+        self.transport.close()
+
     def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
         self._refused = True
         self._stop_timer()

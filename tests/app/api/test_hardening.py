@@ -215,6 +215,35 @@ def test_slow_headers_and_trickled_bodies_are_cut_off(make_settings):
             sock.close()
 
 
+def test_a_request_the_http_parser_refuses_gets_the_error_envelope(make_settings):
+    """Framing that is not HTTP/1.1 (request smuggling's shapes among them) was answered with uvicorn's plain-text
+    "Invalid HTTP request received.": now the JSON envelope every error has, saying what to send; nothing is
+    created, and the server goes on."""
+    framings = {
+        "content-length and transfer-encoding":
+            b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        "two content-lengths": b"Content-Length: 2\r\nContent-Length: 12\r\n\r\n{}",
+        "a negative content-length": b"Content-Length: -2\r\n\r\n{}",
+    }
+    with LiveServer(make_settings()) as server:
+        import httpx
+
+        for name, rest in framings.items():
+            sock = _connect(server)
+            sock.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + rest)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            sock.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), (name, head)
+            error = json.loads(body)["error"]
+            assert error["code"] == "invalid_payload" and "send one well-formed request" in error["message"], name
+        with httpx.Client(base_url=server.base_url) as http:
+            assert http.get("/v1/sessions").json()["sessions"] == []  # nothing was created
+            assert http.post("/v1/sessions").status_code == 201
+
+
 def test_a_clip_whose_client_goes_away_stops_and_frees_its_place(make_settings, caplog):
     """api.md: a /v1/refine "stops if its client goes away": its place (max_sessions) is free at once, and its
     throwaway session is refined no further than the block under way."""
