@@ -19,6 +19,10 @@ stacked GEMM sees it. A new latent size or a short last block is a new class.
 - ``true`` batches every class and probes them all the same, warning once per class that fails.
 - ``false`` never batches and never probes.
 
+A probe of a class the engine saw that runs out of device memory (its two sessions are outside the memory budget,
+which the served sessions may fill) judges nothing: the class stays pending and is probed again ``OOM_RETRY_S``
+later.
+
 Pure bookkeeping plus one call into the probe: the engine owns the thread and decides when to call ``probe_next``.
 """
 
@@ -29,9 +33,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, Literal
 
+import torch
+
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto"] | bool
+# A probe that ran out of device memory measured nothing: its class is probed again after this long (sessions may
+# have been parked or ended meanwhile), served one session per call until then, and never judged by it.
+OOM_RETRY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -73,13 +82,15 @@ class BatchingPolicy:
     ``prober(shape)`` runs the probe for a class and returns a ``models.determinism.InvarianceProbe``; it is set
     once the model is loaded (until then nothing is probed and, in ``auto``, nothing is batched)."""
 
-    def __init__(self, mode: Mode = "auto"):
+    def __init__(self, mode: Mode = "auto", clock: Callable[[], float] = time.monotonic):
         if mode not in ("auto", True, False):
             raise ValueError(f"batching must be 'auto', true or false, got {mode!r}")
         self.mode = mode
         self.prober: Callable[[ProbeShape], object] | None = None
         self._verdicts: dict[Hashable, ClassVerdict] = {}
         self._pending: dict[Hashable, ProbeShape] = {}  # in the order they were first seen
+        self._deferred: dict[Hashable, float] = {}  # pending classes whose probe ran out of memory: when to retry
+        self.clock = clock
         self.first: ClassVerdict | None = None  # the first class probed (the warm-up's when there is one)
 
     # --- the scheduler's question --------------------------------------------------------------------------
@@ -112,32 +123,53 @@ class BatchingPolicy:
         would pay now); None otherwise."""
         if not self._pending or self.prober is None:
             return None
+        due = self._due()
         counts: dict[Hashable, int] = {}
         for group in ready_groups:
             counts[group] = counts.get(group, 0) + 1
-            if counts[group] == 2 and group in self._pending:
+            if counts[group] == 2 and group in due:
                 return group
         return None
 
+    def _due(self) -> dict[Hashable, ProbeShape]:
+        """The pending classes that may be probed now (not waiting out an out-of-memory retry)."""
+        now = self.clock()
+        return {g: s for g, s in self._pending.items() if self._deferred.get(g, now) <= now}
+
     @property
     def pending(self) -> bool:
-        return bool(self._pending) and self.prober is not None
+        """Whether a class waits for a probe that may run now."""
+        return bool(self._pending) and self.prober is not None and bool(self._due())
 
     def probe_next(self, group: Hashable | None = None) -> ClassVerdict | None:
-        """Probe ``group`` (default: the oldest pending class) on this thread and record its verdict."""
-        if not self._pending or self.prober is None:
+        """Probe ``group`` (default: the oldest pending class that is due) on this thread and record its verdict
+        (None when nothing is due, or the probe ran out of memory and is deferred)."""
+        due = self._due()
+        if not due or self.prober is None:
             return None
         if group is None:
-            group = next(iter(self._pending))
+            group = next(iter(due))
         return self.probe(self._pending[group], group)  # stays pending (visible) until its verdict is in
 
-    def probe(self, shape: ProbeShape, group: Hashable | None = None) -> ClassVerdict:
-        """Run the probe for ``shape`` now (on the engine thread) and record it under the group it measured."""
+    def probe(self, shape: ProbeShape, group: Hashable | None = None) -> ClassVerdict | None:
+        """Run the probe for ``shape`` now (on the engine thread) and record it under the group it measured. A probe
+        of a class the engine saw (``group`` given) that runs out of device memory records nothing: the class stays
+        pending, served one session per call, and is probed again ``OOM_RETRY_S`` later (None then). Its two
+        sessions are not in the memory budget: the sessions that fill it are why it ran out, not the class."""
         if self.prober is None:
             raise RuntimeError("no prober: the model is not loaded")
         started = time.perf_counter()
         try:
             result = self.prober(shape)
+        except torch.OutOfMemoryError as exc:
+            if group is None:
+                log.exception("the batch-invariance probe failed to run")
+                result = _Broken(f"the probe failed to run: {exc!r}")
+            else:
+                self._deferred[group] = self.clock() + OOM_RETRY_S
+                log.warning("the batch-invariance probe of %s ran out of device memory; served one session per call, "
+                            "probed again in %.0f s", group, OOM_RETRY_S)
+                return None
         except Exception as exc:  # recorded as the class's verdict, so that it is not probed again and again
             log.exception("the batch-invariance probe failed to run")
             result = _Broken(f"the probe failed to run: {exc!r}")
@@ -150,6 +182,7 @@ class BatchingPolicy:
             # Never batch a class on another class's verdict.
             ok, finding = False, f"the probe measured {measured}, not the class {group} it was asked for"
         self._pending.pop(group, None)
+        self._deferred.pop(group, None)
         verdict = ClassVerdict(group, shape, ok, finding, seconds)
         self._verdicts[group] = verdict
         if self.first is None:
@@ -184,8 +217,12 @@ class BatchingPolicy:
         """Each class probed, then each still waiting for its probe."""
         # list() copies in one step under the GIL: the engine thread may add a class meanwhile.
         probed = [v.to_dict() for v in list(self._verdicts.values())]
+        deferred = dict(self._deferred)
         waiting = [{"tokens_per_row": g[0] if isinstance(g, tuple) else g, "frame": [s.height, s.width],
-                    "block_frames": s.block_frames, "invariant": None, "probe": "pending"}
+                    "block_frames": s.block_frames, "invariant": None,
+                    "probe": "pending" if g not in deferred else
+                    f"pending (its probe ran out of device memory; tried again in "
+                    f"{max(0.0, deferred[g] - self.clock()):.0f} s)"}
                    for g, s in list(self._pending.items())]
         return probed + waiting
 

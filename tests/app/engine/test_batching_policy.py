@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from app.engine.batching import BatchingPolicy, ProbeShape
 
@@ -89,3 +90,30 @@ def test_a_verdict_for_another_class_or_a_broken_probe_never_batches_and_is_not_
     policy.saw(other, ProbeShape(2, 2, 3, 8))
     verdict = policy.probe_next()
     assert not verdict.ok and "out of memory" in verdict.probe and not policy.pending
+
+
+def test_a_probe_that_runs_out_of_device_memory_judges_nothing_and_is_tried_again_later():
+    """The probe's two sessions are not in the memory budget: with the budget full it can run out of memory, which
+    says nothing about the class. The class stays pending (one session per call), not probed again at once (every
+    idle iteration would), and is probed again OOM_RETRY_S later."""
+    from app.engine.batching import OOM_RETRY_S
+
+    now = [100.0]
+    policy, probed = BatchingPolicy("auto", clock=lambda: now[0]), []
+
+    def prober(shape: ProbeShape):
+        probed.append(shape)
+        if len(probed) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return Finding(True, A)
+
+    policy.prober = prober
+    policy.saw(A, SHAPE)
+    assert policy.probe_next() is None and len(probed) == 1
+    assert not policy.allows(A) and policy.invariant is None  # no verdict
+    assert not policy.pending and policy.wants_probe([A, A]) is None  # not again at once
+    assert "ran out of device memory" in policy.describe()[0]["probe"]
+    now[0] += OOM_RETRY_S
+    assert policy.pending and policy.wants_probe([A, A]) == A
+    verdict = policy.probe_next()
+    assert verdict.ok and policy.allows(A) and len(probed) == 2 and not policy.pending
