@@ -122,7 +122,11 @@ def probe_batch_invariance(refiner, height: int, width: int, prompt_tokens: int,
         return _compare(refiner, forwards, runner, sessions, threads, seed, forwards[0].group)
     finally:
         forwards.clear()
-        session = latents = embeds = None  # a half-built session is not kept alive by an exception's frame
+        # Not kept alive by this frame (an exception's traceback holds it). What the frames below it held while
+        # the exception passes (a session that failed half-built, an out-of-memory) goes back to the caching
+        # allocator only once the caller has handled it, so this empty_cache cannot return it to the device; it
+        # stays cached for the sessions that come next (the budget is resolved once, ``app.sessions.parking``).
+        session = latents = embeds = None
         if refiner.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -54,7 +54,8 @@ class Metrics:
         )
         self.decode_seconds = Histogram(
             "refiner_decode_step_seconds",
-            "Engine time per decode step (one pending unit of every session with video)",
+            "Engine-thread time per decode step (one pending unit of every session with video; on CUDA the time to "
+            "queue it, not the GPU's)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -95,7 +96,8 @@ class Metrics:
 
         self.page_in_seconds = Histogram(
             "refiner_page_in_seconds",
-            "Per page-in: from a request finding its session parked or spilled to the session being back on the device",
+            "Per page-in: from a request finding its session parked or spilled to its copies to the device queued (on "
+            "CUDA its next forward waits for them on the device)",
             ["state"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.session_moves = Counter(
