@@ -15,6 +15,13 @@ unsent output passes ``ws_max_write_buffer_bytes`` the server stops reading it (
 until the client has read enough for asyncio to resume writing: whatever the client sends, what is buffered for it
 stays within the limit plus one read's worth of pongs. The app's own messages were bounded already (uvicorn's
 ``send`` waits while the transport's buffer is over its high-water mark).
+
+And one more: the bytes of messages still arriving count against the server's ``max_inflight_body_bytes`` together
+with HTTP request bodies (``app.api.guards.BodyBudget``, the one budget). Each connection buffers at most one
+message (``max_ws_message_bytes``), but connections are not capped, so six clients each holding a 60 MiB message
+unfinished held 390 MiB. A connection whose next read would pass the budget while others hold some of it is closed
+with 1013 (try again later: a stream reconnects and resends from where the server is); what it held is given back. A connection's count is what
+it sent since its last whole message (or control frame between messages), to within one read.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 # RFC 6455 7.4.1: "received data within a message that was not consistent with the type of the message".
 WS_INVALID_PAYLOAD = 1007
+WS_TRY_AGAIN_LATER = 1013
 
 
 class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -30,12 +38,24 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     # Reading is paused for two reasons: uvicorn's (a message waits for the app: ``read_paused``) and ours (the
     # client does not read what it is sent: ``write_backlog``); it resumes when neither holds.
     write_backlog = False
+    # The server's BodyBudget (``configure``): what unfinished messages hold counts there; None: not counted.
+    budget = None
+    message_bytes = 0  # what this connection added to the budget: bytes since its last whole message
 
     @classmethod
-    def configure(cls, max_write_buffer_bytes: int) -> type:
-        return type(cls.__name__, (cls,), dict(max_write_buffer_bytes=max_write_buffer_bytes))
+    def configure(cls, max_write_buffer_bytes: int, budget=None) -> type:
+        return type(cls.__name__, (cls,), dict(max_write_buffer_bytes=max_write_buffer_bytes, budget=budget))
 
     def data_received(self, data: bytes) -> None:
+        budget = self.budget
+        if budget is not None and self.handshake_complete and not self.close_sent and not self.disconnected:
+            # Alone, a message always may arrive (max_ws_message_bytes may be over the budget: a setting that
+            # predates this bound must not refuse every large message).
+            if budget.held + len(data) > budget.limit and budget.held > self.message_bytes:
+                self._over_budget(budget)
+                return
+            budget.held += len(data)
+            self.message_bytes += len(data)
         super().data_received(data)
         if not self.handshake_initiated and self.conn.handshake_exc is not None and not self.close_sent:
             # websockets rejected the request head itself: its response (or EOF) is queued, not yet written.
@@ -51,6 +71,36 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             # resume_writing once the client has read enough (or the connection is lost, which ends it all).
             self.write_backlog = True
             self.transport.pause_reading()
+
+    def _over_budget(self, budget) -> None:
+        held = budget.held
+        self._settled()
+        prefix = "%s:%d - " % self.client if self.client else ""
+        self.logger.warning("%sWebSocket closed with 1013: request bytes in flight at max_inflight_body_bytes "
+                            "(%d of %d held)", prefix, held, budget.limit)
+        self.conn.send_close(WS_TRY_AGAIN_LATER, "the server holds too many request bytes in flight "
+                                                 "(max_inflight_body_bytes); reconnect and send again")
+        self.handle_parser_exception()  # the close frame written, the app told, the connection closed
+
+    def _settled(self) -> None:
+        """No message of this connection is arriving any more: what it counted goes back to the budget."""
+        if self.message_bytes and self.budget is not None:
+            self.budget.held -= self.message_bytes
+        self.message_bytes = 0
+
+    def connection_lost(self, exc) -> None:
+        self._settled()
+        super().connection_lost(exc)
+
+    def handle_ping(self) -> None:
+        if not self.frames:  # between messages (a control frame may come between a message's fragments)
+            self._settled()
+        super().handle_ping()
+
+    def handle_pong(self, event) -> None:
+        if not self.frames:
+            self._settled()
+        super().handle_pong(event)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -69,6 +119,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         return message
 
     def send_receive_event_to_app(self) -> None:
+        self._settled()  # the message is whole: the app holds it now (one at a time: reading pauses until it reads)
         if self.curr_msg_data_type == "text" and not self.close_sent:
             try:
                 b"".join(self.frames).decode()

@@ -56,7 +56,8 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
     uvicorn_options.setdefault("http", http)
     # Refused handshakes answered and logged as such, invalid UTF-8 closed quietly with 1007, a client that does
     # not read is not read either (app.api.uvicorn_websocket).
-    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol.configure(settings.ws_max_write_buffer_bytes))
+    # Messages still arriving count against max_inflight_body_bytes with the bodies (one budget).
+    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol.configure(settings.ws_max_write_buffer_bytes, guarded))
     config = uvicorn.Config(
         guarded,
         host=settings.host,

@@ -148,8 +148,9 @@ class Settings(_SessionDefaults):
     max_body_bytes: PositiveInt = 64 * MiB
     max_inflight_body_bytes: PositiveInt = Field(
         default=256 * MiB,
-        description="request-body bytes all connections together may hold while they arrive; a body past it is "
-        "refused with 503 + Retry-After before it is read (at least max_body_bytes)",
+        description="request-body bytes all connections together may hold while they arrive, WebSocket messages "
+        "still arriving included; a body past it is refused with 503 + Retry-After before it is read, a WebSocket "
+        "closed with 1013 unless it is the only one holding any (at least max_body_bytes)",
     )
     max_header_bytes: PositiveInt = Field(
         default=64 * 1024, description="largest request line + headers; larger: 431 and the connection closed"

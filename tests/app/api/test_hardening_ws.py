@@ -405,3 +405,42 @@ def test_the_subprotocol_selected_is_one_the_client_offered():
     # Nothing of ours offered (or a malformed key): no subprotocol, as before.
     assert select_subprotocol([]) is None
     assert select_subprotocol(["chat", "wm-refiner.bearer.", "wm-refiner.bearer.a", "wm-refiner.bearer.\u00e9"]) is None
+
+
+def test_unfinished_websocket_messages_count_against_the_bytes_in_flight_budget(make_settings, uvicorn_log):
+    """Each connection buffers at most one message, but connections are not capped: six clients each holding 60 MiB
+    unfinished held 390 MiB. What messages still arriving hold counts against max_inflight_body_bytes with the HTTP
+    bodies; a connection that would pass it is closed with 1013 (a stream reconnects and resends), and what it held
+    is given back, as is a message's once it is whole."""
+    from tests.app.conftest import metric_value
+
+    settings = make_settings(max_body_bytes=200_000, max_ws_message_bytes=400_000, max_inflight_body_bytes=300_000)
+    with LiveServer(settings) as server:
+        uvicorn_log.attach()
+        held = lambda: metric_value(httpx.get(f"{server.base_url}/metrics").text,  # noqa: E731
+                                    "refiner_request_body_bytes_in_flight")
+        sessions = [httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"] for _ in range(2)]
+        first, second = (_handshake(server, f"/v1/sessions/{sid}/stream") for sid in sessions)
+        assert first[1].startswith(b"HTTP/1.1 101") and second[1].startswith(b"HTTP/1.1 101")
+        first, second = first[0], second[0]
+        # A binary frame of 190,000 bytes (masked with a zero key: the payload as sent), 180,000 of them sent.
+        header = bytes([0x82, 0x80 | 127]) + struct.pack("!Q", 190_000) + b"\0\0\0\0"
+        first.sendall(header + b"\0" * 180_000)
+        wait_until(lambda: held() >= 180_000, "the first connection's unfinished message to count")
+        second.sendall(header + b"\0" * 180_000)
+        assert _close_code(second) == 1013  # 360,000 would pass the 300,000 budget
+        second.close()
+        wait_until(lambda: held() < 200_000, "the refused connection's bytes to be given back")
+        first.sendall(b"\0" * 10_000)  # the message is whole (not safetensors: an error event, the stream goes on)
+        wait_until(lambda: held() == 0, "the whole message's bytes to be given back")
+        # Alone, a message over the budget (max_ws_message_bytes is 400,000) still arrives.
+        first.sendall(bytes([0x82, 0x80 | 127]) + struct.pack("!Q", 350_000) + b"\0\0\0\0" + b"\0" * 350_000)
+        refused = 'refiner_rejected_requests_total{reason="invalid_payload"}'
+        wait_until(lambda: metric_value(httpx.get(f"{server.base_url}/metrics").text, refused) == 2,
+                   "the lone message to arrive whole (refused as not safetensors, as the first one was)")
+        assert held() == 0
+        first.close()
+        assert httpx.post(f"{server.base_url}/v1/sessions").status_code == 201
+        _settled(server)
+    assert sum("closed with 1013" in r.getMessage() for r in uvicorn_log.records) == 1  # the second only
+    assert uvicorn_log.errors() == []
