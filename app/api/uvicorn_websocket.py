@@ -20,7 +20,10 @@ And one more: the bytes of messages still arriving count against the server's ``
 with HTTP request bodies (``app.api.guards.BodyBudget``, the one budget). Each connection buffers at most one
 message (``max_ws_message_bytes``), but connections are not capped, so six clients each holding a 60 MiB message
 unfinished held 390 MiB. A connection whose next read would pass the budget while others hold some of it is closed
-with 1013 (try again later: a stream reconnects and resends from where the server is); what it held is given back. A connection's count is what
+with 1013 (try again later: a stream reconnects and resends from where the server is); what it held is given back.
+And a message has ``request_body_timeout_s`` from its first byte to its last, as an HTTP body has from its headers:
+a message trickled in (the keep-alive pings answered all the while) held its share of the budget for ever; past
+the limit the connection is closed with 1013. A connection's count is what
 it sent since its last whole message (or control frame between messages), to within one read.
 """
 
@@ -40,21 +43,28 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     write_backlog = False
     # The server's BodyBudget (``configure``): what unfinished messages hold counts there; None: not counted.
     budget = None
-    message_bytes = 0  # what this connection added to the budget: bytes since its last whole message
+    # Seconds a message may take from its first byte to its last (``request_body_timeout_s``); None: no limit.
+    message_timeout_s: float | None = None
+    message_bytes = 0  # bytes since this connection's last whole message (what it added to the budget)
+    _message_timer = None
 
     @classmethod
-    def configure(cls, max_write_buffer_bytes: int, budget=None) -> type:
-        return type(cls.__name__, (cls,), dict(max_write_buffer_bytes=max_write_buffer_bytes, budget=budget))
+    def configure(cls, max_write_buffer_bytes: int, budget=None, message_timeout_s: float | None = None) -> type:
+        return type(cls.__name__, (cls,), dict(max_write_buffer_bytes=max_write_buffer_bytes, budget=budget,
+                                              message_timeout_s=message_timeout_s))
 
     def data_received(self, data: bytes) -> None:
-        budget = self.budget
-        if budget is not None and self.handshake_complete and not self.close_sent and not self.disconnected:
+        if self.handshake_complete and not self.close_sent and not self.disconnected and data:
+            budget = self.budget
             # Alone, a message always may arrive (max_ws_message_bytes may be over the budget: a setting that
             # predates this bound must not refuse every large message).
-            if budget.held + len(data) > budget.limit and budget.held > self.message_bytes:
+            if budget is not None and budget.held + len(data) > budget.limit and budget.held > self.message_bytes:
                 self._over_budget(budget)
                 return
-            budget.held += len(data)
+            if not self.message_bytes and self.message_timeout_s is not None:
+                self._message_timer = self.loop.call_later(self.message_timeout_s, self._too_slow)
+            if budget is not None:
+                budget.held += len(data)
             self.message_bytes += len(data)
         super().data_received(data)
         if not self.handshake_initiated and self.conn.handshake_exc is not None and not self.close_sent:
@@ -82,11 +92,27 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
                                                  "(max_inflight_body_bytes); reconnect and send again")
         self.handle_parser_exception()  # the close frame written, the app told, the connection closed
 
+    def _too_slow(self) -> None:
+        self._message_timer = None
+        if self.close_sent or self.disconnected or not self.message_bytes:
+            return
+        prefix = "%s:%d - " % self.client if self.client else ""
+        self.logger.warning("%sWebSocket closed with 1013: a message was not whole %g s after its first byte "
+                            "(request_body_timeout_s)", prefix, self.message_timeout_s)
+        self._settled()
+        self.conn.send_close(WS_TRY_AGAIN_LATER, f"a message did not arrive whole within {self.message_timeout_s:g} "
+                                                 "s (request_body_timeout_s); send each message at once")
+        self.handle_parser_exception()
+
     def _settled(self) -> None:
-        """No message of this connection is arriving any more: what it counted goes back to the budget."""
+        """No message of this connection is arriving any more: what it counted goes back to the budget, and its
+        time limit is off."""
         if self.message_bytes and self.budget is not None:
             self.budget.held -= self.message_bytes
         self.message_bytes = 0
+        if self._message_timer is not None:
+            self._message_timer.cancel()
+            self._message_timer = None
 
     def connection_lost(self, exc) -> None:
         self._settled()

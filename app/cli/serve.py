@@ -56,8 +56,10 @@ def build_server(settings: Settings, **uvicorn_options) -> DrainingServer:
     uvicorn_options.setdefault("http", http)
     # Refused handshakes answered and logged as such, invalid UTF-8 closed quietly with 1007, a client that does
     # not read is not read either (app.api.uvicorn_websocket).
-    # Messages still arriving count against max_inflight_body_bytes with the bodies (one budget).
-    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol.configure(settings.ws_max_write_buffer_bytes, guarded))
+    # Messages still arriving count against max_inflight_body_bytes with the bodies (one budget), and have the time a
+    # body has to arrive.
+    uvicorn_options.setdefault("ws", GuardedWebSocketProtocol.configure(
+        settings.ws_max_write_buffer_bytes, guarded, settings.request_body_timeout_s))
     config = uvicorn.Config(
         guarded,
         host=settings.host,

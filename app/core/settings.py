@@ -160,8 +160,8 @@ class Settings(_SessionDefaults):
         "connecting); then 408 and closed"
     )
     request_body_timeout_s: PositiveFloat = Field(
-        default=120.0, description="time a client has to send a request's body once its headers arrived; then 408 "
-        "and closed"
+        default=120.0, description="time a client has to send a request's body once its headers arrived (then 408 "
+        "and closed), and a WebSocket message from its first byte to its last (then closed with 1013)"
     )
     max_ws_message_bytes: PositiveInt = 64 * MiB
     ws_max_write_buffer_bytes: int = Field(

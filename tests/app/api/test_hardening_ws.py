@@ -444,3 +444,37 @@ def test_unfinished_websocket_messages_count_against_the_bytes_in_flight_budget(
         _settled(server)
     assert sum("closed with 1013" in r.getMessage() for r in uvicorn_log.records) == 1  # the second only
     assert uvicorn_log.errors() == []
+
+
+def test_a_websocket_message_trickled_past_the_body_timeout_is_closed(make_settings, uvicorn_log):
+    """A message has request_body_timeout_s from its first byte to its last, as an HTTP body has: trickled in while
+    the client answers the keep-alive pings, it held its share of the bytes-in-flight budget for ever."""
+    import time
+
+    from tests.app.conftest import metric_value
+
+    with LiveServer(make_settings(request_body_timeout_s=1.5)) as server:
+        uvicorn_log.attach()
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream")
+        assert head.startswith(b"HTTP/1.1 101"), head
+        # Whole messages, however many, never meet the limit: two pings 1 s apart, then a message 1 s after them.
+        for _ in range(2):
+            sock.sendall(_masked(0x9, b"ping"))
+            time.sleep(1.0)
+        sock.sendall(bytes([0x82, 0x80 | 127]) + struct.pack("!Q", 1000) + b"\0\0\0\0" + b"\0" * 10)
+        started = time.monotonic()
+        for _ in range(10):  # a byte a second
+            try:
+                sock.sendall(b"\0")
+            except OSError:
+                break
+            time.sleep(0.5)
+        assert _close_code(sock) == 1013
+        assert time.monotonic() - started < 4
+        sock.close()
+        held = metric_value(httpx.get(f"{server.base_url}/metrics").text, "refiner_request_body_bytes_in_flight")
+        assert held == 0
+        _settled(server)
+    assert any("not whole 1.5 s after its first byte" in r.getMessage() for r in uvicorn_log.records)
+    assert uvicorn_log.errors() == []
