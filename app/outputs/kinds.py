@@ -116,6 +116,8 @@ class Outputs:
         if not kinds or unknown:
             raise ApiError("invalid_request", f"outputs={asked!r}: ask for one or more of {list(OUTPUT_KINDS)}, "
                                               "comma-separated (latents,video)")
+        if len(set(kinds)) != len(kinds):  # as a session's config refuses it (spec.output_kinds)
+            raise ApiError("invalid_request", f"outputs={asked!r} lists a kind twice; list each at most once")
         missing = [k for k in kinds if k not in self.kinds]
         if missing:
             raise ApiError(

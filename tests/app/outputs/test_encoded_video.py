@@ -157,7 +157,8 @@ def test_sessions_and_watchers_choose_encoded_formats(make_settings, vae_dir, mo
         session_id = created.json()["session_id"]
         base = f"/v1/sessions/{session_id}"
         for query, fragment in (("video_format=png", "video_format='png'"), ("video_quality=101", "[1, 100]"),
-                                ("outputs=latents&video_format=jpeg", "gets no video")):
+                                ("outputs=latents&video_format=jpeg", "gets no video"),
+                                ("outputs=latents,latents", "lists a kind twice")):
             with pytest.raises(WebSocketDenialResponse) as refused:
                 with client.websocket_connect(f"{base}/watch?{query}"):
                     pass
