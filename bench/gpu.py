@@ -343,8 +343,9 @@ def section_decode(ctx: Context) -> dict[str, Any]:
 
 def section_park(ctx: Context) -> dict[str, Any]:
     session = ctx.parked_session
-    if session is None:
-        raise RuntimeError("no steady session (the blocks section failed)")
+    if session is None:  # the blocks' budget ran out before the last geometry (or that section failed): one here
+        height, width = list(ctx.preset["geometries"].values())[-1]
+        session = _steady_sessions(ctx.refiner, 1, height, width, ctx.preset["prompt_tokens"])[0]
     moved = sum(session_bytes(session).values())
     stats = getattr(torch.cuda, "host_memory_stats", None) if ctx.device.type == "cuda" else None
     before = stats() if stats else {}
@@ -644,6 +645,7 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
                 figures = section(ctx)
                 if key == name:
                     summary["sections"][name] = figures
+                summary["errors"].pop(key, None)  # an earlier run's error of it, if any, is over
             except Exception as exc:  # fail soft: record and go on (a loan is too short to rerun for one figure)
                 summary["errors"][key] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, in one command, sized for one loan (ends within 9 minutes: the install is
-# bounded to 2, the figures to 6 in two processes, the tests to 3; typically about 8):
+# Every check that needs a CUDA GPU, in one command, sized for one loan (typically about 8 minutes: the install
+# takes seconds from a wheels folder, the figures 350 s in two processes, the tests up to 180 s; each step is
+# bounded, 10.5 minutes at the very worst, where the loan's 570 s would cut the last test short):
 #   bash bench/gpu_check.sh [--wheels DIR] OUT     on a machine with one NVIDIA GPU and a CUDA build of torch >= 2.11
 #   bash bench/gpu_check.sh --smoke OUT            the same script on the CPU with the tiny preset (CI, < 2 minutes)
 #   bash bench/gpu_check.sh --install-only [--wheels DIR] OUT   the install and import check alone (seconds)
@@ -47,7 +48,7 @@ status=0
 
 if [ -n "$wheels" ]; then
   [ -f "$wheels/requirements.txt" ] || { echo "== $wheels has no requirements.txt (fill it with bench/gpu_wheels.sh)"; exit 1; }
-  if ! timeout 90 "$py" -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" > "$out/install.txt" 2>&1; then
+  if ! timeout 60 "$py" -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" > "$out/install.txt" 2>&1; then
     tail -n 5 "$out/install.txt"
     echo "== pip could not satisfy every pin from $wheels and this machine; what the machine lacks goes on PYTHONPATH"
     site="$(mktemp -d)"
@@ -65,7 +66,7 @@ for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 PY
 )
     if ((${#lacking[@]})); then
-      timeout 60 "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "${lacking[@]}" >> "$out/install.txt" 2>&1 \
+      timeout 30 "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "${lacking[@]}" >> "$out/install.txt" 2>&1 \
         || { echo "== installing from $wheels failed (see $out/install.txt)"; exit 1; }
     fi
     printf 'on PYTHONPATH from %s: %s\n' "$wheels" "${lacking[*]##*/}" | tee -a "$out/install.txt"
@@ -91,6 +92,7 @@ PY
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "== a module the check needs does not import (see $out/install.txt)"; exit 1; }
 ((install_only)) && exit 0
 
+rm -f "$out/summary.json" "$out/summary.md"  # the second process adds to the first's summary, not an older run's
 if ((smoke)); then  # the same two processes as the loan's run
   "$py" -m bench gpu --smoke --skip step_modes "$out" > "$out/bench.txt" 2>&1 || status=1
   "$py" -m bench gpu --smoke --only step_modes "$out" >> "$out/bench.txt" 2>&1 || status=1
@@ -114,10 +116,10 @@ echo "== bench gpu"
 # latencies left after --budget-s are skipped (null), the sections after them take ~40 s. The second: start-up
 # again (random weights, ~20 s), then the step modes (about 100 s: two compiles), which start no mode with under
 # 45 s left before its --end-at, counted from here (the process's imports included), 10 s before its timeout.
-timeout 215 "$py" -m bench gpu --skip step_modes --budget-s 130 --end-at "$(( $(date +%s) + 205 ))" "$out" 2>&1 \
+timeout 200 "$py" -m bench gpu --skip step_modes --budget-s 115 --end-at "$(( $(date +%s) + 190 ))" "$out" 2>&1 \
   | tee "$out/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu: some sections failed (errors in $out/summary.json)"; }
-timeout 135 "$py" -m bench gpu --only step_modes --end-at "$(( $(date +%s) + 125 ))" "$out" 2>&1 \
+timeout 150 "$py" -m bench gpu --only step_modes --end-at "$(( $(date +%s) + 140 ))" "$out" 2>&1 \
   | tee -a "$out/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu step_modes: failed or cut short (see $out/summary.json)"; }
 echo "== gpu tests"

@@ -122,6 +122,8 @@ class SessionKV:
     ):
         """``pin``: in page-locked host memory (``device`` the CPU), for a cache built on the host that goes to a
         CUDA device next without a host wait (an adopted session, ``app.persistence.records.host_session``)."""
+        if pin and torch.device(device).type != "cpu":
+            raise ValueError(f"pin=True builds the cache in host memory, not on {device}")
         self.layout = layout
         self.num_layers = num_layers
         self.batch = batch

@@ -59,6 +59,8 @@ class SnapshotLimits:
     max_pending_frames: int
 
 
+# The names of a file's KV cache tensors: sink.<layer>.key|value, history.<layer>.key|value.
+KV_TENSOR_PREFIXES = ("sink.", "history.")
 # A generator's state is a few KiB (CPU: 5056 bytes, CUDA: 16); anything far larger is not one.
 _MAX_RNG_STATE_BYTES = 64 * 1024
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
@@ -329,6 +331,8 @@ def session_from_tensors(refiner: Refiner, tensors: dict[str, torch.Tensor], met
                 layers("history", "value") if history_frames else empty,
                 history_frames,
             )
+    except torch.OutOfMemoryError:
+        raise  # the machine's memory, not the file: the caller says so and keeps the file
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         problem = f"snapshot state is inconsistent: {exc}"
     else:

@@ -66,6 +66,10 @@ def _unlocking(base: torch.Tensor, pointer: int) -> None:
         _unregister(base, pointer)
 
 
+class HostMemoryError(MemoryError):
+    """Host memory could not be locked (``cudaHostRegister`` refused): the machine's limits, not the data."""
+
+
 def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised page-locked host tensor. From ``EXACT_PIN_BYTES`` up, exactly its bytes are locked (see the
     module docstring: seconds for gigabytes, so not on the engine thread), and unlocked off the thread that frees it;
@@ -77,8 +81,8 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     pointer = base.data_ptr()
     error = int(torch.cuda.cudart().cudaHostRegister(pointer, base.nbytes, 1))  # 1: portable (every device)
     if error != 0:
-        raise RuntimeError(f"cudaHostRegister of {base.nbytes} bytes failed with CUDA error {error} (host memory "
-                           "locked past the limit? check `ulimit -l` and the container's memlock)")
+        raise HostMemoryError(f"cudaHostRegister of {base.nbytes} bytes failed with CUDA error {error} (host memory "
+                              "locked past the limit? check `ulimit -l` and the container's memlock)")
     # The caller gets a view; ``base`` stays with the finalizer, so the memory outlives the caller's tensor until
     # the unlocking thread has unregistered it (freeing first would let malloc hand out pages still registered).
     tensor = base.view(base.shape)

@@ -171,7 +171,13 @@ class HeadAsGet:
                 message = {**message, "body": b""}
             await send(message)
 
-        await self.app({**scope, "method": "GET"}, receive, headless)
+        # In place, not a copy: what the router writes into the scope (its route, for the metrics' label) must reach
+        # the middlewares outside; they see HEAD again once the route has answered.
+        scope["method"] = "GET"
+        try:
+            await self.app(scope, receive, headless)
+        finally:
+            scope["method"] = "HEAD"
 
 
 def install_error_handlers(app: FastAPI, services: Services) -> None:
@@ -334,10 +340,12 @@ class HttpMetricsMiddleware:
         route = scope.get("route")
         if route is not None and getattr(route, "path", None):
             return route.path
-        # Requests refused before routing (401) still belong to a route; match it without running it.
+        # Requests refused before routing (401) still belong to a route; match it without running it (a HEAD as the
+        # GET it is answered as: HeadAsGet).
         app = scope.get("app")
+        probe = {**scope, "method": "GET"} if scope.get("method") == "HEAD" else scope
         for candidate in iter_route_contexts(getattr(app, "routes", ())):
-            match, _ = candidate.matches(scope)
+            match, _ = candidate.matches(probe)
             if match == Match.FULL:
                 return candidate.path
         return "unmatched"

@@ -198,19 +198,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (Content-Length and Transfer-Encoding together, two Content-Lengths, a
         negative one, a malformed chunk size or header line): the error envelope every other error has, instead of
-        uvicorn's plain-text "Invalid HTTP request received." (uvicorn has logged it already)."""
-        self.transport.write(_head_response(
-            400, "Bad Request", "invalid_payload",
-            "the request is not valid HTTP/1.1 (the server's parser refused it: e.g. Content-Length and "
-            "Transfer-Encoding together, two or a negative Content-Length, a malformed chunk size, header line or "
-            "line ending); send one well-formed request (any HTTP client library does)"))
-        self.transport.close()
+        uvicorn's plain-text "Invalid HTTP request received." (uvicorn has logged it already). As the other refusals:
+        once, and never into a response already under way (a malformed chunk while the route answers)."""
+        if self._refused:
+            return
+        self._refuse(400, "Bad Request", "invalid_payload",
+                     "the request is not valid HTTP/1.1 (the server's parser refused it: e.g. Content-Length and "
+                     "Transfer-Encoding together, two or a negative Content-Length, a malformed chunk size, header "
+                     "line or line ending); send one well-formed request (any HTTP client library does)", logged=True)
 
-    def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
+    def _refuse(self, status: int, reason: str, code: str, message: str, logged: bool = False) -> None:
         self._refused = True
         self._stop_timer()
         prefix = "%s:%d - " % self.client if self.client else ""
-        log.warning("%s%d: %s", prefix, status, message)
+        if not logged:
+            log.warning("%s%d: %s", prefix, status, message)
         response_started = self.cycle is not None and self.cycle.response_started
         if not response_started:
             self.transport.write(_head_response(status, reason, code, message))

@@ -40,7 +40,9 @@ import torch
 
 from models import Refiner, RefinerSession
 from models.move import move_session, stage_host
+from models.transfer import use_device
 from models.snapshot import (
+    KV_TENSOR_PREFIXES,
     SnapshotError,
     SnapshotLimits,
     TensorHeader,
@@ -286,9 +288,18 @@ def host_session(refiner: Refiner, tensors: dict[str, torch.Tensor], metadata: d
     of an adoption that copies gigabytes (and locks them), done on a worker thread rather than the engine's, where
     it stalled every other session's blocks for the length of a 720p window's copy (and on CUDA queued ~200
     pageable copies, each waiting for the GPU). ``SnapshotError`` as ``session_from_tensors``; it touches no model
-    state. Pass it to ``record_from_tensors(..., built=)``."""
-    session, _ = session_from_tensors(refiner, tensors, metadata, device=torch.device("cpu"),
-                                      pin=refiner.device.type == "cuda")
+    state. Pass it to ``record_from_tensors(..., built=)``. Out of host memory (or of what may be locked):
+    ``MemoryError`` / ``torch.OutOfMemoryError``, the file is not to blame.
+
+    The file's per-layer cache tensors are dropped from ``tensors`` once copied into the session's buffers (the
+    rest of the record reads the others): an adoption holds the file's copy and the session's at once only while
+    this runs."""
+    cuda = refiner.device.type == "cuda"
+    if cuda:
+        use_device(refiner.device)  # a worker thread's current device is 0: locking memory there opens a context
+    session, _ = session_from_tensors(refiner, tensors, metadata, device=torch.device("cpu"), pin=cuda)
+    for name in [name for name in tensors if name.startswith(KV_TENSOR_PREFIXES)]:
+        del tensors[name]
     return session, stage_host(session, refiner.device)
 
 

@@ -15,7 +15,9 @@ parking and sweeps (``app.sessions.upkeep``); the sweeps of ``snapshot_dir`` (``
 need no session object). The registry stays a module of its own too: plain bookkeeping over handles (no files, no
 engine, no awaits), which is what its eviction and admission rules need to be read and tested alone.
 
-Lives on the event loop. The sessions' tensors are touched only on the engine thread (``engine.call``).
+Lives on the event loop. A live session's tensors are touched only on the engine thread (``engine.call``); an
+adopted one is built in host memory on a worker thread before anyone else holds it (``host_session``), then handed
+to the engine thread, which moves it to the device.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+import torch
 
 from models import Prompt, Refiner, RefinerSession, SessionConfig
 from wm_refiner_client import spec
@@ -329,6 +333,16 @@ class SessionStore:
             except (Draining, asyncio.CancelledError):  # a drain began, or the lookup was cancelled (client gone)
                 await to_thread_to_the_end(leases.release, folder, session_id, lease)
                 raise
+            except (MemoryError, torch.OutOfMemoryError) as exc:
+                # This machine's host memory (or what it may lock) cannot take the session now: the file is not to
+                # blame and stays, for a retry here or another replica (through the router, once the lease is free).
+                await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                log.warning("session %s in snapshot_dir cannot be held in host memory now (%s)", session_id, exc)
+                raise ApiError(
+                    "insufficient_memory",
+                    f"session {session_id} is saved in snapshot_dir, but this replica cannot hold it in host memory "
+                    f"now ({exc}); nothing was changed: retry later, or another replica takes it",
+                    retry_after_s=self.settings.retry_after_s) from None
             except StaleRecord as exc:
                 # Its client is ahead of it: loading it would answer with an older session under the same id (the
                 # next chunk a 409, or worse, frames refined again from an earlier point). The session's later

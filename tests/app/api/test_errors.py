@@ -220,6 +220,9 @@ def test_allow_names_every_method_of_a_path_and_head_answers_like_get(client):
         assert head.status_code == get.status_code and head.content == b"", (path, head.status_code)
         assert head.headers["content-type"] == get.headers["content-type"], path
     assert client.head("/v1/sessions?limit=1&limit=2").status_code == 422  # the query rule, as for GET
+    metrics = client.get("/metrics").text  # labelled by the route it was answered by, as GET is
+    assert 'method="HEAD",route="/v1/info",status="200"' in metrics
+    assert 'method="HEAD",route="unmatched"' not in metrics
     refused = client.head("/v1/refine")  # POST only: no GET to answer like
     assert refused.status_code == 405 and refused.headers["allow"] == "OPTIONS, POST"
 

@@ -217,3 +217,28 @@ def test_a_copy_of_an_ended_session_put_back_is_refused(make_settings, tmp_path)
     with running_app(make_settings(snapshot_dir=folder)) as client:
         assert client.get(f"/v1/sessions/{session_id}").status_code == 410
     assert (folder / f"{session_id}.session.safetensors.stale").is_file()
+
+
+def test_host_memory_that_cannot_take_a_saved_session_keeps_its_file(make_settings, tmp_path, monkeypatch):
+    """Building an adopted session in host memory (locked, on CUDA) can fail for the machine's reasons (``ulimit
+    -l``, host memory): that is 503 insufficient_memory and the file stays where it is, not moved aside as corrupt
+    (its id would then be a 404 for ever); once memory is there, the same request adopts it."""
+    from app.persistence import records
+    from models.transfer import HostMemoryError
+
+    folder = tmp_path / "snapshots"
+    session_id = _drained(make_settings, folder, snapshot_signing_key=KEY)
+    real_build = records.session_from_tensors
+
+    def no_memory(*args, **kwargs):
+        raise HostMemoryError("cudaHostRegister of 9663676416 bytes failed with CUDA error 2")
+
+    monkeypatch.setattr(records, "session_from_tensors", no_memory)
+    with running_app(make_settings(snapshot_dir=folder, snapshot_signing_key=KEY)) as client:
+        refused = client.get(f"/v1/sessions/{session_id}")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "insufficient_memory", refused.text
+        assert "cannot hold it in host memory" in refused.json()["error"]["message"]
+        assert (folder / f"{session_id}.session.safetensors").is_file()
+        assert not list(folder.glob("*.corrupt"))
+        monkeypatch.setattr(records, "session_from_tensors", real_build)
+        assert _adopted(client, session_id) == 200  # its lease was let go: the retry takes it
