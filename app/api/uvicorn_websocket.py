@@ -23,8 +23,8 @@ unfinished held 390 MiB. A connection whose next read would pass the budget whil
 with 1013 (try again later: a stream reconnects and resends from where the server is); what it held is given back.
 And a message has ``request_body_timeout_s`` from its first byte to its last, as an HTTP body has from its headers:
 a message trickled in (the keep-alive pings answered all the while) held its share of the budget for ever; past
-the limit the connection is closed with 1013. A connection's count is what
-it sent since its last whole message (or control frame between messages), to within one read.
+the limit the connection is closed with 1013. A connection's count is what it sent since its last whole message
+(or control frame between messages), to within one read.
 """
 
 from __future__ import annotations

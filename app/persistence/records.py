@@ -40,7 +40,6 @@ import torch
 
 from models import Refiner, RefinerSession
 from models.move import move_session, stage_host
-from models.transfer import use_device
 from models.snapshot import (
     KV_TENSOR_PREFIXES,
     SnapshotError,
@@ -55,6 +54,7 @@ from models.snapshot import (
     verify,
     write_atomically,
 )
+from models.transfer import use_device
 
 from wm_refiner_client import spec
 

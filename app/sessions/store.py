@@ -334,14 +334,15 @@ class SessionStore:
                 await to_thread_to_the_end(leases.release, folder, session_id, lease)
                 raise
             except (MemoryError, torch.OutOfMemoryError) as exc:
-                # This machine's host memory (or what it may lock) cannot take the session now: the file is not to
-                # blame and stays, for a retry here or another replica (through the router, once the lease is free).
+                # This machine's memory (host memory to build it in, what it may lock, or the device's) cannot take
+                # the session now: the file is not to blame and stays, for a retry here or another replica (through
+                # the router, once the lease is free).
                 await to_thread_to_the_end(leases.release, folder, session_id, lease)
-                log.warning("session %s in snapshot_dir cannot be held in host memory now (%s)", session_id, exc)
+                log.warning("session %s in snapshot_dir cannot be held in memory now (%s)", session_id, exc)
                 raise ApiError(
                     "insufficient_memory",
-                    f"session {session_id} is saved in snapshot_dir, but this replica cannot hold it in host memory "
-                    f"now ({exc}); nothing was changed: retry later, or another replica takes it",
+                    f"session {session_id} is saved in snapshot_dir, but this replica cannot hold it in memory now "
+                    f"({exc}); nothing was changed: retry later, or another replica takes it",
                     retry_after_s=self.settings.retry_after_s) from None
             except StaleRecord as exc:
                 # Its client is ahead of it: loading it would answer with an older session under the same id (the
