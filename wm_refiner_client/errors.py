@@ -33,10 +33,12 @@ class TransportError(WmRefinerError):
     client's set-up is wrong, and the message says how."""
 
     final: bool = False
+    tries: int | None = None  # at most this many tries of the same step are worth it (a first contact's refusal)
 
-    def __init__(self, message: str, *, final: bool = False):
+    def __init__(self, message: str, *, final: bool = False, tries: int | None = None):
         super().__init__(message)
         self.final = final
+        self.tries = tries
 
 
 class ProtocolError(WmRefinerError):

@@ -95,10 +95,12 @@ def unreachable_cause(exc: BaseException, server: str | None = None) -> tuple[st
 def connect_failure(what: str, exc: BaseException, server: str | None, first_contact: bool) -> TransportError:
     """The error of a WebSocket ``what`` that could not be opened: before the server ever answered this client, a
     wrong address's cause and fix (``unreachable_cause``; ``final`` when no retry can change it, so a stream raises
-    it at once rather than reconnecting for minutes), else the socket's own error (a stream retries it)."""
+    it at once rather than reconnecting for minutes; ``tries`` for a refused connection: the few tries a first
+    contact gets over HTTP), else the socket's own error (a stream retries it)."""
     cause = unreachable_cause(exc, server) if first_contact else None
     if cause is not None:
-        return TransportError(f"{what}: {cause[1]}", final=cause[0] in FINAL_CAUSES)
+        final = cause[0] in FINAL_CAUSES
+        return TransportError(f"{what}: {cause[1]}", final=final, tries=None if final else FIRST_CONTACT_ATTEMPTS)
     return TransportError(f"{what}: {type(exc).__name__}: {exc}")
 
 
@@ -342,6 +344,8 @@ class StreamProtocol:
             self.retry_after = exc.retry_after if isinstance(exc, ServiceUnavailableError) else None
         elif not isinstance(exc, TransportError) or exc.final:
             raise exc
+        elif exc.tries is not None and self.failures + 1 >= min(exc.tries, self.policy.attempts):
+            raise exc  # a first contact refused a few times: a wrong address, as over HTTP (``FIRST_CONTACT_ATTEMPTS``)
         self.failures += 1
         self.last_error = exc
 

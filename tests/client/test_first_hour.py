@@ -209,6 +209,27 @@ def test_a_stream_whose_first_contact_is_its_websocket_says_the_cause_at_once(fu
     assert not any(waits)  # no reconnection waited (the first connection "waits" 0 s)
 
 
+@pytest.mark.parametrize("module", ["sync", "async"])
+def test_a_stream_whose_first_contact_is_refused_stops_after_the_first_contacts_tries(monkeypatch, module):
+    """Nothing listening where a stream's WebSocket is the first contact: the same few tries as over HTTP
+    (FIRST_CONTACT_ATTEMPTS), then the cause, not the policy's ten reconnections."""
+    url = f"http://127.0.0.1:{free_port()}"
+    waits = recorded_waits(monkeypatch, module)
+    frames = [np.zeros((1, 128, 1, 4, 4), np.float32)]
+    with pytest.raises(wm.TransportError) as failed:
+        if module == "sync":
+            with Client(url) as client:
+                list(wm.Session(client, "first-contact-ws", {}).stream(frames))
+        else:
+            async def run():
+                async with AsyncClient(url) as client:
+                    return [unit async for unit in wm.AsyncSession(client, "first-contact-ws", {}).stream(frames)]
+
+            asyncio.run(run())
+    assert "nothing listens at" in str(failed.value) and "python -m app serve" in str(failed.value)
+    assert len([wait for wait in waits if wait]) == FIRST_CONTACT_ATTEMPTS - 1  # reconnection waits
+
+
 def test_the_command_line_says_https_to_a_plain_http_server_is_the_wrong_scheme(full_server):
     url = f"https://127.0.0.1:{full_server.port}"
     result = run_cli("sessions", "--server", url)
