@@ -172,9 +172,18 @@ def test_stream_refuses_bad_arguments_with_one_line(server, tmp_path, flag):
 
 
 
+def _default_sigint() -> None:
+    """In the child before it runs: SIGINT as a terminal delivers it. A suite started in the background by a
+    non-interactive shell (``cmd &``) inherits SIGINT ignored, and Python then never turns it into
+    KeyboardInterrupt: the CLI would ignore the test's Ctrl-C and run to its end."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cli(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "app", *args], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
 
 
 def interrupt_mid_stream(server, session_id: str, args: list[str], after_frames: int) -> tuple[int, str, str]:
@@ -218,9 +227,7 @@ def test_ctrl_c_writes_what_was_received_and_a_rerun_continues_to_the_whole_clip
             "--chunk-frames", "2", "--session-id", "interrupted-run-1"]
     with Client(server.base_url) as client:
         expected = client.refine(LATENTS, PROMPT, MASK).latents
-    # --rate 3: 8 s of sending, so the interrupt (1 s after the 7th frame is seen) lands mid-stream on a loaded
-    # machine too (at 6 frames/s a CI run under load saw the stream end first, exit 0).
-    code, out, err = interrupt_mid_stream(server, "interrupted-run-1", [*args, "--rate", "3"], after_frames=7)
+    code, out, err = interrupt_mid_stream(server, "interrupted-run-1", [*args, "--rate", "6"], after_frames=7)
     assert code == 130, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     match = re.fullmatch(r"interrupted: wrote refined frames \[0, (\d+)\) of 24 to \S+out\.safetensors; run the same "
@@ -294,7 +301,7 @@ def test_a_rerun_with_another_config_or_input_is_one_line_saying_what_differs(se
     output = tmp_path / "out.safetensors"
     args = ["stream", "--server", server.base_url, "--output", str(output), "--chunk-frames", "2",
             "--session-id", "interrupted-run-2"]
-    code, _, err = interrupt_mid_stream(server, "interrupted-run-2", [*args, "--input", str(source), "--rate", "3"],
+    code, _, err = interrupt_mid_stream(server, "interrupted-run-2", [*args, "--input", str(source), "--rate", "6"],
                                         after_frames=4)
     assert code == 130, err
     other_config = run_cli(*args, "--input", str(source), "--seed", "7")
