@@ -171,13 +171,16 @@ class HeadAsGet:
                 message = {**message, "body": b""}
             await send(message)
 
-        # In place, not a copy: what the router writes into the scope (its route, for the metrics' label) must reach
-        # the middlewares outside; they see HEAD again once the route has answered.
-        scope["method"] = "GET"
+        # A copy: the server's own scope must still say HEAD (uvicorn then expects no body: told GET, it refused the
+        # empty body as shorter than Content-Length). What the router writes into the copy (its route, which the
+        # metrics outside label the request with) is carried back.
+        inner = {**scope, "method": "GET"}
         try:
-            await self.app(scope, receive, headless)
+            await self.app(inner, receive, headless)
         finally:
-            scope["method"] = "HEAD"
+            for key in ("route", "endpoint", "path_params"):
+                if key in inner:
+                    scope[key] = inner[key]
 
 
 def install_error_handlers(app: FastAPI, services: Services) -> None:

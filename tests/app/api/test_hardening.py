@@ -244,6 +244,21 @@ def test_a_request_the_http_parser_refuses_gets_the_error_envelope(make_settings
             assert http.post("/v1/sessions").status_code == 201
 
 
+def test_head_through_the_real_server_answers_with_the_gets_headers_and_no_body(make_settings):
+    """The test client checks no Content-Length; uvicorn does: a HEAD answered as its GET must still be a HEAD to the
+    server (told GET, it refused the empty body as shorter than Content-Length, a 500 in the log)."""
+    import httpx
+
+    with LiveServer(make_settings()) as server, httpx.Client(base_url=server.base_url) as http:
+        for path in ("/v1/info", "/v1/sessions", "/metrics"):
+            get, head = http.get(path), http.head(path)
+            assert head.status_code == get.status_code == 200 and head.content == b"", path
+            assert int(head.headers["content-length"]) > 0, path
+        metrics = http.get("/metrics").text
+        assert 'method="HEAD",route="/v1/info",status="200"' in metrics
+        assert 'status="500"' not in metrics
+
+
 def test_a_clip_whose_client_goes_away_stops_and_frees_its_place(make_settings, caplog):
     """api.md: a /v1/refine "stops if its client goes away": its place (max_sessions) is free at once, and its
     throwaway session is refined no further than the block under way."""
