@@ -184,23 +184,30 @@ def test_https_to_a_plain_http_server_fails_at_once_naming_http(full_server, mon
     assert waits == []  # final at once: no retry waited (the policy's ten tries waited ~27 s)
 
 
+def stream_without_a_request(module: str, url: str) -> None:
+    """One frame streamed by a handle made without a request (``Session(client, id, config)``): the stream's
+    WebSocket is this client's first contact with ``url``."""
+    frames = [np.zeros((1, 128, 1, 4, 4), np.float32)]
+    if module == "sync":
+        with Client(url) as client:
+            list(wm.Session(client, "first-contact-ws", {}).stream(frames))
+        return
+
+    async def run():
+        async with AsyncClient(url) as client:
+            return [unit async for unit in wm.AsyncSession(client, "first-contact-ws", {}).stream(frames)]
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("module", ["sync", "async"])
 def test_a_stream_whose_first_contact_is_its_websocket_says_the_cause_at_once(full_server, monkeypatch, module):
     """A handle made without a request (``Session(client, id, config)``) contacts the server first by its stream's
     WebSocket: https:// to the plain-HTTP server is the same final cause as over HTTP, not ten reconnections."""
     url = f"https://127.0.0.1:{full_server.port}"
     waits = recorded_waits(monkeypatch, module)
-    frames = [np.zeros((1, 128, 1, 4, 4), np.float32)]
     with pytest.raises(wm.TransportError) as failed:
-        if module == "sync":
-            with Client(url) as client:
-                list(wm.Session(client, "first-contact-ws", {}).stream(frames))
-        else:
-            async def run():
-                async with AsyncClient(url) as client:
-                    return [unit async for unit in wm.AsyncSession(client, "first-contact-ws", {}).stream(frames)]
-
-            asyncio.run(run())
+        stream_without_a_request(module, url)
     message = str(failed.value)
     assert message.startswith(f"WebSocket /v1/sessions/first-contact-ws/stream: the server at {url} does not speak "
                               "TLS (HTTPS)"), message
@@ -215,17 +222,8 @@ def test_a_stream_whose_first_contact_is_refused_stops_after_the_first_contacts_
     (FIRST_CONTACT_ATTEMPTS), then the cause, not the policy's ten reconnections."""
     url = f"http://127.0.0.1:{free_port()}"
     waits = recorded_waits(monkeypatch, module)
-    frames = [np.zeros((1, 128, 1, 4, 4), np.float32)]
     with pytest.raises(wm.TransportError) as failed:
-        if module == "sync":
-            with Client(url) as client:
-                list(wm.Session(client, "first-contact-ws", {}).stream(frames))
-        else:
-            async def run():
-                async with AsyncClient(url) as client:
-                    return [unit async for unit in wm.AsyncSession(client, "first-contact-ws", {}).stream(frames)]
-
-            asyncio.run(run())
+        stream_without_a_request(module, url)
     assert "nothing listens at" in str(failed.value) and "python -m app serve" in str(failed.value)
     assert len([wait for wait in waits if wait]) == FIRST_CONTACT_ATTEMPTS - 1  # reconnection waits
 
