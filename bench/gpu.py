@@ -218,6 +218,11 @@ def section_startup(ctx: Context) -> dict[str, Any]:
             "weights_bytes": sum(p.nbytes for p in ctx.refiner.model.parameters())}
 
 
+def _block_key(batched: bool, count: int) -> str:
+    """The name of a block latency figure: ``batched_4_sessions_block_s``, ``solo_1_sessions_block_s``."""
+    return f"{'batched' if batched else 'solo'}_{count}_sessions_block_s"
+
+
 def section_blocks(ctx: Context) -> dict[str, Any]:
     """Per geometry: steady block latency for 1, 2, 4 sessions, batched and one at a time (each the median of
     ``blocks`` blocks after one unmeasured)."""
@@ -227,15 +232,14 @@ def section_blocks(ctx: Context) -> dict[str, Any]:
     for name, (height, width) in ctx.preset["geometries"].items():
         if time.perf_counter() - ctx.started > ctx.budget_s:
             # Over the time budget before this geometry: no sessions filled for nothing (a 720p fill is seconds).
-            out[name] = ctx.blocks[name] = {f"{'batched' if b else 'solo'}_{n}_sessions_block_s": None
-                                            for n in counts for b in (True, False)} | {
+            out[name] = ctx.blocks[name] = {_block_key(b, n): None for n in counts for b in (True, False)} | {
                 "tokens_per_frame_count": height * width, "latent_height_width": f"{height}x{width}"}
             continue
         sessions = _steady_sessions(ctx.refiner, max(counts), height, width, ctx.preset["prompt_tokens"])
         figures: dict[str, float] = {}
         for count in counts:
             for batched in (True, False):
-                key = f"{'batched' if batched else 'solo'}_{count}_sessions_block_s"
+                key = _block_key(batched, count)
                 if time.perf_counter() - ctx.started > ctx.budget_s:
                     figures[key] = None  # over the time budget: a loan ends on time with what it has
                     continue
