@@ -316,6 +316,12 @@ class Settings(_SessionDefaults):
         description="a replica's lease on each session it holds with a file in snapshot_dir, renewed every third of "
         "it: another replica adopts the file only once the owner released it or this long after its last renewal",
     )
+    concurrent_adoptions: PositiveInt = Field(
+        default=2,
+        description="sessions read from snapshot_dir and built in host memory at once (a spilled session coming back, "
+        "another replica's after a drain or a crash): each holds its file and the session built from it meanwhile, "
+        "about twice the file's size (~18 GiB for a 720p window); more wait their turn, before taking the lease",
+    )
     peers: str | None = Field(
         default=None,
         description="the deployment's replicas, for GET /v1/sessions to list all of them: comma-separated base URLs "

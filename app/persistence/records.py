@@ -247,25 +247,29 @@ def load_record(path: Path, refiner: Refiner, stages: OutputStages, expected_id:
     output this server cannot produce: video without a VAE). ``stages``: the server's. ``expected_id``: the session
     the file must hold (default: its name's). ``limits``, ``key``, ``floor``: ``read_record``'s. The two halves,
     ``read_record`` then ``record_from_tensors``; an adoption runs the first on a worker thread."""
-    tensors, metadata = read_record(path, refiner, limits, key, floor)
+    tensors, metadata = read_record(path, refiner, limits, key, floor, expected_id)
     return record_from_tensors(path, tensors, metadata, refiner, stages, expected_id)
 
 
 def read_record(path: Path, refiner: Refiner, limits: SnapshotLimits | None = None, key: bytes | None = None,
-                floor: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                floor: int = 0, expected_id: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of the file in ``path``, checked as far as the file alone can be: ``limits`` from
     its header before anything is read (``check_record_header``), so a file cannot make this process allocate more
     than a client's session could; ``key``: the deployment's signing key, and the file must carry its signature of
     exactly the tensors and metadata read (checked before any of them is used); ``floor``: the lowest lease
     generation the file may have been written under (``app.persistence.leases.read_floor``), ``StaleRecord`` below
-    it (a file without one counts as 0).
+    it (a file without one counts as 0); ``expected_id``: the session it must hold (default: its name's), from its
+    fields before anything is read (``record_identity``), so that a foreign file costs no read and no build.
 
     It touches no session and no model state (``refiner``: its config, for the header check), so it may run on
     any thread. An adoption runs it on a worker thread: verifying a signed file reads and hashes every byte
     (~0.7 s per GiB on the AMD EPYC machine, docs/benchmarks.md "Snapshot signing"), which on the engine thread
     would stall every other session's blocks."""
-    check = None if limits is None else (
-        lambda headers, metadata: check_record_header(path, refiner, limits, headers, metadata))
+    def check(headers: dict[str, TensorHeader], metadata: dict[str, str]) -> None:
+        record_identity(path, metadata, expected_id)  # a foreign file, or another session's, before any read
+        if limits is not None:
+            check_record_header(path, refiner, limits, headers, metadata)
+
     tensors, metadata = read_tensors(path, check)
     if key is not None:
         verify(key, tensors, metadata, path.name)
@@ -310,13 +314,9 @@ def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     ``SnapshotError`` when its fields are unreadable, foreign, for another session or another model. On the engine
     thread (the session it builds is the engine's). ``built``: ``host_session``'s session, sent to the model's
     device here without a host wait (the record's ``ready`` says when it is there) instead of built here."""
+    session_id = record_identity(path, metadata, expected_id)
     try:
         fields = json.loads(metadata["app"])
-        if fields.get("format") != APP_FORMAT:
-            raise SnapshotError(f"{path.name}: not a service snapshot (format {fields.get('format')!r})")
-        session_id = spec.check_session_id(str(fields["session_id"]))
-        if (expected_id is None and path.name != f"{session_id}{SUFFIX}") or expected_id not in (None, session_id):
-            raise SnapshotError(f"{path.name}: holds session {session_id}, not the one its name says")
         units = [
             SentUnit(int(start), int(end), _tensor_bytes(tensors[UNIT_TENSOR.format(index)]))
             for index, (start, end) in enumerate(fields["units"])
@@ -350,6 +350,22 @@ def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
                          outputs=replace(outputs, fps=session.config.fps), stages=session_stages,
                          created_at=fields.get("created_at"), checkpoint=bool(fields.get("checkpoint")),
                          realtime=fields.get("realtime") is True, ready=ready)
+
+
+def record_identity(path: Path, metadata: dict[str, str], expected_id: str | None = None) -> str:
+    """The session the record in ``path`` holds, from its fields alone: ``SnapshotError`` when it is not a service
+    snapshot or holds another session than ``expected_id`` (default: the one its file name says). Cheap: an
+    adoption asks it before building anything from the file (``read_record``'s ``expected_id``)."""
+    try:
+        fields = json.loads(metadata["app"])
+        if fields.get("format") != APP_FORMAT:
+            raise SnapshotError(f"{path.name}: not a service snapshot (format {fields.get('format')!r})")
+        session_id = spec.check_session_id(str(fields["session_id"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
+    if (expected_id is None and path.name != f"{session_id}{SUFFIX}") or expected_id not in (None, session_id):
+        raise SnapshotError(f"{path.name}: holds session {session_id}, not the one its name says")
+    return session_id
 
 
 def record_generation(metadata: dict[str, str], name: str = "snapshot") -> int:

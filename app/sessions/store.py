@@ -48,7 +48,7 @@ from app.outputs.delivery import Deliveries, Encoder
 from app.outputs.kinds import Outputs
 from app.outputs.stage import OutputStages
 from app.persistence import leases
-from app.persistence.leases import Lease, LeaseHeld
+from app.persistence.leases import Lease, LeaseHeld, LeaseLost
 from app.persistence.records import (
     SessionRecord, StaleRecord, has_snapshot, host_session, read_record, record_from_tensors, snapshot_limits,
     snapshot_path,
@@ -82,6 +82,7 @@ class SessionStore:
         # Set by the drain: no more checkpoints (the drain saves), no idle eviction (it would not remove snapshots).
         self.draining = False
         self._adopting: dict[str, _Turn] = {}
+        self._adoption_slots = asyncio.Semaphore(settings.concurrent_adoptions)  # ``_adopt``
         self._creating: dict[str, _Turn] = {}  # PUTs in progress, by id (``creating``)
         # This replica's leases (app.persistence.leases) on the sessions it holds with a file in snapshot_dir, by id:
         # taken here (creation, adoption), shared with parking, the checkpoints and the drain.
@@ -312,57 +313,71 @@ class SessionStore:
         # The place is held across the awaits below, so that concurrent adoptions cannot pass the check together.
         self.registry.clips += 1
         try:
-            lease = await self._claim(folder, session_id)
-            path = snapshot_path(folder, session_id)
-            refiner, stages = self._refiner(), self._stages()
-            limits = snapshot_limits(settings)  # checked from the file's header before anything is allocated
-            key, floor = settings.signing_key, lease.floor
-            try:
-                if not path.is_file():
-                    raise FileNotFoundError(path)
-                # Read, header-checked and (signed) verified on a worker thread: the hash reads every byte of the
-                # file, time the engine thread spends on other sessions' blocks. The session is built there too, in
-                # host memory (pinned on CUDA); the engine thread only checks the record and queues its copies.
-                tensors, metadata = await asyncio.to_thread(read_record, path, refiner, limits, key, floor)
-                built = await asyncio.to_thread(host_session, refiner, tensors, metadata)
-                record = await self.engine.call(
-                    lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id, built))
-            except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
-                await to_thread_to_the_end(leases.release, folder, session_id, lease)
-                return None
-            except (Draining, asyncio.CancelledError):  # a drain began, or the lookup was cancelled (client gone)
-                await to_thread_to_the_end(leases.release, folder, session_id, lease)
-                raise
-            except (MemoryError, torch.OutOfMemoryError) as exc:
-                # This machine's memory (host memory to build it in, what it may lock, or the device's) cannot take
-                # the session now: the file is not to blame and stays, for a retry here or another replica (through
-                # the router, once the lease is free).
-                await to_thread_to_the_end(leases.release, folder, session_id, lease)
-                log.warning("session %s in snapshot_dir cannot be held in memory now (%s)", session_id, exc)
-                raise ApiError(
-                    "insufficient_memory",
-                    f"session {session_id} is saved in snapshot_dir, but this replica cannot hold it in memory now "
-                    f"({exc}); nothing was changed: retry later, or another replica takes it",
-                    retry_after_s=self.settings.retry_after_s) from None
-            except StaleRecord as exc:
-                # Its client is ahead of it: loading it would answer with an older session under the same id (the
-                # next chunk a 409, or worse, frames refined again from an earlier point). The session's later
-                # state is lost; its id answers 410 saying so, and the file is kept aside for the operator.
-                aside = folder / f"{path.name}.stale"
-                log.warning("snapshot of %s is an older copy (%s); moved aside to %s", session_id, exc, aside.name)
-                with contextlib.suppress(OSError):
-                    os.replace(path, aside)
-                self.registry.mark_evicted(session_id, "its file in snapshot_dir turned out to be an older copy of "
-                                                       f"it (set aside as {aside.name}): {exc}")
-                await to_thread_to_the_end(leases.release, folder, session_id, lease)
-                return None
-            except Exception as exc:
-                aside = folder / f"{path.name}.corrupt"
-                log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
-                with contextlib.suppress(OSError):
-                    os.replace(path, aside)
-                await to_thread_to_the_end(leases.release, folder, session_id, lease)
-                return None
+            # A bounded number at a time (concurrent_adoptions): each holds its file and the session built from it in
+            # host memory meanwhile (twice the file's size, ~18 GiB for a 720p window). Waited for before the lease is
+            # taken, so that waiting costs none of the lease's time.
+            async with self._adoption_slots:
+                lease = await self._claim(folder, session_id)
+                path = snapshot_path(folder, session_id)
+                refiner, stages = self._refiner(), self._stages()
+                limits = snapshot_limits(settings)  # checked from the file's header before anything is allocated
+                key, floor = settings.signing_key, lease.floor
+                try:
+                    if not path.is_file():
+                        raise FileNotFoundError(path)
+                    # Read, header-checked and (signed) verified on a worker thread: the hash reads every byte of the
+                    # file, time the engine thread spends on other sessions' blocks. The session is built there too, in
+                    # host memory (pinned on CUDA); the engine thread only checks the record and queues its copies.
+                    def read_and_build():
+                        tensors, metadata = read_record(path, refiner, limits, key, floor, session_id)
+                        return tensors, metadata, host_session(refiner, tensors, metadata)
+
+                    tensors, metadata, built = await self._renewing(lease, asyncio.to_thread(read_and_build))
+                    record = await self.engine.call(
+                        lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id, built))
+                except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    return None
+                except (Draining, asyncio.CancelledError):  # a drain began, or the lookup was cancelled (client gone)
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    raise
+                except (MemoryError, torch.OutOfMemoryError) as exc:
+                    # This machine's memory (host memory to build it in, what it may lock, or the device's) cannot take
+                    # the session now: the file is not to blame and stays, for a retry here or another replica (through
+                    # the router, once the lease is free).
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    log.warning("session %s in snapshot_dir cannot be held in memory now (%s)", session_id, exc)
+                    raise ApiError(
+                        "insufficient_memory",
+                        f"session {session_id} is saved in snapshot_dir, but this replica cannot hold it in memory now "
+                        f"({exc}); nothing was changed: retry later, or another replica takes it",
+                        retry_after_s=self.settings.retry_after_s) from None
+                except LeaseLost as exc:  # another replica took the session while this one was reading it: it is theirs
+                    log.warning("session %s was taken over while it was being adopted here (%s)", session_id, exc)
+                    raise ApiError(
+                        "session_moved",
+                        f"session {session_id} was taken over by another replica while this one was loading it "
+                        f"({exc}): it lives there now; retry through the router",
+                        retry_after_s=1) from None
+                except StaleRecord as exc:
+                    # Its client is ahead of it: loading it would answer with an older session under the same id (the
+                    # next chunk a 409, or worse, frames refined again from an earlier point). The session's later
+                    # state is lost; its id answers 410 saying so, and the file is kept aside for the operator.
+                    aside = folder / f"{path.name}.stale"
+                    log.warning("snapshot of %s is an older copy (%s); moved aside to %s", session_id, exc, aside.name)
+                    with contextlib.suppress(OSError):
+                        os.replace(path, aside)
+                    self.registry.mark_evicted(session_id, "its file in snapshot_dir turned out to be an older copy of "
+                                                           f"it (set aside as {aside.name}): {exc}")
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    return None
+                except Exception as exc:
+                    aside = folder / f"{path.name}.corrupt"
+                    log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
+                    with contextlib.suppress(OSError):
+                        os.replace(path, aside)
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    return None
         finally:
             self.registry.clips -= 1
         handle = self._hold(record)
@@ -378,6 +393,24 @@ class SessionStore:
             await to_thread_to_the_end(path.unlink, missing_ok=True)  # the session lives here now, cancelled or not
         log.info("adopted session %s from %s (lease generation %d)", session_id, folder, lease.generation)
         return handle
+
+    async def _renewing(self, lease: Lease, work):
+        """``work`` awaited with ``lease`` renewed every third of session_lease_s meanwhile, as a held session's is
+        (``Checkpoints.renew_forever``): reading, verifying and building a large session (gigabytes) can outlast one
+        lease, and another replica would then take the session mid-adoption. ``LeaseLost`` when it was taken."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.settings.session_lease_s / 3)
+                if done:
+                    return task.result()
+                try:
+                    await asyncio.to_thread(leases.renew, lease)
+                except OSError as exc:  # the folder's trouble, not the file's: try again at the next period
+                    log.warning("renewing the lease on session %s while adopting it failed: %r", lease.session_id, exc)
+        finally:
+            if not task.done():
+                task.cancel()  # its thread runs to its end; what it built is dropped with it
 
     def _hold(self, record: SessionRecord) -> SessionHandle:
         # A session whose stream was open when it was saved waits ws_reattach_grace_s for its client.

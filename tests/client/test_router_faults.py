@@ -145,7 +145,8 @@ def test_a_404_while_the_session_moves_is_retried_for_a_bounded_time(server, ref
         assert 1.0 <= time.monotonic() - began < 5.0 and gone.value.replica == "replica-next"
         assert proxy.answered > 3
     # Final 404s come at once, not after move_timeout_s: a long one, so a machine's load cannot blur the two.
-    with Client(server.base_url, retry=RetryPolicy(attempts=1000, backoff_s=0.05, max_backoff_s=0.1, move_timeout_s=30.0)) as client:
+    final = RetryPolicy(attempts=1000, backoff_s=0.05, max_backoff_s=0.1, move_timeout_s=30.0)
+    with Client(server.base_url, retry=final) as client:
         session = client.create_session()
         session.delete()
         began = time.monotonic()

@@ -242,3 +242,27 @@ def test_host_memory_that_cannot_take_a_saved_session_keeps_its_file(make_settin
         assert not list(folder.glob("*.corrupt"))
         monkeypatch.setattr(records, "session_from_tensors", real_build)
         assert _adopted(client, session_id) == 200  # its lease was let go: the retry takes it
+
+
+def test_a_file_holding_another_session_is_refused_before_it_is_read_or_built(make_settings, tmp_path, monkeypatch):
+    """A session's file put under another id (or a foreign safetensors file) is refused from its header's fields,
+    before its tensors are read and a session is built from them (at 720p: gigabytes read, hashed and copied for
+    nothing); it is set aside as a corrupt file is."""
+    import models.snapshot
+    from app.persistence import records
+
+    folder = tmp_path / "snapshots"
+    session_id = _drained(make_settings, folder)
+    shutil.copy(_record(folder, session_id), _record(folder, "copied-under-1"))
+    save_file({"x": torch.zeros(2)}, str(_record(folder, "foreign-file-1")), metadata={"app": '{"format": "other"}'})
+    reads, builds = [], []
+    real_read, real_build = models.snapshot.load_file, records.session_from_tensors
+    monkeypatch.setattr(models.snapshot, "load_file", lambda *a, **k: reads.append(a) or real_read(*a, **k))
+    monkeypatch.setattr(records, "session_from_tensors", lambda *a, **k: builds.append(a) or real_build(*a, **k))
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        for refused in ("copied-under-1", "foreign-file-1"):
+            assert _adopted(client, refused) == 404
+            assert (folder / f"{refused}.session.safetensors.corrupt").is_file()
+        assert reads == [] and builds == []
+        assert _adopted(client, session_id) == 200  # the session's own file, under its own id
+        assert len(reads) == 1 and len(builds) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 from app.core.metrics import Metrics
@@ -94,3 +95,113 @@ def test_concurrent_adoptions_never_exceed_max_sessions(make_settings, tmp_path)
         assert len(services.registry) == 1
         refused = next(s for s, status in statuses.items() if status == 503)
         assert (folder / f"{refused}.session.safetensors").is_file(), "the refused session's file stays"
+
+
+def _saved(make_settings, folder, ids: list[str], **settings) -> None:
+    """Sessions ``ids`` with a block refined each, left in ``folder`` by the app's drain."""
+    latents, embeds, mask = make_clip(frames=4)
+    with running_app(make_settings(snapshot_dir=folder, **settings)) as app:
+        for session_id in ids:
+            assert app.put(f"/v1/sessions/{session_id}", json={}).status_code == 201
+            assert app.post(f"/v1/sessions/{session_id}/chunks", content=payload(latents, embeds, mask),
+                            headers=OCTET).status_code == 200
+
+
+def _lookups(client, ids: list[str]) -> dict[str, int]:
+    """Each id's GET, all at once (one thread each); their statuses."""
+    statuses: dict[str, int] = {}
+    threads = [threading.Thread(target=lambda s=s: statuses.update({s: client.get(f"/v1/sessions/{s}").status_code}))
+               for s in ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(DEADLINE_S)
+    return statuses
+
+
+def test_adoptions_read_and_build_at_most_concurrent_adoptions_sessions_at_once(make_settings, tmp_path, monkeypatch):
+    """Each adoption holds its file and the session built from it in host memory (~18 GiB at 720p): a storm of them
+    (a replica's sessions coming back after its crash) is bounded by concurrent_adoptions; the others wait their
+    turn, and every one is adopted. With 2, two do build at once (what the bound with 1 is measured against)."""
+    import app.sessions.store as store_module
+
+    folder = tmp_path / "shared"
+    ids = ["stormed-session-1", "stormed-session-2", "stormed-session-3"]
+    real_build = store_module.host_session
+    _saved(make_settings, folder, ids)
+    for slots in (1, 2):  # each round's drain leaves the sessions in the folder again
+        assert all((folder / f"{session_id}.session.safetensors").is_file() for session_id in ids)
+        building, most, together = [0], [0], threading.Event()
+        lock = threading.Lock()
+
+        def counted_build(*args, **kwargs):
+            with lock:
+                building[0] += 1
+                most[0] = max(most[0], building[0])
+                if building[0] >= 2:
+                    together.set()
+            together.wait(1.0)  # lets a second build begin meanwhile, if the bound allows it
+            try:
+                return real_build(*args, **kwargs)
+            finally:
+                with lock:
+                    building[0] -= 1
+
+        monkeypatch.setattr(store_module, "host_session", counted_build)
+        with running_app(make_settings(snapshot_dir=folder, concurrent_adoptions=slots)) as client:
+            assert _lookups(client, ids) == {session_id: 200 for session_id in ids}
+            assert len(client.app.state.services.registry) == 3
+        assert most[0] == slots, (slots, most[0])
+
+
+def test_an_adoption_slower_than_a_lease_keeps_its_lease(make_settings, tmp_path, monkeypatch):
+    """Reading, verifying and building a 720p session's file takes seconds: the adopting replica renews the lease
+    meanwhile, so another replica cannot take the session mid-adoption (and both would hold it)."""
+    import app.sessions.store as store_module
+    from app.persistence import leases
+
+    folder = tmp_path / "shared"
+    session_id = "slow-adoption-1"
+    _saved(make_settings, folder, [session_id])
+    real_build, thief = store_module.host_session, []
+
+    def slow_build(*args, **kwargs):
+        time.sleep(1.5)  # 2.5 leases of 0.6 s
+        try:
+            leases.acquire(folder, session_id, "replica-thief", 0.6)
+            thief.append("took it")
+        except leases.LeaseHeld:
+            thief.append("refused")
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "host_session", slow_build)
+    with running_app(make_settings(snapshot_dir=folder, session_lease_s=0.6)) as client:
+        assert client.get(f"/v1/sessions/{session_id}").status_code == 200
+        assert thief == ["refused"]
+        assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
+
+
+def test_a_session_taken_over_while_it_is_adopted_is_left_to_its_new_owner(make_settings, tmp_path, monkeypatch):
+    """Another replica took the session while this one read it (its lease gone here): 503 session_moved, nothing held
+    here, the file left in place (not set aside as corrupt); a later request adopts it when it is free again."""
+    import app.sessions.store as store_module
+
+    folder = tmp_path / "shared"
+    session_id = "taken-over-1"
+    _saved(make_settings, folder, [session_id])
+    real_build = store_module.host_session
+
+    def lease_lost_meanwhile(*args, **kwargs):
+        for lease_file in folder.glob(f".{session_id}.session.lease.*"):
+            lease_file.unlink()
+        time.sleep(1.0)  # past a renewal (every 0.2 s)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "host_session", lease_lost_meanwhile)
+    with running_app(make_settings(snapshot_dir=folder, session_lease_s=0.6)) as client:
+        refused = client.get(f"/v1/sessions/{session_id}")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "session_moved", refused.text
+        assert len(client.app.state.services.registry) == 0
+        assert (folder / f"{session_id}.session.safetensors").is_file() and not list(folder.glob("*.corrupt"))
+        monkeypatch.setattr(store_module, "host_session", real_build)
+        assert client.get(f"/v1/sessions/{session_id}").status_code == 200
