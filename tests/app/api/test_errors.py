@@ -306,6 +306,7 @@ def receive_until_event(ws):
         ("[" * 5000, "invalid_payload"),  # nests past json's recursion limit: it killed the reader, unsaid
     ],
 )
+@pytest.mark.timeout(120)  # a reader that dies unsaid leaves the receive waiting for ever: fail instead
 def test_bad_websocket_message_is_an_event_and_the_stream_continues(client, expected, message, code):
     session_id = started_session(client)
     before = session_state(client, session_id)
