@@ -140,7 +140,9 @@ def test_adoptions_read_and_build_at_most_concurrent_adoptions_sessions_at_once(
                 most[0] = max(most[0], building[0])
                 if building[0] >= 2:
                     together.set()
-            together.wait(1.0)  # lets a second build begin meanwhile, if the bound allows it
+            # Lets a second build begin meanwhile, if the bound allows it: with 2, it is waited for (set at once when
+            # it comes); with 1, a second would come within a second were the bound not there.
+            together.wait(1.0 if slots == 1 else DEADLINE_S)
             try:
                 return real_build(*args, **kwargs)
             finally:
