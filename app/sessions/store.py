@@ -328,13 +328,17 @@ class SessionStore:
                     # Read, header-checked and (signed) verified on a worker thread: the hash reads every byte of the
                     # file, time the engine thread spends on other sessions' blocks. The session is built there too, in
                     # host memory (pinned on CUDA); the engine thread only checks the record and queues its copies.
+                    # The lease is renewed meanwhile, as the engine's queue may be long too.
                     def read_and_build():
                         tensors, metadata = read_record(path, refiner, limits, key, floor, session_id)
                         return tensors, metadata, host_session(refiner, tensors, metadata)
 
-                    tensors, metadata, built = await self._renewing(lease, asyncio.to_thread(read_and_build))
-                    record = await self.engine.call(
-                        lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id, built))
+                    async def load() -> SessionRecord:
+                        tensors, metadata, built = await asyncio.to_thread(read_and_build)
+                        return await self.engine.call(
+                            lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id, built))
+
+                    record = await self._renewing(lease, load())
                 except FileNotFoundError:  # taken and removed by its owner meanwhile (it ended, or a drain-only move)
                     await to_thread_to_the_end(leases.release, folder, session_id, lease)
                     return None
