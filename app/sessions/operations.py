@@ -388,9 +388,13 @@ class SessionOps:
         handle = await self.store.lookup(session_id)
         outputs = handle.outputs.restrict(query.get("outputs"), query.get("video_format"), query.get("video_quality"))
         if len(handle.watchers) >= self.settings.max_watchers:
+            # over_capacity, as a watcher past max_watch_encodings is: the engine is not what is busy.
             raise ApiError(
-                "engine_busy",
-                f"session {session_id} already has {len(handle.watchers)} watchers (max_watchers); retry later",
+                "over_capacity",
+                f"session {session_id} already has {len(handle.watchers)} watchers (max_watchers "
+                f"{self.settings.max_watchers}); retry once one of them leaves",
+                retry_after_s=self.settings.retry_after_s,
+                fields={"watchers": len(handle.watchers), "max_watchers": self.settings.max_watchers},
             )
         self._check_watch_encodings(handle, outputs)
         watcher = subscribe(handle.id, outputs)

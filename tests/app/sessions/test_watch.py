@@ -132,6 +132,9 @@ def test_watch_refusals_and_http_producers(make_settings):
             with pytest.raises(InvalidStatus) as full:
                 connect(f"{base}/watch", open_timeout=DEADLINE_S)
             assert full.value.response.status_code == 503
+            refusal = json.loads(full.value.response.body)["error"]
+            assert (refusal["code"], refusal["watchers"], refusal["max_watchers"]) == ("over_capacity", 1, 1), refusal
+            assert "max_watchers 1" in refusal["message"] and full.value.response.headers["retry-after"]
             watcher.send(payload(latents))  # read-only: an error event, and nothing reaches the session
             assert json.loads(watcher.recv(timeout=DEADLINE_S))["error"]["code"] == "invalid_request"
             assert http.get(f"/v1/sessions/{session_id}").json()["frames_received"] == 0
