@@ -95,7 +95,8 @@ class PortInUseError(StartUpError):
 def preflight(settings: Settings) -> None:
     """What can be checked before uvicorn starts, so that a wrong flag is one clear line (app.cli.commands prints it) and a
     non-zero exit, not a start-up traceback: the device and the dtype, that the model and VAE folders hold a
-    config.json, and that the model's config builds a refiner whose parameters have the shapes of the weights on disk."""
+    config.json, that the model's config builds a refiner whose parameters have the shapes of the weights on disk,
+    and that snapshot_dir can hold sessions (``check_snapshot_folder``: writable, case-sensitive)."""
     resolve_dtype(settings.dtype, resolve_device(settings.device))
     for name, value, what in (("model", settings.model, "a local refiner folder in diffusers layout, or no --model "
                                "to serve the embedded tiny refiner"),
@@ -111,6 +112,13 @@ def preflight(settings: Settings) -> None:
             raise ModelLoadError(f"{name} folder {value!r} has no config.json; pass {what}")
     if settings.model:
         check_model_folder(Path(settings.model).expanduser())
+    if settings.snapshot_dir is not None:
+        from app.persistence.records import check_snapshot_folder
+
+        try:
+            check_snapshot_folder(Path(settings.snapshot_dir).expanduser())
+        except OSError as exc:
+            raise StartUpError(str(exc)) from None
 
 
 def check_model_folder(folder: Path) -> None:

@@ -101,6 +101,27 @@ class SessionRecord:
     ready: Any = None
 
 
+def check_snapshot_folder(folder: Path) -> None:
+    """``OSError`` saying what to change when ``folder`` cannot hold sessions: it cannot be created or written to, or
+    it is on a case-insensitive file system (a macOS or Windows volume, an SMB share), where two session ids that
+    differ only in case (``ab...`` and ``AB...`` are two sessions) would share one file, and one session's spill or
+    drain would overwrite the other's. Checked once at start-up by a probe file, removed at once."""
+    probe = folder / f".case-probe-{os.getpid()}-{os.urandom(6).hex()}.tmp"  # lower case: hex digits a-f
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+    except OSError as exc:
+        raise OSError(f"snapshot_dir {folder} cannot be written to ({exc.strerror or exc}): give a folder this "
+                      "process may create files in, or unset snapshot_dir (sessions are then not saved)") from None
+    try:
+        if (folder / probe.name.upper()).exists():
+            raise OSError(f"snapshot_dir {folder} is on a case-insensitive file system: session ids differ by case, "
+                          "and two of them would share one file there; put it on a case-sensitive file system (any "
+                          "Linux one, or NFS exported from one)")
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 def snapshot_path(folder: Path, session_id: str) -> Path:
     """The file of ``session_id`` in ``folder``. Every path to a session's file is made here, so the id rule
     (``spec.check_session_id``: ValueError otherwise) keeps any '/', '..' or glob character out of the folder."""

@@ -60,8 +60,8 @@ def test_python_m_app_serve_with_defaults_builds_the_tiny_refiner_and_answers(tm
 
 
 def test_start_up_failures_are_one_clear_line_and_a_non_zero_exit(tmp_path):
-    """A wrong device or an empty model folder: one line naming the problem and what to pass instead, exit status
-    2, no traceback, and no drain (nothing was served)."""
+    """A wrong device, an empty model folder or a snapshot_dir that cannot be written: one line naming the problem
+    and what to pass instead, exit status 2, no traceback, and no drain (nothing was served)."""
     import torch
 
     empty = tmp_path / "empty-model"
@@ -72,9 +72,14 @@ def test_start_up_failures_are_one_clear_line_and_a_non_zero_exit(tmp_path):
         cases.append((["--device", "cuda"], "CUDA is not available"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WM_REFINER_")}
     env.update(WM_REFINER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    for flags, reason in cases:
+    (tmp_path / "a-file").write_text("")  # a snapshot_dir under a file cannot be made (even by root, as CI runs)
+    snapshots_under_a_file = {"WM_REFINER_SNAPSHOT_DIR": str(tmp_path / "a-file" / "snapshots")}
+    cases = [(flags, reason, {}) for flags, reason in cases]
+    cases.append(([], "snapshot_dir " + snapshots_under_a_file["WM_REFINER_SNAPSHOT_DIR"] + " cannot be written to",
+                  snapshots_under_a_file))
+    for flags, reason, extra_env in cases:
         done = subprocess.run([sys.executable, "-m", "app", "serve", "--port", str(free_port()), *flags], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=120)
+                              env={**env, **extra_env}, capture_output=True, text=True, timeout=120)
         output = done.stdout + done.stderr
         assert done.returncode == 2, (flags, output)
         assert output.strip().count("\n") == 0 and output.startswith("error: ") and reason in output, (flags, output)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from app.persistence.leases import acquire, generations
 from app.persistence.sweeps import FolderSweep
 from tests.app.conftest import running_app
@@ -69,3 +71,25 @@ def test_a_session_this_replica_ended_does_not_stop_the_sweep(make_settings, tmp
         _file(folder, "other-session-1", 120.0)
         assert sorted(services.sweep.expired_files()) == ["ended-session-1", "other-session-1"]
         assert not list(folder.glob("*.session.safetensors"))
+
+
+def test_a_snapshot_folder_on_a_case_insensitive_file_system_is_refused(tmp_path, monkeypatch):
+    """Session ids differ by case; on a case-insensitive file system two of them would share one file (one session's
+    spill overwriting the other's): refused at start-up, saying where to put it. The probe leaves nothing behind."""
+    import pathlib
+
+    from app.persistence.records import check_snapshot_folder
+
+    folder = tmp_path / "snapshots"
+    check_snapshot_folder(folder)  # made, written to, and this test machine's file system tells case apart
+    assert folder.is_dir() and list(folder.iterdir()) == []
+    real_exists = pathlib.Path.exists
+
+    def case_blind(path, *args, **kwargs):  # what a case-insensitive volume answers for the probe's other case
+        return real_exists(path.parent / path.name.lower(), *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "exists", case_blind)
+    with pytest.raises(OSError, match="case-insensitive file system.*put it on a case-sensitive file system"):
+        check_snapshot_folder(folder)
+    monkeypatch.setattr(pathlib.Path, "exists", real_exists)
+    assert list(folder.iterdir()) == []
