@@ -86,6 +86,9 @@ class Lease:
     previous: str = "none"
     # The lowest generation a file of the session may carry, as the floor marker said when the lease was taken.
     floor: int = 0
+    # This acquisition's own mark, written in the lease file: a generation can be taken again after a release that
+    # wrote nothing (the count goes on from the floor), so the name alone does not say the file is still this one.
+    token: str = ""
 
 
 def lease_path(folder: Path, session_id: str, generation: int) -> Path:
@@ -187,9 +190,11 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
     # must stay below every later generation.
     generation = max(generation, floor)
     target = lease_path(folder, session_id, generation + 1)
+    token = secrets.token_hex(16)
     with staging(folder, replica_id) as staged_in:  # a crash here leaves nothing a sweep cannot recognise
         staged = staged_in / target.name
-        staged.write_text(json.dumps({"owner": replica_id, "session_id": session_id, "generation": generation + 1}))
+        staged.write_text(json.dumps({"owner": replica_id, "session_id": session_id, "generation": generation + 1,
+                                      "token": token}))
         try:
             os.link(staged, target)
         except FileExistsError:
@@ -197,7 +202,7 @@ def acquire(folder: Path, session_id: str, replica_id: str, lease_s: float, now:
     for older in current:
         with contextlib.suppress(OSError):
             lease_path(folder, session_id, older).unlink()
-    return Lease(session_id, generation + 1, target, previous, floor)
+    return Lease(session_id, generation + 1, target, previous, floor, token)
 
 
 def held_elsewhere(folder: Path, session_id: str, replica_id: str, lease_s: float,
@@ -221,6 +226,16 @@ def check(lease: Lease) -> None:
     """``LeaseLost`` unless ``lease`` is still the session's current one."""
     if not lease.path.exists():
         raise LeaseLost(f"the lease on session {lease.session_id} was released by another replica")
+    if lease.token:
+        try:
+            token = json.loads(lease.path.read_text()).get("token")
+        except FileNotFoundError:
+            raise LeaseLost(f"the lease on session {lease.session_id} was released by another replica") from None
+        except (ValueError, AttributeError):
+            token = None
+        if token != lease.token:  # the same generation, taken again by someone else after a release
+            raise LeaseLost(f"session {lease.session_id} was taken over by replica {_owner(lease.path)!r} "
+                            f"(generation {lease.generation} taken again)")
     successor = lease_path(lease.path.parent, lease.session_id, lease.generation + 1)
     if successor.exists():
         raise LeaseLost(f"session {lease.session_id} was taken over by replica {_owner(successor)!r}")

@@ -438,18 +438,19 @@ class Parking:
             if lease is None or not registry.holds(handle):
                 return False  # it ended meanwhile (its lease went with it): nothing of it may be written
 
-            def write() -> int:
+            def write() -> tuple[int, int]:
                 # Like a checkpoint: the file is written under the session's lease, fenced by it.
                 _, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
                                        replica_id=settings.replica_id, lease_s=settings.session_lease_s,
                                        key=settings.signing_key)
-                return path.stat().st_size
+                stat = path.stat()
+                return stat.st_size, stat.st_ino
 
             # Tracked as the session's write in flight: a session deleted meanwhile has its file removed (and its
             # floor raised) only once this write is done (``Checkpoints.forget`` waits for it), never before.
             handle.checkpoint_write = asyncio.ensure_future(asyncio.to_thread(write))
             try:
-                size = await asyncio.shield(handle.checkpoint_write)
+                size, inode = await asyncio.shield(handle.checkpoint_write)
             except (LeaseHeld, LeaseLost) as exc:
                 if self.leases_held.get(handle.id) is lease:  # not ended or dropped meanwhile
                     self.lose(handle, exc)
@@ -470,7 +471,7 @@ class Parking:
             # (``released``: the adoption waits for it). Released, as a drain's file is: whichever replica is asked
             # for the session next adopts it at once.
             self.leases_held.pop(handle.id, None)
-            self.spilled[handle.id] = spilled(handle, size)  # what the listing and GET show of it now
+            self.spilled[handle.id] = spilled(handle, size, inode)  # what the listing and GET show of it now
             registry.release(handle, ApiError(
                 "session_not_found", f"session {handle.id} was moved to snapshot_dir; send the request again"))
             handle.memory_state = "spilled"
@@ -575,9 +576,16 @@ class Parking:
         if folder is None:
             gone = True
         elif view is not None:
-            gone = session_id not in view.saved or (session_id in view.leased and not ours)
+            gone = session_id not in view.saved or (session_id in view.leased and not ours) or (
+                stub.file_inode is not None and view.inodes is not None
+                and view.inodes.get(session_id) != stub.file_inode)
         else:
-            gone = not snapshot_path(folder, session_id).is_file() or (
+            try:
+                stat = snapshot_path(folder, session_id).stat()
+            except OSError:
+                stat = None
+            # Another inode: another replica adopted it and spilled it again (its own now, with its own retention).
+            gone = stat is None or (stub.file_inode is not None and stat.st_ino != stub.file_inode) or (
                 not ours and bool(leases.generations(folder, session_id)))
         if gone:
             self.spilled.pop(session_id, None)

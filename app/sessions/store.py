@@ -197,6 +197,10 @@ class SessionStore:
             return handle
         folder = self.snapshot_folder
         if folder is not None and has_snapshot(folder, session_id):
+            if self.draining:
+                # A draining server saves what it holds and exits: a session it adopted now would be saved by nobody
+                # (the drain's list is taken) and, without checkpoints, its file deleted. It stays in the folder.
+                raise _draining(session_id)
             started = time.perf_counter()
             # One adoption per id in this process (other replicas are kept off by the lease). The entry stays in
             # the table while anyone waits on it, so a lookup arriving meanwhile queues on the same lock.
@@ -382,6 +386,11 @@ class SessionStore:
                         os.replace(path, aside)
                     await to_thread_to_the_end(leases.release, folder, session_id, lease)
                     return None
+                if self.draining:
+                    # The drain began while the file was read: it saves only the sessions it found, so this one is
+                    # not held here (nor its file removed); the lease goes, for the next replica asked.
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    raise _draining(session_id)
         finally:
             self.registry.clips -= 1
         handle = self._hold(record)
@@ -459,6 +468,11 @@ async def _turn(table: dict[str, _Turn], session_id: str):
         turn.waiters -= 1
         if not turn.waiters:
             del table[session_id]
+
+
+def _draining(session_id: str) -> ApiError:
+    return ApiError("draining", f"session {session_id} is saved in snapshot_dir and this server is shutting down: it "
+                                "stays there; retry once the server (or, behind a router, another replica) is back")
 
 
 def _moved(held: LeaseHeld) -> ApiError:

@@ -33,16 +33,20 @@ class Spilled:
     created_at: float
     last_active: float  # registry clock
     file_bytes: int
+    # The file's inode when this replica spilled it: a file of the same name with another inode was written since
+    # by another replica (it adopted the session and spilled it again): no longer this replica's spill.
+    file_inode: int | None = None
 
     @property
     def id(self) -> str:
         return self.session_id
 
 
-def spilled(handle: SessionHandle, file_bytes: int) -> Spilled:
+def spilled(handle: SessionHandle, file_bytes: int, file_inode: int | None = None) -> Spilled:
     """What the listing and GET will show of ``handle`` once it is spilled to a file of ``file_bytes``: its views as
     they stand now (read on the loop, right before the handle is dropped)."""
-    return Spilled(handle.id, summary(handle), description(handle), handle.created_at, handle.last_active, file_bytes)
+    return Spilled(handle.id, summary(handle), description(handle), handle.created_at, handle.last_active, file_bytes,
+                   file_inode)
 
 
 def summary(entry: SessionHandle | Spilled) -> dict[str, Any]:

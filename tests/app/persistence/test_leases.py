@@ -234,3 +234,24 @@ def test_a_generation_past_ten_digits_is_seen_by_every_replica(tmp_path):
     release(tmp_path, "long-session", held)
     assert read_floor(tmp_path, "long-session") == 10_000_000_000
     assert acquire(tmp_path, "long-session", "replica-c", lease_s).generation == 10_000_000_001
+
+
+def test_a_generation_taken_again_after_a_release_fences_its_stalled_first_holder(tmp_path):
+    """A holds generation floor + 1 and stalls; B takes floor + 2 and releases it without writing (an adoption
+    cancelled or refused); C then takes floor + 1 again. A's renewal and write fence must see that it lost the
+    session, though a file of its generation's name is there and none of the next."""
+    from app.persistence import leases as _leases
+
+    folder, session_id = tmp_path, "aba-session-1"
+    _leases.raise_floor(folder, session_id, 4, "x")
+    a = _leases.acquire(folder, session_id, "replica-a", 0.2)
+    time.sleep(0.3)
+    b = _leases.acquire(folder, session_id, "replica-b", 0.2)
+    _leases.release(folder, session_id, b)
+    c = _leases.acquire(folder, session_id, "replica-c", 0.2)
+    assert c.generation == a.generation  # the count goes on from the floor
+    with pytest.raises(_leases.LeaseLost):
+        _leases.check(a)
+    with pytest.raises(_leases.LeaseLost):
+        _leases.renew(a)
+    _leases.check(c)

@@ -207,3 +207,60 @@ def test_a_session_taken_over_while_it_is_adopted_is_left_to_its_new_owner(make_
         assert (folder / f"{session_id}.session.safetensors").is_file() and not list(folder.glob("*.corrupt"))
         monkeypatch.setattr(store_module, "host_session", real_build)
         assert client.get(f"/v1/sessions/{session_id}").status_code == 200
+
+
+def test_a_draining_replica_never_adopts_a_saved_session(make_settings, tmp_path, monkeypatch):
+    """A GET on a drained replica (still up), or one whose adoption was reading the file when the drain began, must
+    leave the session in its file: adopted then, it is saved by nobody and (without checkpoints) its file deleted."""
+    import app.sessions.store as store_module
+
+    folder = tmp_path / "shared"
+    ids = ["drained-get-1", "drained-mid-read-1"]
+    _saved(make_settings, folder, ids, replica_id="a")
+    real, reading = store_module.read_record, threading.Event()
+
+    def slow(*args, **kwargs):  # a large file on a slow volume: the drain begins meanwhile
+        reading.set()
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "read_record", slow)
+    with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as b:
+        got = {}
+        reader = threading.Thread(target=lambda: got.update(status=b.get(f"/v1/sessions/{ids[1]}").status_code))
+        reader.start()
+        assert reading.wait(DEADLINE_S)
+        assert b.post("/v1/admin/drain").status_code == 200
+        reader.join(DEADLINE_S)
+        assert got["status"] == 503
+        assert b.get(f"/v1/sessions/{ids[0]}").status_code == 503
+        assert len(b.app.state.services.store.registry) == 0
+    for session_id in ids:
+        assert (folder / f"{session_id}.session.safetensors").is_file()
+        assert not list(folder.glob(f".{session_id}.session.lease.*")), "the lease was let go"
+
+
+def test_a_spill_another_replica_wrote_since_is_not_expired_by_the_first_spiller(make_settings, tmp_path):
+    """A spilled S, B adopted it (a chunk) and spilled it again: A's memory of its own spill is stale, and at A's
+    retention it must not delete the file B spilled (S is B's, used there within its retention)."""
+    from tests.app.conftest import wait_until
+
+    folder, session_id, retention = tmp_path / "shared", "spilled-twice-1", 6.0
+    latents, embeds, mask = make_clip(frames=4)
+    common = dict(snapshot_dir=folder, park_after_s=0.3, spill_after_s=0.6, session_retention_s=retention,
+                  session_lease_s=1.0)
+    with running_app(make_settings(replica_id="a", **common)) as a, \
+            running_app(make_settings(replica_id="b", **common)) as b:
+        assert a.put(f"/v1/sessions/{session_id}", json={}).status_code == 201
+        assert a.post(f"/v1/sessions/{session_id}/chunks", content=payload(latents, embeds, mask),
+                      headers=OCTET).status_code == 200
+        a_store, b_store = a.app.state.services.store, b.app.state.services.store
+        wait_until(lambda: session_id in a_store.parking.spilled, "A to spill the session")
+        spilled_by_a = time.monotonic()
+        assert b.post(f"/v1/sessions/{session_id}/chunks", content=payload(make_clip(frames=3, seed=1)[0]),
+                      headers=OCTET).status_code == 200
+        wait_until(lambda: session_id in b_store.parking.spilled, "B to spill it again")
+        while time.monotonic() - spilled_by_a < retention + 4:  # polled on B: its retention restarts each time
+            assert b.get(f"/v1/sessions/{session_id}").status_code == 200
+            time.sleep(1.0)
+        assert (folder / f"{session_id}.session.safetensors").is_file()
