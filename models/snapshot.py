@@ -45,6 +45,15 @@ class SnapshotError(RefinerError):
     code = "snapshot_error"
 
 
+class SnapshotUnreadable(SnapshotError):
+    """The file could not be read now (an I/O error: EIO, ESTALE, EMFILE, EACCES...): the file itself is not known
+    to be at fault. ``errno``: the operating system's error number (None when unknown)."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
 @dataclass(frozen=True)
 class SnapshotLimits:
     """What a snapshot may declare before any of it is allocated: the limits a live session is held to (its
@@ -90,7 +99,9 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorHeader], dict[str, st
             for name in handle.keys():
                 view = handle.get_slice(name)
                 headers[name] = TensorHeader(str(view.get_dtype()), tuple(int(n) for n in view.get_shape()))
-    except (SafetensorError, OSError, ValueError) as exc:
+    except OSError as exc:
+        raise SnapshotUnreadable(f"{Path(path).name}: cannot be read now ({exc})", exc.errno) from None
+    except (SafetensorError, ValueError) as exc:
         raise SnapshotError(f"{Path(path).name}: unreadable snapshot ({exc})") from None
     return headers, metadata
 
@@ -398,7 +409,9 @@ def read_tensors(path: str | Path, check: Callable[[dict[str, TensorHeader], dic
         tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as exc:
+    except OSError as exc:
+        raise SnapshotUnreadable(f"{Path(path).name}: cannot be read now ({exc})", exc.errno) from None
+    except (SafetensorError, ValueError) as exc:
         raise SnapshotError(f"{Path(path).name}: unreadable snapshot ({exc})") from None
     return tensors, metadata
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from models import Prompt, Refiner, RefinerSession, SessionConfig
+from models.snapshot import SnapshotUnreadable
 from wm_refiner_client import spec
 
 from app.core.error_kinds import WS_SERVICE_RESTART, ApiError
@@ -379,6 +381,16 @@ class SessionStore:
                                                            f"it (set aside as {aside.name}): {exc}")
                     await to_thread_to_the_end(leases.release, folder, session_id, lease)
                     return None
+                except SnapshotUnreadable as exc:
+                    # An I/O error (the volume, this process's open files, a permission): the file is not known to
+                    # be at fault and stays, for a retry here or another replica.
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    if exc.errno == errno.ENOENT:
+                        return None  # removed meanwhile, as above
+                    log.warning("session %s in snapshot_dir cannot be read now (%s); the file is kept", session_id, exc)
+                    raise ApiError("server_busy", f"session {session_id} is saved in snapshot_dir but cannot be read "
+                                                  f"now ({exc}); nothing was changed: retry later",
+                                   retry_after_s=settings.retry_after_s) from None
                 except Exception as exc:
                     aside = folder / f"{path.name}.corrupt"
                     log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)

@@ -264,3 +264,29 @@ def test_a_spill_another_replica_wrote_since_is_not_expired_by_the_first_spiller
             assert b.get(f"/v1/sessions/{session_id}").status_code == 200
             time.sleep(1.0)
         assert (folder / f"{session_id}.session.safetensors").is_file()
+
+
+def test_an_io_error_while_reading_a_saved_session_keeps_its_file(make_settings, tmp_path, monkeypatch):
+    """A transient I/O error as the adoption reads the file (EMFILE under load, EIO or ESTALE on a shared volume) is
+    no sign of a corrupt file: the file stays where it is, the request gets a 503 to retry, and the retry adopts it."""
+    import errno
+
+    import models.snapshot as snapshot
+
+    folder = tmp_path / "shared"
+    session_id = "io-error-session-1"
+    _saved(make_settings, folder, [session_id], replica_id="a")
+    real, failures = snapshot.load_file, [1]
+
+    def flaky(*args, **kwargs):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot, "load_file", flaky)
+    with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as b:
+        first = b.get(f"/v1/sessions/{session_id}")
+        assert first.status_code == 503 and first.headers.get("retry-after"), first.text
+        assert (folder / f"{session_id}.session.safetensors").is_file()
+        assert b.get(f"/v1/sessions/{session_id}").status_code == 200
