@@ -306,6 +306,11 @@ class SessionStore:
             raise asyncio.CancelledError
         if isinstance(error, LeaseHeld):
             raise _moved(error) from None
+        if isinstance(error, OSError):  # the folder's trouble (read-only, full, gone): nothing was taken or changed
+            log.warning("taking the lease on session %s in %s failed: %r", session_id, folder, error)
+            raise ApiError("server_busy", f"snapshot_dir cannot take session {session_id}'s lease now "
+                                          f"({error.strerror or error}); nothing was changed: retry later",
+                           retry_after_s=settings.retry_after_s) from None
         return claim.result()
 
     async def _adopt(self, folder: Path, session_id: str) -> SessionHandle | None:

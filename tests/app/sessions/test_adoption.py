@@ -290,3 +290,30 @@ def test_an_io_error_while_reading_a_saved_session_keeps_its_file(make_settings,
         assert first.status_code == 503 and first.headers.get("retry-after"), first.text
         assert (folder / f"{session_id}.session.safetensors").is_file()
         assert b.get(f"/v1/sessions/{session_id}").status_code == 200
+
+
+def test_a_snapshot_folder_that_cannot_take_a_lease_is_a_503_not_a_500(make_settings, tmp_path, monkeypatch):
+    """The folder went read-only, full or away after start-up: creating or adopting a session there needs its lease,
+    and the failure is the folder's: 503 server_busy saying so, nothing changed, and the same request works once the
+    folder does."""
+    import errno
+
+    from app.persistence import leases
+
+    folder = tmp_path / "shared"
+    session_id = "read-only-lease-1"
+    _saved(make_settings, folder, [session_id])
+    real_acquire = leases.acquire
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(leases, "acquire", read_only)
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        for method, path in (("GET", f"/v1/sessions/{session_id}"), ("PUT", "/v1/sessions/new-session-1")):
+            refused = client.request(method, path, json={} if method == "PUT" else None)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_busy", refused.text
+            assert "Read-only file system" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+        assert (folder / f"{session_id}.session.safetensors").is_file() and not list(folder.glob("*.corrupt"))
+        monkeypatch.setattr(leases, "acquire", real_acquire)
+        assert client.get(f"/v1/sessions/{session_id}").status_code == 200
