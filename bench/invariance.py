@@ -3,7 +3,8 @@
 The timestep embedding runs one row at a time (``models.step.time_embedding``: its GEMMs at M = 1 whatever the
 batch) instead of once for all rows (M = R). This measures, in one process and interleaved so that a noisy machine
 hurts both alike: a model call of R = 1, 4 and 8 rows (medium refiner, steady-state windows) with each form, the
-time embedding alone in each form, and how long the start-up probe takes. It reports; it never asserts.
+time embedding alone in each form, and how long the start-up probes take (one per class the warm-up's size
+meets: its block, its sink, each short last block). It reports; it never asserts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import torch
 
 import models.step as step
-from models import from_model, run_batch
+from models import SessionConfig, from_model, run_batch
 from models.checkpoints import build_model
 from models.determinism import probe_batch_invariance
 
@@ -78,9 +79,13 @@ def run(preset: str, height: int, width: int, repeats: int, rounds: int) -> dict
                     embed[name].append(_time(lambda: form(model, timestep, torch.float32), repeats * 5))
             figures["calls"][rows] = {name: min(values) for name, values in times.items()}
             figures["embedding"][rows] = {name: min(values) for name, values in embed.items()}
-    started = time.perf_counter()
-    probe = probe_batch_invariance(refiner, height, width, 16)
-    figures["probe"] = {"seconds": time.perf_counter() - started, "result": str(probe)}
+    # The start-up probes, as the service runs them before /ready (``Services._decide_batching``): the block's class,
+    # then the sink's and each short last block's (1 and 2 frames with the default blocks of 3; the sink's is 1's).
+    figures["probes"] = {}
+    for frames in (SessionConfig().block_size, *range(1, SessionConfig().block_size)):
+        started = time.perf_counter()
+        probe = probe_batch_invariance(refiner, height, width, 16, block_frames=frames)
+        figures["probes"][frames] = {"seconds": time.perf_counter() - started, "result": str(probe)}
     figures["threads"] = torch.get_num_threads()
     return figures
 
@@ -94,7 +99,10 @@ def report(figures: dict, preset: str, height: int, width: int) -> str:
         lines.append(f"| {rows} | {call['per row'] * 1e3:.2f} ms | {call['batched'] * 1e3:.2f} ms | "
                      f"{call['per row'] / call['batched']:.3f}x | {embed['per row'] * 1e6:.0f} us | "
                      f"{embed['batched'] * 1e6:.0f} us |")
-    lines.append(f"start-up probe: {figures['probe']['seconds']:.2f} s ({figures['probe']['result']})")
+    probes = figures["probes"]
+    for frames, probe in probes.items():
+        lines.append(f"start-up probe, {frames}-frame forwards: {probe['seconds']:.2f} s ({probe['result']})")
+    lines.append(f"start-up probes in all: {sum(p['seconds'] for p in probes.values()):.2f} s")
     return "\n".join(lines)
 
 

@@ -15,8 +15,8 @@ def check_clip_length(latents, config: SessionConfig) -> None:
     frames = int(latents.shape[2]) if isinstance(latents, torch.Tensor) and latents.ndim == 5 else None
     if frames is not None and frames <= config.sink_frames:
         raise InvalidInputError(
-            f"the clip has {frames} frames but sink_frames={config.sink_frames}; send more than sink_frames "
-            "frames (the sink is never refined, so such a clip has nothing to refine)"
+            f"the clip has {frames} frame{'' if frames == 1 else 's'} but sink_frames={config.sink_frames}; send more "
+            "than sink_frames frames (the sink is never refined, so such a clip has nothing to refine)"
         )
 
 

@@ -54,7 +54,7 @@ def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = E
         raise ApiError(
             "invalid_payload",
             f"the body is not a safetensors file ({exc}); send the bytes of safetensors.torch.save({{'latents': "
-            "..., 'prompt_embeds': ...}})",
+            "..., 'prompt_embeds': ...})",
         ) from None
     unknown = sorted(set(tensors) - set(allowed))
     if unknown:

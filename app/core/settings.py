@@ -539,9 +539,17 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"config file {str(file)!r} does not exist")
-    data = yaml.safe_load(file.read_text()) or {}
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:  # said with the file's name and line, in one line, as every other mistake in it
+        mark = getattr(exc, "problem_mark", None)
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        what = getattr(exc, "problem", None) or type(exc).__name__
+        raise SettingsInputError(f"{file}: not valid YAML ({what}{where}); write one `setting: value` per line "
+                                 "(docs/operations.md lists every setting)") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{file}: a settings file must be a mapping of setting: value, got {type(data).__name__}")
+        raise SettingsInputError(f"{file}: a settings file must be a mapping of setting: value, got "
+                                 f"{type(data).__name__}")
     return data
 
 

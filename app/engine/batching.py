@@ -151,6 +151,12 @@ class BatchingPolicy:
             group = next(iter(due))
         return self.probe(self._pending[group], group)  # stays pending (visible) until its verdict is in
 
+    def probed(self, shape: ProbeShape) -> bool:
+        """Whether a class of ``shape``'s latent size and frames per forward has a verdict (the prompt's length
+        does not enter a class)."""
+        key = (shape.height, shape.width, shape.block_frames)
+        return any((v.shape.height, v.shape.width, v.shape.block_frames) == key for v in list(self._verdicts.values()))
+
     def probe(self, shape: ProbeShape, group: Hashable | None = None) -> ClassVerdict | None:
         """Run the probe for ``shape`` now (on the engine thread) and record it under the group it measured. A probe
         of a class the engine saw (``group`` given) that runs out of device memory records nothing: the class stays

@@ -253,10 +253,11 @@ class Services:
             self.not_ready_reason = f"warm-up failed: {exc}"
 
     async def _decide_batching(self) -> None:
-        """Start probing batch invariance (``app.engine.batching``): the warm-up's class now, every other class of model
-        call when the engine first sees it. ``batching: auto`` batches a class only once its probe passed (so
-        retries, restores, reattaches and crash resumes stay bit-identical); ``true`` batches regardless and warns
-        for a class that fails; ``false`` never probes."""
+        """Start probing batch invariance (``app.engine.batching``): the warm-up's classes now (its block, its sink, a
+        short last block of each length), every other class of model call when the engine first sees it.
+        ``batching: auto`` batches a class only once its probe passed (so retries, restores, reattaches and crash
+        resumes stay bit-identical); ``true`` batches regardless and warns for a class that fails; ``false`` never
+        probes."""
         settings, policy = self.settings, self.engine.policy
         if settings.batching is False:
             return
@@ -264,16 +265,26 @@ class Services:
         # On a GPU each probe session holds a whole KV window (9 GiB at 720p for the released refiner): two rows
         # tell whether the stacked GEMMs change a row's bits; on a CPU up to 8 rows try more kernel choices.
         max_rows = min(settings.max_batch_rows, 2 if refiner.device.type == "cuda" else 8)
-        shape = ProbeShape(settings.warmup_height, settings.warmup_width, settings.session_defaults().block_size,
-                           settings.warmup_prompt_tokens)
+        defaults = settings.session_defaults()
+
+        def shape(frames: int) -> ProbeShape:
+            return ProbeShape(settings.warmup_height, settings.warmup_width, frames, settings.warmup_prompt_tokens)
 
         def start_probing():  # on the engine thread: no idle-time probe can come between the two lines
             policy.prober = lambda shape: probe_batch_invariance(
                 refiner, shape.height, shape.width, shape.prompt_tokens, engine.runner, max_rows=max_rows,
                 block_frames=shape.block_frames)
-            return policy.probe(shape)
+            return policy.probe(shape(defaults.block_size))
 
         await self.engine.call(start_probing)
+        # Every other class a session of the warm-up's size meets: its sink's forward and a short last block (a
+        # flush) of each length, each a class of its own (tokens per row). Probed now, one engine call each (other
+        # sessions' forwards come between them when the server is ready already, `warmup: false`), so that none is
+        # probed, holding the engine, when the first client's sink or flush meets it.
+        for frames in sorted({defaults.sink_frames, *range(1, defaults.block_size)} - {defaults.block_size}):
+            # (One the engine probed meanwhile, idle between these calls, is not probed again.)
+            await self.engine.call(
+                lambda frames=frames: None if policy.probed(shape(frames)) else policy.probe(shape(frames)))
 
     async def drain(self) -> dict[str, Any]:
         """Stop admitting, finish in-flight blocks, save the sessions, close streams cleanly. Idempotent: later

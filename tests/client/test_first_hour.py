@@ -35,6 +35,10 @@ from .test_cli import run_cli
     ("htp://localhost:8000", "give http://, https://"),
     ("http://", "names no host"),
     ("http://localhost:80000", "bad port"),
+    # The API's own path given as the base: every request would be 'no route /v1/v1/...'.
+    ("http://127.0.0.1:8000/v1", r"ends in an API path; give the server's base URL, without /v1: "
+                                 r"http://127.0.0.1:8000$"),
+    ("http://host/proxy/v1/sessions", r"without /v1: http://host/proxy$"),
 ])
 def test_an_address_no_request_could_reach_is_refused_at_once_with_the_fix(address, fix):
     for make in (Client, AsyncClient):
@@ -50,6 +54,7 @@ def test_the_environment_address_is_checked_and_named(monkeypatch):
 
 def test_websocket_schemes_are_taken_for_http():
     assert Client("ws://127.0.0.1:8000/").base_url == "http://127.0.0.1:8000"
+    assert Client("http://host/proxy/").base_url == "http://host/proxy"  # a proxy's path prefix is kept
     assert Client("wss://example.test").base_url == "https://example.test"
 
 

@@ -144,3 +144,16 @@ def test_a_variable_that_names_no_setting_is_warned_about():
     assert warnings == ["$WM_REFINER_MAX_SESION is not a setting and is ignored (did you mean "
                         "$WM_REFINER_MAX_SESSIONS?)",
                         "$WM_REFINER_ZZZ_QQQ is not a setting and is ignored (docs/operations.md lists every setting)"]
+
+
+def test_a_settings_file_that_is_not_yaml_is_one_line_naming_the_file_and_the_line(tmp_path):
+    """A syntax error said like every other mistake in the file (a new user's: "error (ScannerError): ... in
+    '<unicode string>'", naming neither the file nor the fix)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("max_sessions: 4\nport: 80: 80\n")
+    with pytest.raises(SettingsInputError, match=r"c\.yaml: not valid YAML \(mapping values are not allowed here at "
+                                                 r"line 2, column 9\); write one `setting: value` per line"):
+        load_settings(config)
+    config.write_text("- max_sessions\n")
+    with pytest.raises(SettingsInputError, match=r"c\.yaml: a settings file must be a mapping of setting: value"):
+        load_settings(config)

@@ -68,6 +68,19 @@ def test_auto_is_the_default_and_batches_when_the_probe_passes(make_settings):
     assert engine["batch_probe"].startswith("invariant over")
 
 
+def test_every_class_of_the_warm_up_size_is_probed_before_ready(make_settings):
+    """The warm-up's block (4x4 latents, blocks of 3: 48 tokens per row), its sink (1 frame: 16) and a short last
+    block of each length (16, 32) are probed before /ready: none of them holds the engine for a probe when a
+    client's first sink or flush meets it (a new user saw each first call of a size wait ~20 s on a loaded CPU)."""
+    settings = make_settings()
+    defaults = settings.session_defaults()
+    assert (defaults.block_size, defaults.sink_frames, settings.warmup_height, settings.warmup_width) == (3, 1, 4, 4)
+    with running_app(settings) as client:
+        classes = engine_info(client)["batch_classes"]
+    assert sorted(c["tokens_per_row"] for c in classes) == [16, 32, 48], classes
+    assert all(c["invariant"] is True for c in classes), classes
+
+
 def test_without_the_warm_up_it_is_ready_at_once_and_batches_once_the_probe_passed(make_settings):
     """``warmup: false`` means ready without waiting: the probe then runs after, and calls hold one session until it
     has passed."""
