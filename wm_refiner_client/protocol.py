@@ -163,7 +163,9 @@ class RequestAttempts:
     handshake (https:// to a plain-HTTP server) and an untrusted certificate fail at once, and a refused connection
     after ``FIRST_CONTACT_ATTEMPTS`` tries (about a second), naming the likely cause: a wrong address is far likelier
     than a restart, and retrying it for the policy's half minute only hides the typo. Once the server has answered,
-    a refused connection is a restart and gets the whole policy.
+    a refused connection, or a 503 ``not_ready`` / ``draining``, is a restart: such tries do not count against the
+    policy's ``attempts`` but against its ``restart_timeout_s``, from the first of them (a restart of the released
+    model takes minutes).
 
     ``retry_note(wait)`` is the log line of a retry: the last failure, the try that comes next of how many (logged at
     INFO with the wait as the record's ``wait_s``: the command line shows the long ones)."""
@@ -182,6 +184,19 @@ class RequestAttempts:
         self.last_failure: BaseException | None = None
         self.tries = policy.attempts  # how many tries the last failure allows in all (fewer for a first contact)
         self._moving_since: float | None = None
+        self._restart_failures = 0  # failures while the server restarts: not against ``attempts`` (``_restart``)
+        self._restart_since: float | None = None
+
+    def _restart(self, exc: BaseException) -> bool:
+        """Count ``exc`` as a restart's failure; False once ``restart_timeout_s`` is spent since the first."""
+        now = self.clock()
+        if self._restart_since is None:
+            self._restart_since = now
+        self._restart_failures += 1
+        return now - self._restart_since <= self.policy.restart_timeout_s
+
+    def _spent(self) -> bool:
+        return self.failures - self._restart_failures >= self.policy.attempts
 
     def after_transport_error(self, exc: BaseException, *, never_sent: bool) -> float:
         """The connection failed (``never_sent``: it was refused before the request left)."""
@@ -193,7 +208,14 @@ class RequestAttempts:
         self.tries = self.policy.attempts if cause is None else min(FIRST_CONTACT_ATTEMPTS, self.policy.attempts)
         if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= self.tries):
             raise TransportError(f"{self.what}: {cause[1]}", final=cause[0] in FINAL_CAUSES) from exc
-        if not (self.idempotent or never_sent) or self.failures >= self.policy.attempts:
+        if never_sent and not self.first_contact:  # the server that answered before is down: a restart
+            if not self._restart(exc):
+                raise TransportError(f"{self.what}: the server was not back {self.policy.restart_timeout_s:.0f} s "
+                                     f"after it went down (RetryPolicy.restart_timeout_s; last: "
+                                     f"{type(exc).__name__}: {exc})") from exc
+        elif not self.idempotent and not never_sent:
+            raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
+        if self._spent():
             raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
         return self.policy.delay(self.failures)
 
@@ -202,7 +224,13 @@ class RequestAttempts:
         self.failures += 1
         self.last_failure = error
         self.tries = self.policy.attempts
-        if self.failures >= self.policy.attempts or not self.retryable(error, replica):
+        if not self.retryable(error, replica):
+            raise error
+        if isinstance(error, ServiceUnavailableError) and error.code in ("not_ready", "draining") \
+                and not self.first_contact:  # loading or warming up after a restart (or draining before one)
+            if not self._restart(error):
+                raise error
+        if self._spent():
             raise error
         return self.policy.delay(self.failures, getattr(error, "retry_after", None))
 
@@ -212,6 +240,10 @@ class RequestAttempts:
         for a refused first contact), e.g. ``POST /v1/sessions: 503 too_many_sessions (the server holds its
         maximum ...); try 2 of 10 in 30.0 s``."""
         failed = describe_failure(self.last_failure) if self.last_failure is not None else "failed"
+        if self._restart_since is not None:
+            left = self.policy.restart_timeout_s - (self.clock() - self._restart_since)
+            return (f"{self.what}: {failed}; the server is restarting: try {self.failures + 1} in {wait:.1f} s "
+                    f"(trying for {max(left, 0):.0f} s more)")
         return f"{self.what}: {failed}; try {self.failures + 1} of {self.tries} in {wait:.1f} s"
 
     def retryable(self, error: APIError, replica: str | None = None) -> bool:
@@ -299,6 +331,11 @@ class StreamProtocol:
             self.base = 0
         self._connections = 0
         self.failures = 0
+        # Failures while the server restarts (``_restarting``): counted for the backoff, not against ``attempts``,
+        # bounded by ``policy.restart_timeout_s`` from the first of them.
+        self._restart_failures = 0
+        self._restart_since: float | None = None
+        self._went_away = False  # the last connection ended as a server going down does
         self.retry_after: float | None = None
         self.last_error: BaseException | None = None
         self.server_flushed = False
@@ -316,7 +353,11 @@ class StreamProtocol:
         attempts are spent without a unit in between."""
         if not self.failures:
             return 0.0
-        if self.failures >= self.policy.attempts:
+        if self._restart_since is not None and self._clock() - self._restart_since > self.policy.restart_timeout_s:
+            raise TransportError(f"stream of session {self.session_id}: the server was not back "
+                                 f"{self.policy.restart_timeout_s:.0f} s after it went away to restart (RetryPolicy."
+                                 f"restart_timeout_s; last: {self.last_error})") from self.last_error
+        if self.failures - self._restart_failures >= self.policy.attempts:
             raise TransportError(f"stream of session {self.session_id}: gave up after {self.failures} failed "
                                  f"attempts (last: {self.last_error})") from self.last_error
         wait = self.policy.delay(self.failures, self.retry_after)
@@ -327,8 +368,22 @@ class StreamProtocol:
         """The log line of a reconnection about to wait ``wait`` seconds (as ``RequestAttempts.retry_note``): what
         ended or refused the last connection, and which connection comes next of how many."""
         failed = describe_failure(self.last_error) if self.last_error is not None else "connection lost"
+        if self._restart_since is not None:
+            left = self.policy.restart_timeout_s - (self._clock() - self._restart_since)
+            return (f"stream of session {self.session_id}: {failed}; the server is restarting: connection "
+                    f"{self.failures + 1} in {wait:.1f} s (trying for {max(left, 0):.0f} s more)")
         return (f"stream of session {self.session_id}: {failed}; connection {self.failures + 1} of "
                 f"{self.policy.attempts} in {wait:.1f} s")
+
+    def _count(self, exc: BaseException, restarting: bool) -> None:
+        """One more failure, ``exc``; ``restarting``: the server is going away or coming back (a restart), which
+        counts against ``restart_timeout_s`` rather than ``attempts``."""
+        self.failures += 1
+        self.last_error = exc
+        if restarting:
+            self._restart_failures += 1
+            if self._restart_since is None:
+                self._restart_since = self._clock()
 
     def query(self) -> dict[str, int]:
         """The next connection's query: replay from the first frame the caller lacks."""
@@ -342,17 +397,25 @@ class StreamProtocol:
             if not self._attempts.retryable(exc, replica):
                 raise exc
             self.retry_after = exc.retry_after if isinstance(exc, ServiceUnavailableError) else None
+            # A server that is loading, warming up or draining: it restarts (after a stream it served went away).
+            restarting = exc.code in ("not_ready", "draining") and self._restarting()
         elif not isinstance(exc, TransportError) or exc.final:
             raise exc
         elif exc.tries is not None and self.failures + 1 >= min(exc.tries, self.policy.attempts):
             raise exc  # a first contact refused a few times: a wrong address, as over HTTP (``FIRST_CONTACT_ATTEMPTS``)
-        self.failures += 1
-        self.last_error = exc
+        else:
+            restarting = self._restarting()  # refused or cut: the server that served this stream is down
+        self._count(exc, restarting)
 
     def failed(self, exc: BaseException) -> None:
         """The connection broke before the session event (a server going down): try again."""
-        self.failures += 1
-        self.last_error = exc
+        self._count(exc, self._restarting())
+
+    def _restarting(self) -> bool:
+        """Whether a failure now is a restart's: this stream was served before (a wrong address never was) and
+        its server went away, or is going (a close with 1012 or 1001, a refused or cut connection since, a 503
+        not_ready or draining), with no unit refined since."""
+        return self._connections > 0 and (self._restart_since is not None or self._went_away)
 
     def opened(self, first: str | bytes, replica: str | None = None) -> bool:
         """The first message of a connection: True when it is the ``session`` event (the source is rewound to what
@@ -377,6 +440,9 @@ class StreamProtocol:
         if replica is not None:
             self.replica = replica
         self._attempts = self._new_attempts(self._clock)  # a move, if any, is over
+        # The server is back: its restart's tries never counted against ``attempts``, and the next one starts anew.
+        self.failures -= self._restart_failures
+        self._restart_failures, self._restart_since, self._went_away = 0, None, False
         self.source.rewind(event["frames_received"] - self.base, ahead=self.from_session_start)
         if event.get("durable_frames") is not None:
             self.source.durable(event["durable_frames"] - self.base)
@@ -397,8 +463,12 @@ class StreamProtocol:
                     "max_ws_message_bytes); send fewer frames per chunk", status=413)
             raise StreamInUseError(f"session {self.session_id}: the stream was closed: {reason or 'policy violation'}",
                                    status=409)
-        self.failures += 1
-        self.last_error = exc if exc is not None else TransportError(f"closed with {code} {reason}".strip())
+        # 1012 (service restart: drained, sessions saved) and 1001 (going away): the server restarts; a connection
+        # that breaks without a close frame (None) may be its kill, counted as such once refused after it.
+        if code in (1012, 1001, None):
+            self._went_away = True
+        self._count(exc if exc is not None else TransportError(f"closed with {code} {reason}".strip()),
+                    code in (1012, 1001) and self._connections > 0)
 
     # --- sending ------------------------------------------------------------------------------------------------
     def next_message(self) -> bytes | str:

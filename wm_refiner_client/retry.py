@@ -29,7 +29,11 @@ class RetryPolicy:
     ``max_resend_bytes``: how much input a stream keeps for frames already refined but not yet covered by the
     server's last crash checkpoint (``durable_frames``), so that it can resend them to a replica that adopts the
     session from that checkpoint after a crash; past it the oldest go (a crash that far behind then ends the
-    stream with ``ProtocolError``). Input not yet refined is always kept."""
+    stream with ``ProtocolError``). Input not yet refined is always kept. ``restart_timeout_s``: how long a stream
+    keeps reconnecting to a server that is restarting (its connection closed with 1012 or 1001, then refused, or
+    answered 503 ``not_ready`` / ``draining`` while it loads and warms up): those tries do not count against
+    ``attempts`` (a restart of the released model, weights and warm-up, takes minutes), only against this time,
+    counted from the first of them; the stream raises ``TransportError`` once it is spent."""
 
     attempts: int = 10
     backoff_s: float = 0.25
@@ -37,12 +41,13 @@ class RetryPolicy:
     max_retry_after_s: float = 30.0
     move_timeout_s: float = 15.0
     max_resend_bytes: int = 512 * 2**20
+    restart_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {self.attempts}")
         if min(self.backoff_s, self.max_backoff_s, self.max_retry_after_s, self.move_timeout_s,
-               self.max_resend_bytes) < 0:
+               self.max_resend_bytes, self.restart_timeout_s) < 0:
             raise ValueError("waits must be >= 0")
 
     def delay(self, failures: int, retry_after: float | None = None, jitter: float | None = None) -> float:

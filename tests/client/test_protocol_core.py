@@ -165,6 +165,51 @@ def test_a_stream_gives_up_after_its_attempts_without_progress():
         stream.wait_before_connect()
 
 
+def test_a_server_restart_is_waited_for_by_time_not_attempts():
+    """A restart of the released model (weights, warm-up, compile) takes minutes: a stream the server closed with
+    1012, then refused and answered 503 not_ready while it came back, keeps reconnecting for restart_timeout_s, its
+    tries not counted against attempts (4 here, ~2 s of backoff: a new user's stream survived a 27 s restart only on
+    its last of 10 tries); once back, the attempts count anew. The same failures with no restart before them (a
+    wrong address, a server never reached) still end after the attempts."""
+    clock = Clock()
+    policy = wm.RetryPolicy(attempts=4, backoff_s=0.1, max_backoff_s=1.0, restart_timeout_s=60.0)
+    stream = StreamProtocol("s-000001", CONFIG, policy, prompt=PROMPT, clock=clock)
+    stream.opened(session_event(0))
+    stream.lost(1012, "service restart")
+    not_ready = error_from(503, {"error": {"code": "not_ready", "message": "loading the model"}}, retry_after=1.0)
+    for index in range(40):  # 40 tries over ~40 s: ten times the attempts
+        clock.now += stream.wait_before_connect()
+        stream.refused(wm.TransportError("connection refused") if index < 20 else not_ready)
+    assert "the server is restarting: connection 42 in" in stream.reconnect_note(1.0)
+    clock.now += stream.wait_before_connect()
+    assert stream.opened(session_event(0)) is True  # back: the restart's tries never counted
+    stream.failed(wm.TransportError("cut"))
+    assert 0 < stream.wait_before_connect() <= policy.backoff_s  # counting (and backing off) anew
+    stream.lost(1012, "service restart")
+    for _ in range(61):  # past the 60 s from the close
+        clock.now += 1.0
+        stream.refused(wm.TransportError("connection refused"))
+    with pytest.raises(wm.TransportError, match="not back 60 s after it went away to restart"):
+        stream.wait_before_connect()
+    never_served = StreamProtocol("s-000001", CONFIG, policy, prompt=PROMPT, clock=clock)
+    for _ in range(policy.attempts):
+        never_served.refused(not_ready)
+    with pytest.raises(wm.TransportError, match="gave up after 4 failed attempts"):
+        never_served.wait_before_connect()
+    # An HTTP request to a server that answered this client before: the same, by restart_timeout_s.
+    request = RequestAttempts(policy, "POST /v1/sessions/s-000001/chunks", clock=clock)
+    for _ in range(20):
+        clock.now += request.after_error(not_ready)
+    clock.now += 60
+    with pytest.raises(wm.NotReadyError):
+        request.after_error(not_ready)
+    first = RequestAttempts(policy, "GET /v1/info", clock=clock, first_contact=True)
+    for _ in range(policy.attempts - 1):
+        first.after_error(not_ready)
+    with pytest.raises(wm.NotReadyError):
+        first.after_error(not_ready)
+
+
 def test_a_reconnection_s_note_says_what_ended_the_last_connection_and_which_comes_next():
     stream = new_stream()
     stream.refused(error_from(503, {"error": {"code": "draining", "message": "the server is draining"}},
