@@ -16,7 +16,10 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from wm_refiner_client import __version__
+
     parser = argparse.ArgumentParser(prog="python -m app", description="wm-refiner: streaming SANA-WM refiner")
+    parser.add_argument("--version", action="version", version=f"wm-refiner {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     refine = commands.add_parser("refine", help="refine one clip from a safetensors file")
@@ -33,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     make = commands.add_parser("make-checkpoint", help="write a random refiner folder for tests and benchmarks")
     make.add_argument("--preset", choices=("tiny", "medium", "tiny-vae", "released-depth-vae"), default="tiny",
                       help="a refiner (tiny, medium) or an LTX-2 video VAE (tiny-vae, released-depth-vae)")
-    make.add_argument("--out", required=True)
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--out", required=True, help="folder to write (config.json and the safetensors weights)")
+    make.add_argument("--seed", type=int, default=0, help="the random weights' seed (default 0)")
 
     serve = commands.add_parser("serve", help="run the HTTP/WebSocket service")
     serve.add_argument("--config", help="YAML settings file (see configs/)")
@@ -65,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
               "(see docs/benchmarks.md)", file=sys.stderr)
         return 2
     parser = build_parser()
+    if not argv:  # no command: what there is to run, rather than argparse's 'arguments are required: command'
+        parser.print_help(sys.stderr)
+        return 2
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         refuse_unknown(parser, args.command, unknown)

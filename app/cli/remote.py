@@ -486,12 +486,20 @@ class SegmentFile:
 def sessions_command(args: argparse.Namespace) -> int:
     from wm_refiner_client import Client
 
+    from wm_refiner_client import APIError
+
     with Client(args.server, args.api_key) as client:
         if args.delete:
-            for session_id in args.delete:
-                client.delete_session(session_id)
+            refused = 0
+            for session_id in args.delete:  # each one, whatever became of the others (exit 2 if any was refused)
+                try:
+                    client.delete_session(session_id)
+                except APIError as exc:
+                    print(f"error: {session_id}: {exc}", file=sys.stderr)
+                    refused += 1
+                    continue
                 print(f"deleted {session_id}")
-            return 0
+            return 2 if refused else 0
         sessions = client.sessions()
     if args.json:
         print(json.dumps([session.raw for session in sessions], indent=2))
@@ -499,9 +507,10 @@ def sessions_command(args: argparse.Namespace) -> int:
     if not sessions:
         print("no sessions")
         return 0
-    header = ("session", "created", "frames in", "frames out", "flushed", "streaming")
-    rows = [(s.session_id, s.created_at, str(s.frames_received), str(s.frames_returned), "yes" if s.flushed else "no",
-             "yes" if s.streaming else "no") for s in sessions]
+    header = ("session", "state", "created", "frames in", "frames out", "flushed", "streaming", "watchers")
+    rows = [(s.session_id, str(s.raw.get("state", "")), s.created_at, str(s.frames_received), str(s.frames_returned),
+             "yes" if s.flushed else "no", "yes" if s.streaming else "no", str(s.raw.get("watchers", "")))
+            for s in sessions]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     for row in (header, *rows):
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from bench.live import ROOT, ServerProcess, ThreadServer, free_port
+import wm_refiner_client as wm
 from wm_refiner_client import Client
 
 from .conftest import clip
@@ -131,15 +132,30 @@ def test_sessions_lists_and_deletes(server):
     listed = run_cli("sessions", "--server", server.base_url)
     assert listed.returncode == 0, listed.stderr
     header, *rows = listed.stdout.splitlines()
-    assert header.split() == ["session", "created", "frames", "in", "frames", "out", "flushed", "streaming"]
+    assert header.split() == ["session", "state", "created", "frames", "in", "frames", "out", "flushed", "streaming",
+                              "watchers"]
     row = next(line for line in rows if line.startswith(session.id))
-    assert row.split()[2:] == ["5", "4", "no", "no"]
+    assert row.split()[1] == "active" and row.split()[3:] == ["5", "4", "no", "no", "0"]
     as_json = run_cli("sessions", "--server", server.base_url, "--json")
     assert session.id in as_json.stdout
     deleted = run_cli("sessions", "--server", server.base_url, "--delete", session.id)
     assert deleted.returncode == 0 and f"deleted {session.id}" in deleted.stdout
     gone = run_cli("sessions", "--server", server.base_url, "--delete", session.id)
-    assert gone.returncode == 2 and "error: 404 session_not_found" in gone.stderr
+    assert gone.returncode == 2 and f"error: {session.id}: 404 session_not_found" in gone.stderr
+    # Each id of a list is deleted, whatever became of the ones before it.
+    with Client(server.base_url) as client:
+        other = client.create_session()
+    several = run_cli("sessions", "--server", server.base_url, "--delete", session.id, other.id)
+    assert several.returncode == 2 and f"deleted {other.id}" in several.stdout, several
+    assert f"error: {session.id}: 404" in several.stderr
+
+
+def test_without_a_command_the_cli_says_what_it_runs_and_tells_its_version():
+    bare = run_cli()
+    assert bare.returncode == 2 and "{refine,make-checkpoint,serve,stream,sessions,plan}" in bare.stderr
+    assert "serve               run the HTTP/WebSocket service" in bare.stderr
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"wm-refiner {wm.__version__}"
 
 
 def test_refine_shows_progress_only_in_a_terminal(checkpoint_dir, tmp_path):
