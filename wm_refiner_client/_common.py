@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from . import spec
@@ -255,3 +255,18 @@ class StreamStats:
 FATAL_CLOSE_CODES = frozenset({1008, 1009})
 # Error events after which the server closes the stream itself and the session can go on: reconnect and resume.
 RESUMABLE_EVENT_CODES = frozenset({"draining", "engine_busy", "internal_error", "not_ready", "session_moved"})
+
+
+def watch_query(outputs: str | Iterable[str] | None, video_format: str | None,
+                video_quality: str | int | None) -> dict[str, str]:
+    """A watch's query: ``outputs`` (a kind or several), ``video_format`` / ``video_quality`` (a watcher may ask
+    for another encoding than the session's own, within the server's ``max_watch_encodings``); None leaves each
+    to the session."""
+    query: dict[str, str] = {}
+    if outputs is not None:
+        query["outputs"] = outputs if isinstance(outputs, str) else ",".join(outputs)
+    if video_format is not None:
+        query["video_format"] = str(video_format)
+    if video_quality is not None:
+        query["video_quality"] = str(video_quality)
+    return query

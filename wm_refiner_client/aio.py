@@ -36,6 +36,7 @@ from ._common import (
     resolve_api_key,
     resolve_url,
     session_path,
+    watch_query,
     ws_url,
 )
 from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error
@@ -233,9 +234,10 @@ class AsyncSession:
         """Stream ``chunks`` over the WebSocket (see ``Session.stream``); ``async for`` over the units."""
         return AsyncStream(self, chunks, prompt, prompt_mask, from_session_start)
 
-    async def watch(self, outputs: str | Iterable[str] | None = None) -> AsyncIterator[Unit | BlockEvent | DroppedEvent]:
+    async def watch(self, outputs: str | Iterable[str] | None = None, *, video_format: str | None = None,
+                    video_quality: str | int | None = None) -> AsyncIterator[Unit | BlockEvent | DroppedEvent]:
         """``WS /v1/sessions/{id}/watch`` (see ``Session.watch``)."""
-        query = {} if outputs is None else {"outputs": outputs if isinstance(outputs, str) else ",".join(outputs)}
+        query = watch_query(outputs, video_format, video_quality)
         ws = await self.client._connect(session_path(self.id, "/watch"), query)
         async with ws:
             while True:

@@ -42,6 +42,7 @@ from ._common import (
     resolve_url,
     response_error,
     session_path,
+    watch_query,
     ws_url,
 )
 from .errors import APIError, SessionNotFoundError, TransportError
@@ -334,11 +335,13 @@ class Session:
         server's units again from frame K, as far as it still holds them)."""
         return Stream(self, chunks, prompt, prompt_mask, from_session_start)
 
-    def watch(self, outputs: str | Iterable[str] | None = None) -> Iterator[Unit | BlockEvent | DroppedEvent]:
+    def watch(self, outputs: str | Iterable[str] | None = None, *, video_format: str | None = None,
+              video_quality: str | int | None = None) -> Iterator[Unit | BlockEvent | DroppedEvent]:
         """``WS /v1/sessions/{id}/watch``: every unit the session finalizes from now on (restricted to
         ``outputs``), a ``BlockEvent`` after each refined block, a ``DroppedEvent`` when this watcher fell behind;
-        ends after the session's flush. Read-only: it neither slows nor keeps the session alive."""
-        query = {} if outputs is None else {"outputs": outputs if isinstance(outputs, str) else ",".join(outputs)}
+        ends after the session's flush. Read-only: it neither slows nor keeps the session alive. ``video_format``,
+        ``video_quality``: another encoding of the session's video than its own (``jpeg``, ``h264``, ...)."""
+        query = watch_query(outputs, video_format, video_quality)
         ws = self.client._connect(session_path(self.id, "/watch"), query)
         with ws:
             while True:

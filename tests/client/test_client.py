@@ -310,3 +310,21 @@ def test_async_stream_absorbs_a_dropped_connection(server, reference):
     units, stats, state = asyncio.run(run())
     assert stats.reconnects >= 1 and state.frames_received == 14
     assert np.array_equal(concat(units), reference)
+
+
+def test_a_watch_asks_for_its_own_video_encoding():
+    """``watch(video_format=, video_quality=)`` reach the route's query (the JS client and the route had them, the
+    Python clients did not); None leaves each to the session."""
+    from wm_refiner_client._common import watch_query
+
+    assert watch_query(None, None, None) == {}
+    assert watch_query(["latents", "video"], "jpeg", 85) == {"outputs": "latents,video", "video_format": "jpeg",
+                                                             "video_quality": "85"}
+
+
+def test_a_watch_s_video_encoding_reaches_the_server(server):
+    with Client(server.base_url) as client:
+        session = client.create_session()  # latents only: a video encoding is refused, naming it
+        with pytest.raises(wm.APIError) as refused:
+            next(iter(session.watch(video_format="jpeg")))
+    assert refused.value.status == 422 and "video_format" in refused.value.message, refused.value
