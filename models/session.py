@@ -699,7 +699,10 @@ def _check_tensor(name: str, tensor, dtypes: tuple[torch.dtype, ...]) -> None:
         raise InvalidInputError(f"{name} must be a tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise InvalidInputError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; send one of {allowed}")
+        hint = " (numpy's default float64: .astype(np.float32))" if tensor.dtype == torch.float64 \
+            and torch.float32 in dtypes else ""
+        raise InvalidInputError(
+            f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; send one of {allowed}{hint}")
 
 
 def check_finite(tensors: dict[str, torch.Tensor | None]) -> None:

@@ -617,3 +617,11 @@ def test_session_caps_are_enforced(tmp_path):
             {"latents": torch.randn(1, 128, 4, 3, 4), "prompt_embeds": embeds}),
             headers={"content-type": "application/octet-stream"})
         assert response.status_code == 200
+
+
+def test_numpy_s_default_float64_is_told_how_to_convert(client):
+    """float64 is what numpy gives by default (a new user's first chunk): the refusal says the conversion."""
+    response = client.post("/v1/refine", content=payload(LATENTS.double(), EMBEDS, MASK), headers=OCTET)
+    body = assert_error(response, 422, "invalid_input")
+    assert "latents has dtype float64; send one of float32" in body["error"]["message"]
+    assert ".astype(np.float32)" in body["error"]["message"]
