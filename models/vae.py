@@ -77,11 +77,13 @@ def load_vae(path: str | Path, device: torch.device, dtype: torch.dtype, latent_
             f"{latent_channels}-channel latents; use the VAE the refiner was trained with"
         )
     try:
+        # The dtype at load (diffusers keeps any module it marks float32 there; a cast by .to() afterwards warned,
+        # naming none, on every start with a VAE).
         vae = AutoencoderKLLTX2Video.from_pretrained(str(folder), local_files_only=True, use_safetensors=True,
-                                                     low_cpu_mem_usage=False)
+                                                     low_cpu_mem_usage=False, torch_dtype=dtype)
     except Exception as exc:
         raise ModelLoadError(f"{folder}: could not load the VAE weights: {exc}") from exc
-    return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return vae.to(device=device).eval().requires_grad_(False)
 
 
 # --- the streaming state ---------------------------------------------------------------------------------------
