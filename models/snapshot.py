@@ -13,6 +13,7 @@ exactly the tensors it goes on to use (a file swapped between a check and a load
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -52,6 +53,14 @@ class SnapshotUnreadable(SnapshotError):
     def __init__(self, message: str, errno: int | None = None):
         super().__init__(message)
         self.errno = errno
+
+
+def _errno(exc: OSError) -> int | None:
+    """``exc``'s error number. safetensors (Rust) raises ``FileNotFoundError`` & co. with ``errno`` None: the class
+    says ENOENT then."""
+    if exc.errno is not None:
+        return exc.errno
+    return errno.ENOENT if isinstance(exc, FileNotFoundError) else None
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorHeader], dict[str, st
                 view = handle.get_slice(name)
                 headers[name] = TensorHeader(str(view.get_dtype()), tuple(int(n) for n in view.get_shape()))
     except OSError as exc:
-        raise SnapshotUnreadable(f"{Path(path).name}: cannot be read now ({exc})", exc.errno) from None
+        raise SnapshotUnreadable(f"{Path(path).name}: cannot be read now ({exc})", _errno(exc)) from None
     except (SafetensorError, ValueError) as exc:
         raise SnapshotError(f"{Path(path).name}: unreadable snapshot ({exc})") from None
     return headers, metadata
@@ -410,7 +419,7 @@ def read_tensors(path: str | Path, check: Callable[[dict[str, TensorHeader], dic
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
     except OSError as exc:
-        raise SnapshotUnreadable(f"{Path(path).name}: cannot be read now ({exc})", exc.errno) from None
+        raise SnapshotUnreadable(f"{Path(path).name}: cannot be read now ({exc})", _errno(exc)) from None
     except (SafetensorError, ValueError) as exc:
         raise SnapshotError(f"{Path(path).name}: unreadable snapshot ({exc})") from None
     return tensors, metadata

@@ -74,12 +74,6 @@ def check_url(url: str, source: str = "the server address") -> str:
                          "http://127.0.0.1:8000") from None
     if not parts.hostname:
         raise ValueError(f"{source} {url!r} names no host; give http://HOST:PORT, e.g. http://127.0.0.1:8000")
-    path = parts.path.rstrip("/")
-    if path.rsplit("/", 1)[-1] == "v1" or ("/v1/" in f"{path}/" and path.endswith(("/sessions", "/info", "/refine"))):
-        # Every request's path begins with /v1 (a path prefix before it, a proxy's, is kept): 'no route /v1/v1/info'
-        # would be all the caller learned.
-        base = urlunsplit((scheme, parts.netloc, path[: path.rfind("/v1")], "", ""))
-        raise ValueError(f"{source} {url!r} ends in an API path; give the server's base URL, without /v1: {base}")
     return urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
 
 

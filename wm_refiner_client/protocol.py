@@ -187,13 +187,17 @@ class RequestAttempts:
         self._restart_failures = 0  # failures while the server restarts: not against ``attempts`` (``_restart``)
         self._restart_since: float | None = None
 
-    def _restart(self, exc: BaseException) -> bool:
-        """Count ``exc`` as a restart's failure; False once ``restart_timeout_s`` is spent since the first."""
+    def _restart(self, exc: BaseException) -> bool | None:
+        """Count ``exc`` as a restart's failure; False once ``restart_timeout_s`` is spent since the first. None
+        when the policy waits for no restart (``attempts=1`` retries nothing, docs/client.md; ``restart_timeout_s=0``):
+        ``exc`` then counts against ``attempts`` as any failure does."""
+        if self.policy.attempts <= 1 or self.policy.restart_timeout_s <= 0:
+            return None
         now = self.clock()
         if self._restart_since is None:
             self._restart_since = now
         self._restart_failures += 1
-        return now - self._restart_since <= self.policy.restart_timeout_s
+        return now - self._restart_since < self.policy.restart_timeout_s
 
     def _spent(self) -> bool:
         return self.failures - self._restart_failures >= self.policy.attempts
@@ -209,7 +213,7 @@ class RequestAttempts:
         if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= self.tries):
             raise TransportError(f"{self.what}: {cause[1]}", final=cause[0] in FINAL_CAUSES) from exc
         if never_sent and not self.first_contact:  # the server that answered before is down: a restart
-            if not self._restart(exc):
+            if self._restart(exc) is False:
                 raise TransportError(f"{self.what}: the server was not back {self.policy.restart_timeout_s:.0f} s "
                                      f"after it went down (RetryPolicy.restart_timeout_s; last: "
                                      f"{type(exc).__name__}: {exc})") from exc
@@ -228,7 +232,7 @@ class RequestAttempts:
             raise error
         if isinstance(error, ServiceUnavailableError) and error.code in ("not_ready", "draining") \
                 and not self.first_contact:  # loading or warming up after a restart (or draining before one)
-            if not self._restart(error):
+            if self._restart(error) is False:
                 raise error
         if self._spent():
             raise error
@@ -336,6 +340,9 @@ class StreamProtocol:
         self._restart_failures = 0
         self._restart_since: float | None = None
         self._went_away = False  # the last connection ended as a server going down does
+        # When the restart that no unit has followed yet began: a connection that got the session event and was
+        # closed again (1012/1001) before any unit does not start the restart's time anew.
+        self._restart_unanswered_since: float | None = None
         self.retry_after: float | None = None
         self.last_error: BaseException | None = None
         self.server_flushed = False
@@ -353,7 +360,8 @@ class StreamProtocol:
         attempts are spent without a unit in between."""
         if not self.failures:
             return 0.0
-        if self._restart_since is not None and self._clock() - self._restart_since > self.policy.restart_timeout_s:
+        since = self._restart_since if self._restart_unanswered_since is None else self._restart_unanswered_since
+        if since is not None and self._clock() - since > self.policy.restart_timeout_s:
             raise TransportError(f"stream of session {self.session_id}: the server was not back "
                                  f"{self.policy.restart_timeout_s:.0f} s after it went away to restart (RetryPolicy."
                                  f"restart_timeout_s; last: {self.last_error})") from self.last_error
@@ -380,7 +388,7 @@ class StreamProtocol:
         counts against ``restart_timeout_s`` rather than ``attempts``."""
         self.failures += 1
         self.last_error = exc
-        if restarting:
+        if restarting and self.policy.attempts > 1 and self.policy.restart_timeout_s > 0:
             self._restart_failures += 1
             if self._restart_since is None:
                 self._restart_since = self._clock()
@@ -442,6 +450,8 @@ class StreamProtocol:
         self._attempts = self._new_attempts(self._clock)  # a move, if any, is over
         # The server is back: its restart's tries never counted against ``attempts``, and the next one starts anew.
         self.failures -= self._restart_failures
+        if self._restart_since is not None and self._restart_unanswered_since is None:
+            self._restart_unanswered_since = self._restart_since  # until a unit comes
         self._restart_failures, self._restart_since, self._went_away = 0, None, False
         self.source.rewind(event["frames_received"] - self.base, ahead=self.from_session_start)
         if event.get("durable_frames") is not None:
@@ -525,6 +535,7 @@ class StreamProtocol:
             if fresh.latency_ms is not None:
                 self.stats.last_latency_ms = fresh.latency_ms
             self.failures = 0
+            self._restart_unanswered_since = None
             return fresh
         event = parse_event(message)
         if event["type"] == "done":

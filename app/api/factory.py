@@ -197,7 +197,11 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            error = ApiError("not_found", f"no route {request.url.path}; /openapi.json lists the routes "
+            path = request.url.path
+            # A client given the API's own path as its base (http://host:8000/v1) asks for /v1/v1/...
+            hint = (f"; the client's base URL seems to end in /v1: give it without (this path would be "
+                    f"{path[3:]})") if path.startswith("/v1/v1/") else ""
+            error = ApiError("not_found", f"no route {path}{hint}; /openapi.json lists the routes "
                              "(docs/api.md describes them)")
         elif exc.status_code == 405:
             allowed = allowed_methods(request)

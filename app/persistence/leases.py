@@ -233,6 +233,8 @@ def check(lease: Lease) -> None:
             raise LeaseLost(f"the lease on session {lease.session_id} was released by another replica") from None
         except (ValueError, AttributeError):
             token = None
+        except OSError:  # unreadable now (EIO, ESTALE): the name is all there is to go by, as before tokens
+            token = lease.token
         if token != lease.token:  # the same generation, taken again by someone else after a release
             raise LeaseLost(f"session {lease.session_id} was taken over by replica {_owner(lease.path)!r} "
                             f"(generation {lease.generation} taken again)")

@@ -404,13 +404,12 @@ class FolderView:
     saved: frozenset[str]
     leased: frozenset[str]
     floored: frozenset[str] = frozenset()  # sessions with a floor marker (app.persistence.leases.FLOOR_SUFFIX)
-    inodes: dict[str, int] | None = None  # each saved session's file's inode
 
 
 def folder_view(folder: Path) -> FolderView:
     """One directory listing (``os.scandir``) of ``folder``: its cost is linear in the folder's size, whatever
     is then asked of it."""
-    saved, leased, floored, inodes = set(), set(), set(), {}
+    saved, leased, floored = set(), set(), set()
     try:
         with os.scandir(folder) as entries:
             for entry in entries:
@@ -418,14 +417,13 @@ def folder_view(folder: Path) -> FolderView:
                 if name.endswith(SUFFIX) and not name.startswith("."):
                     if spec.is_session_id(name[: -len(SUFFIX)]):
                         saved.add(name[: -len(SUFFIX)])
-                        inodes[name[: -len(SUFFIX)]] = entry.inode()
                 elif (lease := leases.parse_name(name)) is not None:
                     leased.add(lease[0])
                 elif (marked := leases.parse_floor_name(name)) is not None:
                     floored.add(marked)
     except FileNotFoundError:
         pass
-    return FolderView(frozenset(saved), frozenset(leased), frozenset(floored), inodes)
+    return FolderView(frozenset(saved), frozenset(leased), frozenset(floored))
 
 
 def has_snapshot(folder: Path, session_id: str) -> bool:

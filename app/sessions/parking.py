@@ -545,6 +545,10 @@ class Parking:
         deleted = 0
         for _, session_id in expired:
             stub = self.stub(session_id, view, releasing)
+            if stub is not None and view is not None:
+                # Its file itself, before it is deleted: another replica may have adopted the session and spilled it
+                # again between two listings (another inode: not this replica's spill any more).
+                stub = self.stub(session_id, None, releasing)
             if stub is None or now - stub.last_active <= retention:
                 continue  # adopted elsewhere, or asked for while the folder was listed
             self.spilled.pop(session_id, None)
@@ -575,15 +579,15 @@ class Parking:
         ours = session_id in self._releasing or session_id in releasing
         if folder is None:
             gone = True
-        elif view is not None:
-            gone = session_id not in view.saved or (session_id in view.leased and not ours) or (
-                stub.file_inode is not None and view.inodes is not None
-                and view.inodes.get(session_id) != stub.file_inode)
+        elif view is not None:  # names only (a listing's inode numbers need not be stat's, on FUSE volumes)
+            gone = session_id not in view.saved or (session_id in view.leased and not ours)
         else:
             try:
                 stat = snapshot_path(folder, session_id).stat()
-            except OSError:
+            except FileNotFoundError:
                 stat = None
+            except OSError:  # the volume's trouble (EIO, ESTALE): not known to be gone; asked again next time
+                return stub
             # Another inode: another replica adopted it and spilled it again (its own now, with its own retention).
             gone = stat is None or (stub.file_inode is not None and stat.st_ino != stub.file_inode) or (
                 not ours and bool(leases.generations(folder, session_id)))

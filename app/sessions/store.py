@@ -42,7 +42,7 @@ from wm_refiner_client import spec
 from app.core.error_kinds import WS_SERVICE_RESTART, ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
-from app.core.tasks import in_thread, outlast, to_thread_to_the_end
+from app.core.tasks import in_thread, outlast, retrieve, to_thread_to_the_end
 from app.engine.engine_errors import Draining
 from app.engine.pacing import Admission
 from app.engine.worker import Engine
@@ -327,7 +327,9 @@ class SessionStore:
             # A bounded number at a time (concurrent_adoptions): each holds its file and the session built from it in
             # host memory meanwhile (twice the file's size, ~18 GiB for a 720p window). Waited for before the lease is
             # taken, so that waiting costs none of the lease's time.
-            async with self._adoption_slots:
+            await self._adoption_slots.acquire()
+            reading: asyncio.Future | None = None  # the worker thread reading and building: the slot is its
+            try:
                 lease = await self._claim(folder, session_id)
                 path = snapshot_path(folder, session_id)
                 refiner, stages = self._refiner(), self._stages()
@@ -345,7 +347,11 @@ class SessionStore:
                         return tensors, metadata, host_session(refiner, tensors, metadata)
 
                     async def load() -> SessionRecord:
-                        tensors, metadata, built = await asyncio.to_thread(read_and_build)
+                        nonlocal reading
+                        # A plain future: the thread runs to its end whatever happens to this task, and holds the
+                        # slot until then (its file and session are in host memory until it ends).
+                        reading = in_thread(read_and_build)
+                        tensors, metadata, built = await asyncio.shield(reading)
                         return await self.engine.call(
                             lambda: record_from_tensors(path, tensors, metadata, refiner, stages, session_id, built))
 
@@ -408,6 +414,15 @@ class SessionStore:
                     # not held here (nor its file removed); the lease goes, for the next replica asked.
                     await to_thread_to_the_end(leases.release, folder, session_id, lease)
                     raise _draining(session_id)
+            finally:
+                if reading is not None and not reading.done():  # given up on (lease lost, cancelled): still reading
+                    def let_go(future: asyncio.Future) -> None:
+                        retrieve(future)
+                        self._adoption_slots.release()
+
+                    reading.add_done_callback(let_go)
+                else:
+                    self._adoption_slots.release()
         finally:
             self.registry.clips -= 1
         handle = self._hold(record)

@@ -210,6 +210,34 @@ def test_a_server_restart_is_waited_for_by_time_not_attempts():
         first.after_error(not_ready)
 
 
+def test_a_server_that_opens_then_closes_every_connection_does_not_hold_a_stream_for_ever():
+    """Every connection gets the session event, then a close 1012 (a proxy's idle timeout says 1001) and no unit:
+    the restart's time runs from the first of them, not from each session event, so the stream ends after
+    restart_timeout_s (a review saw 5,000 reconnections over 1.6 h, 0.2 s apart). With attempts=1 nothing is
+    retried, restarts included, as docs/client.md says."""
+    for code in (1012, 1001):
+        clock = Clock()
+        stream = StreamProtocol("s-000001", CONFIG, wm.RetryPolicy(attempts=10, restart_timeout_s=60.0),
+                                prompt=PROMPT, clock=clock)
+        connections = 0
+        with pytest.raises(wm.TransportError, match="not back 60 s"):
+            while connections < 1000:
+                clock.now += stream.wait_before_connect()
+                connections += 1
+                stream.opened(session_event(0))
+                clock.now += 1.0
+                stream.lost(code, "service restart")
+        assert 10 < connections < 70, connections
+    once = StreamProtocol("s-000001", CONFIG, wm.RetryPolicy(attempts=1), prompt=PROMPT)
+    once.opened(session_event(0))
+    once.lost(1012, "service restart")
+    with pytest.raises(wm.TransportError, match="gave up after 1 failed attempts"):
+        once.wait_before_connect()
+    request = RequestAttempts(wm.RetryPolicy(attempts=1), "GET /v1/info")
+    with pytest.raises(wm.NotReadyError):
+        request.after_error(error_from(503, {"error": {"code": "not_ready", "message": "loading"}}))
+
+
 def test_a_reconnection_s_note_says_what_ended_the_last_connection_and_which_comes_next():
     stream = new_stream()
     stream.refused(error_from(503, {"error": {"code": "draining", "message": "the server is draining"}},

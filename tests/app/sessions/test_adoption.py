@@ -317,3 +317,40 @@ def test_a_snapshot_folder_that_cannot_take_a_lease_is_a_503_not_a_500(make_sett
         assert (folder / f"{session_id}.session.safetensors").is_file() and not list(folder.glob("*.corrupt"))
         monkeypatch.setattr(leases, "acquire", real_acquire)
         assert client.get(f"/v1/sessions/{session_id}").status_code == 200
+
+
+def test_a_lease_lost_mid_read_keeps_its_slot_until_its_thread_is_done(make_settings, tmp_path, monkeypatch):
+    """An adoption given up on (its lease taken mid-read, or its client gone) answers at once, but its worker thread
+    still reads and builds the session in host memory: the concurrent_adoptions slot stays taken until it ends, or
+    the next adoption builds beside it (a review found two at once with concurrent_adoptions=1)."""
+    import app.sessions.store as store_module
+
+    folder = tmp_path / "shared"
+    ids = ["slot-lost-1", "slot-next-1"]
+    _saved(make_settings, folder, ids)
+    real_build = store_module.host_session
+    building, most, lock = [0], [0], threading.Lock()
+
+    def counted_build(refiner, tensors, metadata):
+        with lock:
+            building[0] += 1
+            most[0] = max(most[0], building[0])
+        try:
+            if '"slot-lost-1"' in metadata.get("app", ""):
+                for lease_file in folder.glob(".slot-lost-1.session.lease.*"):
+                    lease_file.unlink()  # taken over meanwhile
+                time.sleep(2.0)  # a large file: the renewal (every 0.2 s) finds the lease gone long before
+            else:
+                time.sleep(0.5)
+            return real_build(refiner, tensors, metadata)
+        finally:
+            with lock:
+                building[0] -= 1
+
+    monkeypatch.setattr(store_module, "host_session", counted_build)
+    with running_app(make_settings(snapshot_dir=folder, concurrent_adoptions=1, session_lease_s=0.6)) as client:
+        first = client.get(f"/v1/sessions/{ids[0]}")
+        assert first.status_code == 503, first.text  # session_moved, at once (its thread still builds)
+        assert client.get(f"/v1/sessions/{ids[1]}").status_code == 200
+        time.sleep(2.0)
+    assert most[0] == 1, f"{most[0]} sessions built in host memory at once with concurrent_adoptions=1"
