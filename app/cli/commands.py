@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     refine = commands.add_parser("refine", help="refine one clip from a safetensors file")
-    refine.add_argument("--model", required=True, help="refiner folder (diffusers layout)")
+    refine.add_argument("--model", help="refiner folder (diffusers layout); default: the embedded tiny refiner that "
+                                        "`serve` uses, built on first use")
     refine.add_argument("--input", required=True, help="safetensors with latents, prompt_embeds[, prompt_attention_mask]")
     refine.add_argument("--output", required=True, help="safetensors to write the refined latents to (float32)")
     from app.cli.remote import add_session_flags, add_sessions_parser, add_stream_parser
@@ -167,7 +168,13 @@ def refine_command(args: argparse.Namespace) -> int:
         raise ValueError(f"{input_path} is not a safetensors file ({exc}); write it with safetensors.torch.save_file")
     check_clip(input_path, tensors)
     config = SessionConfig.from_dict(session_flags(args, spec.CONFIG_NAMES))
-    refiner = load_refiner(args.model, device=args.device, dtype=args.dtype)
+    model = args.model
+    if not model:  # as `serve` without --model: the embedded tiny refiner under cache_dir
+        from app.core.settings import load_settings
+        from app.runtime.services import ensure_embedded_model
+
+        model = ensure_embedded_model(load_settings().embedded_model_dir)
+    refiner = load_refiner(model, device=args.device, dtype=args.dtype)
     refined = refine_with_progress(
         refiner, tensors["latents"], tensors["prompt_embeds"], tensors.get("prompt_attention_mask"), config
     )

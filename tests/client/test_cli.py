@@ -436,3 +436,23 @@ def test_the_cli_shows_long_waits_and_every_warning_of_the_client_and_nothing_el
         logger.handlers[:] = before[0]
         logger.setLevel(before[1])
     assert capsys.readouterr().err.splitlines() == ["a long wait", "the socket said something", "an error of its own"]
+
+
+def test_refine_without_a_model_uses_the_embedded_tiny_refiner_serve_uses(tmp_path):
+    """`refine` took no default model while `serve` did (a new user's trip): without --model it builds (or reuses)
+    the embedded tiny refiner under cache_dir, the one `serve` serves, and refines with it."""
+    import torch
+
+    from app.runtime.services import ensure_embedded_model
+    from models import SessionConfig, load_refiner, refine_clip
+
+    cache = tmp_path / "cache"
+    source = write_clip(tmp_path / "in.safetensors")
+    result = subprocess.run([sys.executable, "-m", "app", "refine", "--input", str(source), "--output",
+                             str(tmp_path / "out.safetensors")], cwd=ROOT, capture_output=True, text=True,
+                            env={**cli_env(), "WM_REFINER_CACHE_DIR": str(cache)}, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    refiner = load_refiner(ensure_embedded_model(cache / "tiny"), device="cpu", dtype="float32")
+    expected = refine_clip(refiner, torch.from_numpy(LATENTS), torch.from_numpy(PROMPT), torch.from_numpy(MASK),
+                           SessionConfig()).numpy()
+    assert np.array_equal(load_file(str(tmp_path / "out.safetensors"))["latents"], expected)
