@@ -360,7 +360,7 @@ class StreamProtocol:
         attempts are spent without a unit in between."""
         if not self.failures:
             return 0.0
-        since = self._restart_since if self._restart_unanswered_since is None else self._restart_unanswered_since
+        since = self._restart_began()
         if since is not None and self._clock() - since > self.policy.restart_timeout_s:
             raise TransportError(f"stream of session {self.session_id}: the server was not back "
                                  f"{self.policy.restart_timeout_s:.0f} s after it went away to restart (RetryPolicy."
@@ -377,11 +377,15 @@ class StreamProtocol:
         ended or refused the last connection, and which connection comes next of how many."""
         failed = describe_failure(self.last_error) if self.last_error is not None else "connection lost"
         if self._restart_since is not None:
-            left = self.policy.restart_timeout_s - (self._clock() - self._restart_since)
+            left = self.policy.restart_timeout_s - (self._clock() - self._restart_began())
             return (f"stream of session {self.session_id}: {failed}; the server is restarting: connection "
                     f"{self.failures + 1} in {wait:.1f} s (trying for {max(left, 0):.0f} s more)")
         return (f"stream of session {self.session_id}: {failed}; connection {self.failures + 1} of "
                 f"{self.policy.attempts} in {wait:.1f} s")
+
+    def _restart_began(self) -> float | None:
+        """When the restart being waited for began: the first of a run of restarts no unit came between."""
+        return self._restart_since if self._restart_unanswered_since is None else self._restart_unanswered_since
 
     def _count(self, exc: BaseException, restarting: bool) -> None:
         """One more failure, ``exc``; ``restarting``: the server is going away or coming back (a restart), which
