@@ -54,13 +54,12 @@ class SnapshotUnreadable(SnapshotError):
         super().__init__(message)
         self.errno = errno
 
-
-def _errno(exc: OSError) -> int | None:
-    """``exc``'s error number. safetensors (Rust) raises ``FileNotFoundError`` & co. with ``errno`` None: the class
-    says ENOENT then."""
-    if exc.errno is not None:
-        return exc.errno
-    return errno.ENOENT if isinstance(exc, FileNotFoundError) else None
+    @classmethod
+    def reading(cls, path: str | Path, exc: OSError) -> SnapshotUnreadable:
+        """``exc``, raised reading ``path``. safetensors (Rust) raises ``FileNotFoundError`` & co. with ``errno``
+        None: the class says ENOENT then."""
+        number = exc.errno if exc.errno is not None else (errno.ENOENT if isinstance(exc, FileNotFoundError) else None)
+        return cls(f"{Path(path).name}: cannot be read now ({exc})", number)
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorHeader], dict[str, st
                 view = handle.get_slice(name)
                 headers[name] = TensorHeader(str(view.get_dtype()), tuple(int(n) for n in view.get_shape()))
     except OSError as exc:
-        raise SnapshotUnreadable(f"{Path(path).name}: cannot be read now ({exc})", _errno(exc)) from None
+        raise SnapshotUnreadable.reading(path, exc) from None
     except (SafetensorError, ValueError) as exc:
         raise SnapshotError(f"{Path(path).name}: unreadable snapshot ({exc})") from None
     return headers, metadata
@@ -419,7 +418,7 @@ def read_tensors(path: str | Path, check: Callable[[dict[str, TensorHeader], dic
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
     except OSError as exc:
-        raise SnapshotUnreadable(f"{Path(path).name}: cannot be read now ({exc})", _errno(exc)) from None
+        raise SnapshotUnreadable.reading(path, exc) from None
     except (SafetensorError, ValueError) as exc:
         raise SnapshotError(f"{Path(path).name}: unreadable snapshot ({exc})") from None
     return tensors, metadata
