@@ -152,6 +152,63 @@ def describe_failure(failure: BaseException) -> str:
     return f"{type(failure).__name__} ({text})" if text else type(failure).__name__
 
 
+class RestartWindow:
+    """The time a client gives a server to come back from a restart (``RetryPolicy.restart_timeout_s``): failures
+    while it restarts count here, not against the policy's ``attempts``, and the time runs from the first of them.
+
+    A stream carries one restart across connections that get the session event but close again (1012/1001) before
+    any work: ``back()`` forgives the restart's failures but keeps its start until ``progress()`` (a unit refined).
+    A request never calls either: its window ends with the request."""
+
+    def __init__(self, policy: RetryPolicy, clock: Callable[[], float]):
+        self.policy = policy
+        self.clock = clock
+        self.failures = 0  # failures while the server restarts: not against ``attempts``
+        self._since: float | None = None  # the first of them
+        self._carried: float | None = None  # the start of a restart the server came back from, until progress
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the server is restarting now (a restart's failure is the last thing seen)."""
+        return self._since is not None
+
+    def count(self) -> bool:
+        """Count a failure as a restart's. False when the policy waits for no restart (``attempts=1`` retries
+        nothing, docs/client.md; ``restart_timeout_s=0``): it then counts against ``attempts`` as any failure."""
+        if self.policy.attempts <= 1 or self.policy.restart_timeout_s <= 0:
+            return False
+        if self._since is None:
+            self._since = self.clock()
+        self.failures += 1
+        return True
+
+    def _began(self) -> float | None:
+        return self._carried if self._carried is not None else self._since
+
+    def spent(self) -> bool:
+        """Whether ``restart_timeout_s`` has passed since the restart began."""
+        began = self._began()
+        return began is not None and self.clock() - began > self.policy.restart_timeout_s
+
+    def left(self) -> float:
+        """Seconds of ``restart_timeout_s`` left (for the log line)."""
+        began = self._began()
+        elapsed = 0.0 if began is None else self.clock() - began
+        return max(self.policy.restart_timeout_s - elapsed, 0.0)
+
+    def back(self) -> int:
+        """The server answered again: how many failures to forgive (they never counted against ``attempts``)."""
+        forgiven = self.failures
+        if self._since is not None and self._carried is None:
+            self._carried = self._since
+        self.failures, self._since = 0, None
+        return forgiven
+
+    def progress(self) -> None:
+        """The server did work again: a later restart's time starts anew."""
+        self._carried = None
+
+
 class RequestAttempts:
     """The retry decisions of one HTTP request. After each failure the driver asks for the wait before the next
     try; the failure is raised instead once it is not worth retrying or the policy's bounds are spent.
@@ -184,23 +241,10 @@ class RequestAttempts:
         self.last_failure: BaseException | None = None
         self.tries = policy.attempts  # how many tries the last failure allows in all (fewer for a first contact)
         self._moving_since: float | None = None
-        self._restart_failures = 0  # failures while the server restarts: not against ``attempts`` (``_restart``)
-        self._restart_since: float | None = None
-
-    def _restart(self, exc: BaseException) -> bool | None:
-        """Count ``exc`` as a restart's failure; False once ``restart_timeout_s`` is spent since the first. None
-        when the policy waits for no restart (``attempts=1`` retries nothing, docs/client.md; ``restart_timeout_s=0``):
-        ``exc`` then counts against ``attempts`` as any failure does."""
-        if self.policy.attempts <= 1 or self.policy.restart_timeout_s <= 0:
-            return None
-        now = self.clock()
-        if self._restart_since is None:
-            self._restart_since = now
-        self._restart_failures += 1
-        return now - self._restart_since < self.policy.restart_timeout_s
+        self.restart = RestartWindow(policy, clock)
 
     def _spent(self) -> bool:
-        return self.failures - self._restart_failures >= self.policy.attempts
+        return self.failures - self.restart.failures >= self.policy.attempts
 
     def after_transport_error(self, exc: BaseException, *, never_sent: bool) -> float:
         """The connection failed (``never_sent``: it was refused before the request left)."""
@@ -213,7 +257,7 @@ class RequestAttempts:
         if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= self.tries):
             raise TransportError(f"{self.what}: {cause[1]}", final=cause[0] in FINAL_CAUSES) from exc
         if never_sent and not self.first_contact:  # the server that answered before is down: a restart
-            if self._restart(exc) is False:
+            if self.restart.count() and self.restart.spent():
                 raise TransportError(f"{self.what}: the server was not back {self.policy.restart_timeout_s:.0f} s "
                                      f"after it went down (RetryPolicy.restart_timeout_s; last: "
                                      f"{type(exc).__name__}: {exc})") from exc
@@ -232,7 +276,7 @@ class RequestAttempts:
             raise error
         if isinstance(error, ServiceUnavailableError) and error.code in ("not_ready", "draining") \
                 and not self.first_contact:  # loading or warming up after a restart (or draining before one)
-            if self._restart(error) is False:
+            if self.restart.count() and self.restart.spent():
                 raise error
         if self._spent():
             raise error
@@ -244,10 +288,9 @@ class RequestAttempts:
         for a refused first contact), e.g. ``POST /v1/sessions: 503 too_many_sessions (the server holds its
         maximum ...); try 2 of 10 in 30.0 s``."""
         failed = describe_failure(self.last_failure) if self.last_failure is not None else "failed"
-        if self._restart_since is not None:
-            left = self.policy.restart_timeout_s - (self.clock() - self._restart_since)
+        if self.restart.waiting:
             return (f"{self.what}: {failed}; the server is restarting: try {self.failures + 1} in {wait:.1f} s "
-                    f"(trying for {max(left, 0):.0f} s more)")
+                    f"(trying for {self.restart.left():.0f} s more)")
         return f"{self.what}: {failed}; try {self.failures + 1} of {self.tries} in {wait:.1f} s"
 
     def retryable(self, error: APIError, replica: str | None = None) -> bool:
@@ -336,13 +379,9 @@ class StreamProtocol:
         self._connections = 0
         self.failures = 0
         # Failures while the server restarts (``_restarting``): counted for the backoff, not against ``attempts``,
-        # bounded by ``policy.restart_timeout_s`` from the first of them.
-        self._restart_failures = 0
-        self._restart_since: float | None = None
+        # bounded by ``policy.restart_timeout_s`` from the first of them (``RestartWindow``).
+        self.restart = RestartWindow(policy, clock)
         self._went_away = False  # the last connection ended as a server going down does
-        # When the restart that no unit has followed yet began: a connection that got the session event and was
-        # closed again (1012/1001) before any unit does not start the restart's time anew.
-        self._restart_unanswered_since: float | None = None
         self.retry_after: float | None = None
         self.last_error: BaseException | None = None
         self.server_flushed = False
@@ -360,12 +399,11 @@ class StreamProtocol:
         attempts are spent without a unit in between."""
         if not self.failures:
             return 0.0
-        since = self._restart_began()
-        if since is not None and self._clock() - since > self.policy.restart_timeout_s:
+        if self.restart.spent():
             raise TransportError(f"stream of session {self.session_id}: the server was not back "
                                  f"{self.policy.restart_timeout_s:.0f} s after it went away to restart (RetryPolicy."
                                  f"restart_timeout_s; last: {self.last_error})") from self.last_error
-        if self.failures - self._restart_failures >= self.policy.attempts:
+        if self.failures - self.restart.failures >= self.policy.attempts:
             raise TransportError(f"stream of session {self.session_id}: gave up after {self.failures} failed "
                                  f"attempts (last: {self.last_error})") from self.last_error
         wait = self.policy.delay(self.failures, self.retry_after)
@@ -376,26 +414,19 @@ class StreamProtocol:
         """The log line of a reconnection about to wait ``wait`` seconds (as ``RequestAttempts.retry_note``): what
         ended or refused the last connection, and which connection comes next of how many."""
         failed = describe_failure(self.last_error) if self.last_error is not None else "connection lost"
-        if self._restart_since is not None:
-            left = self.policy.restart_timeout_s - (self._clock() - self._restart_began())
+        if self.restart.waiting:
             return (f"stream of session {self.session_id}: {failed}; the server is restarting: connection "
-                    f"{self.failures + 1} in {wait:.1f} s (trying for {max(left, 0):.0f} s more)")
+                    f"{self.failures + 1} in {wait:.1f} s (trying for {self.restart.left():.0f} s more)")
         return (f"stream of session {self.session_id}: {failed}; connection {self.failures + 1} of "
                 f"{self.policy.attempts} in {wait:.1f} s")
-
-    def _restart_began(self) -> float | None:
-        """When the restart being waited for began: the first of a run of restarts no unit came between."""
-        return self._restart_since if self._restart_unanswered_since is None else self._restart_unanswered_since
 
     def _count(self, exc: BaseException, restarting: bool) -> None:
         """One more failure, ``exc``; ``restarting``: the server is going away or coming back (a restart), which
         counts against ``restart_timeout_s`` rather than ``attempts``."""
         self.failures += 1
         self.last_error = exc
-        if restarting and self.policy.attempts > 1 and self.policy.restart_timeout_s > 0:
-            self._restart_failures += 1
-            if self._restart_since is None:
-                self._restart_since = self._clock()
+        if restarting:
+            self.restart.count()
 
     def query(self) -> dict[str, int]:
         """The next connection's query: replay from the first frame the caller lacks."""
@@ -427,7 +458,7 @@ class StreamProtocol:
         """Whether a failure now is a restart's: this stream was served before (a wrong address never was) and
         its server went away, or is going (a close with 1012 or 1001, a refused or cut connection since, a 503
         not_ready or draining), with no unit refined since."""
-        return self._connections > 0 and (self._restart_since is not None or self._went_away)
+        return self._connections > 0 and (self.restart.waiting or self._went_away)
 
     def opened(self, first: str | bytes, replica: str | None = None) -> bool:
         """The first message of a connection: True when it is the ``session`` event (the source is rewound to what
@@ -452,11 +483,10 @@ class StreamProtocol:
         if replica is not None:
             self.replica = replica
         self._attempts = self._new_attempts(self._clock)  # a move, if any, is over
-        # The server is back: its restart's tries never counted against ``attempts``, and the next one starts anew.
-        self.failures -= self._restart_failures
-        if self._restart_since is not None and self._restart_unanswered_since is None:
-            self._restart_unanswered_since = self._restart_since  # until a unit comes
-        self._restart_failures, self._restart_since, self._went_away = 0, None, False
+        # The server is back: its restart's tries never counted against ``attempts`` (its time runs on until a
+        # unit: a server that closes again before any work is the same restart).
+        self.failures -= self.restart.back()
+        self._went_away = False
         self.source.rewind(event["frames_received"] - self.base, ahead=self.from_session_start)
         if event.get("durable_frames") is not None:
             self.source.durable(event["durable_frames"] - self.base)
@@ -539,7 +569,7 @@ class StreamProtocol:
             if fresh.latency_ms is not None:
                 self.stats.last_latency_ms = fresh.latency_ms
             self.failures = 0
-            self._restart_unanswered_since = None
+            self.restart.progress()
             return fresh
         event = parse_event(message)
         if event["type"] == "done":
