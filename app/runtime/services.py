@@ -249,6 +249,9 @@ class Services:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if self.draining:  # the drain stopped the engine under the warm-up: /ready keeps saying "draining"
+                log.info("warm-up stopped by the drain: %s", exc)
+                return
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {exc}"
 
