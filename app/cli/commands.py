@@ -1,6 +1,7 @@
 """Command line: ``refine`` (one clip), ``make-checkpoint`` (random test refiner), ``serve`` (the service), ``plan``
 (a capacity plan, no weights: ``app.cli.plan_command``),
-``stream`` and ``sessions`` (a running server, through ``wm_refiner_client``: ``app.cli.remote``). Errors go to
+``stream``, ``sessions`` and ``watch`` (a running server, through ``wm_refiner_client``: ``app.cli.remote``,
+``app.cli.watch``). Errors go to
 stderr with a non-zero exit status; progress bars go to stderr only when it is a terminal. The benchmarks are not a
 service command: they are ``python -m bench``, from a checkout (the service must not depend on its benchmarks).
 
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stream_parser(commands)
     add_sessions_parser(commands)
+    from app.cli.watch import add_watch_parser
+
+    add_watch_parser(commands)
     from app.cli.plan_command import add_plan_parser
 
     add_plan_parser(commands)
@@ -117,6 +121,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from app.cli.plan_command import plan_command
 
         return plan_command(args)
+    if args.command == "watch":
+        from app.cli import remote
+        from app.cli.watch import watch_command
+
+        remote.show_retries()
+        return watch_command(args)
     if args.command in ("stream", "sessions"):
         from app.cli import remote
 

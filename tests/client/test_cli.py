@@ -150,9 +150,65 @@ def test_sessions_lists_and_deletes(server):
     assert f"error: {session.id}: 404" in several.stderr
 
 
+def _watchers(server, session_id: str, count: int) -> None:
+    import time
+
+    deadline = time.monotonic() + TIMEOUT_S
+    with Client(server.base_url) as client:
+        while client.get_session(session_id).state().raw.get("watchers") != count:
+            assert time.monotonic() < deadline, f"no {count} watchers on {session_id}"
+            time.sleep(0.05)
+
+
+def test_watch_prints_each_block_and_writes_the_latents_it_saw(server, tmp_path):
+    """``python -m app watch SESSION --output F``: read-only, from the moment it attached; one line per block; the
+    file holds exactly the frames the producer got back from then on (frame_start in its metadata); it ends with
+    the session's flush. An unknown id is one line, exit 2; Ctrl-C exits 130 saying what it watched."""
+    from safetensors import safe_open
+
+    with Client(server.base_url) as client:
+        session = client.create_session()
+        before = session.send(LATENTS[:, :, :5], PROMPT, MASK)  # refined before the watch: not in its file
+        output = tmp_path / "watched.safetensors"
+        child = start_cli("watch", session.id, "--server", server.base_url, "--output", str(output))
+        try:
+            _watchers(server, session.id, 1)
+            after = [session.send(LATENTS[:, :, 5:14]), session.send(LATENTS[:, :, 14:], flush=True)]
+            out, err = child.communicate(timeout=TIMEOUT_S)
+        finally:
+            if child.poll() is None:
+                child.kill()
+    assert child.returncode == 0, err
+    first = before.frame_end
+    blocks = re.findall(r"^frames \[(\d+), (\d+)\) latency \d+ ms$", out, re.M)
+    assert blocks and int(blocks[0][0]) == first and int(blocks[-1][1]) == 24, out
+    assert f"session {session.id} is flushed: watched {len(blocks)} blocks, frames [{first}, 24) -> {output}" in out
+    expected = np.concatenate([unit.latents for unit in after], axis=2)
+    assert np.array_equal(load_file(str(output))["latents"], expected)
+    with safe_open(str(output), "np") as opened:
+        assert opened.metadata()["wm_refiner.frame_start"] == str(first)
+
+    missing = run_cli("watch", "no-such-session", "--server", server.base_url)
+    assert missing.returncode == 2 and "404 session_not_found" in missing.stderr, missing
+
+    import signal
+
+    with Client(server.base_url) as client:
+        idle = client.create_session()
+    child = start_cli("watch", idle.id, "--server", server.base_url)
+    try:
+        _watchers(server, idle.id, 1)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130 and "interrupted: watched 0 blocks, no frames" in err, (out, err)
+
+
 def test_without_a_command_the_cli_says_what_it_runs_and_tells_its_version():
     bare = run_cli()
-    assert bare.returncode == 2 and "{refine,make-checkpoint,serve,stream,sessions,plan}" in bare.stderr
+    assert bare.returncode == 2 and "{refine,make-checkpoint,serve,stream,sessions,watch,plan}" in bare.stderr
     assert "serve               run the HTTP/WebSocket service" in bare.stderr
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"wm-refiner {wm.__version__}"

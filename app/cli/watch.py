@@ -1,0 +1,104 @@
+"""``python -m app watch SESSION``: follow a running session from a terminal, read-only (``WS .../watch``).
+
+One line per refined block on stdout (its frames and latency, as the live view charts them); with ``--output`` the
+refined latents from the moment the watch began go to a safetensors file, with ``--video`` the session's video
+(row 0) to a fragmented .mp4 from the server's H.264 segments. It ends with the session's flush, or Ctrl-C (130),
+writing what it got either way. A watcher never slows a session: one that falls behind loses units (the server's
+``watch_queue_units``); the files then hold the frames before the gap, and the command ends with exit 2 saying so,
+rather than writing a clip with frames missing from its middle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from app.cli.remote import INTERRUPTED, SegmentFile, add_client_options, require_video_libraries, write_latents
+
+OUTPUT_FIRST_FRAME = "wm_refiner.frame_start"  # the session's frame the file's first latent frame is
+
+
+def add_watch_parser(commands) -> None:
+    watch = commands.add_parser("watch", help="follow a session on a running server: a line per block, and "
+                                              "optionally its latents or video to files (read-only)")
+    add_client_options(watch)
+    watch.add_argument("session_id", metavar="SESSION", help="the session's id (python -m app sessions lists them)")
+    watch.add_argument("--output", help="write the refined latents from now on to this safetensors file (float32)")
+    watch.add_argument("--video", help="write the session's video (row 0) from now on to this .mp4 (the server's "
+                                       "H.264 segments; the session needs video among its outputs)")
+
+
+def watch_command(args: argparse.Namespace) -> int:
+    from wm_refiner_client import BlockEvent, Client, DroppedEvent, WmRefinerError
+
+    outputs = [kind for kind, wanted in (("latents", args.output), ("video", args.video)) if wanted]
+    if args.video:
+        require_video_libraries()
+    with Client(args.server, args.api_key) as client:
+        session = client.get_session(args.session_id)  # a 404 names the id before anything is watched
+        video = None
+        if args.video:
+            video = SegmentFile(Path(args.video), float(session.config.get("fps", 16.0)))
+        latents: list[np.ndarray] = []
+        first = end = None  # the frames the files hold: [first, end)
+        interrupted = False
+        gap: str | None = None
+        blocks = 0
+        try:
+            events = session.watch(outputs or None, video_format="h264" if args.video else None)
+            print(f"watching session {session.id} (Ctrl-C to stop)", file=sys.stderr)
+            for event in events:
+                if isinstance(event, DroppedEvent):
+                    gap = (f"this watcher fell behind and the server dropped {event.units} units (its "
+                           "watch_queue_units): the files stop before the gap; watch again, or from a machine that "
+                           "reads faster")
+                    break
+                if isinstance(event, BlockEvent):
+                    blocks += 1
+                    latency = "-" if event.latency_ms is None else f"{event.latency_ms:.0f} ms"
+                    print(f"frames [{event.frame_start}, {event.frame_end}) latency {latency}", flush=True)
+                    continue
+                if end is not None and event.frame_start > end:  # a unit lost without a dropped event
+                    gap = f"frames [{end}, {event.frame_start}) never came"
+                    break
+                if first is None:
+                    first = event.frame_start
+                end = event.frame_end
+                if args.output and event.latents is not None:
+                    latents.append(np.asarray(event.latents, dtype=np.float32))
+                if video is not None:
+                    video.write(event)
+        except KeyboardInterrupt:
+            interrupted = True
+        except WmRefinerError:
+            if latents or (video is not None and video.frames):
+                _write(args, latents, first, video)
+            raise
+        finally:
+            if video is not None:
+                video.close()
+    written = _write(args, latents, first, video)
+    held = "no frames" if first is None else f"frames [{first}, {end})"
+    summary = f"{blocks} blocks, {held}" + (f" -> {written}" if written else "")
+    if gap is not None:
+        print(f"error: {gap}; wrote {summary}", file=sys.stderr)
+        return 2
+    if interrupted:
+        print(f"interrupted: watched {summary}", file=sys.stderr)
+        return INTERRUPTED
+    print(f"session {session.id} is flushed: watched {summary}")
+    return 0
+
+
+def _write(args: argparse.Namespace, latents: list[np.ndarray], first: int | None, video) -> str:
+    """Writes the latents file (the video file is written as it comes); says what was written."""
+    written = []
+    if args.output and latents:
+        write_latents(Path(args.output), np.concatenate(latents, axis=2), {OUTPUT_FIRST_FRAME: str(first)})
+        written.append(args.output)
+    if video is not None and video.frames:
+        written.append(f"{args.video} ({video.frames} video frames)")
+    return ", ".join(written)
