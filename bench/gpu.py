@@ -8,7 +8,8 @@ from its config alone with random weights, in bfloat16 on the GPU, and measures:
   space) and 720p (1280x704 -> 22x40) for 1, 2 and 4 sessions, batched (one model call per step for all) and one
   at a time; device time from CUDA events (``models.clock``);
 - ``memory``: sessions of each geometry that fit the memory budget (free after the model, minus the service's
-  default ``device_memory_reserve``), from ``models.session_bytes.session_bytes_estimate``;
+  default ``device_memory_reserve``), each counted at what admission reserves for it
+  (``models.session_bytes.session_bytes_estimate`` with the prompt and a block-sized chunk);
 - ``realtime``: sessions of each geometry held at 16 fps within ``admission_max_load`` (0.9) of the engine, by
   the measured batched latency (the largest measured count that keeps up, and the per-row estimate past it);
 - ``parity``: bfloat16 vs float32 on a 4-layer slice at the real width (same weights);
@@ -270,9 +271,16 @@ def section_memory(ctx: Context) -> dict[str, Any]:
     else:
         budget = None  # no device budget on a CPU (the service's auto budget is CUDA-only)
     out["budget_bytes"] = budget
+    config = SessionConfig()
     for name, (height, width) in ctx.preset["geometries"].items():
-        need = sum(session_bytes_estimate(info.num_layers, info.inner_dim, SessionConfig(),
-                                          Geometry(1, info.in_channels, height, width), ctx.dtype).values())
+        # What admission reserves for such a session (``app.sessions.parking.Parking.estimate``): its window, its
+        # prompt's embeds and K/V, and a block-sized chunk's pending frames and rollback copies (2 GB at 720p),
+        # not the window alone, which would overstate the sessions that fit by a fifth.
+        need = sum(session_bytes_estimate(info.num_layers, info.inner_dim, config,
+                                          Geometry(1, info.in_channels, height, width), ctx.dtype,
+                                          prompt_tokens=ctx.preset["prompt_tokens"],
+                                          caption_channels=info.caption_channels,
+                                          chunk_frames=config.block_size).values())
         out[f"{name}_session_bytes"] = need
         out[f"{name}_sessions_in_budget_sessions"] = None if budget is None else budget // need
     return out

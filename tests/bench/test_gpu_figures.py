@@ -1,0 +1,35 @@
+"""``bench/gpu.py``'s figures against what the service does, on the CPU and in seconds (the smoke,
+``tests/bench/test_gpu_check.py``, checks that every section runs; these check what some figures mean)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench import gpu
+from models import SessionConfig
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    context = gpu.Context(gpu.SMOKE, torch.device("cpu"), torch.float32)
+    context.refiner = gpu.random_refiner(gpu.SMOKE["config"], context.device, context.dtype)
+    return context
+
+
+def test_the_sessions_in_the_budget_are_counted_at_what_admission_reserves(ctx):
+    """``memory``'s bytes per session are what ``Parking.estimate`` reserves for a session of that geometry sent in
+    block-sized chunks with the check's prompt (window, prompt K/V, pending frames, a chunk's rollback copies), not
+    the window alone: at the released 720p that left out 2.2 GiB of 11.5 and put 11 sessions in an H200's budget
+    where admission takes 9."""
+    from app.sessions.parking import Parking
+
+    figures = gpu.section_memory(ctx)
+    parking = SimpleNamespace(refiner=lambda: ctx.refiner)
+    config = SessionConfig()
+    for name, (height, width) in gpu.SMOKE["geometries"].items():
+        shape = (1, ctx.refiner.info.in_channels, config.block_size, height, width)
+        reserved = Parking.estimate(parking, config, shape, prompt_tokens=gpu.SMOKE["prompt_tokens"])
+        assert figures[f"{name}_session_bytes"] == reserved
