@@ -46,9 +46,9 @@ from models import RefinerSession, SessionConfig, from_model, refine_clip
 from models.checkpoints import PRESETS, VAE_PRESETS
 from models.clock import CallClock
 from models.loading import resolve_device
-from models.move import move_session, stage_host
+from models.move import _held, move_session, stage_host
 from models.plan import meta_model, released_config
-from models.session_bytes import session_bytes, session_bytes_estimate
+from models.session_bytes import session_bytes_estimate
 from models.session import Geometry
 from models.step import run_batch
 from models.transfer import use_device
@@ -358,7 +358,9 @@ def section_park(ctx: Context) -> dict[str, Any]:
     if session is None:  # the blocks' budget ran out before the last geometry (or that section failed): one here
         height, width = list(ctx.preset["geometries"].values())[-1]
         session = _steady_sessions(ctx.refiner, 1, height, width, ctx.preset["prompt_tokens"])[0]
-    moved = sum(session_bytes(session).values())
+    # What the park and the page-in copy (``models.move._held``): not the prepared prompt K/V that
+    # ``session_bytes`` also counts, which ``move_session`` drops (recomputed from the prompt after the page-in).
+    moved = sum(tensor.nbytes for tensor in _held(session))
     stats = getattr(torch.cuda, "host_memory_stats", None) if ctx.device.type == "cuda" else None
     before = stats() if stats else {}
     _sync(ctx.device)

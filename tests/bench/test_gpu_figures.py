@@ -33,3 +33,18 @@ def test_the_sessions_in_the_budget_are_counted_at_what_admission_reserves(ctx):
         shape = (1, ctx.refiner.info.in_channels, config.block_size, height, width)
         reserved = Parking.estimate(parking, config, shape, prompt_tokens=gpu.SMOKE["prompt_tokens"])
         assert figures[f"{name}_session_bytes"] == reserved
+
+
+def test_the_park_rate_counts_the_bytes_the_park_copies(ctx):
+    """``park``'s bytes (the GB/s figures' numerator) are the tensors ``move_session`` copies: not the prepared
+    prompt K/V that ``session_bytes`` also counts, which the move drops (236 MB of a released 720p session)."""
+    from models.move import _held
+    from models.session_bytes import session_bytes
+
+    height, width = list(gpu.SMOKE["geometries"].values())[-1]
+    session = gpu._steady_sessions(ctx.refiner, 1, height, width, gpu.SMOKE["prompt_tokens"])[0]
+    prepared = session._prepared[1].kv.nbytes  # the forwards that filled the window prepared it
+    held = sum(session_bytes(session).values())
+    ctx.parked_session = session
+    figures = gpu.section_park(ctx)
+    assert figures["session_bytes"] == held - prepared == sum(t.nbytes for t in _held(session))
