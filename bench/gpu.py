@@ -399,9 +399,17 @@ def section_attention(ctx: Context) -> dict[str, Any]:
         run_block(ctx.refiner, [session], True, CallClock(ctx.device), 7)
     names = sorted({event.key for event in prof.key_averages()
                     if any(word in event.key.lower() for word in ATTENTION_WORDS)})
+    ops = [n for n in names if n.startswith("aten::")]
     kernels = [n for n in names if not n.startswith("aten::")]
-    return {"ops": [n for n in names if n.startswith("aten::")], "kernels": kernels,
-            "flash_ran": any("flash" in n.lower() or "fmha" in n.lower() for n in names)}
+    return {"ops": ops, "kernels": kernels, "flash_ran": flash_ran(ops)}
+
+
+def flash_ran(ops: list[str]) -> bool:
+    """Whether SDPA's flash backend ran, from the profiler's aten op names (``_scaled_dot_product_flash_attention``,
+    ``_for_cpu`` on a CPU). Not from kernel names: the memory-efficient backend's CUDA kernels are named
+    ``fmha_cutlassF_...`` and cuDNN's ``..._sdpa_..._flash_fprop_...``, so "fmha" or "flash" in a kernel's name does
+    not say the flash backend ran."""
+    return any(op.startswith("aten::_scaled_dot_product_flash_attention") for op in ops)
 
 
 # --- eager, compiled, graphed ------------------------------------------------------------------------------------

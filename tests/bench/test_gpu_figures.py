@@ -48,3 +48,16 @@ def test_the_park_rate_counts_the_bytes_the_park_copies(ctx):
     ctx.parked_session = session
     figures = gpu.section_park(ctx)
     assert figures["session_bytes"] == held - prepared == sum(t.nbytes for t in _held(session))
+
+
+def test_flash_ran_is_read_from_the_backend_op_not_from_kernel_names():
+    """On CUDA the memory-efficient backend's kernels are ``fmha_cutlassF_...`` and cuDNN's carry ``flash`` in their
+    names: neither is the flash backend. The aten op SDPA dispatched to says which backend ran."""
+    assert gpu.flash_ran(["aten::_scaled_dot_product_flash_attention", "aten::scaled_dot_product_attention"])
+    assert gpu.flash_ran(["aten::_scaled_dot_product_flash_attention_for_cpu"])
+    assert not gpu.flash_ran(["aten::_scaled_dot_product_efficient_attention", "aten::scaled_dot_product_attention"])
+    assert not gpu.flash_ran(["aten::_scaled_dot_product_cudnn_attention"])
+    names = ["aten::_scaled_dot_product_efficient_attention",
+             "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)"]
+    ops = [n for n in names if n.startswith("aten::")]
+    assert not gpu.flash_ran(ops)
