@@ -653,6 +653,7 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
         _write(out_dir, summary)
 
     ctx.save = save
+    summary["ran"] = []  # the section keys this run measured (``failed``), the file's earlier ones aside
     total = time.perf_counter()
     with torch.no_grad():
         for name, section in SECTIONS:
@@ -661,6 +662,7 @@ def run(out_dir: Path, smoke: bool, device: str | None = None, budget_s: float =
             # Start-up again in a later process: recorded apart (its seconds, any error), the first one's figures
             # stand. Any other section asked for again replaces what the file had of it.
             key = "startup_again" if name == "startup" and again else name
+            summary["ran"].append(key)
             started = time.perf_counter()
             print(f"== {name}", flush=True)
             try:
@@ -735,4 +737,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = run(args.out, args.smoke, args.device, args.budget_s, args.end_s, args.end_at,
                   None if args.only is None and args.skip is None else section_names(args.only, args.skip))
     print((args.out / "summary.md").read_text())
-    return 1 if summary["errors"] else 0
+    return 1 if failed(summary) else 0
+
+
+def failed(summary: dict[str, Any]) -> list[str]:
+    """What failed in the run that wrote ``summary`` last: the sections it measured that raised, and the step modes
+    that failed (``step_modes.mode_errors``: the section fails soft per mode, so a mode that crashed is no section
+    error). Not an earlier process's errors that the summary carries (``gpu_check.sh``'s second process adds to the
+    first's file): that process has reported them with its own exit status."""
+    ran = summary.get("ran", list(summary["errors"]))
+    out = [f"{key}: {summary['errors'][key]}" for key in ran if key in summary["errors"]]
+    if "step_modes" in ran:
+        out += [f"step_modes.{error}" for error in summary["sections"].get("step_modes", {}).get("mode_errors", [])]
+    return out

@@ -61,3 +61,25 @@ def test_flash_ran_is_read_from_the_backend_op_not_from_kernel_names():
              "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)"]
     ops = [n for n in names if n.startswith("aten::")]
     assert not gpu.flash_ran(ops)
+
+
+def test_a_later_process_exits_by_its_own_sections_not_the_earlier_ones(tmp_path, monkeypatch):
+    """``gpu_check.sh``'s second process (``--only step_modes``) adds to the first's summary.json: its exit status
+    (and the script's "step_modes: failed or cut short") follows what it ran, not a section error the first process
+    had already reported; a step mode that failed (recorded in ``mode_errors``, the section failing soft) counts."""
+    def startup(ctx):
+        return {"build_s": 0.0}
+
+    def broken(ctx):
+        raise RuntimeError("out of memory")
+
+    modes = {"mode_errors": []}
+    monkeypatch.setattr(gpu, "SECTIONS", [("startup", startup), ("decode", broken),
+                                          ("step_modes", lambda ctx: dict(modes))])
+    monkeypatch.setattr(gpu, "machine", lambda device: {"device": str(device)})
+    monkeypatch.setattr(gpu, "render", lambda summary: "")
+    assert gpu.main(["--smoke", "--skip", "step_modes", str(tmp_path)]) == 1  # its own section failed
+    assert gpu.main(["--smoke", "--only", "step_modes", str(tmp_path)]) == 0  # decode's error is the first's
+    assert "decode" in gpu.json.loads((tmp_path / "summary.json").read_text())["errors"]  # still recorded
+    modes["mode_errors"] = ["graphed: BackendCompilerFailed: ..."]
+    assert gpu.main(["--smoke", "--only", "step_modes", str(tmp_path)]) == 1
