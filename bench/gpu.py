@@ -46,7 +46,7 @@ from models import RefinerSession, SessionConfig, from_model, refine_clip
 from models.checkpoints import PRESETS, VAE_PRESETS
 from models.clock import CallClock
 from models.loading import resolve_device
-from models.move import _held, move_session, stage_host
+from models.move import moved_tensors, move_session, stage_host
 from models.plan import meta_model, released_config
 from models.session_bytes import session_bytes_estimate
 from models.session import Geometry
@@ -358,9 +358,9 @@ def section_park(ctx: Context) -> dict[str, Any]:
     if session is None:  # the blocks' budget ran out before the last geometry (or that section failed): one here
         height, width = list(ctx.preset["geometries"].values())[-1]
         session = _steady_sessions(ctx.refiner, 1, height, width, ctx.preset["prompt_tokens"])[0]
-    # What the park and the page-in copy (``models.move._held``): not the prepared prompt K/V that
+    # What the park and the page-in copy (``models.move.moved_tensors``): not the prepared prompt K/V that
     # ``session_bytes`` also counts, which ``move_session`` drops (recomputed from the prompt after the page-in).
-    moved = sum(tensor.nbytes for tensor in _held(session))
+    moved = sum(tensor.nbytes for tensor in moved_tensors(session))
     stats = getattr(torch.cuda, "host_memory_stats", None) if ctx.device.type == "cuda" else None
     before = stats() if stats else {}
     _sync(ctx.device)

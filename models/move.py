@@ -136,7 +136,7 @@ def release_finished() -> None:
         _in_flight[:] = [(event, tensors) for event, tensors in _in_flight if not event.query()]
 
 
-def _held(session) -> list[torch.Tensor]:
+def moved_tensors(session) -> list[torch.Tensor]:
     """The tensors ``move_session`` moves: the KV cache's, the prompt's, the pending frames."""
     kv, state = session.kv, session.state
     held = [kv.window, kv.sink_key, kv.history_key] if kv is not None else []
@@ -154,7 +154,7 @@ def stage_host(session, device: torch.device) -> dict[int, torch.Tensor]:
     session is excluded from scheduling (its tensors are only read here, by shape, or copied on the host). Nothing
     without CUDA."""
     device = torch.device(device)
-    held = _held(session)
+    held = moved_tensors(session)
     cuda = next((t.device for t in held if t.device.type == "cuda"), device if device.type == "cuda" else None)
     if cuda is None:
         return {}

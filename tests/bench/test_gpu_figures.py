@@ -38,7 +38,7 @@ def test_the_sessions_in_the_budget_are_counted_at_what_admission_reserves(ctx):
 def test_the_park_rate_counts_the_bytes_the_park_copies(ctx):
     """``park``'s bytes (the GB/s figures' numerator) are the tensors ``move_session`` copies: not the prepared
     prompt K/V that ``session_bytes`` also counts, which the move drops (236 MB of a released 720p session)."""
-    from models.move import _held
+    from models.move import moved_tensors
     from models.session_bytes import session_bytes
 
     height, width = list(gpu.SMOKE["geometries"].values())[-1]
@@ -47,7 +47,7 @@ def test_the_park_rate_counts_the_bytes_the_park_copies(ctx):
     held = sum(session_bytes(session).values())
     ctx.parked_session = session
     figures = gpu.section_park(ctx)
-    assert figures["session_bytes"] == held - prepared == sum(t.nbytes for t in _held(session))
+    assert figures["session_bytes"] == held - prepared == sum(t.nbytes for t in moved_tensors(session))
 
 
 def test_flash_ran_is_read_from_the_backend_op_not_from_kernel_names():
