@@ -25,6 +25,13 @@ And a message has ``request_body_timeout_s`` from its first byte to its last, as
 a message trickled in (the keep-alive pings answered all the while) held its share of the budget for ever; past
 the limit the connection is closed with 1013. A connection's count is what it sent since its last whole message
 (or control frame between messages), to within one read.
+And a peer that is gone without a FIN (a half-open socket: it neither reads nor answers the keep-alive ping) was
+never let go: uvicorn's ping timeout, and the close timer after the server's own close frame, call
+``transport.close()``, which waits for the write buffer to drain, and the buffer of a peer that reads nothing
+never drains, so the connection was never lost, the route never told, and a stream held its session (never
+released: it is in use while a stream is attached) and its place in ``max_sessions`` for ever. Those two
+deadlines now drop what is still unsent (``transport.abort()``): the route sees the disconnect, the session is
+detached (``ws_reattach_grace_s``) as for any dropped client.
 """
 
 from __future__ import annotations
@@ -128,6 +135,27 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._settled()
         super().handle_pong(event)
 
+    def keepalive_timeout(self) -> None:
+        super().keepalive_timeout()
+        self._abort_if_stuck()
+
+    def _close_timed_out(self) -> None:
+        # The client did not answer the server's close frame within close_timeout: uvicorn's close, then the same
+        # escape as for the ping timeout when the close frame itself is still stuck behind unread output.
+        self.close_timer = None
+        self.transport.close()
+        self._abort_if_stuck()
+
+    def _abort_if_stuck(self) -> None:
+        """Past a deadline the peer missed: ``transport.close()`` (which waits for the write buffer to drain) ends
+        nothing while output waits for a peer that does not read; drop that output and the connection."""
+        transport = self.transport
+        if transport is not None and not self.disconnected and transport.get_write_buffer_size() > 0:
+            prefix = "%s:%d - " % self.client if self.client else ""
+            self.logger.info("%sWebSocket peer neither read %d bytes of output nor answered in time: connection "
+                             "dropped", prefix, transport.get_write_buffer_size())
+            transport.abort()
+
     def resume_writing(self) -> None:
         super().resume_writing()
         if self.write_backlog:
@@ -161,6 +189,9 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     async def send(self, message) -> None:
         await super().send(message)
+        if message["type"] == "websocket.close" and self.close_timer is not None:
+            self.close_timer.cancel()
+            self.close_timer = self.loop.call_later(self.close_timeout, self._close_timed_out)
         if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
             # The denial response is written and the connection closed: the handshake is over.
             self.handshake_complete = True

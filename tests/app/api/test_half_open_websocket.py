@@ -1,0 +1,72 @@
+"""A WebSocket peer that is gone without a FIN (half-open: it neither reads nor answers pings, its TCP stays open)
+is let go at uvicorn's keep-alive deadline, so its stream detaches and its session is released like any dropped
+client's, instead of staying ``streaming`` (in use, never evicted, holding a ``max_sessions`` place) for ever."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import torch
+from websockets.client import ClientProtocol
+from websockets.uri import parse_uri
+
+from tests.app.conftest import DEADLINE_S, LiveServer, payload, wait_until
+
+
+async def _write_buffers(server) -> list[int]:
+    from app.api.uvicorn_websocket import GuardedWebSocketProtocol
+
+    return [c.transport.get_write_buffer_size() for c in server.server.server_state.connections
+            if isinstance(c, GuardedWebSocketProtocol) and c.transport is not None]
+
+
+def _half_open_stream(port: int, session_id: str, message: bytes) -> socket.socket:
+    """Open the stream, send one message, then never read (a tiny receive buffer, so the output backs up)."""
+    client = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/sessions/{session_id}/stream"))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(DEADLINE_S)
+    client.send_request(client.connect())
+    sock.sendall(b"".join(client.data_to_send()))
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head[:200]
+    client.receive_data(head)
+    client.send_binary(message)
+    sock.sendall(b"".join(client.data_to_send()))
+    return sock
+
+
+def test_a_half_open_stream_that_never_reads_is_dropped_at_the_ping_timeout_and_its_session_detaches(make_settings):
+    settings = make_settings(warmup=False, ws_reattach_grace_s=300)
+    server = LiveServer(settings)
+    # uvicorn's keep-alive (20 s + 20 s by default), short here; the server keeps uvicorn's mechanism.
+    # The first ping goes out once the output is stuck (it then waits behind it, as after 20 s in production).
+    server.server.config.ws_ping_interval = 4.0
+    server.server.config.ws_ping_timeout = 1.0
+    with server, httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        # Small kernel buffers on the server's side (accepted sockets inherit the listener's): the output backs up
+        # into the transport's write buffer after a few units.
+        for listener in server.server.servers[0].sockets:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        # 24 frames of 16 x 16: ~3 MB of units back.
+        message = payload(torch.randn(1, 128, 24, 16, 16), torch.randn(1, 8, 32))
+        started = time.monotonic()
+        sock = _half_open_stream(server.port, session_id, message)
+        try:
+            wait_until(lambda: max(server.on_loop(_write_buffers(server)).result(DEADLINE_S) or [0]) > 0,
+                       "output to back up behind the client that does not read")
+            assert time.monotonic() - started < 4.0, "the output backed up only after the first ping: no test"
+            # Before the fix: "streaming" stayed true for good (the ping timeout's transport.close() waited for a
+            # write buffer that a peer reading nothing never drains).
+            state = wait_until(lambda: (lambda s: s if not s["streaming"] else None)(
+                http.get(f"/v1/sessions/{session_id}").json()), "the half-open stream to be let go", timeout=30)
+            assert state["detached"] is True, state
+            assert http.get("/health").status_code == 200
+        finally:
+            sock.close()
