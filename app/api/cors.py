@@ -6,7 +6,13 @@ One allow-list, two mechanisms, because browsers treat the two protocols differe
   ``Access-Control-Allow-Origin`` to every answer for an allowed origin. It wraps every other middleware, so a
   preflight never reaches the API-key check (a browser never sends credentials on a preflight: refusing it with
   401 would fail every authenticated cross-origin call), and the error answers (401, 404, 422, 503...) carry the
-  headers too: without them the page could not read the JSON error, only "network error".
+  headers too: without them the page could not read the JSON error, only "network error". CORS only keeps a
+  foreign page from *reading* an answer: a request a browser sends without a preflight (a ``POST`` with no body
+  or no ``Content-Type``, which this API accepts) still runs. So a request that changes something (any method but
+  ``GET``, ``HEAD`` and ``OPTIONS``) whose ``Origin`` is neither listed nor this server's own is refused with 403
+  ``origin_not_allowed`` before it reaches a route, as a WebSocket handshake is: a page on another origin could
+  otherwise create sessions until ``max_sessions``, flush or delete one, or drain the server (``POST
+  /v1/admin/drain`` without a key).
 - WebSocket: browsers apply no CORS at all to a WebSocket; they only send ``Origin`` on the handshake, and it is
   the server's to check. With ``cors_origins`` set, a handshake whose ``Origin`` is neither on the list nor this
   server's own (the view page at ``/view``) is refused with 403 ``origin_not_allowed`` before it reaches auth or
@@ -34,6 +40,9 @@ from app.core.error_kinds import WS_POLICY_VIOLATION, ApiError
 ALLOW_HEADERS = ("Authorization", "Content-Type")
 # Response headers a page may read besides the safelisted ones.
 EXPOSE_HEADERS = ("Retry-After", "X-Replica", "X-Replayed", "WWW-Authenticate")
+# What a browser may send cross-origin and the API answers without changing anything (a request of any other
+# method from an unlisted origin is refused: see the module's docstring).
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 ALLOW_METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS")
 
 
@@ -57,13 +66,32 @@ class CrossOrigin:
         if not self.origins:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
+            if scope.get("method", "GET") not in _SAFE_METHODS and not self.origin_allowed(scope):
+                await self._refuse_http(scope, send)
+                return
             await self.http(scope, receive, send)
-        elif scope["type"] == "websocket" and not self.websocket_allowed(scope):
+        elif scope["type"] == "websocket" and not self.origin_allowed(scope):
             await self._refuse(scope, send)
         else:
             await self.app(scope, receive, send)
 
-    def websocket_allowed(self, scope) -> bool:
+    async def _refuse_http(self, scope, send) -> None:
+        origin = dict(scope.get("headers", ())).get(b"origin", b"").decode("latin-1")
+        error = ApiError(
+            "origin_not_allowed",
+            f"a {scope.get('method')} from a page on origin {origin!r}, which is not in this server's cors_origins; "
+            "add it to cors_origins (WM_REFINER_CORS_ORIGINS), or send it from an allowed origin",
+        )
+        if self.on_reject is not None:
+            self.on_reject(error)
+        body = json.dumps(error.envelope()).encode()
+        await send({"type": "http.response.start", "status": 403, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"vary", b"Origin")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def origin_allowed(self, scope) -> bool:
+        """No `Origin` (a program), an allowed one, or this server's own (its /view page)."""
         headers = dict(scope.get("headers", ()))
         origin = headers.get(b"origin")
         if origin is None or self.any_origin:

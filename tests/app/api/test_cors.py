@@ -94,3 +94,35 @@ def test_without_cors_origins_nothing_changes(make_settings):
         created = client.post("/v1/sessions", json={}).json()["session_id"]
         with client.websocket_connect(f"/v1/sessions/{created}/watch", headers={"origin": OTHER}) as websocket:
             websocket.close()
+
+
+def test_a_request_that_changes_something_from_another_origin_is_refused_before_any_route(client):
+    """CORS keeps a foreign page from reading answers, not from sending a request without a preflight (a POST with
+    no body, no Content-Type): before the fix such a page created sessions, flushed them and drained the server."""
+    created = client.post("/v1/sessions", json={}, headers=AUTH).json()["session_id"]
+    before = client.get("/v1/sessions", headers=AUTH).json()["sessions"]
+    for method, path in (("POST", "/v1/sessions"), ("POST", f"/v1/sessions/{created}/chunks?flush=true"),
+                         ("PUT", "/v1/sessions/foreign-page-1"), ("DELETE", f"/v1/sessions/{created}"),
+                         ("POST", "/v1/admin/drain"), ("PATCH", "/v1/sessions")):
+        response = client.request(method, path, headers={**AUTH, "origin": OTHER})
+        assert response.status_code == 403, (method, path, response.text)
+        assert response.json()["error"]["code"] == "origin_not_allowed"
+        assert "access-control-allow-origin" not in response.headers
+    assert client.get("/v1/sessions", headers=AUTH).json()["sessions"] == before
+    assert client.get(f"/v1/sessions/{created}", headers=AUTH).json()["flushed"] is False
+    assert client.get("/ready").status_code == 200
+    # reading stays as it was (the browser keeps the answer from the page); an allowed origin, this server's own
+    # pages and programs (no Origin) change things as before
+    assert client.get("/v1/info", headers={**AUTH, "origin": OTHER}).status_code == 200
+    for headers in ({"origin": ALLOWED}, {"origin": "http://testserver"}, {}):
+        response = client.post("/v1/sessions", headers={**AUTH, **headers})
+        assert response.status_code == 201, (headers, response.text)
+        assert client.delete(f"/v1/sessions/{response.json()['session_id']}",
+                             headers={**AUTH, **headers}).status_code == 204
+
+
+def test_without_a_key_a_page_on_another_origin_cannot_drain_the_server(make_settings):
+    with running_app(make_settings(cors_origins=ALLOWED)) as client:
+        response = client.post("/v1/admin/drain", headers={"origin": OTHER})
+        assert response.status_code == 403 and response.json()["error"]["code"] == "origin_not_allowed"
+        assert client.get("/ready").status_code == 200
