@@ -197,12 +197,7 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            path = request.url.path
-            # A client given the API's own path as its base (http://host:8000/v1) asks for /v1/v1/...
-            hint = (f"; the client's base URL seems to end in /v1: give it without (this path would be "
-                    f"{path[3:]})") if path.startswith("/v1/v1/") else ""
-            error = ApiError("not_found", f"no route {path}{hint}; /openapi.json lists the routes "
-                             "(docs/api.md describes them)")
+            error = _no_route(request.url.path)
         elif exc.status_code == 405:
             allowed = allowed_methods(request)
             if request.method == "OPTIONS":  # what may be done here (RFC 9110 9.3.7); a CORS preflight never
@@ -225,12 +220,36 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(from_exception(exc), services)
 
+    http_default = app.router.default
+
+    async def no_route(scope, receive, send) -> None:
+        # Starlette refuses a WebSocket handshake on a path no route matches with a bare close, which uvicorn turns
+        # into "403 Forbidden" and no body: a client whose base URL is wrong (/v1/v1/..., a typo in the id's path)
+        # read it as a refused key or origin. The 404 and envelope an HTTP request gets instead.
+        if scope["type"] == "websocket":
+            error = _no_route(scope.get("path", ""), websocket=True)
+            await deny(WebSocket(scope, receive, send), error, services)
+            return
+        await http_default(scope, receive, send)
+
+    app.router.default = no_route
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RefinerError, api_error)
     app.add_exception_handler(EngineError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
+
+
+def _no_route(path: str, websocket: bool = False) -> ApiError:
+    # A client given the API's own path as its base (http://host:8000/v1) asks for /v1/v1/...
+    hint = (f"; the client's base URL seems to end in /v1: give it without (this path would be "
+            f"{path[3:]})") if path.startswith("/v1/v1/") else ""
+    if websocket:
+        return ApiError("not_found", f"no WebSocket route {path}{hint}; the WebSockets are "
+                                     "/v1/sessions/{id}/stream and /v1/sessions/{id}/watch (docs/api.md)")
+    return ApiError("not_found", f"no route {path}{hint}; /openapi.json lists the routes "
+                                 "(docs/api.md describes them)")
 
 
 class ResponseStart:
