@@ -31,7 +31,8 @@ never let go: uvicorn's ping timeout, and the close timer after the server's own
 never drains, so the connection was never lost, the route never told, and a stream held its session (never
 released: it is in use while a stream is attached) and its place in ``max_sessions`` for ever. Those two
 deadlines now drop what is still unsent (``transport.abort()``): the route sees the disconnect, the session is
-detached (``ws_reattach_grace_s``) as for any dropped client.
+detached (``ws_reattach_grace_s``) as for any dropped client; and so does the server's shutdown, which otherwise
+waited ``timeout_graceful_shutdown`` more for such a connection after the drain had given up on it.
 """
 
 from __future__ import annotations
@@ -144,6 +145,13 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         # escape as for the ping timeout when the close frame itself is still stuck behind unread output.
         self.close_timer = None
         self.transport.close()
+        self._abort_if_stuck()
+
+    def shutdown(self) -> None:
+        # The server stops after its drain gave every stream drain_timeout_s to close: output still stuck behind a
+        # peer that reads nothing would hold uvicorn's shutdown until timeout_graceful_shutdown (another
+        # drain_timeout_s + 5 s) for nothing.
+        super().shutdown()
         self._abort_if_stuck()
 
     def _abort_if_stuck(self) -> None:

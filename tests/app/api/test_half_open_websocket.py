@@ -70,3 +70,30 @@ def test_a_half_open_stream_that_never_reads_is_dropped_at_the_ping_timeout_and_
             assert http.get("/health").status_code == 200
         finally:
             sock.close()
+
+
+def test_a_half_open_stream_does_not_hold_the_shutdown_past_the_drain(make_settings):
+    """The drain gives a stream drain_timeout_s to close; the connection of a peer that reads nothing then held
+    uvicorn's shutdown for timeout_graceful_shutdown more (drain_timeout_s + 5 s): 2 x the drain, plus 5 s."""
+    drain_s = 2.0
+    settings = make_settings(warmup=False, drain_timeout_s=drain_s)
+    server = LiveServer(settings)
+    server.server.config.ws_ping_interval = None  # no keep-alive: only the shutdown may let the peer go
+    server.__enter__()
+    try:
+        for listener in server.server.servers[0].sockets:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        with httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+            session_id = http.post("/v1/sessions").json()["session_id"]
+        sock = _half_open_stream(server.port, session_id, payload(torch.randn(1, 128, 24, 16, 16),
+                                                                  torch.randn(1, 8, 32)))
+        wait_until(lambda: max(server.on_loop(_write_buffers(server)).result(DEADLINE_S) or [0]) > 0,
+                   "output to back up behind the client that does not read")
+        started = time.monotonic()
+        server.stop()
+        took = time.monotonic() - started
+        sock.close()
+        assert took < 2 * drain_s + 1.5, f"the shutdown took {took:.1f} s"
+    finally:
+        if server.thread.is_alive():
+            server.stop()
