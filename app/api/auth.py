@@ -88,16 +88,28 @@ class ApiKeyMiddleware:
             await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION, "reason": "unauthorized"})
 
     def _authorized(self, scope) -> bool:
+        # One credential of each kind per request: Authorization is a singleton field (RFC 9110 11.6.2), and a request that
+        # carried many (headers, or bearer subprotocols on a WebSocket) tried that many keys at once: 2,000
+        # guesses fit in one request head under max_header_bytes.
+        headers: list[bytes] = []
+        keys: list[bytes] = []
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
-                    return True
+                headers.append(value)
             elif name == b"sec-websocket-protocol" and scope["type"] == "websocket":
                 for protocol in value.split(b","):
-                    key = _subprotocol_key(protocol.strip())
-                    if key is not None and hmac.compare_digest(key, self.expected):
-                        return True
+                    if protocol.strip().startswith(BEARER_SUBPROTOCOL):
+                        keys.append(protocol.strip())
+        if len(headers) > 1 or len(keys) > 1:
+            return False
+        for value in headers:
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+                return True
+        for protocol in keys:
+            key = _subprotocol_key(protocol)
+            if key is not None and hmac.compare_digest(key, self.expected):
+                return True
         return False
 
 

@@ -175,3 +175,24 @@ def test_the_subprotocol_key_is_base64url():
     assert authorized("wm-refiner, " + bearer_subprotocol(key))
     assert not authorized("wm-refiner, wm-refiner.bearer.d20+Pj4/Pz9rZXk")
     assert not authorized(bearer_subprotocol(key), kind="http")
+
+
+def test_one_request_tries_one_key_per_channel(client):
+    """Authorization is a singleton field: a request that carried 2,000 of them tried 2,000 keys at once (all fit
+    under max_header_bytes), and a handshake as many bearer subprotocols. Several of one kind are refused, the right
+    key among them too."""
+    guesses = [("authorization", f"Bearer guess-{i}") for i in range(50)]
+    assert client.get("/v1/info", headers=[*guesses, ("authorization", f"Bearer {KEY}")]).status_code == 401
+    assert client.get("/v1/info", headers=[("authorization", f"Bearer {KEY}")] * 2).status_code == 401
+    assert client.get("/v1/info", headers=[("authorization", f"Bearer {KEY}")]).status_code == 200
+    session_id = client.post("/v1/sessions", headers=GOOD).json()["session_id"]
+    url = f"/v1/sessions/{session_id}/stream"
+    many = ["wm-refiner", *(bearer_subprotocol(f"guess-{i}") for i in range(50)), bearer_subprotocol(KEY)]
+    with pytest.raises(WebSocketDenialResponse) as denied:
+        with client.websocket_connect(url, subprotocols=many):
+            pass
+    assert denied.value.status_code == 401
+    # one of each kind (a proxy that adds the header to a page's handshake carrying the subprotocol) still works
+    with client.websocket_connect(url, subprotocols=["wm-refiner", bearer_subprotocol(KEY)], headers=GOOD) as ws:
+        ws.send_text('{"type": "flush"}')
+        assert ws.receive_text() == '{"type": "done", "frames": 0}'
