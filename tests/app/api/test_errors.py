@@ -302,6 +302,7 @@ def receive_until_event(ws):
         (payload(embeds=EMBEDS), "missing_input"),
         (payload(torch.randn(1, 128, 9, 4, 4)), "too_many_frames"),
         ('{"type": "rewind"}', "invalid_payload"),
+        ('{"type": "flush", "seed": 3}', "invalid_payload"),  # a key the flush would ignore: refused, not flushed
         ("not json", "invalid_payload"),
         ("[" * 5000, "invalid_payload"),  # nests past json's recursion limit: it killed the reader, unsaid
     ],
