@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from typing import Callable
 
@@ -241,6 +242,9 @@ def install_error_handlers(app: FastAPI, services: Services) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
+_WEBSOCKET_PATH = re.compile(r"^/v1/sessions/[^/]+/(stream|watch)$")
+
+
 def _no_route(path: str, websocket: bool = False) -> ApiError:
     # A client given the API's own path as its base (http://host:8000/v1) asks for /v1/v1/...
     hint = (f"; the client's base URL seems to end in /v1: give it without (this path would be "
@@ -248,6 +252,10 @@ def _no_route(path: str, websocket: bool = False) -> ApiError:
     if websocket:
         return ApiError("not_found", f"no WebSocket route {path}{hint}; the WebSockets are "
                                      "/v1/sessions/{id}/stream and /v1/sessions/{id}/watch (docs/api.md)")
+    if _WEBSOCKET_PATH.match(path):  # a browser's address bar or curl on a WebSocket route
+        return ApiError("not_found", f"{path} is a WebSocket route: open it with a WebSocket client (ws:// or "
+                                     "wss://, e.g. the Python client's session.stream(...) or watch()), not an "
+                                     "HTTP request (docs/api.md)")
     return ApiError("not_found", f"no route {path}{hint}; /openapi.json lists the routes "
                                  "(docs/api.md describes them)")
 

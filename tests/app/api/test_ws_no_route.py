@@ -21,3 +21,11 @@ def test_a_websocket_on_a_path_without_a_route_is_refused_404_with_the_envelope(
         assert "give it without" in error["message"]
     # HTTP keeps its answer
     assert client.get("/nonexistent").json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize("route", ["stream", "watch"])
+def test_an_http_request_on_a_websocket_route_says_to_open_it_as_a_websocket(client, route):
+    answer = client.get(f"/v1/sessions/abcdefgh12/{route}")
+    assert answer.status_code == 404
+    error = answer.json()["error"]
+    assert error["code"] == "not_found" and "is a WebSocket route: open it with a WebSocket client" in error["message"]
