@@ -35,6 +35,8 @@ WORKDIR /srv/wm-refiner
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY models ./models
+# The service imports the client's wire vocabulary (wm_refiner_client.spec, .formats), and the CLI the client.
+COPY wm_refiner_client ./wm_refiner_client
 COPY configs ./configs
 RUN python -m pip install --extra-index-url "${TORCH_INDEX}" -e "${INSTALL}"
 
