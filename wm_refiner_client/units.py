@@ -80,10 +80,37 @@ def decode(data: bytes, return_tensors: ReturnTensors = "np") -> dict[str, Array
     try:
         return dict(load(bytes(data)))
     except (TypeError, ValueError, KeyError) as exc:
-        raise ValueError(
-            f"a response tensor cannot be read as numpy ({exc}); bfloat16 responses (the server's response_dtype "
-            "'model') need return_tensors='pt'"
-        ) from exc
+        try:
+            return _decode_with_bfloat16(bytes(data))
+        except (TypeError, ValueError, KeyError):
+            pass
+        raise ValueError(f"a response tensor cannot be read as numpy ({exc}); try return_tensors='pt'") from exc
+
+
+# safetensors dtypes as numpy reads them (little-endian); BF16, which numpy lacks, is widened to float32.
+_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+                 "U8": "u1", "BOOL": "?"}
+
+
+def _decode_with_bfloat16(data: bytes) -> dict[str, np.ndarray]:
+    """A safetensors file holding bfloat16 tensors (a server with ``response_dtype: model``) as numpy arrays: each
+    bfloat16 tensor as float32, exactly (a bfloat16 value is the high half of the float32 of the same value)."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    body = memoryview(data)[8 + size :]
+    arrays = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        raw = body[begin:end]
+        if entry["dtype"] == "BF16":
+            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+            array = bits.view(np.float32)
+        else:
+            array = np.frombuffer(raw, dtype=_NUMPY_DTYPES[entry["dtype"]]).copy()
+        arrays[name] = array.reshape(entry["shape"])
+    return arrays
 
 
 ENCODED_FORMATS = tuple(FORMATS)

@@ -512,3 +512,20 @@ def test_refine_without_a_model_uses_the_embedded_tiny_refiner_serve_uses(tmp_pa
     expected = refine_clip(refiner, torch.from_numpy(LATENTS), torch.from_numpy(PROMPT), torch.from_numpy(MASK),
                            SessionConfig()).numpy()
     assert np.array_equal(load_file(str(tmp_path / "out.safetensors"))["latents"], expected)
+
+
+def test_stream_writes_float32_from_a_server_that_answers_in_bfloat16(make_settings, tmp_path):
+    """configs/sana-wm.yaml serves `response_dtype: model` (bfloat16, which numpy lacks): `stream` still writes the
+    clip, as float32 holding exactly the server's bfloat16 values (it stopped with "cannot be read as numpy")."""
+    latents, prompt, mask = clip(7)
+    with ThreadServer(make_settings(dtype="bfloat16", response_dtype="model", warmup=False)) as live:
+        source = write_clip(tmp_path / "in.safetensors", latents, prompt, mask)
+        result = run_cli("stream", "--server", live.base_url, "--input", str(source), "--output",
+                         str(tmp_path / "out.safetensors"))
+        assert result.returncode == 0, result.stderr
+        with Client(live.base_url, return_tensors="pt") as client:
+            expected = client.refine(latents, prompt, mask).latents
+    assert str(expected.dtype) == "torch.bfloat16"
+    written = load_file(str(tmp_path / "out.safetensors"))["latents"]
+    assert written.dtype == np.float32
+    assert np.array_equal(written, expected.float().numpy())
