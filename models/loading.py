@@ -128,6 +128,28 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[name]
 
 
+VAE_CLASS = "AutoencoderKLLTX2Video"
+
+
+def pipeline_hint(folder: Path, classes: Iterable[str]) -> str:
+    """When ``folder`` is a whole diffusers pipeline release (``model_index.json``, one subfolder per component)
+    rather than the component folder a loader wants: "; ... pass its 'transformer' subfolder, PATH" naming the
+    subfolder that holds one of ``classes`` (the refiner, or the VAE), else "". For the error a loader raises when
+    ``folder`` has no config.json, which is what pointing at a downloaded release gives."""
+    try:
+        index = json.loads((Path(folder) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(index, dict):
+        return ""
+    wanted = set(classes)
+    for name, entry in index.items():
+        if isinstance(entry, list) and len(entry) == 2 and entry[1] in wanted and (Path(folder) / name).is_dir():
+            return (f"; {str(folder)!r} is a diffusers pipeline folder (model_index.json): pass its {name!r} "
+                    f"subfolder, {str(Path(folder) / name)!r}")
+    return ""
+
+
 def read_config_file(config_path: Path) -> dict[str, Any]:
     """A refiner's ``config.json``, parsed and checked (``check_config``); ModelLoadError saying what is wrong."""
     try:
@@ -177,7 +199,8 @@ def load_refiner(path: str | Path, device: str | torch.device = "auto", dtype: s
         )
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise ModelLoadError(f"{folder}: config.json is missing; a diffusers model folder needs it")
+        raise ModelLoadError(f"{folder}: config.json is missing; a diffusers model folder needs it"
+                             f"{pipeline_hint(folder, SUPPORTED_CLASSES)}")
     config = read_config_file(config_path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)

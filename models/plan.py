@@ -37,7 +37,7 @@ import torch
 
 from .config import SessionConfig
 from .errors import InvalidConfigError, ModelLoadError
-from .loading import read_config_file
+from .loading import SUPPORTED_CLASSES, pipeline_hint, read_config_file
 from .session import Geometry
 from .session_bytes import session_bytes_estimate
 
@@ -54,7 +54,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if file.is_dir():
         file = file / "config.json"
     if not file.is_file():
-        raise ModelLoadError(f"{str(file)!r} does not exist; pass a refiner folder (with config.json) or its config.json")
+        raise ModelLoadError(f"{str(file)!r} does not exist; pass a refiner folder (with config.json) or its config.json"
+                             f"{pipeline_hint(file.parent, SUPPORTED_CLASSES)}")
     return read_config_file(file)
 
 

@@ -33,6 +33,7 @@ import torch
 from diffusers import AutoencoderKLLTX2Video
 
 from .errors import ModelLoadError
+from .loading import pipeline_hint
 
 # --- loading ---------------------------------------------------------------------------------------------------
 
@@ -61,6 +62,7 @@ def load_vae(path: str | Path, device: torch.device, dtype: torch.dtype, latent_
         raise ModelLoadError(
             f"VAE folder {str(folder)!r} has no config.json; pass a local folder in diffusers layout holding "
             "AutoencoderKLLTX2Video (`python -m app make-checkpoint --preset tiny-vae --out DIR` writes a test one)"
+            + pipeline_hint(folder, ("AutoencoderKLLTX2Video",))
         )
     try:
         config = json.loads(config_path.read_text())

@@ -19,7 +19,8 @@ from pathlib import Path
 import uvicorn
 
 from models.errors import ModelLoadError
-from models.loading import WEIGHTS, WEIGHTS_INDEX, read_config_file, resolve_device, resolve_dtype
+from models.loading import (SUPPORTED_CLASSES, VAE_CLASS, WEIGHTS, WEIGHTS_INDEX, pipeline_hint, read_config_file,
+                            resolve_device, resolve_dtype)
 
 from app.api.factory import create_app
 from app.api.guards import BodyBudget, GuardedHttpToolsProtocol
@@ -98,18 +99,19 @@ def preflight(settings: Settings) -> None:
     config.json, that the model's config builds a refiner whose parameters have the shapes of the weights on disk,
     and that snapshot_dir can hold sessions (``check_snapshot_folder``: writable, case-sensitive)."""
     resolve_dtype(settings.dtype, resolve_device(settings.device))
-    for name, value, what in (("model", settings.model, "a local refiner folder in diffusers layout, or no --model "
-                               "to serve the embedded tiny refiner"),
-                              ("vae", settings.vae, "a local AutoencoderKLLTX2Video folder in diffusers layout "
-                               "(`python -m app make-checkpoint --preset tiny-vae --out DIR` writes a test one), "
-                               "or no --vae")):
+    for name, value, what, classes in (
+            ("model", settings.model, "a local refiner folder in diffusers layout, or no --model to serve the "
+             "embedded tiny refiner", SUPPORTED_CLASSES),
+            ("vae", settings.vae, "a local AutoencoderKLLTX2Video folder in diffusers layout (`python -m app "
+             "make-checkpoint --preset tiny-vae --out DIR` writes a test one), or no --vae", (VAE_CLASS,))):
         if not value:
             continue
         folder = Path(value).expanduser()
         if not folder.is_dir():
             raise ModelLoadError(f"{name} folder {value!r} does not exist; pass {what}")
         if not (folder / "config.json").is_file():
-            raise ModelLoadError(f"{name} folder {value!r} has no config.json; pass {what}")
+            raise ModelLoadError(f"{name} folder {value!r} has no config.json; pass {what}"
+                                 f"{pipeline_hint(folder, classes)}")
     if settings.model:
         check_model_folder(Path(settings.model).expanduser())
     if settings.snapshot_dir is not None:

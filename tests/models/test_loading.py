@@ -183,3 +183,35 @@ def test_weights_that_do_not_fit_the_config_fail_clearly(breakage, fragment, tin
     save_file(weights, str(path))
     with pytest.raises(ModelLoadError, match=fragment):
         load_refiner(folder, device="cpu", dtype="float32")
+
+
+def test_a_whole_pipeline_release_names_the_subfolder_to_pass(tiny_dir, tmp_path):
+    """A downloaded diffusers release is a pipeline folder (model_index.json, one subfolder per component): pointed
+    at it, the loaders, `plan` and `serve`'s checks name the subfolder holding the refiner (or the VAE) instead of
+    only saying config.json is missing."""
+    from app.cli.serve import preflight
+    from app.core.settings import Settings
+    from models.checkpoints import write_vae_checkpoint
+    from models.plan import read_config
+    from models.vae import load_vae
+
+    release = tmp_path / "sana-wm-release"
+    shutil.copytree(tiny_dir, release / "transformer")
+    write_vae_checkpoint(release / "vae", preset="tiny-vae")
+    (release / "model_index.json").write_text(json.dumps({
+        "_class_name": "SanaWMLTX2Refiner", "transformer": ["diffusers", "SanaWMLTX2RefinerTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLLTX2Video"], "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}))
+    refiner_hint = f"pass its 'transformer' subfolder, {str(release / 'transformer')!r}"
+    vae_hint = f"pass its 'vae' subfolder, {str(release / 'vae')!r}"
+    for load, hint in ((lambda: load_refiner(release, "cpu"), refiner_hint), (lambda: read_config(release), refiner_hint),
+                       (lambda: preflight(Settings(model=str(release), device="cpu")), refiner_hint),
+                       (lambda: preflight(Settings(vae=str(release), device="cpu")), vae_hint),
+                       (lambda: load_vae(release, torch.device("cpu"), torch.float32), vae_hint)):
+        with pytest.raises(ModelLoadError, match="diffusers pipeline folder") as caught:
+            load()
+        assert str(caught.value).endswith(hint), caught.value
+    # The subfolders named load; a folder that is no release gets no hint.
+    load_refiner(release / "transformer", "cpu")
+    with pytest.raises(ModelLoadError) as caught:
+        load_refiner(tmp_path, "cpu")
+    assert "pipeline folder" not in str(caught.value)
