@@ -62,6 +62,9 @@ def test_shipped_configs_load(name):
         assert (settings.device, settings.dtype) == ("cuda", "bfloat16")
         assert (settings.warmup_height, settings.warmup_width) == (22, 40)
         assert settings.compile_geometries() == [(22, 40), (15, 26)]  # 720p and 480p compiled before /ready
+        # The production preset keeps the README's bit-identity (retries, restores, adoptions): batching only where
+        # the probe passed (`true` warned at every start that bytes may depend on neighbours).
+        assert settings.batching == "auto"
     if name == "default.yaml":
         assert settings.model is None and settings.device == "cpu"
 
