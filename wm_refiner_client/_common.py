@@ -188,6 +188,16 @@ class SessionState:
         )
 
 
+def warn_unreachable(unreachable: Iterable[str]) -> None:
+    """Behind a router with ``peers``, a listing names the replicas that gave none (``unreachable``): their sessions
+    are missing from it, which a caller (and ``python -m app sessions``) is told rather than shown a short list."""
+    missing = sorted(set(unreachable))
+    if missing:
+        logging.getLogger("wm_refiner_client").warning(
+            "GET /v1/sessions: no listing from %s: their sessions are not in this list (a replica down, draining or "
+            "slow; the answering replica waits 2 s for its peers)", ", ".join(missing))
+
+
 @dataclass(frozen=True)
 class SessionSummary:
     """One line of ``GET /v1/sessions``."""

@@ -19,6 +19,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from ._common import (
+    warn_unreachable,
     CLOSE_TIMEOUT_S,
     WS_LOG,
     WS_MAX_SIZE,
@@ -86,8 +87,10 @@ class AsyncClient:
             return False
 
     async def sessions(self, page_size: int = 100) -> list[SessionSummary]:
-        """``GET /v1/sessions``: every live session, oldest first (all pages)."""
+        """``GET /v1/sessions``: every live session, oldest first (all pages). Behind a router with ``peers``,
+        replicas that gave no listing are logged as a warning (their sessions are missing)."""
         found: list[SessionSummary] = []
+        unreachable: list[str] = []
         after: str | None = None
         while True:
             params: dict[str, Any] = {"limit": page_size}
@@ -95,8 +98,10 @@ class AsyncClient:
                 params["after"] = after
             page = (await self._request("GET", "/v1/sessions", params=params)).json()
             found.extend(SessionSummary.from_json(item) for item in page["sessions"])
+            unreachable.extend(page.get("unreachable") or ())
             after = page.get("next")
             if after is None:
+                warn_unreachable(unreachable)  # replicas whose sessions are missing: said, not silently left out
                 return found
 
     # --- sessions ----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from ._common import (
+    warn_unreachable,
     CLOSE_TIMEOUT_S,
     WS_LOG,
     WS_MAX_SIZE,
@@ -144,8 +145,10 @@ class Client:
             return False
 
     def sessions(self, page_size: int = 100) -> list[SessionSummary]:
-        """``GET /v1/sessions``: every live session, oldest first (all pages)."""
+        """``GET /v1/sessions``: every live session, oldest first (all pages). Behind a router with ``peers``,
+        replicas that gave no listing are logged as a warning (their sessions are missing)."""
         found: list[SessionSummary] = []
+        unreachable: list[str] = []
         after: str | None = None
         while True:
             params: dict[str, Any] = {"limit": page_size}
@@ -153,8 +156,10 @@ class Client:
                 params["after"] = after
             page = self._request("GET", "/v1/sessions", params=params).json()
             found.extend(SessionSummary.from_json(item) for item in page["sessions"])
+            unreachable.extend(page.get("unreachable") or ())
             after = page.get("next")
             if after is None:
+                warn_unreachable(unreachable)  # replicas whose sessions are missing: said, not silently left out
                 return found
 
     # --- sessions ----------------------------------------------------------------------------------------------

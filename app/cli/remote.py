@@ -511,6 +511,9 @@ def sessions_command(args: argparse.Namespace) -> int:
     rows = [(s.session_id, str(s.raw.get("state", "")), s.created_at, str(s.frames_received), str(s.frames_returned),
              "yes" if s.flushed else "no", "yes" if s.streaming else "no", str(s.raw.get("watchers", "")))
             for s in sessions]
+    if any("replica" in s.raw for s in sessions):  # which replica holds each one (behind a router: several)
+        header = (*header, "replica")
+        rows = [(*row, str(s.raw.get("replica", ""))) for row, s in zip(rows, sessions)]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     for row in (header, *rows):
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

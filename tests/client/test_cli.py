@@ -133,9 +133,10 @@ def test_sessions_lists_and_deletes(server):
     assert listed.returncode == 0, listed.stderr
     header, *rows = listed.stdout.splitlines()
     assert header.split() == ["session", "state", "created", "frames", "in", "frames", "out", "flushed", "streaming",
-                              "watchers"]
+                              "watchers", "replica"]
     row = next(line for line in rows if line.startswith(session.id))
-    assert row.split()[1] == "active" and row.split()[3:] == ["5", "4", "no", "no", "0"]
+    assert row.split()[1] == "active" and row.split()[3:8] == ["5", "4", "no", "no", "0"]
+    assert row.split()[8] == session.replica
     as_json = run_cli("sessions", "--server", server.base_url, "--json")
     assert session.id in as_json.stdout
     deleted = run_cli("sessions", "--server", server.base_url, "--delete", session.id)
@@ -529,3 +530,19 @@ def test_stream_writes_float32_from_a_server_that_answers_in_bfloat16(make_setti
     written = load_file(str(tmp_path / "out.safetensors"))["latents"]
     assert written.dtype == np.float32
     assert np.array_equal(written, expected.float().numpy())
+
+
+def test_sessions_behind_peers_names_each_replica_and_says_which_gave_no_listing(make_settings):
+    """A deployment's listing (`peers`): the table has each session's replica, and a replica that gave no listing
+    (`unreachable`) is said on stderr, not silently left out of a shorter list."""
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with ThreadServer(make_settings(peers=dead, replica_id="replica-listed", warmup=False)) as live:
+        with Client(live.base_url) as client:
+            session = client.create_session()
+        listed = run_cli("sessions", "--server", live.base_url)
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split()[-1] == "replica"
+    row = next(line for line in rows if line.startswith(session.id))
+    assert row.split()[-1] == "replica-listed"
+    assert listed.stderr.count("\n") == 1 and f"no listing from {dead}" in listed.stderr, listed.stderr
