@@ -213,7 +213,18 @@ def embedded_defaults(settings: Settings) -> Settings:
     off). A real model's sessions are as big as its KV caches, so its operator chooses where they go."""
     if settings.model or settings.snapshot_dir is not None or not settings.embedded_snapshots:
         return settings
-    return settings.model_copy(update={"snapshot_dir": Path(settings.cache_dir).expanduser() / "snapshots"})
+    folder = Path(settings.cache_dir).expanduser() / "snapshots"
+    from app.persistence.records import check_snapshot_folder
+
+    try:
+        check_snapshot_folder(folder)
+    except OSError as exc:
+        # Nobody asked for this folder: a laptop's cache on a case-insensitive volume (macOS, Windows) serves without
+        # it, saying so, rather than refusing to start (a snapshot_dir the operator gave is still refused, exit 2).
+        log.warning("sessions are not saved across restarts: %s (set snapshot_dir to such a folder to keep them, or "
+                    "embedded_snapshots: false to silence this)", exc)
+        return settings
+    return settings.model_copy(update={"snapshot_dir": folder})
 
 
 class LoadFailure(logging.Filter):
@@ -262,8 +273,9 @@ def _loopback(host: str) -> bool:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    settings = embedded_defaults(settings_from_args(args))
+    settings = settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = embedded_defaults(settings)
     preflight(settings)
     for warning in unknown_variables():
         log.warning("%s", warning)

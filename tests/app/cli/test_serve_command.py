@@ -205,3 +205,34 @@ def test_a_start_up_file_that_fails_to_load_is_an_error_line_not_a_traceback(tmp
     assert "Traceback" not in output and "startup failed" not in output, output
     last = output.strip().splitlines()[-1]
     assert last.startswith("error: default_prompt") and "not a readable safetensors file" in last, output
+
+
+def test_the_embedded_snapshots_on_a_case_insensitive_volume_are_a_warning_not_a_refusal(tmp_path, monkeypatch, caplog):
+    """A laptop's cache on a case-insensitive volume (macOS, Windows): `python -m app serve` with no settings used to
+    stop (exit 2) over a snapshot_dir the user never set; it serves without saving sessions, saying so. A
+    snapshot_dir the operator gave is still refused."""
+    import logging
+
+    import pytest
+
+    import app.persistence.records as records
+    from app.cli.serve import StartUpError, embedded_defaults, preflight
+    from app.core.settings import Settings
+
+    def case_insensitive(folder):
+        raise OSError(f"snapshot_dir {folder} is on a case-insensitive file system: ...")
+
+    monkeypatch.setattr(records, "check_snapshot_folder", case_insensitive)
+    with caplog.at_level(logging.WARNING, logger="app"):
+        settings = embedded_defaults(Settings(cache_dir=tmp_path / "cache"))
+    assert settings.snapshot_dir is None
+    preflight(settings)  # nothing left to refuse
+    assert "sessions are not saved across restarts: snapshot_dir" in caplog.text
+    assert "case-insensitive" in caplog.text and "embedded_snapshots: false" in caplog.text
+    given = Settings(cache_dir=tmp_path / "cache", snapshot_dir=tmp_path / "mine")
+    assert embedded_defaults(given) is given
+    with pytest.raises(StartUpError, match="case-insensitive"):
+        preflight(given)
+    # On a file system that can hold sessions the embedded default keeps them, as before.
+    monkeypatch.undo()
+    assert embedded_defaults(Settings(cache_dir=tmp_path / "cache")).snapshot_dir == tmp_path / "cache" / "snapshots"
