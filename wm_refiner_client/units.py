@@ -82,7 +82,7 @@ def decode(data: bytes, return_tensors: ReturnTensors = "np") -> dict[str, Array
     except (TypeError, ValueError, KeyError) as exc:
         try:
             return _decode_with_bfloat16(bytes(data))
-        except (TypeError, ValueError, KeyError):
+        except (TypeError, ValueError, KeyError, struct.error):
             pass
         raise ValueError(f"a response tensor cannot be read as numpy ({exc}); try return_tensors='pt'") from exc
 
