@@ -75,11 +75,12 @@ def decode(data: bytes, return_tensors: ReturnTensors = "np") -> dict[str, Array
         from safetensors.torch import load
 
         return dict(load(bytes(data)))
+    from safetensors import SafetensorError
     from safetensors.numpy import load
 
     try:
         return dict(load(bytes(data)))
-    except (TypeError, ValueError, KeyError) as exc:
+    except (TypeError, ValueError, KeyError, SafetensorError) as exc:
         try:
             return _decode_with_bfloat16(bytes(data))
         except (TypeError, ValueError, KeyError, struct.error):
