@@ -191,7 +191,8 @@ def refine_command(args: argparse.Namespace) -> int:
     output_path = Path(args.output)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     save_file({"latents": refined.to(device="cpu", dtype=torch.float32).contiguous()}, str(output_path))
-    print(f"refined {refined.shape[2]} frames -> {output_path}")
+    by = "" if args.model else f" (the embedded tiny refiner at {model}; --model DIR for another)"
+    print(f"refined {refined.shape[2]} frames -> {output_path}{by}")
     return 0
 
 

@@ -509,6 +509,7 @@ def test_refine_without_a_model_uses_the_embedded_tiny_refiner_serve_uses(tmp_pa
                              str(tmp_path / "out.safetensors")], cwd=ROOT, capture_output=True, text=True,
                             env={**cli_env(), "WM_REFINER_CACHE_DIR": str(cache)}, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr
+    assert f"(the embedded tiny refiner at {cache / 'tiny'}; --model DIR for another)" in result.stdout  # where
     refiner = load_refiner(ensure_embedded_model(cache / "tiny"), device="cpu", dtype="float32")
     expected = refine_clip(refiner, torch.from_numpy(LATENTS), torch.from_numpy(PROMPT), torch.from_numpy(MASK),
                            SessionConfig()).numpy()
