@@ -48,7 +48,7 @@ def watch_command(args: argparse.Namespace) -> int:
         gap: str | None = None
         blocks = 0
         try:
-            events = session.watch(outputs or None, video_format="h264" if args.video else None)
+            events = _follow(session, outputs or None, "h264" if args.video else None)
             print(f"watching session {session.id} (Ctrl-C to stop)", file=sys.stderr)
             for event in events:
                 if isinstance(event, DroppedEvent):
@@ -91,6 +91,48 @@ def watch_command(args: argparse.Namespace) -> int:
         return INTERRUPTED
     print(f"session {session.id} is flushed: watched {summary}")
     return 0
+
+
+# Close codes of a replica that stops (a drain: 1012 once it saved the session, 1001 going away): the session lives
+# on, adopted by the replica the router picks next, so the watch connects again rather than ending as an error.
+RESTART_CLOSE_CODES = frozenset({1001, 1012})
+RECONNECT_FOR_S = 60.0  # how long a restart may keep the session unreachable (503, 404 between replicas)
+
+
+def _close_code(exc: BaseException) -> int | None:
+    closed = exc.__cause__
+    frame = getattr(closed, "rcvd", None) or getattr(closed, "sent", None)
+    return getattr(frame, "code", None)
+
+
+def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_FOR_S):
+    """``session.watch(...)``'s events, across the restarts (drains) of the session's replica: the watch connects
+    again through the same URL (behind a router, to the replica that adopts the session). Units the session
+    finalized while no watch was attached are not seen: with ``--output``/``--video`` the files' gap check ends the
+    command (exit 2) rather than writing a clip with frames missing."""
+    import time
+
+    from wm_refiner_client import APIError, TransportError
+
+    while True:
+        try:
+            yield from session.watch(outputs, video_format=video_format)
+            return
+        except TransportError as exc:
+            code = _close_code(exc)
+            if code not in RESTART_CLOSE_CODES:
+                raise
+            print(f"the session's replica is restarting (close {code}); the session was saved: watching it again",
+                  file=sys.stderr)
+        deadline = time.monotonic() + reconnect_for_s
+        while True:  # until the session answers again (the router may still send to the draining replica)
+            time.sleep(1.0)
+            try:
+                session.state()
+                break
+            except (APIError, TransportError) as exc:
+                if time.monotonic() > deadline or getattr(exc, "status", 503) not in (404, 502, 503, 504):
+                    raise
 
 
 def _write(args: argparse.Namespace, latents: list[np.ndarray], first: int | None, video) -> str:
