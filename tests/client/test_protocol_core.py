@@ -203,6 +203,12 @@ def test_a_server_restart_is_waited_for_by_time_not_attempts():
     clock.now += 60
     with pytest.raises(wm.NotReadyError):
         request.after_error(not_ready)
+    # A request's failure at exactly restart_timeout_s from the first is its last (as before RestartWindow).
+    edge = RequestAttempts(policy, "GET /v1/sessions/s-000001", clock=clock)
+    edge.after_error(not_ready)
+    clock.now += policy.restart_timeout_s
+    with pytest.raises(wm.NotReadyError):
+        edge.after_error(not_ready)
     first = RequestAttempts(policy, "GET /v1/info", clock=clock, first_contact=True)
     for _ in range(policy.attempts - 1):
         first.after_error(not_ready)
