@@ -98,6 +98,8 @@ def _decode_with_bfloat16(data: bytes) -> dict[str, np.ndarray]:
     bfloat16 tensor as float32, exactly (a bfloat16 value is the high half of the float32 of the same value)."""
     (size,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + size])
+    if not isinstance(header, dict):  # valid JSON but no safetensors header ("[]", "5"): the same ValueError
+        raise ValueError(f"a safetensors header is a JSON object, not {type(header).__name__}")
     body = memoryview(data)[8 + size :]
     arrays = {}
     for name, entry in header.items():

@@ -3,7 +3,10 @@ what the caller has are trimmed, the payload codec, the retry waits."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
+
 import pytest
 import torch
 from safetensors.torch import load
@@ -100,6 +103,11 @@ def test_payloads_take_numpy_torch_and_bfloat16():
     widened = decode(bf16, "np")["latents"]
     assert widened.dtype == np.float32 and widened.shape == LATENTS.shape
     assert np.array_equal(widened, torch.from_numpy(LATENTS).to(torch.bfloat16).float().numpy())
+    # Bytes that are no safetensors file are one ValueError on the numpy path, whatever the bfloat16 fallback
+    # makes of them (too short for a header, not JSON, JSON that is no object).
+    for junk in (b"", b"\x01", b"not safetensors at all", struct.pack("<Q", 2) + b"[]", struct.pack("<Q", 1) + b"5"):
+        with pytest.raises(ValueError, match="cannot be read as numpy"):
+            decode(junk, "np")
 
 
 def test_retry_waits_grow_are_capped_and_honour_retry_after():
