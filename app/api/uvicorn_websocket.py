@@ -30,9 +30,10 @@ never let go: uvicorn's ping timeout, and the close timer after the server's own
 ``transport.close()``, which waits for the write buffer to drain, and the buffer of a peer that reads nothing
 never drains, so the connection was never lost, the route never told, and a stream held its session (never
 released: it is in use while a stream is attached) and its place in ``max_sessions`` for ever. Those two
-deadlines now drop what is still unsent (``transport.abort()``): the route sees the disconnect, the session is
-detached (``ws_reattach_grace_s``) as for any dropped client; and so does the server's shutdown, which otherwise
-waited ``timeout_graceful_shutdown`` more for such a connection after the drain had given up on it.
+deadlines now drop what is still unsent (``transport.abort()``) once the peer is seen reading nothing (its write
+buffer did not shrink for ``STUCK_CHECK_S``; a slow peer still reading is let finish): the route sees the
+disconnect, the session is detached (``ws_reattach_grace_s``) as for any dropped client; and so does the server's
+shutdown, which otherwise waited ``timeout_graceful_shutdown`` more for such a connection after the drain.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     message_timeout_s: float | None = None
     message_bytes = 0  # bytes since this connection's last whole message (what it added to the budget)
     _message_timer = None
+    # How long a peer past a missed deadline (ping, close, shutdown) with output still unsent gets to show that it
+    # reads (its write buffer shrinks) before that output and the connection are dropped.
+    STUCK_CHECK_S = 1.0
 
     @classmethod
     def configure(cls, max_write_buffer_bytes: int, budget=None, message_timeout_s: float | None = None) -> type:
@@ -148,21 +152,31 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._abort_if_stuck()
 
     def shutdown(self) -> None:
-        # The server stops after its drain gave every stream drain_timeout_s to close: output still stuck behind a
-        # peer that reads nothing would hold uvicorn's shutdown until timeout_graceful_shutdown (another
-        # drain_timeout_s + 5 s) for nothing.
+        # The server stops after its drain closed every stream (the close frame queued, not necessarily read):
+        # output still stuck behind a peer that reads nothing would hold uvicorn's shutdown until
+        # timeout_graceful_shutdown (another drain_timeout_s + 5 s) for nothing; a peer still reading its last units
+        # and the 1012 gets them (``_abort_if_stuck``).
         super().shutdown()
         self._abort_if_stuck()
 
-    def _abort_if_stuck(self) -> None:
+    def _abort_if_stuck(self, before: int | None = None) -> None:
         """Past a deadline the peer missed: ``transport.close()`` (which waits for the write buffer to drain) ends
-        nothing while output waits for a peer that does not read; drop that output and the connection."""
+        nothing while output waits for a peer that does not read; drop that output and the connection. A peer that
+        is still reading (the buffer shrank over ``STUCK_CHECK_S``: a slow link, a large unit) is let finish, as
+        ``transport.close()`` lets it: only one that reads nothing is cut."""
         transport = self.transport
-        if transport is not None and not self.disconnected and transport.get_write_buffer_size() > 0:
-            prefix = "%s:%d - " % self.client if self.client else ""
-            self.logger.info("%sWebSocket peer neither read %d bytes of output nor answered in time: connection "
-                             "dropped", prefix, transport.get_write_buffer_size())
-            transport.abort()
+        if transport is None or self.disconnected:
+            return
+        left = transport.get_write_buffer_size()
+        if left == 0:
+            return
+        if before is None or left < before:  # not seen stuck yet: look again in a moment
+            self.loop.call_later(self.STUCK_CHECK_S, self._abort_if_stuck, left)
+            return
+        prefix = "%s:%d - " % self.client if self.client else ""
+        self.logger.info("%sWebSocket peer neither read %d bytes of output nor answered in time: connection "
+                         "dropped", prefix, left)
+        transport.abort()
 
     def resume_writing(self) -> None:
         super().resume_writing()
