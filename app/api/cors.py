@@ -76,19 +76,23 @@ class CrossOrigin:
             await self.app(scope, receive, send)
 
     async def _refuse_http(self, scope, send) -> None:
+        headers, body = self._refusal(scope, f"a {scope.get('method')}", "send it")
+        await send({"type": "http.response.start", "status": 403, "headers": [*headers, (b"vary", b"Origin")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _refusal(self, scope, what: str, fix: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """The 403 ``origin_not_allowed`` answer's headers and body (``on_reject`` told) for ``what`` came from an
+        unlisted page."""
         origin = dict(scope.get("headers", ())).get(b"origin", b"").decode("latin-1")
         error = ApiError(
             "origin_not_allowed",
-            f"a {scope.get('method')} from a page on origin {origin!r}, which is not in this server's cors_origins; "
-            "add it to cors_origins (WM_REFINER_CORS_ORIGINS), or send it from an allowed origin",
+            f"{what} from a page on origin {origin!r}, which is not in this server's cors_origins; add it to "
+            f"cors_origins (WM_REFINER_CORS_ORIGINS), or {fix} from an allowed origin",
         )
         if self.on_reject is not None:
             self.on_reject(error)
         body = json.dumps(error.envelope()).encode()
-        await send({"type": "http.response.start", "status": 403, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"vary", b"Origin")]})
-        await send({"type": "http.response.body", "body": body})
+        return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], body
 
     def origin_allowed(self, scope) -> bool:
         """No `Origin` (a program), an allowed one, or this server's own (its /view page)."""
@@ -104,16 +108,7 @@ class CrossOrigin:
         return host is not None and urlsplit(origin_text).netloc == host.decode("latin-1").lower()
 
     async def _refuse(self, scope, send) -> None:
-        origin = dict(scope.get("headers", ())).get(b"origin", b"").decode("latin-1")
-        error = ApiError(
-            "origin_not_allowed",
-            f"WebSocket from a page on origin {origin!r}, which is not in this server's cors_origins; add it to "
-            "cors_origins (WM_REFINER_CORS_ORIGINS), or connect from an allowed origin",
-        )
-        if self.on_reject is not None:
-            self.on_reject(error)
-        body = json.dumps(error.envelope()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers, body = self._refusal(scope, "WebSocket", "connect")
         if "websocket.http.response" in scope.get("extensions", {}):
             await send({"type": "websocket.http.response.start", "status": 403, "headers": headers})
             await send({"type": "websocket.http.response.body", "body": body})
