@@ -134,8 +134,8 @@ class Settings(_SessionDefaults):
     cors_origins: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="origins (scheme://host[:port]) whose pages may call the API: CORS headers on HTTP answers, and "
-        "the allow-list for a WebSocket handshake's Origin (others: 403); comma-separated, '*' for any; unset: no "
-        "CORS headers and no Origin check",
+        "the allow-list for the Origin of a WebSocket handshake or of a request but GET/HEAD/OPTIONS (others: 403); "
+        "comma-separated, '*' for any; unset: no CORS headers and no Origin check",
     )
 
     @field_validator("cors_origins", mode="before")
