@@ -185,14 +185,11 @@ class RestartWindow:
     def _began(self) -> float | None:
         return self._carried if self._carried is not None else self._since
 
-    def spent(self, *, at_limit: bool = False) -> bool:
-        """Whether ``restart_timeout_s`` has passed since the restart began (``at_limit``: or has just been reached,
-        as a request has always counted it: its failure at exactly ``restart_timeout_s`` is the last)."""
+    def spent(self) -> bool:
+        """Whether ``restart_timeout_s`` has been reached since the restart began (a failure at exactly that time is
+        the last)."""
         began = self._began()
-        if began is None:
-            return False
-        elapsed = self.clock() - began
-        return elapsed >= self.policy.restart_timeout_s if at_limit else elapsed > self.policy.restart_timeout_s
+        return began is not None and self.clock() - began >= self.policy.restart_timeout_s
 
     def left(self) -> float:
         """Seconds of ``restart_timeout_s`` left (for the log line)."""
@@ -261,7 +258,7 @@ class RequestAttempts:
         if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= self.tries):
             raise TransportError(f"{self.what}: {cause[1]}", final=cause[0] in FINAL_CAUSES) from exc
         if never_sent and not self.first_contact:  # the server that answered before is down: a restart
-            if self.restart.count() and self.restart.spent(at_limit=True):
+            if self.restart.count() and self.restart.spent():
                 raise TransportError(f"{self.what}: the server was not back {self.policy.restart_timeout_s:.0f} s "
                                      f"after it went down (RetryPolicy.restart_timeout_s; last: "
                                      f"{type(exc).__name__}: {exc})") from exc
@@ -280,7 +277,7 @@ class RequestAttempts:
             raise error
         if isinstance(error, ServiceUnavailableError) and error.code in ("not_ready", "draining") \
                 and not self.first_contact:  # loading or warming up after a restart (or draining before one)
-            if self.restart.count() and self.restart.spent(at_limit=True):
+            if self.restart.count() and self.restart.spent():
                 raise error
         if self._spent():
             raise error
