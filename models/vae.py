@@ -33,7 +33,7 @@ import torch
 from diffusers import AutoencoderKLLTX2Video
 
 from .errors import ModelLoadError
-from .loading import pipeline_hint
+from .loading import VAE_CLASS, pipeline_hint
 
 # --- loading ---------------------------------------------------------------------------------------------------
 
@@ -62,13 +62,13 @@ def load_vae(path: str | Path, device: torch.device, dtype: torch.dtype, latent_
         raise ModelLoadError(
             f"VAE folder {str(folder)!r} has no config.json; pass a local folder in diffusers layout holding "
             "AutoencoderKLLTX2Video (`python -m app make-checkpoint --preset tiny-vae --out DIR` writes a test one)"
-            + pipeline_hint(folder, ("AutoencoderKLLTX2Video",))
+            + pipeline_hint(folder, (VAE_CLASS,))
         )
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from None
-    if config.get("_class_name") != "AutoencoderKLLTX2Video":
+    if config.get("_class_name") != VAE_CLASS:
         raise ModelLoadError(
             f"{config_path}: _class_name is {config.get('_class_name')!r}; the vae setting takes an "
             "AutoencoderKLLTX2Video folder (the LTX-2 video VAE SANA-WM decodes with)"
