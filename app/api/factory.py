@@ -94,10 +94,11 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         ApiKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS, on_reject=services.reject
     )
     app.add_middleware(HttpMetricsMiddleware, services=services)
-    app.add_middleware(ReplicaHeader, replica_id=settings.replica_id)
-    # Outermost: a preflight is answered before the API-key check, and every answer (errors too) gets the CORS
-    # headers; a WebSocket from a foreign origin is refused before anything else sees it (app.api.cors).
+    # A preflight is answered before the API-key check, and every answer (errors too) gets the CORS headers; a
+    # request or WebSocket from a foreign origin is refused before anything else sees it (app.api.cors).
     app.add_middleware(CrossOrigin, origins=settings.cors_origins, on_reject=services.reject)
+    # Outermost: every answer says its replica, the CORS refusals and preflights included.
+    app.add_middleware(ReplicaHeader, replica_id=settings.replica_id)
     return app
 
 

@@ -71,6 +71,7 @@ def test_a_websocket_from_another_origin_is_refused_with_403(client):
         assert denied.value.status_code == 403
         assert denied.value.json()["error"]["code"] == "origin_not_allowed"
         assert OTHER in denied.value.json()["error"]["message"]
+        assert "x-replica" in denied.value.headers
         # an allowed origin, this server's own (the view page) and a program (no Origin) are let through
         for headers in ({"origin": ALLOWED}, {"origin": "http://testserver"}, {}):
             with client.websocket_connect(path, headers={**AUTH, **headers}) as websocket:
@@ -108,6 +109,7 @@ def test_a_request_that_changes_something_from_another_origin_is_refused_before_
         assert response.status_code == 403, (method, path, response.text)
         assert response.json()["error"]["code"] == "origin_not_allowed"
         assert "access-control-allow-origin" not in response.headers
+        assert "x-replica" in response.headers  # which replica refused it, as for every answer
     assert client.get("/v1/sessions", headers=AUTH).json()["sessions"] == before
     assert client.get(f"/v1/sessions/{created}", headers=AUTH).json()["flushed"] is False
     assert client.get("/ready").status_code == 200
