@@ -3,9 +3,10 @@
 One line per refined block on stdout (its frames and latency, as the live view charts them); with ``--output`` the
 refined latents from the moment the watch began go to a safetensors file, with ``--video`` the session's video
 (row 0) to a fragmented .mp4 from the server's H.264 segments. It ends with the session's flush, or Ctrl-C (130),
-writing what it got either way; a drain of the session's replica (close 1012/1001) is ridden out (``_follow``). A watcher never slows a session: one that falls behind loses units (the server's
-``watch_queue_units``); the files then hold the frames before the gap, and the command ends with exit 2 saying so,
-rather than writing a clip with frames missing from its middle.
+writing what it got either way; a drain of the session's replica (close 1012/1001) is ridden out (``_follow``). A
+watcher never slows a session: one that falls behind loses units (the server's ``watch_queue_units``); the files
+then hold the frames before the gap, and the command ends with exit 2 saying so, rather than writing a clip with
+frames missing from its middle.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def watch_command(args: argparse.Namespace) -> int:
         interrupted = False
         gap: str | None = None
         blocks = 0
+        events = _follow(session, outputs or None, "h264" if args.video else None)
         try:
-            events = _follow(session, outputs or None, "h264" if args.video else None)
             print(f"watching session {session.id} (Ctrl-C to stop)", file=sys.stderr)
             for event in events:
                 if isinstance(event, DroppedEvent):
@@ -78,6 +79,7 @@ def watch_command(args: argparse.Namespace) -> int:
                 _write(args, latents, first, video)
             raise
         finally:
+            events.close()  # a gap's break: the watch's connection closes now
             if video is not None:
                 video.close()
     written = _write(args, latents, first, video)
