@@ -19,7 +19,6 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from ._common import (
-    warn_unreachable,
     CLOSE_TIMEOUT_S,
     WS_LOG,
     WS_MAX_SIZE,
@@ -37,6 +36,7 @@ from ._common import (
     resolve_api_key,
     resolve_url,
     session_path,
+    warn_unreachable,
     watch_query,
     ws_url,
 )

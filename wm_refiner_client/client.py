@@ -24,7 +24,6 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from ._common import (
-    warn_unreachable,
     CLOSE_TIMEOUT_S,
     WS_LOG,
     WS_MAX_SIZE,
@@ -43,6 +42,7 @@ from ._common import (
     resolve_url,
     response_error,
     session_path,
+    warn_unreachable,
     watch_query,
     ws_url,
 )
