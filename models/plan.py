@@ -54,8 +54,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if file.is_dir():
         file = file / "config.json"
     if not file.is_file():
-        raise ModelLoadError(f"{str(file)!r} does not exist; pass a refiner folder (with config.json) or its config.json"
-                             f"{pipeline_hint(file.parent, SUPPORTED_CLASSES)}")
+        raise ModelLoadError(f"{str(file)!r} does not exist; pass a refiner folder (with config.json) or its "
+                             f"config.json{pipeline_hint(file.parent, SUPPORTED_CLASSES)}")
     return read_config_file(file)
 
 

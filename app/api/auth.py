@@ -88,9 +88,9 @@ class ApiKeyMiddleware:
             await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION, "reason": "unauthorized"})
 
     def _authorized(self, scope) -> bool:
-        # One credential of each kind per request: Authorization is a singleton field (RFC 9110 11.6.2), and a request that
-        # carried many (headers, or bearer subprotocols on a WebSocket) tried that many keys at once: 2,000
-        # guesses fit in one request head under max_header_bytes.
+        # One credential of each kind per request: Authorization is a singleton field (RFC 9110 11.6.2), and a
+        # request that carried many (headers, or bearer subprotocols on a WebSocket) tried that many keys at once:
+        # 2,000 guesses fit in one request head under max_header_bytes.
         headers: list[bytes] = []
         keys: list[bytes] = []
         for name, value in scope.get("headers", ()):

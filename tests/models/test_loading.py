@@ -203,7 +203,8 @@ def test_a_whole_pipeline_release_names_the_subfolder_to_pass(tiny_dir, tmp_path
         "vae": ["diffusers", "AutoencoderKLLTX2Video"], "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}))
     refiner_hint = f"pass its 'transformer' subfolder, {str(release / 'transformer')!r}"
     vae_hint = f"pass its 'vae' subfolder, {str(release / 'vae')!r}"
-    for load, hint in ((lambda: load_refiner(release, "cpu"), refiner_hint), (lambda: read_config(release), refiner_hint),
+    for load, hint in ((lambda: load_refiner(release, "cpu"), refiner_hint),
+                       (lambda: read_config(release), refiner_hint),
                        (lambda: preflight(Settings(model=str(release), device="cpu")), refiner_hint),
                        (lambda: preflight(Settings(vae=str(release), device="cpu")), vae_hint),
                        (lambda: load_vae(release, torch.device("cpu"), torch.float32), vae_hint)):

@@ -297,8 +297,9 @@ class StreamConnection:
             return
         if len(command) > 1:  # nothing a client sends is ignored without a word: a key it meant did nothing
             others = ", ".join(repr(key) for key in sorted(command) if key != "type")
-            self._report(ApiError("invalid_payload", f"the flush takes no other key than \"type\" (got {others[:200]}); "
-                                  "send {\"type\": \"flush\"} alone (the session's fields are set when it is created)"))
+            self._report(ApiError(
+                "invalid_payload", f"the flush takes no other key than \"type\" (got {others[:200]}); send "
+                "{\"type\": \"flush\"} alone (the session's fields are set when it is created)"))
             return
         try:
             frames = await self.session.flush()
