@@ -75,45 +75,25 @@ def decode(data: bytes, return_tensors: ReturnTensors = "np") -> dict[str, Array
         from safetensors.torch import load
 
         return dict(load(bytes(data)))
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
+    from safetensors import SafetensorError, deserialize
 
     try:
-        return dict(load(bytes(data)))
+        # safetensors parses and checks the file; each tensor is then read as numpy, bfloat16 (which numpy lacks)
+        # widened to float32 exactly (a bfloat16 value is the high half of the float32 of the same value).
+        return {name: _as_numpy(view["dtype"], view["data"]).reshape(view["shape"]) for name, view in deserialize(data)}
     except (TypeError, ValueError, KeyError, SafetensorError) as exc:
-        try:
-            return _decode_with_bfloat16(bytes(data))
-        except (TypeError, ValueError, KeyError, struct.error):
-            pass
         raise ValueError(f"a response tensor cannot be read as numpy ({exc}); try return_tensors='pt'") from exc
 
 
-# safetensors dtypes as numpy reads them (little-endian); BF16, which numpy lacks, is widened to float32.
+# safetensors dtypes as numpy reads them (little-endian); BF16 is widened to float32 (``_as_numpy``).
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
                  "U8": "u1", "BOOL": "?"}
 
 
-def _decode_with_bfloat16(data: bytes) -> dict[str, np.ndarray]:
-    """A safetensors file holding bfloat16 tensors (a server with ``response_dtype: model``) as numpy arrays: each
-    bfloat16 tensor as float32, exactly (a bfloat16 value is the high half of the float32 of the same value)."""
-    (size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + size])
-    if not isinstance(header, dict):  # valid JSON but no safetensors header ("[]", "5"): the same ValueError
-        raise ValueError(f"a safetensors header is a JSON object, not {type(header).__name__}")
-    body = memoryview(data)[8 + size :]
-    arrays = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        raw = body[begin:end]
-        if entry["dtype"] == "BF16":
-            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
-            array = bits.view(np.float32)
-        else:
-            array = np.frombuffer(raw, dtype=_NUMPY_DTYPES[entry["dtype"]]).copy()
-        arrays[name] = array.reshape(entry["shape"])
-    return arrays
+def _as_numpy(dtype: str, data) -> np.ndarray:
+    if dtype == "BF16":
+        return (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(data, dtype=_NUMPY_DTYPES[dtype])
 
 
 ENCODED_FORMATS = tuple(FORMATS)
