@@ -45,7 +45,9 @@ ENV WM_REFINER_HOST=0.0.0.0 \
     WM_REFINER_PORT=8000 \
     WM_REFINER_CACHE_DIR=/cache
 EXPOSE 8000
-HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \
+# /ready: healthy once the model is loaded and warmed up. The start period covers the released refiner's start on a
+# GPU (weights, warm-up, compile_step: minutes); a success ends it early, so the tiny default is healthy in seconds.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=900s \
     CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2)"
 # SIGTERM starts the drain (stop admitting, finish in-flight blocks, save sessions if WM_REFINER_SNAPSHOT_DIR is
 # set, close streams with 1012 or 1001).
