@@ -160,3 +160,28 @@ def session_state(client, session_id: str) -> dict:
     state = response.json()
     state.pop("last_active_at")
     return state
+
+
+def raw_websocket(host: str, port: int, path: str, *, options: tuple[tuple[int, int], ...] = ()):
+    """A WebSocket opened by hand (the sans-I/O protocol of websockets over a plain socket), for a client that
+    misbehaves as no library lets one: never reads, floods pings. ``options``: (name, value) of ``SOL_SOCKET``
+    options set before it connects. Returns (the socket, the protocol)."""
+    import socket
+
+    from websockets.client import ClientProtocol
+    from websockets.uri import parse_uri
+
+    client = ClientProtocol(parse_uri(f"ws://{host}:{port}{path}"))
+    sock = socket.socket()
+    for name, value in options:
+        sock.setsockopt(socket.SOL_SOCKET, name, value)
+    sock.settimeout(DEADLINE_S)
+    sock.connect((host, port))
+    client.send_request(client.connect())
+    sock.sendall(b"".join(client.data_to_send()))
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 101"), head[:200]
+    client.receive_data(head)  # the 101 opens the client's side
+    return sock, client

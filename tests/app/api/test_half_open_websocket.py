@@ -9,10 +9,8 @@ import time
 
 import httpx
 import torch
-from websockets.client import ClientProtocol
-from websockets.uri import parse_uri
 
-from tests.app.conftest import DEADLINE_S, LiveServer, payload, wait_until
+from tests.app.conftest import DEADLINE_S, LiveServer, payload, raw_websocket, wait_until
 
 
 async def _write_buffers(server) -> list[int]:
@@ -24,18 +22,8 @@ async def _write_buffers(server) -> list[int]:
 
 def _half_open_stream(port: int, session_id: str, message: bytes) -> socket.socket:
     """Open the stream, send one message, then never read (a tiny receive buffer, so the output backs up)."""
-    client = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/v1/sessions/{session_id}/stream"))
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.settimeout(DEADLINE_S)
-    client.send_request(client.connect())
-    sock.sendall(b"".join(client.data_to_send()))
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += sock.recv(1)
-    assert head.startswith(b"HTTP/1.1 101"), head[:200]
-    client.receive_data(head)
+    sock, client = raw_websocket("127.0.0.1", port, f"/v1/sessions/{session_id}/stream",
+                                 options=((socket.SO_RCVBUF, 4096),))
     client.send_binary(message)
     sock.sendall(b"".join(client.data_to_send()))
     return sock

@@ -16,7 +16,7 @@ import torch
 
 from app.sessions.views import Spilled
 
-from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, payload, running_app, wait_until
+from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, payload, raw_websocket, running_app, wait_until
 
 
 async def _thread_ident() -> int:
@@ -100,20 +100,9 @@ def _ping_flood(base_url: str, path: str, total_bytes: int, give_up_s: float):
     import socket
     from urllib.parse import urlparse
 
-    from websockets.client import ClientProtocol
-    from websockets.uri import parse_uri
-
     address = urlparse(base_url)
-    client = ClientProtocol(parse_uri(f"ws://{address.hostname}:{address.port}{path}"))
-    sock = socket.create_connection((address.hostname, address.port), timeout=DEADLINE_S)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)  # what the kernel holds counts little
-    client.send_request(client.connect())
-    sock.sendall(b"".join(client.data_to_send()))
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += sock.recv(4096)
-    assert head.startswith(b"HTTP/1.1 101"), head[:200]
-    client.receive_data(head)  # the 101 opens the client's side
+    # A small send buffer: what the kernel holds counts little.
+    sock, client = raw_websocket(address.hostname, address.port, path, options=((socket.SO_SNDBUF, 64 * 1024),))
     for _ in range(1000):
         client.send_ping(b"p" * 125)  # the largest control frame: each one's pong is 127 bytes
     burst = b"".join(client.data_to_send())
