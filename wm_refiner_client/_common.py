@@ -188,6 +188,20 @@ class SessionState:
         )
 
 
+def resumed_frames(state: SessionState, frames_returned: int | None) -> int:
+    """Where a handle from ``get_session`` starts its units: the caller's own count of refined frames it holds
+    (``frames_returned``), else the server's. The caller cannot hold more than the server returned."""
+    if frames_returned is None:
+        return state.frames_returned
+    if isinstance(frames_returned, bool) or not isinstance(frames_returned, int) or frames_returned < 0:
+        raise ValueError(f"frames_returned must be an integer >= 0 (the refined frames you hold), "
+                         f"got {frames_returned!r}")
+    if frames_returned > state.frames_returned:
+        raise ValueError(f"frames_returned={frames_returned}, but session {state.session_id} has returned only "
+                         f"{state.frames_returned} frames: pass the last frame_end you received")
+    return frames_returned
+
+
 def warn_unreachable(unreachable: Iterable[str]) -> None:
     """Behind a router with ``peers``, a listing names the replicas that gave none (``unreachable``): their sessions
     are missing from it, which a caller (and ``python -m app sessions``) is told rather than shown a short list."""

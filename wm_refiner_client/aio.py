@@ -35,6 +35,7 @@ from ._common import (
     refine_query,
     resolve_api_key,
     resolve_url,
+    resumed_frames,
     session_path,
     warn_unreachable,
     watch_query,
@@ -121,11 +122,13 @@ class AsyncClient:
             return AsyncSession(self, data["session_id"], data["config"], next_seq=0)
         return await self.get_session(data["session_id"])
 
-    async def get_session(self, id: str) -> AsyncSession:
-        """A handle on an existing session, continuing from where it stands."""
+    async def get_session(self, id: str, *, frames_returned: int | None = None) -> AsyncSession:
+        """A handle on an existing session, continuing from where it stands (``frames_returned``: the refined
+        frames the caller already holds; see ``Client.get_session``)."""
         state = SessionState.from_json((await self._request("GET", session_path(id), session_id=id)).json())
         return AsyncSession(self, state.session_id, state.config, next_seq=state.next_seq,
-                            frames_returned=state.frames_returned, video_frames_returned=state.video_frames_returned)
+                            frames_returned=resumed_frames(state, frames_returned),
+                            video_frames_returned=state.video_frames_returned if frames_returned is None else 0)
 
     async def delete_session(self, id: str) -> None:
         """``DELETE /v1/sessions/{id}``."""

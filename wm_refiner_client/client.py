@@ -41,6 +41,7 @@ from ._common import (
     resolve_api_key,
     resolve_url,
     response_error,
+    resumed_frames,
     session_path,
     warn_unreachable,
     watch_query,
@@ -185,12 +186,18 @@ class Client:
             return Session(self, data["session_id"], data["config"], next_seq=0)
         return self.get_session(data["session_id"])
 
-    def get_session(self, id: str) -> Session:
+    def get_session(self, id: str, *, frames_returned: int | None = None) -> Session:
         """A handle on an existing session, continuing from where it stands (``SessionNotFoundError`` /
-        ``SessionEvictedError`` otherwise)."""
+        ``SessionEvictedError`` otherwise).
+
+        ``frames_returned``: the refined frames the caller already holds (a program that stopped mid-stream: the
+        last ``frame_end`` it kept). Its ``stream(..., from_session_start=True)`` then gets the server's units again
+        from that frame (as far as the server still retains them). Without it the handle starts at the server's
+        ``frames_returned``, which counts units sent to a connection that was gone: those are not sent again."""
         state = SessionState.from_json(self._request("GET", session_path(id), session_id=id).json())
         return Session(self, state.session_id, state.config, next_seq=state.next_seq,
-                       frames_returned=state.frames_returned, video_frames_returned=state.video_frames_returned)
+                       frames_returned=resumed_frames(state, frames_returned),
+                       video_frames_returned=state.video_frames_returned if frames_returned is None else 0)
 
     def delete_session(self, id: str) -> None:
         """``DELETE /v1/sessions/{id}``: end it and free its cache."""

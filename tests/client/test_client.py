@@ -112,6 +112,54 @@ def test_async_client_http_and_stream(server, reference):
     assert np.array_equal(concat(streamed), reference)
 
 
+def test_a_cancelled_async_stream_continues_from_the_frames_the_caller_kept(server, reference):
+    """A program cancelled mid-stream kept fewer frames than the server returned (units went to a connection that
+    was gone): ``get_session(id, frames_returned=K)`` gets them again, so the clip comes out whole, bit for bit."""
+
+    async def run():
+        async with AsyncClient(server.base_url) as client:
+            session = await client.create_session()
+            kept: list = []
+            never = asyncio.Event()
+
+            async def source():
+                yield LATENTS[:, :, :8]
+                await never.wait()  # a live source that has nothing more yet
+
+            async def consume():
+                async for unit in session.stream(source(), prompt=PROMPT, prompt_mask=MASK):
+                    kept.append(unit)
+                    if len(kept) == 1:
+                        await never.wait()  # the program is busy when it is cancelled
+
+            task = asyncio.create_task(consume())
+            while not kept:
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            held = kept[-1].frame_end
+            for _ in range(500):
+                state = await session.state()
+                if state.frames_returned == 7 and not state.streaming:
+                    break
+                await asyncio.sleep(0.02)
+            assert (held, state.frames_returned) == (1, 7)  # the sink kept; blocks [1, 4) and [4, 7) were sent
+            assert (await client.get_session(session.id)).frames_returned == 7  # the server's count: a gap
+            with pytest.raises(ValueError, match="returned only 7"):
+                await client.get_session(session.id, frames_returned=8)
+            again = await client.get_session(session.id, frames_returned=held)
+            rest = [unit async for unit in again.stream([LATENTS], prompt=PROMPT, prompt_mask=MASK,
+                                                        from_session_start=True)]
+            return kept, rest
+
+    kept, rest = asyncio.run(run())
+    assert [(unit.frame_start, unit.frame_end) for unit in rest][:2] == [(1, 4), (4, 7)]
+    assert np.array_equal(concat(kept + rest), reference)
+    with Client(server.base_url) as client:
+        assert client.get_session(client.create_session().id, frames_returned=0).frames_returned == 0
+
+
 def test_sessions_info_state_watch_and_delete(server):
     with Client(server.base_url) as client:
         info = client.info()
