@@ -353,9 +353,11 @@ class Settings(_SessionDefaults):
     warmup_prompt_tokens: PositiveInt = 8
     warmup_geometries: Annotated[tuple[tuple[PositiveInt, PositiveInt], ...], NoDecode] = Field(
         default=(),
-        description="more latent sizes (height x width, e.g. 15x26,22x40) that compile_step compiles before "
-        "/ready, besides warmup_height x warmup_width; once ready, a stream of a size not compiled runs eagerly "
-        "(counted in refiner_uncompiled_model_calls) rather than compiling while other sessions wait",
+        description="more latent sizes (height x width, e.g. 15x26,22x40) warmed up before /ready besides "
+        "warmup_height x warmup_width: their batching classes probed (batching: auto/true) and, with "
+        "compile_step, compiled; once ready, a stream of a size not listed is probed when first seen (holding the "
+        "engine) and runs eagerly (counted in refiner_uncompiled_model_calls) rather than compiling while other "
+        "sessions wait",
     )
 
     @field_validator("warmup_geometries", mode="before")

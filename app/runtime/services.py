@@ -270,8 +270,8 @@ class Services:
         max_rows = min(settings.max_batch_rows, 2 if refiner.device.type == "cuda" else 8)
         defaults = settings.session_defaults()
 
-        def shape(frames: int) -> ProbeShape:
-            return ProbeShape(settings.warmup_height, settings.warmup_width, frames, settings.warmup_prompt_tokens)
+        def shape(frames: int, height: int = settings.warmup_height, width: int = settings.warmup_width) -> ProbeShape:
+            return ProbeShape(height, width, frames, settings.warmup_prompt_tokens)
 
         def start_probing():  # on the engine thread: no idle-time probe can come between the two lines
             policy.prober = lambda shape: probe_batch_invariance(
@@ -280,14 +280,17 @@ class Services:
             return policy.probe(shape(defaults.block_size))
 
         await self.engine.call(start_probing)
-        # Every other class a session of the warm-up's size meets: its sink's forward and a short last block (a
-        # flush) of each length, each a class of its own (tokens per row). Probed now, one engine call each (other
-        # sessions' forwards come between them when the server is ready already, `warmup: false`), so that none is
-        # probed, holding the engine, when the first client's sink or flush meets it.
-        for frames in sorted({defaults.sink_frames, *range(1, defaults.block_size)} - {defaults.block_size}):
-            # (One the engine probed meanwhile, idle between these calls, is not probed again.)
-            await self.engine.call(
-                lambda frames=frames: None if policy.probed(shape(frames)) else policy.probe(shape(frames)))
+        # Every other class a session of the warm-up's sizes (warmup_height x warmup_width, then warmup_geometries)
+        # meets: its blocks, its sink's forward and a short last block (a flush) of each length, each a class of its
+        # own (tokens per row). Probed now, one engine call each (other sessions' forwards come between them when
+        # the server is ready already, `warmup: false`), so that none is probed, holding the engine, when the first
+        # client's block, sink or flush at a listed size meets it.
+        frames_per_call = sorted({defaults.block_size, defaults.sink_frames, *range(1, defaults.block_size)})
+        for height, width in settings.compile_geometries():
+            for frames in frames_per_call:
+                # (One the engine probed meanwhile, idle between these calls, is not probed again.)
+                probe = shape(frames, height, width)
+                await self.engine.call(lambda probe=probe: None if policy.probed(probe) else policy.probe(probe))
 
     async def drain(self) -> dict[str, Any]:
         """Stop admitting, finish in-flight blocks, save the sessions, close streams cleanly. Idempotent: later

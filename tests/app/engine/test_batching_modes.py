@@ -81,6 +81,16 @@ def test_every_class_of_the_warm_up_size_is_probed_before_ready(make_settings):
     assert all(c["invariant"] is True for c in classes), classes
 
 
+def test_every_class_of_each_listed_warm_up_size_is_probed_before_ready(make_settings):
+    """warmup_geometries warms up more latent sizes than warmup_height x warmup_width: each one's classes are probed
+    before /ready too (8x8: blocks of 3 are 192 tokens per row, its sink and short blocks 64 and 128), so a
+    real-time client streaming at a listed size never has its first blocks held by a probe."""
+    with running_app(make_settings(warmup_geometries="8x8")) as client:
+        classes = engine_info(client)["batch_classes"]
+    assert sorted(c["tokens_per_row"] for c in classes) == [16, 32, 48, 64, 128, 192], classes
+    assert all(c["invariant"] is True for c in classes), classes
+
+
 def test_without_the_warm_up_it_is_ready_at_once_and_batches_once_the_probe_passed(make_settings):
     """``warmup: false`` means ready without waiting: the probe then runs after, and calls hold one session until it
     has passed."""
