@@ -125,6 +125,45 @@ def response_error(status: int, content: bytes, headers: Mapping[str, str]) -> A
     return error_from(status, body, parse_retry_after(headers.get("retry-after")))
 
 
+def json_answer(response: Any, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
+    """The JSON object of a successful answer to ``what`` (``"GET /v1/info"``), with the ``required`` fields;
+    ``ProtocolError`` naming what is wrong otherwise (a body that is not JSON: most often another server at that
+    address, or a proxy's page), rather than a bare ``JSONDecodeError`` or ``KeyError``."""
+    content = response.content
+    try:
+        data = json.loads(content)
+    except ValueError:
+        kind = response.headers.get("content-type") or "no content type"
+        raise ProtocolError(f"{what}: the server answered {response.status_code} with a body that is not JSON "
+                            f"({kind}, {len(content)} bytes: {content[:120]!r}); is this a wm-refiner server (the "
+                            "address: --server, $WM_REFINER_URL)?") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{what}: the server answered a JSON {type(data).__name__}, not an object: "
+                            f"{content[:120]!r}")
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ProtocolError(f"{what}: the server's answer lacks {', '.join(missing)} (got the fields "
+                            f"{sorted(data)[:20]})")
+    return data
+
+
+def redirect_error(response: Any, what: str) -> ProtocolError:
+    """A 3xx: the service never redirects, and the client follows no redirect (a credential or a chunk sent on to
+    another host, a loop): the address is most likely a proxy's or a wrong path."""
+    where = response.headers.get("location") or "nowhere"
+    return ProtocolError(f"{what}: the server answered {response.status_code}, a redirect to {where}; the client "
+                         "follows no redirects: give the service's own address (--server, $WM_REFINER_URL)")
+
+
+def from_answer(cls: Any, data: Any, what: str) -> Any:
+    """``cls.from_json(data)``; ``ProtocolError`` when ``data`` lacks a field or has one of the wrong kind."""
+    try:
+        return cls.from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(f"{what}: the server's answer is not a {cls.__name__} ({type(exc).__name__}: {exc}): "
+                            f"{json.dumps(data, default=str)[:200]}") from None
+
+
 def event_error(event: Mapping[str, Any]) -> APIError:
     """The typed error of a WebSocket ``{"type": "error", "error": {...}}`` event."""
     error = event.get("error") or {}

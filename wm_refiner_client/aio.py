@@ -19,6 +19,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from ._common import (
+    json_answer,
     CLOSE_TIMEOUT_S,
     WS_LOG,
     WS_MAX_SIZE,
@@ -41,7 +42,7 @@ from ._common import (
     watch_query,
     ws_url,
 )
-from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error
+from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error, session_state, sessions_page
 from .errors import APIError, TransportError
 from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol, connect_failure
 from .retry import RetryPolicy
@@ -78,7 +79,7 @@ class AsyncClient:
     # --- the server --------------------------------------------------------------------------------------------
     async def info(self) -> dict[str, Any]:
         """``GET /v1/info``."""
-        return (await self._request("GET", "/v1/info")).json()
+        return json_answer(await self._request("GET", "/v1/info"), "GET /v1/info")
 
     async def ready(self) -> bool:
         """Whether ``/ready`` answers 200; never raises on a 503."""
@@ -97,8 +98,9 @@ class AsyncClient:
             params: dict[str, Any] = {"limit": page_size}
             if after is not None:
                 params["after"] = after
-            page = (await self._request("GET", "/v1/sessions", params=params)).json()
-            found.extend(SessionSummary.from_json(item) for item in page["sessions"])
+            page = json_answer(await self._request("GET", "/v1/sessions", params=params), "GET /v1/sessions",
+                               ("sessions",))
+            found.extend(sessions_page(page))
             unreachable.extend(page.get("unreachable") or ())
             after = page.get("next")
             if after is None:
@@ -109,7 +111,7 @@ class AsyncClient:
     async def create_session(self, **config: Any) -> AsyncSession:
         """``POST /v1/sessions`` (see ``Client.create_session``)."""
         response = await self._request("POST", "/v1/sessions", json=check_config(config), idempotent=False)
-        data = response.json()
+        data = json_answer(response, "POST /v1/sessions", ("session_id", "config"))
         self._replicas.served(data["session_id"], response.headers.get("x-replica"))
         return AsyncSession(self, data["session_id"], data["config"], next_seq=0)
 
@@ -117,7 +119,7 @@ class AsyncClient:
         """``PUT /v1/sessions/{id}`` (see ``Client.session``)."""
         response = await self._request("PUT", session_path(check_session_id(id)), json=check_config(config),
                                        session_id=id)
-        data = response.json()
+        data = json_answer(response, f"PUT /v1/sessions/{id}", ("session_id", "config"))
         if response.status_code == 201:
             return AsyncSession(self, data["session_id"], data["config"], next_seq=0)
         return await self.get_session(data["session_id"])
@@ -125,7 +127,7 @@ class AsyncClient:
     async def get_session(self, id: str, *, frames_returned: int | None = None) -> AsyncSession:
         """A handle on an existing session, continuing from where it stands (``frames_returned``: the refined
         frames the caller already holds; see ``Client.get_session``)."""
-        state = SessionState.from_json((await self._request("GET", session_path(id), session_id=id)).json())
+        state = session_state(await self._request("GET", session_path(id), session_id=id), id)
         return AsyncSession(self, state.session_id, state.config, next_seq=state.next_seq,
                             frames_returned=resumed_frames(state, frames_returned),
                             video_frames_returned=state.video_frames_returned if frames_returned is None else 0)
@@ -269,8 +271,8 @@ class AsyncSession:
 
     async def state(self) -> SessionState:
         """``GET /v1/sessions/{id}``."""
-        return SessionState.from_json((await self.client._request("GET", session_path(self.id),
-                                                                  session_id=self.id)).json())
+        return session_state(await self.client._request("GET", session_path(self.id), session_id=self.id),
+                             self.id)
 
     async def delete(self) -> None:
         await self.client.delete_session(self.id)

@@ -36,6 +36,9 @@ from ._common import (
     check_config,
     event_error,
     check_session_id,
+    from_answer,
+    json_answer,
+    redirect_error,
     parse_event,
     refine_query,
     resolve_api_key,
@@ -47,7 +50,7 @@ from ._common import (
     watch_query,
     ws_url,
 )
-from .errors import APIError, SessionNotFoundError, TransportError
+from .errors import APIError, ProtocolError, SessionNotFoundError, TransportError
 from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol, connect_failure
 from .retry import RetryPolicy
 from .units import Array, EncodedVideo, ReturnTensors, Unit, concat, encode
@@ -87,6 +90,8 @@ class Replicas:
         (its replica remembered for the session); else the seconds to wait before trying again, or the typed error
         raised when it is final (a 404 that ends the retries also forgets the session's replica)."""
         replica = response.headers.get("x-replica")
+        if 300 <= response.status_code < 400:
+            raise redirect_error(response, attempts.what)
         if response.status_code < 400:
             if session_id is not None:
                 self.served(session_id, replica)
@@ -136,7 +141,7 @@ class Client:
     # --- the server --------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         """``GET /v1/info``: the model, the default session config, the limits (per request and per session)."""
-        return self._request("GET", "/v1/info").json()
+        return json_answer(self._request("GET", "/v1/info"), "GET /v1/info")
 
     def ready(self) -> bool:
         """Whether ``/ready`` answers 200 (model loaded and warmed up, not draining); never raises on a 503."""
@@ -155,8 +160,8 @@ class Client:
             params: dict[str, Any] = {"limit": page_size}
             if after is not None:
                 params["after"] = after
-            page = self._request("GET", "/v1/sessions", params=params).json()
-            found.extend(SessionSummary.from_json(item) for item in page["sessions"])
+            page = json_answer(self._request("GET", "/v1/sessions", params=params), "GET /v1/sessions", ("sessions",))
+            found.extend(sessions_page(page))
             unreachable.extend(page.get("unreachable") or ())
             after = page.get("next")
             if after is None:
@@ -172,7 +177,7 @@ class Client:
         body = check_config(config)
         # Not idempotent: retried only when the request provably never arrived (or was refused with a 503).
         response = self._request("POST", "/v1/sessions", json=body, idempotent=False)
-        data = response.json()
+        data = json_answer(response, "POST /v1/sessions", ("session_id", "config"))
         self._replicas.served(data["session_id"], response.headers.get("x-replica"))
         return Session(self, data["session_id"], data["config"], next_seq=0)
 
@@ -181,7 +186,7 @@ class Client:
         unless it already exists with the same config (a safe retry; another config is ``SessionExistsError``)."""
         body = check_config(config)
         response = self._request("PUT", session_path(check_session_id(id)), json=body, session_id=id)
-        data = response.json()
+        data = json_answer(response, f"PUT /v1/sessions/{id}", ("session_id", "config"))
         if response.status_code == 201:
             return Session(self, data["session_id"], data["config"], next_seq=0)
         return self.get_session(data["session_id"])
@@ -194,7 +199,7 @@ class Client:
         last ``frame_end`` it kept). Its ``stream(..., from_session_start=True)`` then gets the server's units again
         from that frame (as far as the server still retains them). Without it the handle starts at the server's
         ``frames_returned``, which counts units sent to a connection that was gone: those are not sent again."""
-        state = SessionState.from_json(self._request("GET", session_path(id), session_id=id).json())
+        state = session_state(self._request("GET", session_path(id), session_id=id), id)
         return Session(self, state.session_id, state.config, next_seq=state.next_seq,
                        frames_returned=resumed_frames(state, frames_returned),
                        video_frames_returned=state.video_frames_returned if frames_returned is None else 0)
@@ -252,6 +257,20 @@ class Client:
             raise connect_failure(f"WebSocket {path}", exc, self.base_url, not self._reached) from exc
         self._reached = True
         return ws
+
+
+def session_state(response: httpx.Response, session_id: str) -> SessionState:
+    """``GET /v1/sessions/{id}``'s answer; ``ProtocolError`` for one that is not a session's state."""
+    what = f"GET /v1/sessions/{session_id}"
+    return from_answer(SessionState, json_answer(response, what), what)
+
+
+def sessions_page(page: dict[str, Any]) -> list[SessionSummary]:
+    """The sessions of one page of ``GET /v1/sessions``; ``ProtocolError`` for a page that is not a listing."""
+    items = page["sessions"]
+    if not isinstance(items, list):
+        raise ProtocolError(f"GET /v1/sessions: 'sessions' is a {type(items).__name__}, not a list")
+    return [from_answer(SessionSummary, item, "GET /v1/sessions") for item in items]
 
 
 def handshake_error(exc: InvalidStatus) -> APIError:
@@ -378,7 +397,7 @@ class Session:
     # --- state -------------------------------------------------------------------------------------------------
     def state(self) -> SessionState:
         """``GET /v1/sessions/{id}``."""
-        return SessionState.from_json(self.client._request("GET", session_path(self.id), session_id=self.id).json())
+        return session_state(self.client._request("GET", session_path(self.id), session_id=self.id), self.id)
 
     def delete(self) -> None:
         """``DELETE /v1/sessions/{id}``."""
