@@ -42,7 +42,7 @@ from ._common import (
     watch_query,
     ws_url,
 )
-from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error, session_state, sessions_page
+from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error, next_cursor, session_state, sessions_page
 from .errors import APIError, TransportError
 from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol, connect_failure
 from .retry import RetryPolicy
@@ -94,6 +94,7 @@ class AsyncClient:
         found: list[SessionSummary] = []
         unreachable: list[str] = []
         after: str | None = None
+        seen: set[str] = set()  # the cursors followed: a server repeating one would loop for ever
         while True:
             params: dict[str, Any] = {"limit": page_size}
             if after is not None:
@@ -102,7 +103,7 @@ class AsyncClient:
                                ("sessions",))
             found.extend(sessions_page(page))
             unreachable.extend(page.get("unreachable") or ())
-            after = page.get("next")
+            after = next_cursor(page, seen)
             if after is None:
                 warn_unreachable(unreachable)  # replicas whose sessions are missing: said, not silently left out
                 return found

@@ -156,6 +156,7 @@ class Client:
         found: list[SessionSummary] = []
         unreachable: list[str] = []
         after: str | None = None
+        seen: set[str] = set()  # the cursors followed: a server repeating one would loop for ever
         while True:
             params: dict[str, Any] = {"limit": page_size}
             if after is not None:
@@ -163,7 +164,7 @@ class Client:
             page = json_answer(self._request("GET", "/v1/sessions", params=params), "GET /v1/sessions", ("sessions",))
             found.extend(sessions_page(page))
             unreachable.extend(page.get("unreachable") or ())
-            after = page.get("next")
+            after = next_cursor(page, seen)
             if after is None:
                 warn_unreachable(unreachable)  # replicas whose sessions are missing: said, not silently left out
                 return found
@@ -263,6 +264,19 @@ def session_state(response: httpx.Response, session_id: str) -> SessionState:
     """``GET /v1/sessions/{id}``'s answer; ``ProtocolError`` for one that is not a session's state."""
     what = f"GET /v1/sessions/{session_id}"
     return from_answer(SessionState, json_answer(response, what), what)
+
+
+def next_cursor(page: dict[str, Any], seen: set[str]) -> str | None:
+    """The ``next`` cursor of a listing page, None after the last; ``ProtocolError`` for a cursor the listing gave
+    before (a server whose pages cycle would keep the client paging, and its list growing, for ever)."""
+    after = page.get("next")
+    if after is None:
+        return None
+    if not isinstance(after, str) or after in seen:
+        raise ProtocolError(f"GET /v1/sessions: the server's next page cursor {str(after)[:80]!r} "
+                            + ("was given before: its pages cycle" if after in seen else "is not a string"))
+    seen.add(after)
+    return after
 
 
 def sessions_page(page: dict[str, Any]) -> list[SessionSummary]:

@@ -97,3 +97,19 @@ def test_an_answer_that_is_not_the_services_is_a_protocol_error(answer, op, said
     with FakeHTTP(lambda method, path: answer) as fake:
         for message in both(fake.url, calls[op]):
             assert said in message
+
+
+@pytest.mark.parametrize("cursors", [["same"], ["a", "b", "c", "a"]])
+def test_a_listing_whose_pages_cycle_ends_with_a_protocol_error(cursors):
+    """GET /v1/sessions whose ``next`` repeats (or cycles) would page for ever, the list growing."""
+    state = {"page": 0}
+
+    def answer(method, path):
+        cursor = cursors[state["page"] % len(cursors)]
+        state["page"] += 1
+        return 200, JSON, {"sessions": [{"session_id": SID}], "next": cursor}
+
+    with FakeHTTP(answer) as fake:
+        for message in both(fake.url, lambda c: c.sessions()):
+            assert "was given before" in message
+        assert len(fake.requests) <= 2 * (len(cursors) + 1)
