@@ -28,6 +28,7 @@ from typing import Any, Iterable, Literal, Mapping, Union
 
 import numpy as np
 
+from .errors import ProtocolError
 from .formats import FORMATS
 
 ReturnTensors = Literal["np", "pt"]
@@ -293,16 +294,37 @@ class Unit:
     @classmethod
     def from_payload(cls, data: bytes, return_tensors: ReturnTensors = "np", replayed: bool = False,
                      decode_video: bool = False) -> Unit:
-        """``decode_video``: encoded video decoded into ``video`` (uint8 (B, F, H, W, 3)) right away."""
+        """``decode_video``: encoded video decoded into ``video`` (uint8 (B, F, H, W, 3)) right away. A payload that is
+        not a unit (not safetensors, truncated, absurd shapes, frame numbers that are not numbers or that disagree
+        with its latents) is a ``ProtocolError`` naming what is wrong."""
+        try:
+            unit = cls._from_payload(data, return_tensors, replayed)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # safetensors' and numpy's own errors: the server sent something that is no unit
+            raise ProtocolError(f"the server sent a unit this client cannot read ({len(data)} bytes: "
+                                f"{type(exc).__name__}: {exc})") from exc
+        frames = unit.frame_end - unit.frame_start
+        latents = unit.latents
+        if frames < 0 or unit.frame_start < 0:
+            raise ProtocolError(f"the server sent a unit of frames [{unit.frame_start}, {unit.frame_end})")
+        if latents is not None and len(latents.shape) == 5 and int(latents.shape[2]) != frames:
+            raise ProtocolError(f"the server sent a unit of frames [{unit.frame_start}, {unit.frame_end}) whose "
+                                f"latents hold {int(latents.shape[2])} frames")
+        return unit.decode_video() if decode_video and unit.encoded_video is not None else unit
+
+    @classmethod
+    def _from_payload(cls, data: bytes, return_tensors: ReturnTensors, replayed: bool) -> Unit:
         metadata = read_metadata(data)
         tensors = decode(data, return_tensors)
         if "frame_start" not in metadata or "frame_end" not in metadata:
-            raise ValueError(f"a unit without frame_start/frame_end metadata (got {sorted(metadata)})")
+            raise ProtocolError(f"the server sent a unit without frame_start/frame_end metadata (got "
+                                f"{sorted(metadata)})")
 
         def number(name: str, kind=int):
             return kind(metadata[name]) if name in metadata else None
 
-        unit = cls(
+        return cls(
             frame_start=int(metadata["frame_start"]),
             frame_end=int(metadata["frame_end"]),
             payloads=payloads_of(tensors, metadata),
@@ -314,7 +336,6 @@ class Unit:
             metadata=metadata,
             video_error=metadata.get("video_error"),
         )
-        return unit.decode_video() if decode_video and unit.encoded_video is not None else unit
 
     def decode_video(self) -> Unit:
         """This unit with ``video`` holding its encoded video's frames, uint8 (B, F, H, W, 3) RGB (numpy, or torch

@@ -113,3 +113,47 @@ def test_a_listing_whose_pages_cycle_ends_with_a_protocol_error(cursors):
         for message in both(fake.url, lambda c: c.sessions()):
             assert "was given before" in message
         assert len(fake.requests) <= 2 * (len(cursors) + 1)
+
+
+def _safetensors(metadata, tensors):
+    """safetensors bytes written by hand (shapes that do not match the data included)."""
+    import struct
+
+    header, offset, blobs = {"__metadata__": metadata}, 0, []
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        blobs.append(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
+
+
+FLOATS = b"\0" * 16  # four float32 zeros
+BAD_UNITS = {
+    "truncated": _safetensors({"frame_start": "0", "frame_end": "4"}, {"latents": ("F32", [1, 1, 4, 1, 1], FLOATS)})[:-6],
+    "absurd shape": _safetensors({"frame_start": "0", "frame_end": "4"},
+                                 {"latents": ("F32", [1 << 20, 1 << 20, 4, 1, 1], FLOATS)}),
+    "header of 2^40 bytes": (1 << 40).to_bytes(8, "little") + b"{}",
+    "not safetensors": b"<html>oops</html>",
+    "no frame metadata": _safetensors({}, {"latents": ("F32", [1, 1, 4, 1, 1], FLOATS)}),
+    "frame_start not a number": _safetensors({"frame_start": "zero", "frame_end": "4"},
+                                             {"latents": ("F32", [1, 1, 4, 1, 1], FLOATS)}),
+    "frames disagree with latents": _safetensors({"frame_start": "0", "frame_end": "9"},
+                                                 {"latents": ("F32", [1, 1, 4, 1, 1], FLOATS)}),
+    "frames backwards": _safetensors({"frame_start": "4", "frame_end": "0"}, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_UNITS))
+def test_a_unit_that_cannot_be_read_is_a_protocol_error(name):
+    """POST /v1/refine (the same reader serves chunks, streams and watchers) answered 200 with a broken unit."""
+    import numpy as np
+
+    def answer(method, path):
+        return 200, {"content-type": "application/octet-stream"}, BAD_UNITS[name]
+
+    clip = np.zeros((1, 1, 4, 1, 1), np.float32)
+    with FakeHTTP(answer) as fake:
+        for message in both(fake.url, lambda c: c.refine(clip, np.zeros((1, 1, 2), np.float32))):
+            assert "the server sent a unit" in message
