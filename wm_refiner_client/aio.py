@@ -334,9 +334,13 @@ class AsyncStream(AsyncIterator[Unit]):
                 sender: asyncio.Task | None = None
                 try:
                     try:
-                        first = await ws.recv()
+                        first = await asyncio.wait_for(ws.recv(), client.timeout)
                     except ConnectionClosed as exc:
                         protocol.failed(TransportError(f"the stream closed before the session event ({exc})"))
+                        continue
+                    except asyncio.TimeoutError:  # see Stream._run: a server silent after the handshake is stuck
+                        protocol.failed(TransportError(f"no session event within {client.timeout:g} s of "
+                                                       "connecting"))
                         continue
                     if not protocol.opened(first, ws.response.headers.get("x-replica") if ws.response else None):
                         continue

@@ -474,9 +474,12 @@ class Stream(Iterator[Unit]):
             sender: _Sender | None = None
             try:
                 try:
-                    first = ws.recv()
+                    first = ws.recv(timeout=client.timeout)
                 except ConnectionClosed as exc:  # closed before a word (a server going down): try again
                     protocol.failed(TransportError(f"the stream closed before the session event ({exc})"))
+                    continue
+                except TimeoutError:  # the server sends it at once: one that stays silent is stuck, try again
+                    protocol.failed(TransportError(f"no session event within {client.timeout:g} s of connecting"))
                     continue
                 if not protocol.opened(first, ws.response.headers.get("x-replica") if ws.response else None):
                     continue

@@ -476,6 +476,10 @@ class StreamProtocol:
             return False
         if event["type"] != "session":
             raise ProtocolError(f"expected the session event first, got {event}")
+        for name in ("frames_received", "durable_frames"):
+            value = event.get(name, None if name == "durable_frames" else "missing")
+            if value is not None and (type(value) is not int or value < 0):
+                raise ProtocolError(f"the session event's {name} is {value!r}, not a frame count: {str(event)[:200]}")
         if self.base is None:
             self.base = event["frames_received"]
         if self._connections:

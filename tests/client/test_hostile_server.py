@@ -157,3 +157,101 @@ def test_a_unit_that_cannot_be_read_is_a_protocol_error(name):
     with FakeHTTP(answer) as fake:
         for message in both(fake.url, lambda c: c.refine(clip, np.zeros((1, 1, 2), np.float32))):
             assert "the server sent a unit" in message
+
+
+class FakeWS:
+    """A loopback WebSocket server running ``handler(ws)`` for every connection, on a loop in a thread."""
+
+    def __init__(self, handler):
+        from websockets.asyncio.server import serve
+
+        self.connections = 0
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+        async def counted(ws):
+            self.connections += 1
+            await handler(ws)
+
+        async def start():
+            return await serve(counted, "127.0.0.1", 0)
+
+        self.server = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        async def stop():  # the handlers sleep: cancelled, not waited for
+            self.server.close()
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def stream_both(url, timeout=5.0):
+    """A stream of 4 frames with the sync and the asyncio client: the errors they end with (bounded by ``timeout``
+    per connection and two connections)."""
+    import numpy as np
+
+    from wm_refiner_client import WmRefinerError
+    from wm_refiner_client.aio import AsyncSession
+    from wm_refiner_client.client import Session
+
+    chunks = [np.zeros((1, 1, 4, 1, 1), np.float32)]
+    config = {"sink_frames": 1, "block_size": 3}
+    errors = []
+    with Client(url, retry=FAST, timeout=timeout) as client:
+        with pytest.raises(WmRefinerError) as sync_error:
+            list(Session(client, SID, config).stream(chunks))
+        errors.append(sync_error.value)
+
+    async def run():
+        client = AsyncClient(url, retry=FAST, timeout=timeout)
+        try:
+            with pytest.raises(WmRefinerError) as async_error:
+                async for _ in AsyncSession(client, SID, config).stream(chunks):
+                    pass
+            errors.append(async_error.value)
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+    assert len(errors) == 2
+    return errors
+
+
+def test_a_stream_whose_server_never_sends_the_session_event_gives_up():
+    """Accepted, then silence (pings answered): each connection waits the client's timeout, not for ever."""
+    import time
+
+    from wm_refiner_client import TransportError
+
+    async def silent(ws):
+        await asyncio.sleep(60)
+
+    with FakeWS(silent) as fake:
+        started = time.monotonic()
+        errors = stream_both(fake.url, timeout=0.5)
+        assert time.monotonic() - started < 10
+        assert fake.connections == 4  # FAST: two tries each
+    for error in errors:
+        assert isinstance(error, TransportError) and "no session event within 0.5 s" in str(error)
+
+
+@pytest.mark.parametrize("event", [{"type": "session"}, {"type": "session", "frames_received": -5},
+                                   {"type": "session", "frames_received": "x", "flushed": False},
+                                   {"type": "session", "frames_received": 0, "durable_frames": [1]}])
+def test_a_session_event_without_a_frame_count_is_a_protocol_error(event):
+    async def handler(ws):
+        await ws.send(json.dumps({"session_id": SID, "flushed": False, **event}))
+        await asyncio.sleep(60)
+
+    with FakeWS(handler) as fake:
+        for error in stream_both(fake.url):
+            assert isinstance(error, ProtocolError) and "not a frame count" in str(error)
