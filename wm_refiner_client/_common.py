@@ -167,10 +167,41 @@ def from_answer(cls: Any, data: Any, what: str) -> Any:
 def event_error(event: Mapping[str, Any]) -> APIError:
     """The typed error of a WebSocket ``{"type": "error", "error": {...}}`` event."""
     error = event.get("error") or {}
+    if not isinstance(error, dict) or not isinstance(error.get("code", ""), str):
+        raise ProtocolError(f"the server sent an error event that is not the service's: {str(event)[:200]}")
     code = error.get("code", "")
     cls = ERROR_CLASSES.get(code)
     status = cls.status if cls is not None else 0
     return error_from(status, {"error": error})
+
+
+def watch_item(message: str | bytes, return_tensors) -> Any:
+    """One watch message: a ``Unit`` (binary), a ``BlockEvent``, a ``DroppedEvent``, None when the session is done
+    (``done``); an ``error`` event is raised, an unknown event type is skipped (``WATCH_SKIP``). An event whose fields
+    are not the service's is a ``ProtocolError``."""
+    from .units import Unit
+
+    if isinstance(message, bytes):
+        return Unit.from_payload(message, return_tensors)
+    event = parse_event(message)
+    kind = event["type"]
+    try:
+        if kind == "block":
+            latency = event.get("latency_ms")
+            return BlockEvent(int(event["frame_start"]), int(event["frame_end"]),
+                              None if latency is None else float(latency))
+        if kind == "dropped":
+            return DroppedEvent(int(event["units"]))
+    except (KeyError, TypeError, ValueError):
+        raise ProtocolError(f"the server sent a {kind} event that is not the service's: {message[:200]!r}") from None
+    if kind == "done":
+        return None
+    if kind == "error":
+        raise event_error(event)
+    return WATCH_SKIP
+
+
+WATCH_SKIP = object()  # an event a watcher does not hand on (a type this client does not know)
 
 
 def parse_event(text: str) -> dict[str, Any]:

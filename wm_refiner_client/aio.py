@@ -19,9 +19,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from ._common import (
-    json_answer,
     CLOSE_TIMEOUT_S,
     WS_LOG,
+    WATCH_SKIP,
     WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
@@ -31,18 +31,19 @@ from ._common import (
     auth_headers,
     check_config,
     check_session_id,
-    event_error,
-    parse_event,
+    json_answer,
     refine_query,
     resolve_api_key,
     resolve_url,
     resumed_frames,
     session_path,
     warn_unreachable,
+    watch_item,
     watch_query,
     ws_url,
 )
-from .client import OCTET, Replicas, _close_code, _geometry, _join, handshake_error, next_cursor, session_state, sessions_page
+from .client import (OCTET, Replicas, _close_code, _geometry, _join, handshake_error, next_cursor, session_state,
+                     sessions_page)
 from .errors import APIError, TransportError
 from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol, connect_failure
 from .retry import RetryPolicy
@@ -256,19 +257,11 @@ class AsyncSession:
                     message = await ws.recv()
                 except ConnectionClosed as exc:
                     raise TransportError(f"the watch of session {self.id} ended before the session's flush ({exc})") from exc
-                if isinstance(message, bytes):
-                    yield Unit.from_payload(message, self.client.return_tensors)
-                    continue
-                event = parse_event(message)
-                kind = event["type"]
-                if kind == "block":
-                    yield BlockEvent(event["frame_start"], event["frame_end"], event.get("latency_ms"))
-                elif kind == "dropped":
-                    yield DroppedEvent(event["units"])
-                elif kind == "done":
+                item = watch_item(message, self.client.return_tensors)
+                if item is None:
                     return
-                elif kind == "error":
-                    raise event_error(event)
+                if item is not WATCH_SKIP:
+                    yield item
 
     async def state(self) -> SessionState:
         """``GET /v1/sessions/{id}``."""

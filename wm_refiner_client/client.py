@@ -26,6 +26,7 @@ from websockets.sync.client import ClientConnection, connect
 from ._common import (
     CLOSE_TIMEOUT_S,
     WS_LOG,
+    WATCH_SKIP,
     WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
@@ -34,12 +35,10 @@ from ._common import (
     StreamStats,
     auth_headers,
     check_config,
-    event_error,
     check_session_id,
     from_answer,
     json_answer,
     redirect_error,
-    parse_event,
     refine_query,
     resolve_api_key,
     resolve_url,
@@ -47,6 +46,7 @@ from ._common import (
     resumed_frames,
     session_path,
     warn_unreachable,
+    watch_item,
     watch_query,
     ws_url,
 )
@@ -394,19 +394,11 @@ class Session:
                     message = ws.recv()
                 except ConnectionClosed as exc:
                     raise TransportError(f"the watch of session {self.id} ended before the session's flush ({exc})") from exc
-                if isinstance(message, bytes):
-                    yield Unit.from_payload(message, self.client.return_tensors)
-                    continue
-                event = parse_event(message)
-                kind = event["type"]
-                if kind == "block":
-                    yield BlockEvent(event["frame_start"], event["frame_end"], event.get("latency_ms"))
-                elif kind == "dropped":
-                    yield DroppedEvent(event["units"])
-                elif kind == "done":
+                item = watch_item(message, self.client.return_tensors)
+                if item is None:
                     return
-                elif kind == "error":
-                    raise event_error(event)
+                if item is not WATCH_SKIP:
+                    yield item
 
     # --- state -------------------------------------------------------------------------------------------------
     def state(self) -> SessionState:

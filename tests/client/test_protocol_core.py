@@ -324,3 +324,22 @@ def test_chunk_seq():
     assert seq.take() == 4
     seq.forget()
     assert not seq.known
+
+
+def test_a_watch_or_error_event_that_is_not_the_service_s_is_a_protocol_error():
+    """A broken or hostile server's events end a watch with ProtocolError naming them (they were KeyError /
+    AttributeError); the service's own events are handed on as they were."""
+    from wm_refiner_client._common import WATCH_SKIP, watch_item
+
+    for bad in ({"type": "block"}, {"type": "block", "frame_start": "x", "frame_end": 3},
+                {"type": "dropped", "units": None}, {"type": "error", "error": "boom"},
+                {"type": "error", "error": {"code": 5}}):
+        with pytest.raises(wm.ProtocolError, match="not the service's"):
+            watch_item(json.dumps(bad), "np")
+    assert watch_item(json.dumps({"type": "block", "frame_start": 1, "frame_end": 4, "latency_ms": 3.5}), "np") \
+        == wm.BlockEvent(1, 4, 3.5)
+    assert watch_item(json.dumps({"type": "dropped", "units": 2}), "np") == wm.DroppedEvent(2)
+    assert watch_item(json.dumps({"type": "done", "frames": 4}), "np") is None
+    assert watch_item(json.dumps({"type": "something-new"}), "np") is WATCH_SKIP
+    with pytest.raises(wm.APIError):
+        watch_item(json.dumps({"type": "error", "error": {"code": "session_not_found", "message": "m"}}), "np")
