@@ -256,7 +256,8 @@ class AsyncSession:
                 try:
                     message = await ws.recv()
                 except ConnectionClosed as exc:
-                    raise TransportError(f"the watch of session {self.id} ended before the session's flush ({exc})") from exc
+                    raise TransportError(f"the watch of session {self.id} ended before the session's flush ({exc})",
+                                         close_code=_close_code(exc)[0]) from exc
                 item = watch_item(message, self.client.return_tensors)
                 if item is None:
                     return

@@ -34,11 +34,14 @@ class TransportError(WmRefinerError):
 
     final: bool = False
     tries: int | None = None  # at most this many tries of the same step are worth it (a first contact's refusal)
+    close_code: int | None = None  # a watch's WebSocket closed before the flush: the code the server sent (1012...)
 
-    def __init__(self, message: str, *, final: bool = False, tries: int | None = None):
+    def __init__(self, message: str, *, final: bool = False, tries: int | None = None,
+                 close_code: int | None = None):
         super().__init__(message)
         self.final = final
         self.tries = tries
+        self.close_code = close_code
 
 
 class ProtocolError(WmRefinerError):

@@ -101,12 +101,6 @@ RESTART_CLOSE_CODES = frozenset({1001, 1012})
 RECONNECT_FOR_S = 60.0  # how long a restart may keep the session unreachable (503, 404 between replicas)
 
 
-def _close_code(exc: BaseException) -> int | None:
-    closed = exc.__cause__
-    frame = getattr(closed, "rcvd", None) or getattr(closed, "sent", None)
-    return getattr(frame, "code", None)
-
-
 def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_FOR_S):
     """``session.watch(...)``'s events, across the restarts (drains) of the session's replica: the watch connects
     again through the same URL (behind a router, to the replica that adopts the session). Units the session
@@ -121,7 +115,7 @@ def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_F
             yield from session.watch(outputs, video_format=video_format)
             return
         except TransportError as exc:
-            code = _close_code(exc)
+            code = exc.close_code
             if code not in RESTART_CLOSE_CODES:
                 raise
             print(f"the session's replica is restarting (close {code}); the session was saved: watching it again",
