@@ -37,13 +37,11 @@ from ._common import (
     resolve_url,
     resumed_frames,
     session_path,
-    warn_unreachable,
     watch_item,
     watch_query,
     ws_url,
 )
-from .client import (OCTET, Replicas, _close_code, _geometry, _join, handshake_error, next_cursor, session_state,
-                     sessions_page)
+from .client import OCTET, Listing, Replicas, _close_code, _geometry, _join, handshake_error, session_state
 from .errors import APIError, TransportError
 from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol, connect_failure
 from .retry import RetryPolicy
@@ -92,22 +90,10 @@ class AsyncClient:
     async def sessions(self, page_size: int = 100) -> list[SessionSummary]:
         """``GET /v1/sessions``: every live session, oldest first (all pages). Behind a router with ``peers``,
         replicas that gave no listing are logged as a warning (their sessions are missing)."""
-        found: list[SessionSummary] = []
-        unreachable: list[str] = []
-        after: str | None = None
-        seen: set[str] = set()  # the cursors followed: a server repeating one would loop for ever
-        while True:
-            params: dict[str, Any] = {"limit": page_size}
-            if after is not None:
-                params["after"] = after
-            page = json_answer(await self._request("GET", "/v1/sessions", params=params), "GET /v1/sessions",
-                               ("sessions",))
-            found.extend(sessions_page(page))
-            unreachable.extend(page.get("unreachable") or ())
-            after = next_cursor(page, seen)
-            if after is None:
-                warn_unreachable(unreachable)  # replicas whose sessions are missing: said, not silently left out
-                return found
+        listing = Listing()
+        while not listing.add(await self._request("GET", "/v1/sessions", params=listing.params(page_size))):
+            pass
+        return listing.sessions
 
     # --- sessions ----------------------------------------------------------------------------------------------
     async def create_session(self, **config: Any) -> AsyncSession:

@@ -153,21 +153,10 @@ class Client:
     def sessions(self, page_size: int = 100) -> list[SessionSummary]:
         """``GET /v1/sessions``: every live session, oldest first (all pages). Behind a router with ``peers``,
         replicas that gave no listing are logged as a warning (their sessions are missing)."""
-        found: list[SessionSummary] = []
-        unreachable: list[str] = []
-        after: str | None = None
-        seen: set[str] = set()  # the cursors followed: a server repeating one would loop for ever
-        while True:
-            params: dict[str, Any] = {"limit": page_size}
-            if after is not None:
-                params["after"] = after
-            page = json_answer(self._request("GET", "/v1/sessions", params=params), "GET /v1/sessions", ("sessions",))
-            found.extend(sessions_page(page))
-            unreachable.extend(page.get("unreachable") or ())
-            after = next_cursor(page, seen)
-            if after is None:
-                warn_unreachable(unreachable)  # replicas whose sessions are missing: said, not silently left out
-                return found
+        listing = Listing()
+        while not listing.add(self._request("GET", "/v1/sessions", params=listing.params(page_size))):
+            pass
+        return listing.sessions
 
     # --- sessions ----------------------------------------------------------------------------------------------
     def create_session(self, **config: Any) -> Session:
@@ -266,25 +255,38 @@ def session_state(response: httpx.Response, session_id: str) -> SessionState:
     return from_answer(SessionState, json_answer(response, what), what)
 
 
-def next_cursor(page: dict[str, Any], seen: set[str]) -> str | None:
-    """The ``next`` cursor of a listing page, None after the last; ``ProtocolError`` for a cursor the listing gave
-    before (a server whose pages cycle would keep the client paging, and its list growing, for ever)."""
-    after = page.get("next")
-    if after is None:
-        return None
-    if not isinstance(after, str) or after in seen:
-        raise ProtocolError(f"GET /v1/sessions: the server's next page cursor {str(after)[:80]!r} "
-                            + ("was given before: its pages cycle" if after in seen else "is not a string"))
-    seen.add(after)
-    return after
+class Listing:
+    """``GET /v1/sessions`` page by page (both clients): the sessions so far, the replicas that gave no listing
+    (behind a router with ``peers``), the cursors followed. ``ProtocolError`` for a page that is not a listing, or a
+    cursor given before (a server whose pages cycle would keep the client paging, its list growing, for ever)."""
 
+    def __init__(self) -> None:
+        self.sessions: list[SessionSummary] = []
+        self.unreachable: list[str] = []
+        self.seen: set[str] = set()
+        self.after: str | None = None  # the next page's cursor
 
-def sessions_page(page: dict[str, Any]) -> list[SessionSummary]:
-    """The sessions of one page of ``GET /v1/sessions``; ``ProtocolError`` for a page that is not a listing."""
-    items = page["sessions"]
-    if not isinstance(items, list):
-        raise ProtocolError(f"GET /v1/sessions: 'sessions' is a {type(items).__name__}, not a list")
-    return [from_answer(SessionSummary, item, "GET /v1/sessions") for item in items]
+    def params(self, page_size: int) -> dict[str, Any]:
+        return {"limit": page_size} if self.after is None else {"limit": page_size, "after": self.after}
+
+    def add(self, response: httpx.Response) -> bool:
+        """One page's answer; True once it was the last (the replicas missing from the listing are then logged)."""
+        page = json_answer(response, "GET /v1/sessions", ("sessions",))
+        items = page["sessions"]
+        if not isinstance(items, list):
+            raise ProtocolError(f"GET /v1/sessions: 'sessions' is a {type(items).__name__}, not a list")
+        self.sessions.extend(from_answer(SessionSummary, item, "GET /v1/sessions") for item in items)
+        self.unreachable.extend(page.get("unreachable") or ())
+        after = page.get("next")
+        if after is None:
+            warn_unreachable(self.unreachable)  # replicas whose sessions are missing: said, not silently left out
+            return True
+        if not isinstance(after, str) or after in self.seen:
+            raise ProtocolError(f"GET /v1/sessions: the server's next page cursor {str(after)[:80]!r} "
+                                + ("was given before: its pages cycle" if after in self.seen else "is not a string"))
+        self.seen.add(after)
+        self.after = after
+        return False
 
 
 def handshake_error(exc: InvalidStatus) -> APIError:
