@@ -12,7 +12,8 @@ One allow-list, two mechanisms, because browsers treat the two protocols differe
   ``GET``, ``HEAD`` and ``OPTIONS``) whose ``Origin`` is neither listed nor this server's own is refused with 403
   ``origin_not_allowed`` before it reaches a route, as a WebSocket handshake is: a page on another origin could
   otherwise create sessions until ``max_sessions``, flush or delete one, or drain the server (``POST
-  /v1/admin/drain`` without a key).
+  /v1/admin/drain`` without a key). Its preflights get the same 403 and JSON error (not Starlette's plain-text 400),
+  so the developer who reads the answer in devtools or curl learns which setting to change.
 - WebSocket: browsers apply no CORS at all to a WebSocket; they only send ``Origin`` on the handshake, and it is
   the server's to check. With ``cors_origins`` set, a handshake whose ``Origin`` is neither on the list nor this
   server's own (the view page at ``/view``) is refused with 403 ``origin_not_allowed`` before it reaches auth or
@@ -66,8 +67,9 @@ class CrossOrigin:
         if not self.origins:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            if scope.get("method", "GET") not in _SAFE_METHODS and not self.origin_allowed(scope):
-                await self._refuse_http(scope, send)
+            what = self._refused_http(scope)
+            if what is not None:
+                await self._refuse_http(scope, send, what)
                 return
             await self.http(scope, receive, send)
         elif scope["type"] == "websocket" and not self.origin_allowed(scope):
@@ -75,8 +77,22 @@ class CrossOrigin:
         else:
             await self.app(scope, receive, send)
 
-    async def _refuse_http(self, scope, send) -> None:
-        headers, body = self._refusal(scope, f"a {scope.get('method')}", "send it")
+    def _refused_http(self, scope) -> str | None:
+        """What an HTTP request from an unlisted origin is, when it is refused here (``None``: let it through): a
+        request that changes something, or a preflight (Starlette's own refusal of one is a plain-text 400 that
+        says nothing of the setting; a browser shows neither, but the developer's curl and devtools do)."""
+        method = scope.get("method", "GET")
+        preflight = method == "OPTIONS" and any(name == b"access-control-request-method"
+                                                for name, _ in scope.get("headers", ()))
+        if (method in _SAFE_METHODS and not preflight) or self.origin_allowed(scope):
+            return None
+        if preflight:
+            asked = dict(scope["headers"])[b"access-control-request-method"].decode("latin-1")
+            return f"a CORS preflight for a {asked}"
+        return f"a {method}"
+
+    async def _refuse_http(self, scope, send, what: str) -> None:
+        headers, body = self._refusal(scope, what, "send it")
         await send({"type": "http.response.start", "status": 403, "headers": [*headers, (b"vary", b"Origin")]})
         await send({"type": "http.response.body", "body": body})
 

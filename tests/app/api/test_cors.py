@@ -39,10 +39,19 @@ def test_a_preflight_from_an_allowed_origin_is_answered_without_the_key(client):
         assert "authorization" in response.headers["access-control-allow-headers"].lower()
 
 
-def test_a_preflight_from_another_origin_is_refused(client):
-    response = preflight(client, OTHER, "POST", "/v1/sessions")
-    assert response.status_code == 400
-    assert "access-control-allow-origin" not in response.headers
+def test_a_preflight_from_another_origin_is_refused_with_the_error_envelope(client):
+    # Starlette's own refusal was a plain-text 400 "Disallowed CORS origin" that named no setting.
+    for method in ("POST", "GET", "DELETE"):
+        response = preflight(client, OTHER, method, "/v1/sessions")
+        assert response.status_code == 403, response.text
+        error = response.json()["error"]
+        assert error["code"] == "origin_not_allowed"
+        assert f"a CORS preflight for a {method} from a page on origin {OTHER!r}" in error["message"]
+        assert "cors_origins" in error["message"]
+        assert "access-control-allow-origin" not in response.headers
+        assert "x-replica" in response.headers
+    # a plain OPTIONS without the preflight's header is not a preflight: answered as before
+    assert client.options("/v1/sessions", headers={**AUTH, "origin": OTHER}).status_code != 403
 
 
 def test_answers_and_errors_carry_the_cors_headers_for_an_allowed_origin(client):
