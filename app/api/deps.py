@@ -76,8 +76,15 @@ QUERY_RULE = ("Query parameters: each route takes only the ones it documents, ea
 
 
 def require_content_type(request: Request, expected: str) -> None:
-    """415 unless the body is declared as ``expected`` (an absent header is taken as that)."""
-    declared = request.headers.get("content-type")
+    """415 unless the body is declared as ``expected`` (an absent header is taken as that), in one header: of two
+    that disagree, which one a proxy or framework reads is theirs to choose (RFC 9110 allows one), so none is."""
+    values = request.headers.getlist("content-type")
+    if len(values) > 1:
+        raise ApiError(
+            "unsupported_media_type",
+            f"Content-Type given {len(values)} times ({', '.join(map(repr, values))}); send it once, as {expected}",
+        )
+    declared = values[0] if values else None
     if declared is None:
         return
     media_type = declared.split(";", 1)[0].strip().lower()

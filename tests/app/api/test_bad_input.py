@@ -208,6 +208,9 @@ REQUEST_CASES = [
     ("content-type-form", {"content-type": "application/x-www-form-urlencoded"}, {}, 415, "unsupported_media_type"),
     ("content-type-safetensors", {"content-type": "application/safetensors"}, {}, 415, "unsupported_media_type"),
     ("content-type-empty", {"content-type": ""}, {}, 415, "unsupported_media_type"),
+    # Two Content-Type headers: the first used to win, whatever the second (a proxy may read the other one).
+    ("content-type-twice", [("content-type", "application/octet-stream"), ("content-type", "application/json")], {},
+     415, "unsupported_media_type"),
     ("seq-not-a-number", OCTET, {"seq": "one"}, 422, "invalid_request"),
     ("seq-fraction", OCTET, {"seq": "1.5"}, 422, "invalid_request"),
     # Found by fuzzing: these used to pass as integers.
