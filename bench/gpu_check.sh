@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA GPU, in one command, sized for one loan (typically about 8 minutes: the install
-# takes seconds from a wheels folder, the figures 350 s in two processes, the tests up to 180 s; each step is
-# bounded, 10.5 minutes at the very worst, where the loan's 570 s would cut the last test short):
+# takes seconds from a wheels folder, the figures 350 s in two processes, the tests up to 180 s). Each step is
+# bounded by its own time and by the script's deadline (--deadline-s, default 560 s from its start, inside the loan's
+# 570): a step gets what is left when that is less than its own time, and one with under 10 s left is skipped and
+# named, so the files come back whatever each step takes (the steps' own times add up to about 10.5 minutes).
 #   bash bench/gpu_check.sh [--wheels DIR] OUT     on a machine with one NVIDIA GPU and a CUDA build of torch >= 2.11
 #   bash bench/gpu_check.sh --smoke OUT            the same script on the CPU with the tiny preset (CI, < 2 minutes)
 #   bash bench/gpu_check.sh --install-only [--wheels DIR] OUT   the install and import check alone (seconds)
@@ -30,12 +32,13 @@
 # come back (summary.json, summary.md, machine.txt, install.txt, bench.txt, gpu-tests.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-smoke=0 wheels="" install_only=0
+smoke=0 wheels="" install_only=0 deadline_s=560 started=$(date +%s)
 while (($#)); do
   case "$1" in
     --smoke) smoke=1; shift ;;
     --install-only) install_only=1; shift ;;
     --wheels) wheels="$2"; shift 2 ;;
+    --deadline-s) deadline_s="$2"; shift 2 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -46,9 +49,29 @@ py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 
+left() { echo $(( started + deadline_s - $(date +%s) )); }
+# bounded NAME SECONDS COMMAND...: COMMAND under `timeout`, for SECONDS or what is left before the deadline if less;
+# skipped (status 1, named on stdout) with under 10 s left. `timeout 0` would mean no limit, hence the floor.
+bounded() {
+  local name="$1" want="$2" remaining
+  shift 2
+  remaining=$(left)
+  if ((remaining < 10)); then
+    echo "== $name: skipped, ${remaining} s left before the script's deadline (--deadline-s $deadline_s)"
+    return 1
+  fi
+  timeout $((want < remaining ? want : remaining)) "$@"
+}
+# end_at SECONDS: the epoch second a bench process must end by (its --end-at), SECONDS from now or 10 s before the
+# script's deadline if sooner.
+end_at() {
+  local want=$(( $(date +%s) + $1 )) last=$(( started + deadline_s - 10 ))
+  echo $((want < last ? want : last))
+}
+
 if [ -n "$wheels" ]; then
   [ -f "$wheels/requirements.txt" ] || { echo "== $wheels has no requirements.txt (fill it with bench/gpu_wheels.sh)"; exit 1; }
-  if ! timeout 60 "$py" -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" > "$out/install.txt" 2>&1; then
+  if ! bounded "install" 60 "$py" -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" > "$out/install.txt" 2>&1; then
     tail -n 5 "$out/install.txt"
     echo "== pip could not satisfy every pin from $wheels and this machine; what the machine lacks goes on PYTHONPATH"
     site="$(mktemp -d)"
@@ -66,7 +89,7 @@ for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 PY
 )
     if ((${#lacking[@]})); then
-      timeout 30 "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "${lacking[@]}" >> "$out/install.txt" 2>&1 \
+      bounded "install (PYTHONPATH)" 30 "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "${lacking[@]}" >> "$out/install.txt" 2>&1 \
         || { echo "== installing from $wheels failed (see $out/install.txt)"; exit 1; }
     fi
     printf 'on PYTHONPATH from %s: %s\n' "$wheels" "${lacking[*]##*/}" | tee -a "$out/install.txt"
@@ -94,13 +117,14 @@ PY
 
 rm -f "$out/summary.json" "$out/summary.md"  # the second process adds to the first's summary, not an older run's
 if ((smoke)); then  # the same two processes as the loan's run
-  "$py" -m bench gpu --smoke --skip step_modes "$out" > "$out/bench.txt" 2>&1 || status=1
-  "$py" -m bench gpu --smoke --only step_modes "$out" >> "$out/bench.txt" 2>&1 || status=1
+  bounded "bench gpu" 300 "$py" -m bench gpu --smoke --skip step_modes "$out" > "$out/bench.txt" 2>&1 || status=1
+  bounded "bench gpu step_modes" 300 "$py" -m bench gpu --smoke --only step_modes "$out" >> "$out/bench.txt" 2>&1 \
+    || status=1
   tail -n 5 "$out/bench.txt"
   exit $status
 fi
 
-"$py" - <<'PY' 2>&1 | tee "$out/machine.txt"
+bounded "machine check" 60 "$py" - <<'PY' 2>&1 | tee "$out/machine.txt"
 import torch, diffusers
 print("torch", torch.__version__, "diffusers", diffusers.__version__, "cuda", torch.version.cuda)
 assert torch.cuda.is_available(), "no CUDA device (use --smoke for the CPU check)"
@@ -116,19 +140,19 @@ echo "== bench gpu"
 # latencies left after --budget-s are skipped (null), the sections after them take ~40 s. The second: start-up
 # again (random weights, ~20 s), then the step modes (about 100 s: two compiles), which start no mode with under
 # 45 s left before its --end-at, counted from here (the process's imports included), 10 s before its timeout.
-timeout 200 "$py" -m bench gpu --skip step_modes --budget-s 115 --end-at "$(( $(date +%s) + 190 ))" "$out" 2>&1 \
+bounded "bench gpu" 200 "$py" -m bench gpu --skip step_modes --budget-s 115 --end-at "$(end_at 190)" "$out" 2>&1 \
   | tee "$out/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu: some sections failed (errors in $out/summary.json)"; }
-timeout 150 "$py" -m bench gpu --only step_modes --end-at "$(( $(date +%s) + 140 ))" "$out" 2>&1 \
+bounded "bench gpu step_modes" 150 "$py" -m bench gpu --only step_modes --end-at "$(end_at 140)" "$out" 2>&1 \
   | tee -a "$out/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu step_modes: failed or cut short (see $out/summary.json)"; }
 echo "== gpu tests"
 # Two runs: the compiled (CUDA graphs) test compiles, the slowest by far, so it runs last and alone; should it
 # overrun, the other tests' results are already in the file.
-timeout 75 "$py" -m pytest -q -rA -m gpu -s -p no:cacheprovider tests/gpu -k "not compiled_step" 2>&1 \
+bounded "gpu tests" 75 "$py" -m pytest -q -rA -m gpu -s -p no:cacheprovider tests/gpu -k "not compiled_step" 2>&1 \
   | tee "$out/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu tests FAILED"; }
-timeout 105 "$py" -m pytest -q -rA -m gpu -s -p no:cacheprovider tests/gpu -k "compiled_step" 2>&1 \
-  | tee -a "$out/gpu-tests.txt"
+bounded "gpu tests (compiled step)" 105 "$py" -m pytest -q -rA -m gpu -s -p no:cacheprovider tests/gpu \
+  -k "compiled_step" 2>&1 | tee -a "$out/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu tests (compiled step) FAILED or timed out"; }
 exit $status

@@ -149,6 +149,17 @@ def test_a_wheels_folder_without_its_list_is_refused_before_pip_runs(tmp_path):
     assert not (tmp_path / "out" / "install.txt").exists()
 
 
+def test_a_step_with_no_time_left_before_the_deadline_is_skipped_and_named(tmp_path):
+    # The loan's run must end inside the device's timeout whatever each step takes (their own bounds add up to more):
+    # past --deadline-s no step starts, each is named, and the run says it failed.
+    result = _check(tmp_path, "--smoke", "--deadline-s", "1")
+    assert result.returncode == 1, result.stdout[-2000:]
+    bench = (tmp_path / "out" / "bench.txt").read_text()
+    for step in ("bench gpu", "bench gpu step_modes"):
+        assert f"== {step}: skipped, " in bench and "before the script's deadline (--deadline-s 1)" in bench
+    assert not (tmp_path / "out" / "summary.json").exists()  # nothing was measured
+
+
 def _wheel(folder: Path, name: str, version: str, init: str) -> None:
     """A minimal pure-Python wheel holding one package ``name`` whose ``__init__`` is ``init``."""
     info = f"{name}-{version}.dist-info"
