@@ -28,13 +28,15 @@ ignores the window) raises ``CaptureError`` naming the layer, the mode, the like
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_sana_wm_refiner import SanaWMLTX2AudioVideoAttnProcessor
 
+from .attention_op import attend
 from .errors import CaptureError
 from .kv import SessionKV
 from .rope import RopeTables, apply_rope
@@ -52,9 +54,22 @@ DIFFUSERS_MODE: dict[str, str] = {
     "commit": "inject_and_capture_post_rope",
 }
 
-# Set by ``models.attention_op.fullgraph()``: the per-session functions are traced by torch.compile (not disabled)
-# and the kernel is the ``wm_refiner::attend`` op, so a block compiles with fullgraph=True.
+# Set by ``fullgraph()``: the per-session functions are traced by torch.compile (not disabled) and the kernel is the
+# ``wm_refiner::attend`` op (``models.attention_op``), so a block compiles with fullgraph=True.
 TRACEABLE = False
+
+
+@contextmanager
+def fullgraph() -> Iterator[None]:
+    """Within it, the per-session functions run traceable and the kernel through ``attend``: a transformer block
+    compiled (and run) here is one graph."""
+    global TRACEABLE
+    previous = TRACEABLE
+    TRACEABLE = True
+    try:
+        yield
+    finally:
+        TRACEABLE = previous
 
 _FIX = (
     "run forwards through models.step.run_batch (it builds a fresh window per forward and verifies its writes "
@@ -215,8 +230,6 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _attend(query, key, value, heads: int, backend, parallel_config, mask=None) -> torch.Tensor:
     if TRACEABLE and backend is None and parallel_config is None:
-        from .attention_op import attend
-
         return attend(query, key, value, heads, mask)
     out = dispatch_attention_fn(
         _heads(query, heads),

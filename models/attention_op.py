@@ -13,7 +13,8 @@ block's attention has the eager bits and the eager backend choice (flash / cuDNN
 inductor's attention pattern rewrites and decompositions make of it, and no guards are installed on the
 dispatcher's registry.
 
-``fullgraph()`` switches ``models.attention`` to this path for code compiled inside it; the engine's whole step
+``models.attention.fullgraph()`` switches attention to this path for code compiled inside it (this module
+imports nothing of the package: the switch and its flag live where they are read); the engine's whole step
 (``models.step.forward_body``) compiles under it with ``fullgraph=True`` too. Decision: the serving compiled step
 (``models.compiled.CompiledStep``) does not use it: a traced per-session loop specialises on the mix of sessions
 (measured: a new graph per session count, prompt length and history length), so serving would recompile per mix;
@@ -23,7 +24,6 @@ the step keeps its pieces between disabled attention functions until a guard-fre
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -49,17 +49,3 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: i
 @attend.register_fake
 def _attend_fake(query, key, value, heads, mask=None):
     return torch.empty_like(query)
-
-
-@contextmanager
-def fullgraph():
-    """Within it, ``models.attention`` runs its per-session functions traceable and its kernel through ``attend``:
-    a transformer block compiled (and run) here is one graph."""
-    from . import attention
-
-    previous = attention.TRACEABLE
-    attention.TRACEABLE = True
-    try:
-        yield
-    finally:
-        attention.TRACEABLE = previous

@@ -1,5 +1,6 @@
 """The layer contract of ``app/`` (``.importlinter``): each layer imports only the layers below it, ``models`` imports
-nothing of the service or the client, the client neither, and no two modules of ``app/`` import each other in a loop.
+nothing of the service or the client, the client neither, and no two modules of ``app/``, ``models/`` or the client
+import each other in a loop (``models.attention`` and ``models.attention_op`` did, through a function-level import).
 Run with import-linter's own command, so that what the suite checks is what a developer runs (``lint-imports``)."""
 
 from __future__ import annotations

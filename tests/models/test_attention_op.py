@@ -11,7 +11,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from models import RefinerSession, SessionConfig
 from models.attention import ForwardWindow, _attend
-from models.attention_op import attend, fullgraph
+from models.attention import fullgraph
+from models.attention_op import attend
 from models.step import forward_body, run_batch
 
 from .conftest import make_inputs
