@@ -270,6 +270,7 @@ class Plan:
     flops_prompt: int
     block_seconds: float
     flops_per_second_per_session: float
+    max_load: float = 1.0  # the share of each GPU's rate its sessions by compute may use
     gpus: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -289,11 +290,14 @@ def workspace_bytes(model, stream: Stream, tokens_per_frame: int, dtype: torch.d
 
 def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: list[Gpu], *, source: str = "",
               batch_rows: int = 8, reserve_bytes: int = 2 * GiB, model=None,
-              vae_config: dict[str, Any] | None = None) -> Plan:
+              vae_config: dict[str, Any] | None = None, max_load: float = 1.0) -> Plan:
     """The plan for ``stream`` on each of ``gpus``. ``reserve_bytes``: kept free besides the weights and the
     workspace (CUDA context, allocator slack). ``model``: an already built (meta) model for ``config``.
     ``vae_config``: a VAE's config.json, for sessions with video outputs (its decoder state per session, its
-    weights)."""
+    weights). ``max_load``: the share of a GPU's rate real-time sessions may use (the server's
+    ``admission_max_load`` under ``admission: realtime``; 1.0 spends all of it)."""
+    if not 0 < max_load <= 1:
+        raise ValueError(f"max_load={max_load!r}: the share of the GPU's rate for real-time sessions, in (0, 1]")
     model = meta_model(config) if model is None else model
     geometry = latent_geometry(config, stream)
     temporal = vae_scale_factors(config)[0]
@@ -325,7 +329,7 @@ def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: 
         if gpu.tflops is not None:
             sustained = gpu.tflops * 1e12
             row["block_compute_seconds"] = block["total"] / sustained
-            row["sessions_by_compute"] = int(sustained // per_session)
+            row["sessions_by_compute"] = int(max_load * sustained // per_session)
             row["sessions"] = min(row["sessions_by_compute"], row["sessions_by_memory"])
         rows.append(row)
     return Plan(
@@ -344,5 +348,6 @@ def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: 
         flops_prompt=prompt_flops(model, stream.batch, stream.prompt_tokens),
         block_seconds=block_seconds,
         flops_per_second_per_session=per_session,
+        max_load=max_load,
         gpus=rows,
     )

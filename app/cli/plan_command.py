@@ -48,6 +48,9 @@ def add_plan_parser(commands) -> None:
                            "--gpu-memory entry (unset: no compute column)")
     plan.add_argument("--batch-rows", type=int, default=None,
                       help="rows of one model call, for the workspace estimate (default: max_batch_rows)")
+    plan.add_argument("--max-load", type=float, default=None,
+                      help="share of each GPU's TFLOP/s that real-time sessions may use (default: the settings' "
+                           "admission_max_load with admission: realtime, else 1.0)")
     plan.add_argument("--reserve", default="2GiB", help="memory kept free besides weights and workspace (2GiB)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -92,9 +95,16 @@ def plan_command(args: argparse.Namespace) -> int:
     gpus = _gpus(args.gpu_memory, args.tflops)
     plan = make_plan(config, stream, parse_dtype(dtype_name), gpus, source=source,
                      batch_rows=args.batch_rows or settings.max_batch_rows, reserve_bytes=parse_bytes(args.reserve),
-                     vae_config=vae_config)
+                     vae_config=vae_config,
+                     max_load=_max_load(settings) if args.max_load is None else args.max_load)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
     return 0
+
+
+def _max_load(settings) -> float:
+    """What the server admits real-time sessions up to: ``admission_max_load`` when admission is by real-time load;
+    otherwise nothing keeps a share of the rate back, and the compute column spends all of it."""
+    return settings.admission_max_load if settings.admission == "realtime" else 1.0
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -186,6 +196,8 @@ def render(plan: Plan) -> str:
         f"{plan.flops_per_second_per_session / 1e12:.1f} TFLOP/s per real-time session; sink capture "
         f"{_tf(plan.flops_sink)} once, caption projection and prompt K/V {_tf(plan.flops_prompt)} per prompt",
         "",
+        f"sessions by compute: real-time sessions using at most {plan.max_load:g} of each GPU's TFLOP/s (--max-load; "
+        "a server with admission: realtime admits up to its admission_max_load, 0.9 by default)",
         f"{'GPU':<10} {'memory':>11} {'sessions by memory':>19} {'TFLOP/s':>8} {'block compute':>14} "
         f"{'sessions by compute':>20} {'sessions':>9}",
     ]

@@ -155,3 +155,28 @@ def test_the_video_decoder_state_equals_a_real_decoders_over_the_same_blocks():
     assert largest > 0 and plan.session["video_decoder_state"] == largest
     assert plan.session["total"] == plan.session["kv_total"] + plan.session["prompt"] + largest
     assert plan.weights["vae_bytes"] == sum(p.numel() for p in vae.parameters()) * 4
+
+
+def test_the_compute_column_keeps_back_what_realtime_admission_keeps_back(tmp_path, capsys):
+    # The column spent all of the assumed rate while a server with admission: realtime admits real-time sessions
+    # only up to admission_max_load (0.9) of it: at 10.5 sessions' worth of rate it said 10 where the server holds 9.
+    stream = Stream(height=128, width=128)
+    per_session = make_plan(_config("tiny"), stream, torch.float32, []).flops_per_second_per_session
+    gpu = Gpu(GB, 10.5 * per_session / 1e12)
+    assert make_plan(_config("tiny"), stream, torch.float32, [gpu]).gpus[0]["sessions_by_compute"] == 10
+    assert make_plan(_config("tiny"), stream, torch.float32, [gpu], max_load=0.9).gpus[0]["sessions_by_compute"] == 9
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        make_plan(_config("tiny"), stream, torch.float32, [gpu], max_load=1.5)
+    # The command takes the settings' share when they admit by real-time load, all of the rate otherwise.
+    from app.cli.commands import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(_config("tiny")))
+    cases = (("realtime", [], 0.8), ("none", [], 1.0), ("realtime", ["--max-load", "0.5"], 0.5))
+    for admission, flags, expected in cases:
+        settings = tmp_path / f"{admission}.yaml"
+        settings.write_text(f"model: {model}\nadmission: {admission}\nadmission_max_load: 0.8\n")
+        assert main(["plan", "--config", str(settings), "--json", "--tflops", "1", "--height", "128", "--width", "128",
+                     *flags]) == 0
+        assert json.loads(capsys.readouterr().out)["max_load"] == expected
