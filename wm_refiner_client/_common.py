@@ -125,6 +125,127 @@ def response_error(status: int, content: bytes, headers: Mapping[str, str]) -> A
     return error_from(status, body, parse_retry_after(headers.get("retry-after")))
 
 
+# --- how much of an answer the client reads --------------------------------------------------------------------
+MAX_JSON_ANSWER_BYTES = 16 * 2**20
+# What one latent frame can bring back, per batch row and latent pixel (one of the H x W positions): its latents,
+# 4 bytes a channel (float32, the widest ``response_dtype``), and, when the outputs hold pixels, its video frames:
+# the service loads only LTX-2 video VAEs, 8 pixel frames of 32 x 32 pixels per latent frame and pixel, 3 channels
+# of 4 bytes (``float32``), 1 (``uint8``) or, encoded (``jpeg``, ``h264``, a format this client does not know), 2:
+# an encoder's worst case, noise at its best quality, stays below twice the raw frame.
+LATENT_CHANNEL_BYTES = 4
+VIDEO_VALUES_PER_LATENT_PIXEL = 8 * 32 * 32 * 3
+VIDEO_VALUE_BYTES = {"float32": 4, "uint8": 1}
+# Per latent frame and batch row, whatever its size: an encoded frame's headers (8 JPEGs, or an H.264 segment's
+# boxes and its init segment); per answer: the safetensors header and metadata.
+ENCODED_FRAME_OVERHEAD_BYTES = 64 * 2**10
+UNIT_HEADER_BYTES = 2**20
+# Frames a session may hold back and send with a later answer when the client does not know its config: a field
+# the handle was not given (``Session(client, id, {})``) takes the server's default, which may exceed the spec's.
+UNKNOWN_HELD_FRAMES = 256
+# Video frames held back for an exact decode (``video_lookahead: "exact"``): the decoder's own look-ahead, 7 latent
+# frames for the tiny test VAE, 22 for the released decoder's depth (GET /v1/info ``vae.lookahead_latent_frames``).
+EXACT_LOOKAHEAD_FRAMES = 64
+# The bound on a binary answer is this many times the most it can weigh: a bound against a runaway server, not an
+# estimate to be tight against.
+ANSWER_MARGIN = 2
+
+
+def unit_answer_limit(shape: Any, config: Mapping[str, Any], *, whole_clip: bool = False) -> int:
+    """The most bytes a unit answering latents of ``shape`` (B, C, t, H, W) may have, for a session of ``config``:
+    ``ANSWER_MARGIN`` times what the latent frames it can cover weigh (``LATENT_CHANNEL_BYTES``, and the video
+    ``VIDEO_VALUES_PER_LATENT_PIXEL`` when the config's ``outputs`` hold pixels: ``video``, ``preview`` or a kind
+    this client does not know), plus ``UNIT_HEADER_BYTES`` for the header and metadata.
+
+    The frames it can cover: a chunk's ``t`` plus those the session may have held back from earlier requests (the
+    sink and a partial block, ``sink_frames + block_size``; with video, the frames its decoder waits for,
+    ``video_lookahead``); ``whole_clip`` (``/v1/refine``): exactly the clip's ``t``. A server sending more is not
+    answering what was asked; reading on would let a runaway (or hostile) one grow this process's memory without
+    end."""
+    dims = tuple(int(n) for n in shape)
+    if len(dims) != 5:
+        return MAX_JSON_ANSWER_BYTES  # no unit answers such latents: the server refuses them (an error's JSON)
+    batch, channels, frames, height, width = dims
+    fields = {name: value for name, value in config.items() if value is not None}
+    outputs = fields.get("outputs", spec.BY_NAME["outputs"].default)
+    kinds = outputs.split(",") if isinstance(outputs, str) else list(outputs)
+    pixels = any(kind != "latents" for kind in kinds)
+    if not whole_clip:
+        for name in ("sink_frames", "block_size"):
+            value = fields.get(name)
+            frames += value if isinstance(value, int) and not isinstance(value, bool) else UNKNOWN_HELD_FRAMES
+        if pixels:
+            lookahead = fields.get("video_lookahead", spec.EXACT)
+            frames += lookahead if isinstance(lookahead, int) and not isinstance(lookahead, bool) \
+                else EXACT_LOOKAHEAD_FRAMES
+    per_pixel = channels * LATENT_CHANNEL_BYTES
+    per_frame = 0
+    if pixels:
+        per_pixel += VIDEO_VALUES_PER_LATENT_PIXEL * VIDEO_VALUE_BYTES.get(fields.get("video_format", "uint8"), 2)
+        per_frame += ENCODED_FRAME_OVERHEAD_BYTES
+        if "preview" in kinds:  # a JPEG per unit, preview_width wide (unknown: the widest), the video's aspect
+            preview = int(fields.get("preview_width") or spec.BY_NAME["preview_width"].maximum)
+            per_frame += 2 * 3 * preview * max(preview * height // max(width, 1), 1) + ENCODED_FRAME_OVERHEAD_BYTES
+    most = frames * batch * (height * width * per_pixel + per_frame)
+    return ANSWER_MARGIN * most + UNIT_HEADER_BYTES
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer, read whole within its limit (``AnswerBody``): what the clients' callers read of it."""
+
+    status_code: int
+    headers: Mapping[str, str]  # httpx's, case-insensitive
+    content: bytes
+
+
+class AnswerBody:
+    """One HTTP answer's body as it arrives (the sync and the asyncio client feed it the chunks they stream), read
+    no further than its limit: a ``ProtocolError`` naming the size and the limit as soon as the answer declares more
+    (``Content-Length``) or sends more; the driver then leaves the stream, which closes the connection unread.
+
+    The limit: ``limit`` (``unit_answer_limit``) for a successful answer of binary units (``POST /v1/refine``, a
+    chunk's); ``MAX_JSON_ANSWER_BYTES``, 16 MiB, for every other answer, errors included. A JSON answer of the
+    service is small: ``/v1/info`` and a session's state a few KiB, a listing page of its largest size (1000
+    sessions) well under 1 MiB, an error's envelope (or a router's HTML page) under one; 16 MiB is more than ten
+    times the largest, and a server sending more is not the service (or is broken): reading on, a body that never
+    ends (httpx's timeout applies to each read, not to the body) would grow this process's memory without bound.
+
+    ``attempts`` (``protocol.RequestAttempts``): its ``RetryPolicy.deadline_s`` is checked as each piece arrives,
+    so a body that trickles in (each read within the timeout) stops at the call's deadline."""
+
+    def __init__(self, response: Any, what: str, limit: int | None = None, attempts: Any = None):
+        self.status_code = response.status_code
+        self.headers = response.headers
+        self.what = what
+        self.binary = limit is not None and 200 <= self.status_code < 300
+        self.limit = limit if self.binary else MAX_JSON_ANSWER_BYTES
+        self.attempts = attempts
+        self.size = 0
+        self._parts: list[bytes] = []
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
+            raise self._over(int(declared), declared=True)
+
+    def add(self, piece: bytes) -> None:
+        self.size += len(piece)
+        if self.size > self.limit:
+            raise self._over(self.size, declared=False)
+        self._parts.append(piece)
+        if self.attempts is not None:
+            self.attempts.check_deadline(f"{self.size} bytes of the answer's body had arrived")
+
+    def answer(self) -> Answer:
+        return Answer(self.status_code, self.headers, b"".join(self._parts))
+
+    def _over(self, size: int, *, declared: bool) -> ProtocolError:
+        said = f"declares {size} bytes" if declared else f"ran past {self.limit} bytes ({size} read)"
+        why = ("the most the units asked for can weigh, with margin (wm_refiner_client._common.unit_answer_limit)"
+               if self.binary else "a JSON answer of the service is a few KiB (MAX_JSON_ANSWER_BYTES)")
+        return ProtocolError(f"{self.what}: the server's {self.status_code} answer {said}, over this answer's limit "
+                             f"of {self.limit} bytes ({why}); not read further, the connection is closed. Is this a "
+                             "wm-refiner server (the address: --server, $WM_REFINER_URL)?")
+
+
 def json_answer(response: Any, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
     """The JSON object of a successful answer to ``what`` (``"GET /v1/info"``), with the ``required`` fields;
     ``ProtocolError`` naming what is wrong otherwise (a body that is not JSON: most often another server at that

@@ -20,6 +20,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from ._common import (
     CLOSE_TIMEOUT_S,
+    Answer,
+    AnswerBody,
     WS_LOG,
     WATCH_SKIP,
     WS_MAX_SIZE,
@@ -37,6 +39,7 @@ from ._common import (
     resolve_url,
     resumed_frames,
     session_path,
+    unit_answer_limit,
     watch_item,
     watch_query,
     ws_url,
@@ -83,7 +86,8 @@ class AsyncClient:
     async def ready(self) -> bool:
         """Whether ``/ready`` answers 200; never raises on a 503."""
         try:
-            return (await self._http.get("/ready")).status_code == 200
+            async with self._http.stream("GET", "/ready") as response:  # the status alone: the body is never read
+                return response.status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -130,20 +134,27 @@ class AsyncClient:
         """``POST /v1/refine`` (see ``Client.refine``)."""
         payload = encode({"latents": clip, "prompt_embeds": prompt, "prompt_attention_mask": prompt_mask})
         response = await self._request("POST", "/v1/refine", params=refine_query(config), content=payload,
-                                       headers=OCTET)
+                                       headers=OCTET, limit=unit_answer_limit(clip.shape, config, whole_clip=True))
         return Unit.from_payload(response.content, self.return_tensors)
 
     # --- plumbing ----------------------------------------------------------------------------------------------
     async def _request(self, method: str, path: str, *, idempotent: bool = True, session_id: str | None = None,
-                       **kwargs: Any) -> httpx.Response:
-        """See ``Client._request``: the same decisions (``protocol.RequestAttempts``), awaited."""
-        attempts = RequestAttempts(self.retry, f"{method} {path}", idempotent=idempotent,
+                       limit: int | None = None, **kwargs: Any) -> Answer:
+        """See ``Client._request``: the same decisions (``protocol.RequestAttempts``) and the same reading of the
+        body (``AnswerBody``), awaited."""
+        what = f"{method} {path}"
+        attempts = RequestAttempts(self.retry, what, idempotent=idempotent,
                                    known_replica=self._replicas.get(session_id), first_contact=not self._reached,
                                    server=self.base_url)
         while True:
             try:
-                response = await self._http.request(method, path, **kwargs)
-                self._reached = True
+                async with self._http.stream(method, path, timeout=attempts.try_timeout(self.timeout),
+                                             **kwargs) as streamed:
+                    self._reached = True
+                    body = AnswerBody(streamed, what, limit, attempts)
+                    async for piece in streamed.aiter_bytes():
+                        body.add(piece)
+                response = body.answer()
             except httpx.TransportError as exc:
                 wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
                                                                                         httpx.ConnectTimeout)))
@@ -205,7 +216,7 @@ class AsyncSession:
         body = encode({"latents": latents, "prompt_embeds": prompt, "prompt_attention_mask": prompt_mask})
         response = await self.client._request(
             "POST", session_path(self.id, "/chunks"), params={"seq": seq, "flush": str(flush).lower()},
-            content=body, headers=OCTET, session_id=self.id,
+            content=body, headers=OCTET, session_id=self.id, limit=unit_answer_limit(latents.shape, self.config),
         )
         unit = Unit.from_payload(response.content, self.client.return_tensors,
                                  replayed=response.headers.get("x-replayed") == "true")

@@ -25,6 +25,8 @@ from websockets.sync.client import ClientConnection, connect
 
 from ._common import (
     CLOSE_TIMEOUT_S,
+    Answer,
+    AnswerBody,
     WS_LOG,
     WATCH_SKIP,
     WS_MAX_SIZE,
@@ -45,6 +47,7 @@ from ._common import (
     response_error,
     resumed_frames,
     session_path,
+    unit_answer_limit,
     warn_unreachable,
     watch_item,
     watch_query,
@@ -146,7 +149,8 @@ class Client:
     def ready(self) -> bool:
         """Whether ``/ready`` answers 200 (model loaded and warmed up, not draining); never raises on a 503."""
         try:
-            return self._http.get("/ready").status_code == 200
+            with self._http.stream("GET", "/ready") as response:  # the status alone: the body is never read
+                return response.status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -205,22 +209,30 @@ class Client:
         """``POST /v1/refine``: the whole ``clip`` (B, C, T, H, W) refined in one call (T > sink_frames); the unit
         holds every frame, the sink frames included. ``config`` as for ``create_session`` (no ``sigmas``)."""
         payload = encode({"latents": clip, "prompt_embeds": prompt, "prompt_attention_mask": prompt_mask})
-        response = self._request("POST", "/v1/refine", params=refine_query(config), content=payload, headers=OCTET)
+        response = self._request("POST", "/v1/refine", params=refine_query(config), content=payload, headers=OCTET,
+                                 limit=unit_answer_limit(clip.shape, config, whole_clip=True))
         return Unit.from_payload(response.content, self.return_tensors)
 
     # --- plumbing ----------------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, idempotent: bool = True, session_id: str | None = None,
-                 **kwargs: Any) -> httpx.Response:
-        """The response, after the retries ``protocol.RequestAttempts`` decides (503s after Retry-After; when
+                 limit: int | None = None, **kwargs: Any) -> Answer:
+        """The answer, after the retries ``protocol.RequestAttempts`` decides (503s after Retry-After; when
         ``idempotent``, lost connections, timeouts and a router's 502/504; a 404 of ``session_id`` while it moves
-        between replicas, for at most ``retry.move_timeout_s``); a typed ``APIError`` for any other error status."""
-        attempts = RequestAttempts(self.retry, f"{method} {path}", idempotent=idempotent,
+        between replicas, for at most ``retry.move_timeout_s``; all within ``retry.deadline_s``); a typed
+        ``APIError`` for any other error status. The body is read as it streams in, up to ``limit`` bytes for a
+        successful binary answer, 16 MiB for any other (``AnswerBody``)."""
+        what = f"{method} {path}"
+        attempts = RequestAttempts(self.retry, what, idempotent=idempotent,
                                    known_replica=self._replicas.get(session_id), first_contact=not self._reached,
                                    server=self.base_url)
         while True:
             try:
-                response = self._http.request(method, path, **kwargs)
-                self._reached = True
+                with self._http.stream(method, path, timeout=attempts.try_timeout(self.timeout), **kwargs) as streamed:
+                    self._reached = True
+                    body = AnswerBody(streamed, what, limit, attempts)
+                    for piece in streamed.iter_bytes():
+                        body.add(piece)
+                response = body.answer()
             except httpx.TransportError as exc:
                 wait = attempts.after_transport_error(exc, never_sent=isinstance(exc, (httpx.ConnectError,
                                                                                         httpx.ConnectTimeout)))
@@ -249,7 +261,7 @@ class Client:
         return ws
 
 
-def session_state(response: httpx.Response, session_id: str) -> SessionState:
+def session_state(response: Answer, session_id: str) -> SessionState:
     """``GET /v1/sessions/{id}``'s answer; ``ProtocolError`` for one that is not a session's state."""
     what = f"GET /v1/sessions/{session_id}"
     return from_answer(SessionState, json_answer(response, what), what)
@@ -269,7 +281,7 @@ class Listing:
     def params(self, page_size: int) -> dict[str, Any]:
         return {"limit": page_size} if self.after is None else {"limit": page_size, "after": self.after}
 
-    def add(self, response: httpx.Response) -> bool:
+    def add(self, response: Answer) -> bool:
         """One page's answer; True once it was the last (the replicas missing from the listing are then logged)."""
         page = json_answer(response, "GET /v1/sessions", ("sessions",))
         items = page["sessions"]
@@ -341,7 +353,7 @@ class Session:
         body = encode({"latents": latents, "prompt_embeds": prompt, "prompt_attention_mask": prompt_mask})
         response = self.client._request(
             "POST", session_path(self.id, "/chunks"), params={"seq": seq, "flush": str(flush).lower()},
-            content=body, headers=OCTET, session_id=self.id,
+            content=body, headers=OCTET, session_id=self.id, limit=unit_answer_limit(latents.shape, self.config),
         )
         unit = Unit.from_payload(response.content, self.client.return_tensors,
                                  replayed=response.headers.get("x-replayed") == "true")

@@ -225,6 +225,10 @@ class RequestAttempts:
     policy's ``attempts`` but against its ``restart_timeout_s``, from the first of them (a restart of the released
     model takes minutes).
 
+    ``deadline_s`` (the policy's): the whole request's time, from this object's making. ``try_timeout`` cuts each
+    try's timeout to the time left, a wait that would end past it raises instead, and ``check_deadline`` is asked as
+    the answer's body arrives.
+
     ``retry_note(wait)`` is the log line of a retry: the last failure, the try that comes next of how many (logged at
     INFO with the wait as the record's ``wait_s``: the command line shows the long ones)."""
 
@@ -243,9 +247,30 @@ class RequestAttempts:
         self.tries = policy.attempts  # how many tries the last failure allows in all (fewer for a first contact)
         self._moving_since: float | None = None
         self.restart = RestartWindow(policy, clock)
+        self.deadline = None if policy.deadline_s is None else clock() + policy.deadline_s
 
     def _spent(self) -> bool:
         return self.failures - self.restart.failures >= self.policy.attempts
+
+    def try_timeout(self, timeout: Any) -> Any:
+        """The timeout of the next try: the client's ``timeout``, cut to the time the deadline leaves."""
+        if self.deadline is None:
+            return timeout
+        self.check_deadline("before a try")
+        left = self.deadline - self.clock()
+        return left if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) else min(timeout, left)
+
+    def check_deadline(self, doing: str) -> None:
+        """``TransportError`` once ``RetryPolicy.deadline_s`` has passed (``doing``: what the request was at)."""
+        if self.deadline is not None and self.clock() >= self.deadline:
+            last = f" ({self.failures} failed before, the last: {describe_failure(self.last_failure)})" \
+                if self.last_failure is not None else ""
+            raise TransportError(f"{self.what}: RetryPolicy.deadline_s ({self.policy.deadline_s:g} s) passed "
+                                 f"{doing}{last}")
+
+    def _past_deadline(self, wait: float) -> bool:
+        """Whether waiting ``wait`` s before the next try would end at or past the deadline (no try left then)."""
+        return self.deadline is not None and self.clock() + wait >= self.deadline
 
     def after_transport_error(self, exc: BaseException, *, never_sent: bool) -> float:
         """The connection failed (``never_sent``: it was refused before the request left)."""
@@ -266,7 +291,12 @@ class RequestAttempts:
             raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
         if self._spent():
             raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
-        return self.policy.delay(self.failures)
+        wait = self.policy.delay(self.failures)
+        if self._past_deadline(wait):
+            tries = "1 try" if self.failures == 1 else f"{self.failures} tries"
+            raise TransportError(f"{self.what}: RetryPolicy.deadline_s ({self.policy.deadline_s:g} s) passed without "
+                                 f"an answer ({tries}, the last: {type(exc).__name__}: {exc})") from exc
+        return wait
 
     def after_error(self, error: APIError, replica: str | None = None) -> float:
         """The server (or the router) answered with ``error``; ``replica``: its ``X-Replica`` header."""
@@ -281,7 +311,10 @@ class RequestAttempts:
                 raise error
         if self._spent():
             raise error
-        return self.policy.delay(self.failures, getattr(error, "retry_after", None))
+        wait = self.policy.delay(self.failures, getattr(error, "retry_after", None))
+        if self._past_deadline(wait):
+            raise error  # as when the tries are spent: the server's own answer says best what stood in the way
+        return wait
 
     def retry_note(self, wait: float) -> str:
         """The log line of the retry about to wait ``wait`` seconds: what failed (a server's error: its status, code
@@ -554,6 +587,18 @@ class StreamProtocol:
         return self.tracker.frames >= frames_before_flush(base + self.source.frames_added, self.config)
 
     # --- receiving ----------------------------------------------------------------------------------------------
+    def _check_within_input(self, unit: Unit, base: int) -> None:
+        """A unit refines frames the session was sent: at most the ``base`` it had when this stream began and the
+        frames this stream has sent it (or, rerunning a clip from its frame 0, the frames the server said it had).
+        One past them is not the service's answer: a ``ProtocolError`` now, rather than at ``done`` after the
+        caller was handed frames that were never sent."""
+        sent = self.source.frames_known
+        if unit.frame_end > base + sent:
+            raise ProtocolError(
+                f"stream of session {self.session_id}: the server sent frames [{unit.frame_start}, {unit.frame_end}), "
+                f"but the session has only {base + sent} frames: {sent} sent by this stream"
+                + (f" after the {base} it had" if base else "") + "; a unit past the input is not the service's")
+
     def received(self, message: str | bytes) -> Unit | bool | None:
         """One message after the session event: a unit to hand to the caller (the part it lacks), True when the
         stream is done, None when there is nothing new (a replayed unit, a resumable error before a close).
@@ -561,6 +606,7 @@ class StreamProtocol:
         if isinstance(message, bytes):
             unit = Unit.from_payload(message, self.return_tensors)
             base = self.base or 0
+            self._check_within_input(unit, base)
             if "durable_frames" in unit.metadata:
                 self.source.durable(int(unit.metadata["durable_frames"]) - base)
             fresh = self.tracker.accept(unit)

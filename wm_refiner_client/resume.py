@@ -100,6 +100,12 @@ class ChunkSource:
             self.frames_sent += sent.end - max(sent.start, self.skip)
         return _payload(sent, max(sent.start, self.skip))
 
+    @property
+    def frames_known(self) -> int:
+        """Frames of this source the server can have: those taken from the caller (each added before it is sent),
+        or more that it reported having before they were taken (``skip``, a rerun)."""
+        return max(self.frames_added, self.skip)
+
     def finish(self) -> None:
         self.exhausted = True
 

@@ -33,7 +33,18 @@ class RetryPolicy:
     keeps reconnecting to a server that is restarting (its connection closed with 1012 or 1001, then refused, or
     answered 503 ``not_ready`` / ``draining`` while it loads and warms up): those tries do not count against
     ``attempts`` (a restart of the released model, weights and warm-up, takes minutes), only against this time,
-    counted from the first of them; the stream raises ``TransportError`` once it is spent."""
+    counted from the first of them; the stream raises ``TransportError`` once it is spent.
+
+    ``deadline_s``: the most one HTTP call (``info()``, ``send()``, ``refine()``, ...) may take in all, its tries,
+    the waits between them and the reading of the answer included; None (the default): no bound beyond the others.
+    Without it a server that accepts requests and never answers costs ``attempts`` times the client's ``timeout``
+    for an idempotent request (10 x 120 s, 20 min, by default), and one whose answer trickles in a byte at a time
+    (each read within the timeout) costs as long as the answer's size limit allows. Each try's timeout is cut to the
+    time left, a wait that would end past the deadline is not waited, and the body is checked as it arrives: the
+    call raises at the deadline (a server that keeps sending pieces of its body: with the first piece after it).
+    What it raises: the last error the server answered (a 503 that kept coming: ``ServiceUnavailableError``), else
+    ``TransportError`` naming the deadline. A stream is not bounded by it (it lasts as long as its chunks; its
+    reconnects are bounded by ``attempts`` and ``restart_timeout_s``), nor is ``watch()``."""
 
     attempts: int = 10
     backoff_s: float = 0.25
@@ -42,10 +53,13 @@ class RetryPolicy:
     move_timeout_s: float = 15.0
     max_resend_bytes: int = 512 * 2**20
     restart_timeout_s: float = 600.0
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0 seconds (or None: no deadline), got {self.deadline_s}")
         if min(self.backoff_s, self.max_backoff_s, self.max_retry_after_s, self.move_timeout_s,
                self.max_resend_bytes, self.restart_timeout_s) < 0:
             raise ValueError("waits must be >= 0")

@@ -17,12 +17,15 @@ SID = "abcdefgh1234"
 
 
 class FakeHTTP:
-    """A loopback HTTP server answering every request with ``answer(method, path) -> (status, headers, body)``."""
+    """A loopback HTTP server answering every request with ``answer(method, path) -> (status, headers, body)``.
+    ``body``: bytes (sent with its content-length), a dict or list (as JSON), or ``write(wfile)``, which sends the
+    body itself after ``headers`` (an endless one: until the client cuts the connection, which ``cut`` records)."""
 
     def __init__(self, answer):
         outer = self
         self.answer = answer
         self.requests: list[str] = []
+        self.cut = threading.Event()  # a ``write`` body found the connection closed by the client
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -40,6 +43,14 @@ class FakeHTTP:
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
+                if callable(body):
+                    self.close_connection = True
+                    self.end_headers()
+                    try:
+                        body(self.wfile)
+                    except (BrokenPipeError, ConnectionResetError):
+                        outer.cut.set()
+                    return
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -62,19 +73,31 @@ JSON = {"content-type": "application/json"}
 FAST = RetryPolicy(attempts=2, backoff_s=0.01, max_backoff_s=0.01)
 
 
-def both(url, call):
-    """``call(client)`` with the sync and the asyncio client: the errors they raise."""
+def both(url, call, error=ProtocolError, retry=FAST, timeout=5.0, within=None):
+    """``call(client)`` with the sync and the asyncio client: the messages of the ``error`` they raise, each
+    within ``within`` seconds when given."""
+    import time
+
     errors = []
-    with Client(url, retry=FAST, timeout=5) as client:
-        with pytest.raises(ProtocolError) as sync_error:
+
+    def timed(started):
+        if within is not None:
+            assert time.monotonic() - started < within
+
+    with Client(url, retry=retry, timeout=timeout) as client:
+        started = time.monotonic()
+        with pytest.raises(error) as sync_error:
             call(client)
+        timed(started)
         errors.append(str(sync_error.value))
 
     async def run():
-        client = AsyncClient(url, retry=FAST, timeout=5)
+        client = AsyncClient(url, retry=retry, timeout=timeout)
         try:
-            with pytest.raises(ProtocolError) as async_error:
+            started = time.monotonic()
+            with pytest.raises(error) as async_error:
                 await call(client)
+            timed(started)
             errors.append(str(async_error.value))
         finally:
             await client.aclose()
@@ -255,3 +278,150 @@ def test_a_session_event_without_a_frame_count_is_a_protocol_error(event):
     with FakeWS(handler) as fake:
         for error in stream_both(fake.url):
             assert isinstance(error, ProtocolError) and "not a frame count" in str(error)
+
+
+# --- answers that do not end, or end too late --------------------------------------------------------------------
+def endless(piece=b" " * 65536, pause=0.0):
+    """A body that never ends: ``piece`` after ``piece`` (``pause`` s apart) until the client closes."""
+    import time
+
+    def write(wfile):
+        while True:
+            wfile.write(piece)
+            wfile.flush()
+            if pause:
+                time.sleep(pause)
+
+    return write
+
+
+def test_an_endless_json_answer_is_cut_at_its_limit():
+    """httpx's timeout is per read: a JSON answer that streams for ever grew the client's memory without bound.
+    It stops at 16 MiB (MAX_JSON_ANSWER_BYTES), naming the size and the limit, and the connection is closed."""
+    from wm_refiner_client._common import MAX_JSON_ANSWER_BYTES
+
+    with FakeHTTP(lambda method, path: (200, JSON, endless(b"[" * 65536))) as fake:
+        for message in both(fake.url, lambda c: c.info(), within=20):
+            assert "GET /v1/info" in message and f"over this answer's limit of {MAX_JSON_ANSWER_BYTES} bytes" in message
+            assert f"ran past {MAX_JSON_ANSWER_BYTES} bytes" in message
+        assert fake.cut.wait(10)
+        assert len(fake.requests) == 2  # not retried: one request per client
+
+
+def test_an_answer_declaring_more_than_its_limit_is_not_read():
+    def answer(method, path):
+        return 200, {**JSON, "content-length": str(1 << 40)}, endless()
+
+    with FakeHTTP(answer) as fake:
+        for message in both(fake.url, lambda c: c.sessions(), within=10):
+            assert f"declares {1 << 40} bytes" in message and "limit of 16777216 bytes" in message
+        assert fake.cut.wait(10)
+
+
+def test_an_endless_chunk_answer_is_cut_at_what_the_frames_sent_can_weigh():
+    """A chunk's answer holds the units of the frames sent and of those the session held back: its limit follows
+    from them (unit_answer_limit), far below the JSON answers' 16 MiB for a small chunk."""
+    import numpy as np
+
+    from wm_refiner_client._common import unit_answer_limit
+    from wm_refiner_client.aio import AsyncSession
+    from wm_refiner_client.client import Session
+
+    config = {"sink_frames": 1, "block_size": 3, "outputs": ["latents"]}
+    latents = np.zeros((1, 128, 4, 4, 4), np.float32)
+    limit = unit_answer_limit(latents.shape, config)
+    assert limit == 2 * (4 + 1 + 3) * 4 * 4 * 128 * 4 + 2**20  # 8 frames of float32 latents, twice, and a header
+
+    def call(client):
+        session = (AsyncSession if isinstance(client, AsyncClient) else Session)(client, SID, config, next_seq=0)
+        return session.send(latents)
+
+    octet = {"content-type": "application/octet-stream"}
+    with FakeHTTP(lambda method, path: (200, octet, endless())) as fake:
+        for message in both(fake.url, call, within=20):
+            assert f"POST /v1/sessions/{SID}/chunks" in message and f"limit of {limit} bytes" in message
+        assert fake.cut.wait(10)
+
+
+def test_an_answers_limit_follows_from_what_was_asked():
+    from wm_refiner_client._common import unit_answer_limit
+
+    latents = {"sink_frames": 1, "block_size": 3, "outputs": ["latents"]}
+    small, wide, longer = (1, 128, 3, 4, 4), (1, 128, 3, 8, 8), (1, 128, 12, 4, 4)
+    assert unit_answer_limit(wide, latents) > unit_answer_limit(small, latents)
+    assert unit_answer_limit(longer, latents) > unit_answer_limit(small, latents)
+    video = {**latents, "outputs": ["latents", "video"]}
+    assert unit_answer_limit(small, {**video, "video_format": "float32"}) > unit_answer_limit(small, video) \
+        > unit_answer_limit(small, latents)
+    # The whole clip of /v1/refine: its own frames, nothing held back; unknown outputs: the spec's default (latents).
+    assert unit_answer_limit(small, {}, whole_clip=True) == 2 * 3 * 16 * 128 * 4 + 2**20
+    assert unit_answer_limit(small, {"outputs": "latents,video"}, whole_clip=True) > \
+        unit_answer_limit(small, {}, whole_clip=True)
+    assert unit_answer_limit((1, 128, 4, 4), latents) == 16 * 2**20  # no unit answers those: an error's JSON does
+
+
+DEADLINE = RetryPolicy(attempts=10, backoff_s=0.01, max_backoff_s=0.01, deadline_s=1.0)
+
+
+def test_a_server_that_never_answers_costs_the_deadline_not_attempts_times_timeout():
+    """Accepted, then silence: 10 tries x the 5 s timeout (50 s) without a deadline; RetryPolicy.deadline_s bounds
+    the whole call."""
+    import time
+
+    from wm_refiner_client import TransportError
+
+    def answer(method, path):
+        time.sleep(30)
+        return 200, JSON, {}
+
+    with FakeHTTP(answer) as fake:
+        for message in both(fake.url, lambda c: c.info(), TransportError, DEADLINE, within=3):
+            assert "GET /v1/info" in message and "RetryPolicy.deadline_s (1 s)" in message
+
+
+def test_an_answer_that_trickles_in_stops_at_the_deadline():
+    """A byte every 0.1 s: every read is within the timeout, and a 1 KiB answer would take 100 s."""
+    from wm_refiner_client import TransportError
+
+    def answer(method, path):
+        return 200, {**JSON, "content-length": "1024"}, endless(b" ", pause=0.1)
+
+    with FakeHTTP(answer) as fake:
+        for message in both(fake.url, lambda c: c.info(), TransportError, DEADLINE, within=3):
+            assert "RetryPolicy.deadline_s (1 s) passed" in message and "bytes of the answer's body" in message
+
+
+def test_a_503_whose_retry_after_ends_past_the_deadline_is_raised_at_once():
+    from wm_refiner_client import ServiceUnavailableError
+
+    body = {"error": {"code": "too_many_sessions", "message": "full"}}
+    with FakeHTTP(lambda method, path: (503, {**JSON, "retry-after": "5"}, body)) as fake:
+        both(fake.url, lambda c: c.create_session(), ServiceUnavailableError, DEADLINE, within=1)
+        assert len(fake.requests) == 2  # one try each: the 5 s wait would end past the 1 s deadline
+
+
+def test_a_deadline_is_a_positive_number_of_seconds():
+    for wrong in (0, -1.0):
+        with pytest.raises(ValueError, match="deadline_s"):
+            RetryPolicy(deadline_s=wrong)
+    assert RetryPolicy().deadline_s is None
+
+
+def test_a_stream_unit_past_the_frames_sent_is_a_protocol_error_when_it_arrives():
+    """The session had no frames and the stream sent 4: a unit ending at frame 1000 is not the service's. Caught as
+    it arrives (before, the caller got it, and only a ``done`` that disagreed was noticed)."""
+    import time
+
+    async def handler(ws):
+        await ws.send(json.dumps({"type": "session", "session_id": SID, "frames_received": 0, "flushed": False}))
+        await ws.recv()  # the client's 4 frames
+        await ws.send(_safetensors({"frame_start": "0", "frame_end": "1000"}, {}))
+        await asyncio.sleep(60)
+
+    with FakeWS(handler) as fake:
+        started = time.monotonic()
+        errors = stream_both(fake.url)
+        assert time.monotonic() - started < 10
+    for error in errors:
+        assert isinstance(error, ProtocolError), error
+        assert "frames [0, 1000)" in str(error) and "only 4 frames: 4 sent by this stream" in str(error)
