@@ -123,6 +123,10 @@ def errors(*statuses: int, when: dict[int, str] | None = None) -> dict[int | str
 
 # Each route's own causes of a 400 and a 409 (``errors(..., when=...)``): what the generic words would blur.
 CONFIG_400 = "invalid_payload: the body is not JSON, or nests it too deeply (an empty body takes every default)"
+# A session saved in snapshot_dir is taken (its lease) before it is read or ended: the folder's or its owner's 503s.
+DELETE_503 = ("session_moved: another replica holds the session's lease; server_busy: snapshot_dir cannot take its "
+              "lease, be read, or be written to delete a spilled session now (it stays spilled); retry after "
+              "Retry-After seconds")
 PUT_409 = ("session_exists: a session with this id exists with another config (the same config again answers 200 "
            "with the session); PUT it with that config, or choose another id")
 CHUNK_400 = ("invalid_payload: the body is not a safetensors file, holds a tensor name other than latents, "

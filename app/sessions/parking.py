@@ -638,17 +638,25 @@ class Parking:
             self.moves.labels(to="active").inc()
 
     def forget(self, session_id: str) -> bool:
-        """Delete a spilled session (its file); False if it is not one."""
+        """Delete a spilled session (its file); False if it is not one. A folder that cannot be written now
+        (read-only, full, gone) is 503 server_busy, and the session stays spilled: a DELETE that did not happen
+        must not drop it from the listing and the spilled count while its file stays adoptable."""
         stub = self.stub(session_id)
         if stub is None:
             return False
+        try:
+            # Ended: the file it was spilled to (under the floor's generation) may not be adopted back if put back
+            # (the floor first, as above).
+            leases.raise_floor(self.folder, session_id, leases.read_floor(self.folder, session_id) + 1,
+                               self.settings.replica_id)
+            remove_record(self.folder, session_id)
+        except OSError as error:
+            log.warning("deleting spilled session %s from %s failed: %r", session_id, self.folder, error)
+            raise ApiError("server_busy", f"snapshot_dir cannot be written now ({error.strerror or error}): spilled "
+                                          f"session {session_id} was not deleted and its file stays; retry the "
+                                          "DELETE later", retry_after_s=self.settings.retry_after_s) from None
         self.spilled.pop(session_id, None)
         self.registry.remember_ended(session_id, stub.created_at)
-        # Ended: the file it was spilled to (under the floor's generation) may not be adopted back if put back
-        # (the floor first, as above).
-        leases.raise_floor(self.folder, session_id, leases.read_floor(self.folder, session_id) + 1,
-                           self.settings.replica_id)
-        remove_record(self.folder, session_id)
         return True
 
     # --- the timer ------------------------------------------------------------------------------------------------

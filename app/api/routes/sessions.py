@@ -13,7 +13,8 @@ from starlette.responses import JSONResponse, Response
 from wm_refiner_client import spec
 
 from app.api.deps import PlainInteger, ServicesDep, read_body, require_content_type
-from app.api.openapi import CONFIG_400, PUT_409, SessionCreate, SessionCreated, SessionDescription, SessionList, errors
+from app.api.openapi import (CONFIG_400, DELETE_503, PUT_409, SessionCreate, SessionCreated,
+                             SessionDescription, SessionList, errors)
 from app.core.error_kinds import ApiError
 
 router = APIRouter(tags=["sessions"])
@@ -173,7 +174,8 @@ async def get_session(session_id: str, services: ServicesDep) -> dict[str, Any]:
     "/v1/sessions/{session_id}",
     status_code=204,
     response_class=Response,
-    responses={204: {"description": "ended; the cache is freed"}, **errors(401, 404, 410, 422)},
+    responses={204: {"description": "ended; the cache is freed"},
+               **errors(401, 404, 410, 422, 503, when={503: DELETE_503})},
 )
 async def delete_session(session_id: str, services: ServicesDep) -> Response:
     await services.sessions.delete(session_id)

@@ -429,3 +429,35 @@ def test_an_adoption_cancelled_while_it_reads_the_file_lets_go_of_the_lease(make
         reply = client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)
         assert reply.status_code == 200, reply.text
         assert services.registry.existing(sid).session.state.frames_received == 10
+
+
+def test_a_delete_of_a_spilled_session_the_folder_cannot_take_changes_nothing(make_settings, tmp_path, monkeypatch):
+    """snapshot_dir went read-only (or full, or away) after the session was spilled: its DELETE cannot raise the floor
+    nor remove the file, so it is a 503 server_busy saying so, and the session stays spilled, listed and counted (it
+    was a 500 "the session is unchanged" after it had been dropped from the listing and the count, its file left
+    adoptable); the same DELETE works once the folder does."""
+    import errno
+
+    folder = tmp_path / "snaps"
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        services, sid, handle = _parked(client)
+        assert client.portal.call(services.store.parking.spill, handle)
+        real = leases_module.raise_floor
+
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        monkeypatch.setattr(leases_module, "raise_floor", read_only)
+        refused = client.delete(f"/v1/sessions/{sid}")
+        assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "server_busy" and "Read-only file system" in error["message"], error
+        assert "not deleted" in error["message"], error
+        assert client.get(f"/v1/sessions/{sid}").json()["state"] == "spilled"
+        assert [s["session_id"] for s in client.get("/v1/sessions").json()["sessions"]] == [sid]
+        assert client.get("/v1/info").json()["memory"]["sessions"]["spilled"] == 1
+        assert has_snapshot(folder, sid)
+        monkeypatch.setattr(leases_module, "raise_floor", real)
+        assert client.delete(f"/v1/sessions/{sid}").status_code == 204
+        assert client.get(f"/v1/sessions/{sid}").status_code == 404
+        assert not has_snapshot(folder, sid)
