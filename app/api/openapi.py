@@ -124,6 +124,8 @@ def errors(*statuses: int, when: dict[int, str] | None = None) -> dict[int | str
 # Each route's own causes of a 400 and a 409 (``errors(..., when=...)``): what the generic words would blur.
 CONFIG_400 = "invalid_payload: the body is not JSON, or nests it too deeply (an empty body takes every default)"
 # A session saved in snapshot_dir is taken (its lease) before it is read or ended: the folder's or its owner's 503s.
+GET_503 = ("session_moved: another replica holds the session's lease; server_busy: snapshot_dir cannot take its lease "
+           "or be read now (the file stays); retry after Retry-After seconds")
 DELETE_503 = ("session_moved: another replica holds the session's lease; server_busy: snapshot_dir cannot take its "
               "lease, be read, or be written to delete a spilled session now (it stays spilled); retry after "
               "Retry-After seconds")

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from wm_refiner_client import spec
 
 from app.api.deps import PlainInteger, ServicesDep, read_body, require_content_type
-from app.api.openapi import (CONFIG_400, DELETE_503, PUT_409, SessionCreate, SessionCreated,
+from app.api.openapi import (CONFIG_400, DELETE_503, GET_503, PUT_409, SessionCreate, SessionCreated,
                              SessionDescription, SessionList, errors)
 from app.core.error_kinds import ApiError
 
@@ -164,7 +164,8 @@ async def list_sessions(
 @router.get(
     "/v1/sessions/{session_id}",
     response_model=None,
-    responses={200: {"model": SessionDescription, "description": "the session's state"}, **errors(401, 404, 410, 422)},
+    responses={200: {"model": SessionDescription, "description": "the session's state"},
+               **errors(401, 404, 410, 422, 503, when={503: GET_503})},
 )
 async def get_session(session_id: str, services: ServicesDep) -> dict[str, Any]:
     return await services.sessions.describe(session_id)

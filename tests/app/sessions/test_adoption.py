@@ -310,10 +310,14 @@ def test_a_snapshot_folder_that_cannot_take_a_lease_is_a_503_not_a_500(make_sett
 
     monkeypatch.setattr(leases, "acquire", read_only)
     with running_app(make_settings(snapshot_dir=folder)) as client:
-        for method, path in (("GET", f"/v1/sessions/{session_id}"), ("PUT", "/v1/sessions/new-session-1")):
+        documented = client.get("/openapi.json").json()["paths"]
+        for method, path in (("GET", f"/v1/sessions/{session_id}"), ("DELETE", f"/v1/sessions/{session_id}"),
+                             ("PUT", "/v1/sessions/new-session-1")):
             refused = client.request(method, path, json={} if method == "PUT" else None)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_busy", refused.text
             assert "Read-only file system" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+            # The OpenAPI document names this answer for each of these operations (GET's did not).
+            assert "503" in documented["/v1/sessions/{session_id}"][method.lower()]["responses"], method
         assert (folder / f"{session_id}.session.safetensors").is_file() and not list(folder.glob("*.corrupt"))
         monkeypatch.setattr(leases, "acquire", real_acquire)
         assert client.get(f"/v1/sessions/{session_id}").status_code == 200
