@@ -668,13 +668,20 @@ class Parking:
             idle_for = now - handle.last_work
             if handle.memory_state == "active" and idle_for >= settings.park_after_s and _idle(handle):
                 await self.park(handle)
+            # A spill that failed (a full or read-only disk) is tried again spill_after_s later, unless the session
+            # worked since: each try reads the whole session on the engine thread and writes it.
+            failed = handle.spill_failed_at
+            backing_off = (failed is not None and failed >= handle.last_work
+                           and now - failed < settings.spill_after_s)
             if (handle.memory_state == "parked" and idle_for >= settings.spill_after_s
-                    and self.folder is not None):
+                    and self.folder is not None and not backing_off):
                 moved = False
                 try:
                     moved = await self.spill(handle)
                 except Exception:  # a full disk must not stop parking; the session stays parked
-                    log.exception("spilling session %s failed; it stays parked", handle.id)
+                    handle.spill_failed_at = registry.clock()
+                    log.exception("spilling session %s failed; it stays parked, tried again in %g s", handle.id,
+                                  settings.spill_after_s)
                 if not moved:
                     handle.spill_declined_at = registry.clock()  # no longer a place that frees soon (spills_at)
         retention = settings.retention_s

@@ -74,6 +74,7 @@ class SessionHandle:
     memory_state: str = "active"
     last_work: float = 0.0  # registry clock: when work of it last started or ended (parking's idle clock)
     spill_declined_at: float | None = None  # registry clock: when the timer last tried to spill it and did not
+    spill_failed_at: float | None = None  # registry clock: when its spill last raised (a full or read-only disk)
     taken: int = 0  # lookups that handed it to a request (a spill in progress gives way to them)
     reserved_bytes: int = 0  # device bytes admission reserved at its first chunk (app.sessions.parking.Parking.reserve)
     park_ready: Any = None  # CUDA event of the copies that last moved its tensors (None on a CPU)

@@ -458,3 +458,39 @@ def test_a_spill_that_failed_is_not_counted_on_by_the_retry_after(make_settings,
         assert full.status_code == 503 and full.json()["error"]["code"] == "too_many_sessions", full.text
         assert int(full.headers["retry-after"]) >= 590, full.headers["retry-after"]
         assert "is released in" in full.json()["error"]["message"]
+
+
+def test_a_spill_that_failed_is_tried_again_only_spill_after_s_later(make_settings, tmp_path, monkeypatch):
+    """A full or read-only snapshot_dir: each try of a spill reads the whole session on the engine thread and writes
+    it, and fails. The timer tries a parked session whose spill failed again only spill_after_s after that failure
+    (it tried at every round, every upkeep_interval_s: a session's bytes copied and a traceback logged per parked
+    session per round for as long as the disk stayed full)."""
+    import errno
+
+    import app.sessions.parking as parking_module
+
+    tries = []
+
+    def full_disk(*args, **kwargs):
+        tries.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(parking_module, "write_fenced", full_disk)
+    settings = make_settings(snapshot_dir=tmp_path / "spill", park_after_s=60.0, spill_after_s=120.0,
+                             session_retention_s=6000.0)
+    with running_app(settings) as client:
+        services = client.app.state.services
+        parking, now = services.store.parking, [time.monotonic()]
+        services.registry.clock = lambda: now[0]  # the timer's rounds are run here, at the times this test says
+        sid = _the_one_session(client)
+        now[0] += 200.0
+        client.portal.call(parking.tick)
+        assert len(tries) == 1 and client.get(f"/v1/sessions/{sid}").json()["state"] == "parked"
+        for _ in range(3):  # the next rounds, within spill_after_s of the failure
+            now[0] += 10.0
+            client.portal.call(parking.tick)
+        assert len(tries) == 1, "a failed spill was tried again at every round of the timer"
+        now[0] += 120.0
+        client.portal.call(parking.tick)
+        assert len(tries) == 2, "a failed spill was never tried again"
+        assert client.get(f"/v1/sessions/{sid}").json()["state"] == "parked"
