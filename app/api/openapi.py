@@ -127,7 +127,7 @@ CONFIG_400 = "invalid_payload: the body is not JSON, or nests it too deeply (an 
 GET_503 = ("session_moved: another replica holds the session's lease; server_busy: snapshot_dir cannot take its lease "
            "or be read now (the file stays); retry after Retry-After seconds")
 DELETE_503 = ("session_moved: another replica holds the session's lease; server_busy: snapshot_dir cannot take its "
-              "lease, be read, or be written to delete a spilled session now (it stays spilled); retry after "
+              "lease, be read, or be written to end the session now (it goes on unchanged); retry after "
               "Retry-After seconds")
 PUT_409 = ("session_exists: a session with this id exists with another config (the same config again answers 200 "
            "with the session); PUT it with that config, or choose another id")

@@ -144,14 +144,19 @@ class Checkpoints:
                     leases.check(lease)
                 except LeaseLost:
                     return
-                remove_record(folder, handle.id)
-                # Ended: no file of it may be adopted back (a copy put back, a checkpoint a stale writer slipped in).
                 try:
+                    # Ended: no file of it may be adopted back (a copy put back, a checkpoint a stale writer slipped
+                    # in, its own file if removing it fails), so the floor goes up before the file goes.
                     leases.raise_floor(folder, handle.id, lease.generation + 1, self.settings.replica_id)
+                    remove_record(folder, handle.id)
                 finally:
                     leases.release(folder, handle.id, lease)
 
-            await asyncio.to_thread(drop)
+            try:
+                await asyncio.to_thread(drop)
+            except OSError as error:  # the folder's trouble: nothing waits for this task to say it
+                log.warning("session %s ended; removing its file and lease from %s failed: %r", handle.id, folder,
+                            error)
 
         task = asyncio.ensure_future(remove())
         self.removals.add(task)

@@ -173,7 +173,7 @@ class SessionOps:
         if self.store.registry.existing(session_id) is None and self.store.parking.forget(session_id):
             return  # spilled: its file goes, nothing is loaded
         await self.store.lookup(session_id)  # a session saved by another replica is taken and ended here
-        self.store.delete(session_id)
+        await self.store.delete(session_id)
 
     async def list(self, limit: int, after: str | None, scope: str) -> dict[str, Any]:
         """A page of sessions, oldest first. Behind a router (``peers`` set, scope ``deployment``) the deployment's

@@ -224,11 +224,35 @@ class SessionStore:
                 raise _moved(held)
         return self.registry.get(session_id)
 
-    def delete(self, session_id: str) -> None:
+    async def delete(self, session_id: str) -> None:
+        """End a live session. One with a file in snapshot_dir has its floor raised past its lease's generation
+        first (``leases.raise_floor``), so that no file of it is adopted back, even one whose removal then fails; a
+        folder that cannot take that now (read-only, full, gone) is 503 server_busy, and the session goes on
+        unchanged (it was ended with a 204, its checkpoint left adoptable once the folder could be written again)."""
+        lease, folder, cancelled = self.leases.get(session_id), self.snapshot_folder, False
+        if lease is not None and folder is not None:
+            # Seen to its end: a floor raised under a session that goes on would refuse its own later checkpoints.
+            raised = in_thread(leases.raise_floor, folder, session_id, lease.generation + 1, self.settings.replica_id)
+            cancelled = await outlast(raised)
+            error = raised.exception()
+            if error is not None:
+                if cancelled:
+                    raise asyncio.CancelledError
+                log.warning("ending session %s: its floor in %s was not raised (%r)", session_id, folder, error)
+                if not isinstance(error, OSError):
+                    raise error
+                raise ApiError("server_busy", f"snapshot_dir cannot be written now ({error.strerror or error}): "
+                                              f"session {session_id} was not deleted and goes on unchanged; retry "
+                                              "the DELETE later", retry_after_s=self.settings.retry_after_s)
+            if self.registry.existing(session_id) is None:  # it went meanwhile (spilled, ended): ended all the same
+                if self.parking.forget(session_id) or cancelled:
+                    return
         self.registry.delete(session_id)
         for connection in list(self.connections):
             if connection.session_id == session_id:
                 connection.close(1000, "session deleted")
+        if cancelled:  # the floor is up: the session was ended first, as a DELETE that went away must still do
+            raise asyncio.CancelledError
 
     def lose(self, handle: SessionHandle, reason: BaseException) -> None:
         """Another replica holds the session's lease now (this one stalled past session_lease_s, or two replicas

@@ -81,7 +81,7 @@ def test_a_session_deleted_before_its_checkpoint_is_written_stays_deleted(make_s
         async def run_then_delete(build, *args, **kwargs):  # the response is encoded: the checkpoint comes next
             if not deleted:
                 deleted.append(sid)
-                store.delete(sid)
+                await store.delete(sid)
                 await asyncio.wait(set(store.checkpoints.removals))  # its file, floor and lease handled
             return await real_run(build, *args, **kwargs)
 
@@ -461,3 +461,44 @@ def test_a_delete_of_a_spilled_session_the_folder_cannot_take_changes_nothing(ma
         assert client.delete(f"/v1/sessions/{sid}").status_code == 204
         assert client.get(f"/v1/sessions/{sid}").status_code == 404
         assert not has_snapshot(folder, sid)
+
+
+def test_a_delete_of_a_live_session_the_folder_cannot_take_leaves_it_live_and_one_that_ends_never_comes_back(
+        make_settings, tmp_path, monkeypatch):
+    """A live session with a checkpoint in snapshot_dir, which then goes read-only: its DELETE cannot fence the
+    file, so it is a 503 server_busy and the session goes on (it was a 204, and once the folder could be written
+    again the next GET adopted the "deleted" session back from its checkpoint). A DELETE whose floor went up but
+    whose file could not be removed ends the session for good: another replica refuses the file (410)."""
+    import errno
+
+    import app.sessions.checkpoints as checkpoints_module
+
+    folder = tmp_path / "snaps"
+    with running_app(make_settings(snapshot_dir=folder, checkpoint_every_blocks=1, replica_id="a")) as client:
+        sid = client.post("/v1/sessions").json()["session_id"]
+        _start(client, sid)
+        wait_until(lambda: has_snapshot(folder, sid), "the session's checkpoint")
+        real = leases_module.raise_floor
+
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        monkeypatch.setattr(leases_module, "raise_floor", read_only)
+        refused = client.delete(f"/v1/sessions/{sid}")
+        assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "server_busy" and "Read-only file system" in error["message"], error
+        assert "not deleted" in error["message"], error
+        monkeypatch.setattr(leases_module, "raise_floor", real)
+        going_on = client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)
+        assert going_on.status_code == 200, going_on.text
+
+        def stuck(*args, **kwargs):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(checkpoints_module, "remove_record", stuck)
+        assert client.delete(f"/v1/sessions/{sid}").status_code == 204
+        wait_until(lambda: not client.app.state.services.store.checkpoints.removals, "the ended session's removal")
+    assert has_snapshot(folder, sid)  # its removal failed: the file stays, fenced off by the floor
+    with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as other:
+        assert other.get(f"/v1/sessions/{sid}").status_code == 410
