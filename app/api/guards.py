@@ -118,7 +118,8 @@ class BodyBudget:
         await send({"type": "http.response.body", "body": body})
 
 
-def _head_response(status: int, reason: str, code: str, message: str) -> bytes:
+def error_head(status: int, reason: str, code: str, message: str) -> bytes:
+    """A whole HTTP response carrying the error envelope, for a connection answered before any route (then closed)."""
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode() + body
@@ -215,7 +216,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             log.warning("%s%d: %s", prefix, status, message)
         response_started = self.cycle is not None and self.cycle.response_started
         if not response_started:
-            self.transport.write(_head_response(status, reason, code, message))
+            self.transport.write(error_head(status, reason, code, message))
         if self.cycle is not None:
             self.cycle.disconnected = True
             self.cycle.message_event.set()

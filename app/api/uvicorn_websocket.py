@@ -5,9 +5,11 @@
   without completing handshake" at ERROR for every one, so a scan for API keys filled the log with false alarms.
 - A text message that is not valid UTF-8 is closed with 1007 (RFC 6455 section 8.1), as uvicorn does, but logged
   as one INFO line: it is the client's fault, and uvicorn's ERROR with a traceback looked like a server bug.
-- A handshake that websockets' own parser refuses (a header line over 8192 bytes, more than 128 headers: its
-  limits, below ``max_header_bytes`` which httptools already checked) gets the 431/414 response websockets built;
-  uvicorn logged it as sent but never wrote it, and the client waited for an answer that never came.
+- A handshake that websockets' own parser refuses (a request or header line over 8192 bytes, more than 128 headers:
+  its limits, below ``max_header_bytes`` which httptools already checked; or a head it cannot read, such as one with
+  Transfer-Encoding) is answered with the error envelope, 431 ``headers_too_large`` or 400 ``invalid_payload``, as
+  the HTTP layer answers its own refusals: uvicorn logged websockets' plain-text 414/431 as sent but never wrote it,
+  and for a head websockets could not read there was no answer at all, only EOF.
 
 And one bound: a client that sends pings and never reads made the server buffer a pong for each (uvicorn writes
 them into the transport without back-pressure; 85 MiB of pings grew a server by 120 MiB). Once a connection's
@@ -39,6 +41,10 @@ shutdown, which otherwise waited ``timeout_graceful_shutdown`` more for such a c
 from __future__ import annotations
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import HeaderLineTooLong, RequestLineTooLong, TooManyHeaders
+from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS
+
+from app.api.guards import error_head
 
 # RFC 6455 7.4.1: "received data within a message that was not consistent with the type of the message".
 WS_INVALID_PAYLOAD = 1007
@@ -85,7 +91,8 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             self.logger.info("%sWebSocket handshake refused: %s", prefix, self.conn.handshake_exc)
             self.close_sent = True
             self.handshake_complete = True
-            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.conn.data_to_send()  # websockets' own answer (plain text, or EOF): the envelope instead
+            self.transport.write(_refusal(self.conn.handshake_exc))
             self.transport.close()
             return
         if not self.write_backlog and self.transport.get_write_buffer_size() > self.max_write_buffer_bytes:
@@ -217,3 +224,21 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
             # The denial response is written and the connection closed: the handshake is over.
             self.handshake_complete = True
+
+
+def _refusal(exc: Exception) -> bytes:
+    """The response to a handshake head websockets' parser refused (``exc``: why), in the error envelope."""
+    if isinstance(exc, RequestLineTooLong):
+        return error_head(431, "Request Header Fields Too Large", "headers_too_large",
+                          f"the WebSocket handshake's request line is over {MAX_LINE_LENGTH} bytes; send a shorter "
+                          "URL (the query parameters are a few short words)")
+    if isinstance(exc, HeaderLineTooLong):
+        return error_head(431, "Request Header Fields Too Large", "headers_too_large",
+                          f"a header line of the WebSocket handshake is over {MAX_LINE_LENGTH} bytes; send shorter "
+                          "headers (cookies, subprotocols)")
+    if isinstance(exc, TooManyHeaders):
+        return error_head(431, "Request Header Fields Too Large", "headers_too_large",
+                          f"the WebSocket handshake has more than {MAX_NUM_HEADERS} headers; send fewer headers")
+    return error_head(400, "Bad Request", "invalid_payload",
+                      f"the WebSocket handshake is not a valid HTTP/1.1 upgrade request ({exc.__cause__ or exc}); "
+                      "send a GET without a body or Transfer-Encoding (any WebSocket client library does)")

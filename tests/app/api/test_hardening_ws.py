@@ -303,16 +303,36 @@ def test_a_text_message_that_is_not_utf8_is_closed_with_1007_without_a_traceback
     assert any("not valid UTF-8" in r.getMessage() for r in uvicorn_log.records)
 
 
-def test_a_handshake_with_a_header_line_over_websockets_limit_gets_431(make_settings, uvicorn_log):
-    """httptools takes the head (under max_header_bytes); websockets' own parser refuses a line over 8192 bytes.
-    Its 431 must reach the client, which otherwise waits for an answer forever."""
+def _envelope(sock: socket.socket, head: bytes) -> dict:
+    """The JSON error envelope of a refused handshake's response (head already read, then the body to EOF)."""
+    body = head.split(b"\r\n\r\n", 1)[1]
+    while part := sock.recv(65536):
+        body += part
+    assert b"content-type: application/json" in head.lower(), head
+    return json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("path, extra, status, code, says", [
+    ("/stream", b"X-Big: " + b"a" * 8200 + b"\r\n", 431, "headers_too_large", "header line"),
+    ("/stream", b"".join(b"X-%d: a\r\n" % n for n in range(130)), 431, "headers_too_large", "headers"),
+    ("/watch?outputs=" + "a" * 9000, b"", 431, "headers_too_large", "request line"),
+    ("/stream", b"Transfer-Encoding: chunked\r\n", 400, "invalid_payload", "not a valid"),
+])
+def test_a_handshake_websockets_parser_refuses_gets_the_error_envelope(make_settings, uvicorn_log, path, extra,
+                                                                      status, code, says):
+    """httptools takes the head (under max_header_bytes); websockets' own parser then refuses a line over 8192
+    bytes, over 128 headers, or a head it cannot read (Transfer-Encoding on a GET). The answer must reach the client
+    (it otherwise waits forever) as the service's error envelope, like every other error: it was websockets' plain
+    text 414/431, and no answer at all (EOF) for a head it could not read."""
     with LiveServer(make_settings()) as server:
         uvicorn_log.attach()
         session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
-        sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream", extra=b"X-Big: " + b"a" * 8200 + b"\r\n")
+        sock, head = _handshake(server, f"/v1/sessions/{session_id}{path}", extra=extra)
+        assert head.startswith(b"HTTP/1.1 %d " % status), head
+        error = _envelope(sock, head)
         sock.close()
-        assert head.startswith(b"HTTP/1.1 431"), head
-        # A handshake under the limit still opens.
+        assert error["code"] == code and says in error["message"], error
+        # A handshake under the limits still opens.
         sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream", extra=b"X-Big: " + b"a" * 8000 + b"\r\n")
         sock.close()
         assert head.startswith(b"HTTP/1.1 101"), head
