@@ -245,7 +245,10 @@ class SessionStore:
                                               f"session {session_id} was not deleted and goes on unchanged; retry "
                                               "the DELETE later", retry_after_s=self.settings.retry_after_s)
             if self.registry.existing(session_id) is None:  # it went meanwhile (spilled, ended): ended all the same
-                if self.parking.forget(session_id) or cancelled:
+                forgotten = self.parking.forget(session_id)
+                if cancelled:
+                    raise asyncio.CancelledError
+                if forgotten:
                     return
         self.registry.delete(session_id)
         for connection in list(self.connections):
