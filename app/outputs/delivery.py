@@ -90,7 +90,11 @@ def _lower_priority() -> None:
     one, so ``setpriority`` of this thread's id touches no other thread; raising one's own nice value needs no
     privilege. Elsewhere (no per-thread nice) the pool only stays smaller than the producers'."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WATCH_NICE)
+        # Relative to the thread's own (inherited) nice value: a service started under `nice` (or a container's
+        # default) keeps its watchers below its producers, where an absolute WATCH_NICE put them level, or tried to
+        # raise them (refused without privilege).
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + WATCH_NICE))
 
 
 class Encoder:

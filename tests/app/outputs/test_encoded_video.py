@@ -345,3 +345,27 @@ def test_the_video_file_takes_segments_as_they_come_and_encodes_only_what_came_r
         decoded = [(round(f.time * 16), f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]
     assert [t for t, _ in decoded] == list(range(14))
     assert psnr(np.stack([f for _, f in decoded])[None], frames) >= H264_PSNR_DB
+
+
+def test_a_watchers_thread_goes_below_the_nice_value_it_started_with():
+    # Under `nice` (a service started with it, a container's default) an absolute WATCH_NICE put the watchers' threads
+    # level with the producers', or below them (a raise, refused without privilege).
+    import os
+    import threading
+
+    from app.outputs.delivery import WATCH_NICE, _lower_priority
+
+    seen = []
+
+    def thread() -> None:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + 5)
+        started = os.getpriority(os.PRIO_PROCESS, me)
+        _lower_priority()
+        seen.append((started, os.getpriority(os.PRIO_PROCESS, me)))
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    worker.join(5)
+    (started, lowered), = seen
+    assert lowered == min(19, started + WATCH_NICE) > started
