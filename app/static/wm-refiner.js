@@ -169,7 +169,9 @@ export function encodeSafetensors(tensors, metadata = null) {
 
 /** One safetensors file (ArrayBuffer, or a Uint8Array view of one) into `{tensors: {name: Tensor}, metadata}`; the
  * tensors' bytes are views into the input, not copies. Throws a SafetensorsError saying what is wrong. */
-export class SafetensorsError extends Error {}
+export class SafetensorsError extends Error {
+  constructor(message) { super(message); this.name = "SafetensorsError"; }
+}
 export function decodeSafetensors(input) {
   const buffer = input instanceof ArrayBuffer ? new Uint8Array(input) : input;
   if (!(buffer instanceof Uint8Array)) throw new TypeError("decodeSafetensors takes an ArrayBuffer or a Uint8Array");
@@ -203,11 +205,16 @@ export function decodeSafetensors(input) {
 }
 
 // --- HTTP --------------------------------------------------------------------------------------------------------
-/** An error answer: `status` (HTTP), `code` and `message` from the server's `{"error": {...}}`, `retryAfter` (s). */
+/** An error answer: `status` (HTTP), `code` and `detail` (the message) from the server's `{"error": {...}}`,
+ * `retryAfter` (s), and `body`: the answer's JSON as sent, for the fields some errors carry besides code and message
+ * (`insufficient_memory`'s `bytes_needed`, `over_capacity`'s `load_needed`...; docs/api.md "Errors"). A request that
+ * got no answer at all is one too, `status` 0 and code `unreachable` (`cause`: the browser's TypeError), since a page
+ * cannot tell a server that is down from one that refuses its origin. */
 export class RefinerError extends Error {
-  constructor(status, code, message, retryAfter = null) {
-    super(`${status} ${code}: ${message}`);
-    this.status = status; this.code = code; this.detail = message; this.retryAfter = retryAfter;
+  constructor(status, code, message, retryAfter = null, { body = null, cause } = {}) {
+    super(`${status} ${code}: ${message}`, cause === undefined ? undefined : { cause });
+    this.name = "RefinerError";  // what a console or a stack shows before the message
+    this.status = status; this.code = code; this.detail = message; this.retryAfter = retryAfter; this.body = body;
   }
 }
 
@@ -237,12 +244,22 @@ export class RefinerClient {
     let sent;
     if (json !== undefined) { headers["Content-Type"] = "application/json"; sent = JSON.stringify(json); }
     if (payload !== undefined) { headers["Content-Type"] = "application/octet-stream"; sent = body(payload); }
-    const response = await fetch(this.baseUrl + path + queryString(query), { method, headers, body: sent });
+    const url = this.baseUrl + path + queryString(query);
+    let response;
+    try {
+      response = await fetch(url, { method, headers, body: sent });
+    } catch (err) {
+      if (!(err instanceof TypeError)) throw err;
+      throw new RefinerError(0, "unreachable", `${method} ${url} got no answer (${err.message}): the server is down ` +
+        `or restarting, the URL is wrong, or the server does not list this page's origin ` +
+        `${globalThis.location ? globalThis.location.origin : ""} in cors_origins (the browser's console says which)`,
+        null, { cause: err });
+    }
     if (!response.ok) {
       const reply = await response.json().catch(() => null), error = reply && reply.error;
       const retryAfter = response.headers.get("Retry-After");
       throw new RefinerError(response.status, error ? error.code : "http_error", error ? error.message : response.statusText,
-                             retryAfter === null ? null : Number(retryAfter));
+                             retryAfter === null ? null : Number(retryAfter), { body: reply });
     }
     return response;
   }
@@ -281,9 +298,9 @@ export class RefinerClient {
         return { ...readUnit(await response.arrayBuffer()), replayed: response.headers.get("X-Replayed") === "true" };
       } catch (err) {
         const retriable = seq !== undefined && attempt < retries &&
-          (err instanceof TypeError || (err instanceof RefinerError && err.status === 503 && err.retryAfter !== null));
+          err instanceof RefinerError && (err.code === "unreachable" || (err.status === 503 && err.retryAfter !== null));
         if (!retriable) throw err;
-        await sleep(Math.min(maxWaitMs, err instanceof RefinerError ? err.retryAfter * 1000 : 200 * 2 ** attempt));
+        await sleep(Math.min(maxWaitMs, err.retryAfter !== null ? err.retryAfter * 1000 : 200 * 2 ** attempt));
       }
     }
   }

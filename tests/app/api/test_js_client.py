@@ -409,3 +409,58 @@ def test_units_say_seq_and_latency_and_an_empty_flush_gets_what_a_python_watcher
     # The same clip split the same way: the stream and the chunks refine the same blocks, bit for bit.
     assert torch.equal(torch.cat([u.latents for u in streamed_units], dim=2),
                        torch.cat([u.latents for u in chunked_units], dim=2))
+
+
+# Runs in the page: each refusal the module turns into an error, as the page's code catches it.
+REFUSALS = """
+const [base, key, deadPort] = args, calls = [], fetchOriginal = globalThis.fetch;
+globalThis.fetch = (url, init) => { calls.push(String(url)); return fetchOriginal(url, init); };
+const described = (err) => ({ name: err.name, isRefinerError: err instanceof m.RefinerError, status: err.status,
+                              code: err.code, detail: err.detail, retryAfter: err.retryAfter, body: err.body,
+                              cause: err.cause ? err.cause.name : null, stack: String(err.stack).split("\\n")[0] });
+const caught = async (call) => { try { await call(); return null; } catch (err) { return described(err); } };
+const client = new m.RefinerClient(base, { apiKey: key }), out = {};
+out.wrongKey = await caught(() => new m.RefinerClient(base, { apiKey: "wrong" }).info());
+const { session_id } = await client.createSession({});
+out.full = await caught(() => client.createSession({}));  // max_sessions 1: no place left
+const latents = m.Tensor.from("F32", [1, 128, 2, 4, 4], new Float32Array(128 * 2 * 16));
+const prompt = m.Tensor.from("F32", [1, 8, 32], new Float32Array(8 * 32));
+out.memory = await caught(() => client.sendChunk(session_id, { latents, prompt_embeds: prompt }));
+const dead = new m.RefinerClient(`http://127.0.0.1:${deadPort}`);
+calls.length = 0;
+out.unreachable = await caught(() => dead.sendChunk("s", { latents }, { seq: 0, retries: 1, maxWaitMs: 10 }));
+out.unreachableCalls = calls.length;
+out.safetensors = await caught(() => m.decodeSafetensors(new Uint8Array(3)));
+return out;
+"""
+
+
+def test_errors_are_refiner_errors_that_carry_the_servers_envelope(make_settings, browser):
+    """Every refusal reaches the page as a RefinerError named so (what a console shows first), with the server's
+    code, message and Retry-After and its whole JSON answer (``body``: the fields an error carries besides code and
+    message, here insufficient_memory's byte counts); a request that got no answer is one too (status 0,
+    ``unreachable``, naming cors_origins among the causes, the browser's TypeError as its cause), still retried by
+    sendChunk with a seq."""
+    from bench.live import free_port
+
+    with LiveServer(make_settings(api_key=KEY, max_sessions=1, device_memory_budget=4096)) as server:
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, REFUSALS, server.base_url, KEY, free_port())
+
+    for name in ("wrongKey", "full", "memory", "unreachable"):
+        assert out[name]["name"] == "RefinerError" and out[name]["isRefinerError"], out[name]
+        assert out[name]["stack"].startswith("RefinerError: "), out[name]["stack"]
+    assert (out["wrongKey"]["status"], out["wrongKey"]["code"]) == (401, "unauthorized")
+    assert "Authorization: Bearer" in out["wrongKey"]["detail"]
+    assert out["wrongKey"]["body"] == {"error": {"code": "unauthorized", "message": out["wrongKey"]["detail"]}}
+    assert (out["full"]["status"], out["full"]["code"]) == (503, "too_many_sessions")
+    assert out["full"]["retryAfter"] > 0
+    memory = out["memory"]
+    assert (memory["status"], memory["code"]) == (503, "insufficient_memory")
+    error = memory["body"]["error"]
+    assert error["bytes_budget"] == 4096 and error["bytes_needed"] > 4096 and error["message"] == memory["detail"]
+    unreachable = out["unreachable"]
+    assert (unreachable["status"], unreachable["code"], unreachable["cause"]) == (0, "unreachable", "TypeError")
+    assert "cors_origins" in unreachable["detail"] and unreachable["body"] is None
+    assert out["unreachableCalls"] == 2  # the first try and its one retry: the same seq is safe to send again
+    assert out["safetensors"]["name"] == "SafetensorsError" and not out["safetensors"]["isRefinerError"]
