@@ -314,12 +314,45 @@ export class RefinerClient {
   /** The session's stream (WS /v1/sessions/{id}/stream); `resumeFrom: N` reattaches after a lost connection. */
   stream(id, { resumeFrom } = {}) {
     return new RefinerStream(this.wsUrl(`/v1/sessions/${encodeURIComponent(id)}/stream`, { resume_from: resumeFrom }),
-                             this.subprotocols(), this, id);
+                             this.subprotocols(), this, id,
+                             (event) => this.handshakeRefusal(id, event, { stream: true, resumeFrom }));
   }
   /** A read-only watcher (WS /v1/sessions/{id}/watch): every unit the session finalizes from now on. */
   watch(id, { outputs, videoFormat, videoQuality } = {}) {
     const query = { outputs: Array.isArray(outputs) ? outputs.join(",") : outputs, video_format: videoFormat, video_quality: videoQuality };
-    return new MessageSocket(this.wsUrl(`/v1/sessions/${encodeURIComponent(id)}/watch`, query), this.subprotocols());
+    return new MessageSocket(this.wsUrl(`/v1/sessions/${encodeURIComponent(id)}/watch`, query), this.subprotocols(),
+                             (event) => this.handshakeRefusal(id, event, {}));
+  }
+
+  /** Why a WebSocket to session `id` closed before it opened, as a RefinerError. A browser hides a refused
+   * handshake's status and body from the page (it sees close code 1006, the console the status), so this asks the
+   * same question over HTTP: GET /v1/sessions/{id}, with the same key, gives the refusals a watch or stream shares
+   * with it (401 unauthorized, 404 session_not_found, 410 session_evicted, 503 not_ready or draining, unreachable);
+   * a session that answers flushed or streaming explains a stream refused without `resumeFrom` (409 stream_closed,
+   * stream_in_use). Anything else is `handshake_refused`, listing what is left. */
+  async handshakeRefusal(id, event, { stream = false, resumeFrom } = {}) {
+    const what = `the WebSocket to session ${id} closed before it opened (code ${event.code}: how a browser shows a ` +
+      "refused handshake)";
+    let state;
+    try {
+      state = await this.getSession(id);
+    } catch (err) {
+      if (!(err instanceof RefinerError)) throw err;
+      return new RefinerError(err.status, err.code, `${what}; GET /v1/sessions/${id} says: ${err.detail}`,
+                              err.retryAfter, { body: err.body, cause: err });
+    }
+    if (stream && resumeFrom === undefined && state.flushed) {
+      return new RefinerError(409, "stream_closed", `${what}: the session was flushed and takes no more frames; ` +
+        "reconnect with resumeFrom (the frames you received) to get the units you missed, or create a new session");
+    }
+    if (stream && resumeFrom === undefined && state.streaming) {
+      return new RefinerError(409, "stream_in_use", `${what}: the session already has an open stream; close it ` +
+        "before opening another, or reconnect with resumeFrom to take the session over");
+    }
+    return new RefinerError(0, "handshake_refused", `${what}, though the session answers over HTTP with this key: ` +
+      "this page's origin may not be in the server's cors_origins (403 origin_not_allowed), the watch may be past " +
+      "max_watchers or max_watch_encodings (503 over_capacity), or a query value refused (422 invalid_request); " +
+      "the browser's console shows the status");
   }
 
   wsUrl(path, query) {
@@ -347,21 +380,29 @@ export function readUnit(buffer) {
 
 // --- WebSockets --------------------------------------------------------------------------------------------------
 /** A WebSocket as an async iterator of messages (units and events, see the top of this file); iteration ends when
- * the connection closes. `opened` resolves once the server accepted (rejects if it closed first: a refused
- * handshake reaches a page only as close code 1006); `closed` resolves to the CloseEvent. */
+ * the connection closes. `opened` resolves once the server accepted; if it closed first it rejects with a
+ * RefinerError saying why (a refused handshake reaches a page only as close code 1006: the client's sockets ask the
+ * server over HTTP, `RefinerClient.handshakeRefusal`). `closed` resolves to the CloseEvent. */
 export class MessageSocket {
-  constructor(url, protocols) {
+  constructor(url, protocols, refusal = null) {
     this.queue = []; this.waiters = []; this.closeEvent = null;
     const ws = this.ws = new WebSocket(url, protocols);
     ws.binaryType = "arraybuffer";
+    // The first close listener, so that whoever handles `opened`'s rejection finds closeEvent set.
+    ws.addEventListener("close", (event) => { this.closeEvent = event; this.push(null); });
     this.opened = new Promise((resolve, reject) => {
-      ws.addEventListener("open", () => resolve(this), { once: true });
-      ws.addEventListener("close", (event) => reject(new RefinerError(0, "closed", `the WebSocket closed before it opened (code ${event.code})`)), { once: true });
+      let open = false;
+      ws.addEventListener("open", () => { open = true; resolve(this); }, { once: true });
+      ws.addEventListener("close", (event) => {
+        if (open) return;
+        const closed = new RefinerError(0, "closed", `the WebSocket closed before it opened (code ${event.code})`);
+        if (!refusal) { reject(closed); return; }
+        refusal(event).then(reject, () => reject(closed));
+      }, { once: true });
     });
     this.opened.catch(() => {});  // an unawaited refusal is reported by `closed` and the iterator, not as unhandled
     this.closed = new Promise((resolve) => ws.addEventListener("close", resolve, { once: true }));
     ws.addEventListener("message", (event) => this.push(this.parse(event.data)));
-    ws.addEventListener("close", (event) => { this.closeEvent = event; this.push(null); });
   }
   parse(data) {
     if (typeof data === "string") {
@@ -395,8 +436,8 @@ export class MessageSocket {
  * the new stream's first message is the server's `{type: "session", frames_received, ...}`: resend the clip from
  * `frames_received` on. */
 export class RefinerStream extends MessageSocket {
-  constructor(url, protocols, client, sessionId) {
-    super(url, protocols);
+  constructor(url, protocols, client, sessionId, refusal = null) {
+    super(url, protocols, refusal);
     this.client = client; this.sessionId = sessionId;
     const resumed = new URL(url).searchParams.get("resume_from");
     this.framesReturned = resumed === null ? 0 : Number(resumed);

@@ -464,3 +464,51 @@ def test_errors_are_refiner_errors_that_carry_the_servers_envelope(make_settings
     assert "cors_origins" in unreachable["detail"] and unreachable["body"] is None
     assert out["unreachableCalls"] == 2  # the first try and its one retry: the same seq is safe to send again
     assert out["safetensors"]["name"] == "SafetensorsError" and not out["safetensors"]["isRefinerError"]
+
+
+# Runs in the page: WebSockets the server refuses at the handshake, and what `opened` (and a stream's send) says.
+HANDSHAKES = """
+const [base, key] = args, client = new m.RefinerClient(base, { apiKey: key }), out = {};
+const refused = async (socket) => {
+  try { await socket.opened; socket.close(); return null; } catch (err) {
+    return { name: err.name, status: err.status, code: err.code, detail: err.detail, closeCode: socket.closeEvent.code };
+  }
+};
+const { session_id } = await client.createSession({});
+const latents = m.Tensor.from("F32", [1, 128, 1, 4, 4], new Float32Array(128 * 16));
+const prompt = m.Tensor.from("F32", [1, 8, 32], new Float32Array(8 * 32));
+out.wrongKey = await refused(new m.RefinerClient(base, { apiKey: "wrong" }).watch(session_id));
+out.noSession = await refused(client.watch("no-such-session"));
+const first = client.stream(session_id), watcher = client.watch(session_id);
+await first.opened; await watcher.opened;
+out.secondWatcher = await refused(client.watch(session_id));  // max_watchers 1
+const second = client.stream(session_id);
+try { await second.send({ latents }); out.sent = true; } catch (err) { out.inUse = [err.status, err.code, err.detail]; }
+await first.send({ latents, prompt_embeds: prompt }); await first.flush();
+for await (const message of first) {}
+out.flushed = await refused(client.stream(session_id));
+out.resumed = (await client.stream(session_id, { resumeFrom: 0 }).receive()).type;  // resumeFrom is taken
+return out;
+"""
+
+
+def test_a_refused_websocket_says_why_though_the_browser_shows_only_1006(make_settings, browser):
+    """A browser shows a page a refused handshake only as close 1006; the module asks the server over HTTP, so
+    `opened` (and a stream's send) rejects with the refusal's own status and code: a wrong key 401, an unknown
+    session 404, a second stream 409 stream_in_use, a stream on a flushed session 409 stream_closed, and what HTTP
+    cannot tell (a watcher past max_watchers) handshake_refused, naming what else it may be."""
+    with LiveServer(make_settings(api_key=KEY, max_watchers=1)) as server:
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, HANDSHAKES, server.base_url, KEY)
+
+    for name, status, code in [("wrongKey", 401, "unauthorized"), ("noSession", 404, "session_not_found"),
+                               ("flushed", 409, "stream_closed"), ("secondWatcher", 0, "handshake_refused")]:
+        refusal = out[name]
+        assert refusal and (refusal["name"], refusal["status"], refusal["code"]) == ("RefinerError", status, code), refusal
+        assert refusal["closeCode"] == 1006 and "closed before it opened" in refusal["detail"]
+    assert "Authorization: Bearer" in out["wrongKey"]["detail"]  # the server's own words, through the GET
+    assert "no-such-session" in out["noSession"]["detail"]
+    assert "resumeFrom" in out["flushed"]["detail"]
+    assert "max_watchers" in out["secondWatcher"]["detail"] and "cors_origins" in out["secondWatcher"]["detail"]
+    assert "sent" not in out and out["inUse"][:2] == [409, "stream_in_use"] and "resumeFrom" in out["inUse"][2]
+    assert out["resumed"] == "session"

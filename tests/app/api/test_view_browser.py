@@ -221,6 +221,23 @@ def test_with_an_api_key_the_page_lists_and_watches_once_the_key_is_entered(make
         assert browser.find_element(By.ID, "api-key").get_attribute("value") == KEY
 
 
+def test_a_watch_the_server_refuses_shows_the_servers_reason(make_settings, browser):
+    """The browser shows the page a refused watch only as close 1006; the page says the reason the module found
+    (here max_watchers, the one place taken by another watcher), not a guess."""
+    from websockets.sync.client import connect
+
+    with LiveServer(make_settings(max_watchers=1)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        session_id = http.post("/v1/sessions", json={}).json()["session_id"]
+        with connect(f"{server.ws_url}/v1/sessions/{session_id}/watch"):
+            wait_until(lambda: http.get(f"/v1/sessions/{session_id}").json()["watchers"] == 1, "the other watcher")
+            browser.get(f"{server.base_url}/view?session={session_id}")
+            state = wait_for_page(browser, lambda state: state["status"] == "error", "the refusal")
+            shown = browser.execute_script("return document.getElementById('error').textContent")
+    assert "closed before it opened" in shown and "max_watchers" in shown, shown
+    assert state["framesReceived"] == 0
+
+
 def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, browser):
     """A realtime session whose engine clock runs 30 s behind (every block late): its line in the list and the
     stats' counter show its late blocks; a session that is not real time shows none."""
