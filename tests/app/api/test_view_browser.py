@@ -61,6 +61,7 @@ def browser():
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--window-size=1280,900"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, for browser.get_log("browser")
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     try:
         yield driver
@@ -236,6 +237,25 @@ def test_a_watch_the_server_refuses_shows_the_servers_reason(make_settings, brow
             shown = browser.execute_script("return document.getElementById('error').textContent")
     assert "closed before it opened" in shown and "max_watchers" in shown, shown
     assert state["framesReceived"] == 0
+
+
+def test_without_the_key_the_page_asks_for_the_list_once_not_every_refresh(make_settings, browser):
+    """Refused for want of a key, the page stops its 2-s listing (each refusal is an error line in the console)
+    until a key is entered or Refresh is clicked."""
+    from selenium.webdriver.common.by import By
+
+    def refusals() -> int:
+        return sum("/v1/sessions" in entry["message"] and "401" in entry["message"]
+                   for entry in browser.get_log("browser"))
+
+    with LiveServer(make_settings(api_key=KEY)) as server:
+        browser.get(f"{server.base_url}/view")
+        wait_until(lambda: "API key" in browser.find_element(By.ID, "sessions-note").text, "the page to ask for the key")
+        browser.set_script_timeout(DEADLINE_S)
+        browser.execute_async_script("setTimeout(arguments[0], 5000)")  # past two of the page's 2-s refreshes
+        assert refusals() == 1
+        browser.find_element(By.ID, "refresh").click()
+        assert wait_until(refusals, "the listing asked again on Refresh") == 1
 
 
 def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, browser):
