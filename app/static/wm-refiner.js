@@ -327,19 +327,23 @@ export class RefinerClient {
   /** Why a WebSocket to session `id` closed before it opened, as a RefinerError. A browser hides a refused
    * handshake's status and body from the page (it sees close code 1006, the console the status), so this asks the
    * same question over HTTP: GET /v1/sessions/{id}, with the same key, gives the refusals a watch or stream shares
-   * with it (401 unauthorized, 404 session_not_found, 410 session_evicted, 503 not_ready or draining, unreachable);
-   * a session that answers flushed or streaming explains a stream refused without `resumeFrom` (409 stream_closed,
+   * with it (401 unauthorized, 404 session_not_found, 410 session_evicted, unreachable), GET /ready those of a
+   * server starting or draining (503 not_ready, draining: a draining server still answers reads); a session that
+   * answers flushed or streaming explains a stream refused without `resumeFrom` (409 stream_closed,
    * stream_in_use). Anything else is `handshake_refused`, listing what is left. */
   async handshakeRefusal(id, event, { stream = false, resumeFrom } = {}) {
     const what = `the WebSocket to session ${id} closed before it opened (code ${event.code}: how a browser shows a ` +
       "refused handshake)";
     let state;
-    try {
-      state = await this.getSession(id);
-    } catch (err) {
-      if (!(err instanceof RefinerError)) throw err;
-      return new RefinerError(err.status, err.code, `${what}; GET /v1/sessions/${id} says: ${err.detail}`,
-                              err.retryAfter, { body: err.body, cause: err });
+    for (const path of ["/v1/sessions/" + encodeURIComponent(id), "/ready"]) {
+      try {
+        const answer = await this.json("GET", path);
+        if (!state) state = answer;
+      } catch (err) {
+        if (!(err instanceof RefinerError)) throw err;
+        return new RefinerError(err.status, err.code, `${what}; GET ${path} says: ${err.detail}`, err.retryAfter,
+                                { body: err.body, cause: err });
+      }
     }
     if (stream && resumeFrom === undefined && state.flushed) {
       return new RefinerError(409, "stream_closed", `${what}: the session was flushed and takes no more frames; ` +

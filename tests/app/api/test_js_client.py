@@ -471,7 +471,8 @@ HANDSHAKES = """
 const [base, key] = args, client = new m.RefinerClient(base, { apiKey: key }), out = {};
 const refused = async (socket) => {
   try { await socket.opened; socket.close(); return null; } catch (err) {
-    return { name: err.name, status: err.status, code: err.code, detail: err.detail, closeCode: socket.closeEvent.code };
+    return { name: err.name, status: err.status, code: err.code, detail: err.detail, retryAfter: err.retryAfter,
+             closeCode: socket.closeEvent.code };
   }
 };
 const { session_id } = await client.createSession({});
@@ -488,6 +489,8 @@ await first.send({ latents, prompt_embeds: prompt }); await first.flush();
 for await (const message of first) {}
 out.flushed = await refused(client.stream(session_id));
 out.resumed = (await client.stream(session_id, { resumeFrom: 0 }).receive()).type;  // resumeFrom is taken
+await client.request("POST", "/v1/admin/drain");
+out.draining = await refused(client.watch(session_id));  // the session still answers GET: /ready says why
 return out;
 """
 
@@ -496,13 +499,15 @@ def test_a_refused_websocket_says_why_though_the_browser_shows_only_1006(make_se
     """A browser shows a page a refused handshake only as close 1006; the module asks the server over HTTP, so
     `opened` (and a stream's send) rejects with the refusal's own status and code: a wrong key 401, an unknown
     session 404, a second stream 409 stream_in_use, a stream on a flushed session 409 stream_closed, and what HTTP
-    cannot tell (a watcher past max_watchers) handshake_refused, naming what else it may be."""
+    cannot tell (a watcher past max_watchers) handshake_refused, naming what else it may be; a draining server, which
+    still answers the session's GET, 503 draining from /ready."""
     with LiveServer(make_settings(api_key=KEY, max_watchers=1)) as server:
         browser.get(f"{server.base_url}/health")
         out = run_js(browser, HANDSHAKES, server.base_url, KEY)
 
     for name, status, code in [("wrongKey", 401, "unauthorized"), ("noSession", 404, "session_not_found"),
-                               ("flushed", 409, "stream_closed"), ("secondWatcher", 0, "handshake_refused")]:
+                               ("flushed", 409, "stream_closed"), ("secondWatcher", 0, "handshake_refused"),
+                               ("draining", 503, "draining")]:
         refusal = out[name]
         assert refusal and (refusal["name"], refusal["status"], refusal["code"]) == ("RefinerError", status, code), refusal
         assert refusal["closeCode"] == 1006 and "closed before it opened" in refusal["detail"]
@@ -512,3 +517,4 @@ def test_a_refused_websocket_says_why_though_the_browser_shows_only_1006(make_se
     assert "max_watchers" in out["secondWatcher"]["detail"] and "cors_origins" in out["secondWatcher"]["detail"]
     assert "sent" not in out and out["inUse"][:2] == [409, "stream_in_use"] and "resumeFrom" in out["inUse"][2]
     assert out["resumed"] == "session"
+    assert "GET /ready says" in out["draining"]["detail"] and out["draining"]["retryAfter"] > 0
