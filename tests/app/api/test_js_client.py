@@ -287,14 +287,19 @@ def test_a_page_on_an_allowed_origin_imports_the_module(make_settings, browser, 
         assert "error" in out and "Failed to fetch dynamically imported module" in out["error"]
 
 
-def test_the_example_in_api_md_runs(make_settings, browser):
-    """docs/api.md's example, as written (its server's URL swapped for this one's), in the browser."""
+def api_md_examples() -> list[list[str]]:
+    """The lines of each HTML example in docs/api.md's section on the JavaScript module, in order."""
     from pathlib import Path
 
     text = (Path(__file__).parents[3] / "docs" / "api.md").read_text()
     section = text.split("## The JavaScript module", 1)[1].split("\n## ", 1)[0]
-    (example,) = [block.split("\n", 1)[1] for block in section.split("```")[1::2] if block.startswith("html")]
-    lines = example.strip().splitlines()
+    return [block.split("\n", 1)[1].strip().splitlines() for block in section.split("```")[1::2]
+            if block.startswith("html")]
+
+
+def test_the_example_in_api_md_runs(make_settings, browser):
+    """docs/api.md's example, as written (its server's URL swapped for this one's), in the browser."""
+    lines = api_md_examples()[0]
     assert lines[0] == '<script type="module">' and lines[-1] == "</script>"
     assert lines[1].startswith("import { RefinerClient, Tensor } from ")
     with LiveServer(make_settings()) as server:
@@ -518,3 +523,56 @@ def test_a_refused_websocket_says_why_though_the_browser_shows_only_1006(make_se
     assert "sent" not in out and out["inUse"][:2] == [409, "stream_in_use"] and "resumeFrom" in out["inUse"][2]
     assert out["resumed"] == "session"
     assert "GET /ready says" in out["draining"]["detail"] and out["draining"]["retryAfter"] > 0
+
+
+def test_the_restart_example_in_api_md_runs(tmp_path, browser):
+    """docs/api.md's example of a page outliving a restart, as written, against a real server process: the page's
+    first flush waits until the test has drained the server (the stream closed with 1012, the session saved), then
+    the page retries through the drain, the stop and the next server's start on the same port and snapshot_dir, and
+    logs every frame once, in order, and done."""
+    from bench.live import ServerProcess, free_port
+
+    lines = api_md_examples()[1]
+    assert lines[0] == '<script type="module">' and lines[-1] == "</script>"
+    assert lines[1].startswith("import { RefinerClient, Tensor } from ")
+    port = free_port()
+
+    def server() -> ServerProcess:
+        return ServerProcess(port, tmp_path / "cache", tmp_path / "snapshots", tmp_path / "server.log",
+                             batching=False).start()
+
+    first = server()
+    try:
+        code = "\n".join(lines[2:-1]).replace("http://127.0.0.1:8000", first.base_url)
+        body = ("const { RefinerClient, Tensor } = m, logged = window.logged = [];\n"
+                "const console = { log: (...values) => logged.push(JSON.parse(JSON.stringify(values))) };\n"
+                "const flush = m.RefinerStream.prototype.flush;\n"  # the first flush waits for the drain
+                "const drained = new Promise((resolve) => { window.drained = resolve; });\n"
+                "m.RefinerStream.prototype.flush = async function () {\n"
+                "  if (!window.flushing) { window.flushing = true; await drained; }\n"
+                "  return flush.call(this);\n};\n" + code + "\nreturn logged;")
+        browser.get(f"{first.base_url}/health")
+        browser.execute_script("""window.result = null;
+            const [url, body] = arguments;
+            import(url).then((m) => (new Function("m", "return (async () => {" + body + "})();"))(m))
+              .then((value) => { window.result = { value }; }, (err) => { window.result = { error: String(err.stack || err) }; });""",
+                               f"{first.base_url}/static/wm-refiner.js", body)
+        wait_until(lambda: browser.execute_script("return window.flushing || window.result"), "the page's flush")
+        drain = httpx.post(f"{first.base_url}/v1/admin/drain", timeout=DEADLINE_S)
+        assert drain.status_code == 200 and drain.json()["sessions_saved"] == 1, drain.text
+        browser.execute_script("window.drained()")
+        assert first.terminate() in (0, -15), first.log()  # a drained server may exit by the signal itself
+    finally:
+        first.kill()
+    second = server()
+    try:
+        result = wait_until(lambda: browser.execute_script("return window.result"), "the page to finish")
+    finally:
+        second.kill()
+    assert "error" not in result, result["error"]
+    logged = result["value"]
+    assert logged[-1] == ["done"]
+    assert ["closed", 1012] in logged  # the drain's close, which the loop reconnected after
+    units = [entry[1:] for entry in logged if entry[0] == "unit"]
+    assert units[0][0] == 0 and units[-1][1] == 11
+    assert all(end == start for (_, end), (start, _) in zip(units, units[1:])), units  # each frame once, in order
