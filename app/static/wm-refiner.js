@@ -412,11 +412,10 @@ export class MessageSocket {
     if (typeof data === "string") {
       try { return JSON.parse(data); } catch (err) { return { type: "error", error: { code: "unreadable_event", message: String(err) } }; }
     }
-    try { return this.onUnit(readUnit(data)); } catch (err) {
+    try { return readUnit(data); } catch (err) {
       return { type: "error", error: { code: "unreadable_unit", message: String(err.message || err) } };
     }
   }
-  onUnit(unit) { return unit; }
   push(message) {
     if (this.waiters.length) this.waiters.shift()(message); else this.queue.push(message);
   }
@@ -436,9 +435,9 @@ export class MessageSocket {
 }
 
 /** The session's stream: `send` chunks (Tensors or encoded bytes, any split), `flush()`, iterate the units. It counts
- * the frames its units returned (`framesReturned`), so `reconnect()` after a lost connection resumes from there:
- * the new stream's first message is the server's `{type: "session", frames_received, ...}`: resend the clip from
- * `frames_received` on. */
+ * the frames of the units the page has read (`framesReturned`), so `reconnect()` after a lost connection resumes from
+ * there: the new stream's first message is the server's `{type: "session", frames_received, ...}`: resend the clip
+ * from `frames_received` on. */
 export class RefinerStream extends MessageSocket {
   constructor(url, protocols, client, sessionId, refusal = null) {
     super(url, protocols, refusal);
@@ -446,7 +445,13 @@ export class RefinerStream extends MessageSocket {
     const resumed = new URL(url).searchParams.get("resume_from");
     this.framesReturned = resumed === null ? 0 : Number(resumed);
   }
-  onUnit(unit) { this.framesReturned = Math.max(this.framesReturned, unit.frameEnd); return unit; }
+  /** Counts a unit's frames as returned once the page has it (not when it arrives: a unit still queued when the
+   * connection is lost is sent again after reconnect()). */
+  async receive() {
+    const message = await super.receive();
+    if (message && message.type === "unit") this.framesReturned = Math.max(this.framesReturned, message.frameEnd);
+    return message;
+  }
   /** Waits for the connection to open, then sends (messages keep their order). */
   async send(payload) { await this.opened; this.ws.send(body(payload)); }
   async flush() { await this.opened; this.ws.send(JSON.stringify({ type: "flush" })); }

@@ -297,6 +297,34 @@ def api_md_examples() -> list[list[str]]:
             if block.startswith("html")]
 
 
+# Runs in the page: two units arrive and are left unread, the connection is lost, the stream reconnects.
+UNREAD_UNITS = """
+const client = new m.RefinerClient(args[0]), { session_id } = await client.createSession({ block_size: 3 });
+const latents = m.Tensor.from("F32", [1, 128, 5, 4, 4], new Float32Array(128 * 5 * 16).map(Math.random));
+const prompt = m.Tensor.from("F32", [1, 8, 32], new Float32Array(8 * 32));
+let stream = client.stream(session_id);
+await stream.send({ latents, prompt_embeds: prompt });                 // the sink frame, then the block [1, 4)
+while (stream.queue.length < 2) await new Promise((resolve) => setTimeout(resolve, 20));  // arrived, not read
+const unread = stream.framesReturned;
+stream = stream.reconnect();
+const session = await stream.receive();
+await stream.flush();
+const units = [];
+for await (const message of stream) units.push(message.type === "unit" ? [message.frameStart, message.frameEnd] : message.type);
+return { unread, resumeFrom: session.resume_from, units };
+"""
+
+
+def test_a_unit_that_arrived_but_was_not_read_comes_again_after_reconnect(make_settings, browser):
+    """framesReturned counts the units the page read, not those the socket received: two units queued unread when
+    the connection is cut are sent again by the server after reconnect(), so the page misses none."""
+    with LiveServer(make_settings()) as server:
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, UNREAD_UNITS, server.base_url)
+    assert out["unread"] == 0 and out["resumeFrom"] == 0
+    assert out["units"] == [[0, 1], [1, 4], [4, 5], "done"]
+
+
 def test_the_example_in_api_md_runs(make_settings, browser):
     """docs/api.md's example, as written (its server's URL swapped for this one's), in the browser."""
     lines = api_md_examples()[0]
