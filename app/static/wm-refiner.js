@@ -452,9 +452,20 @@ export class RefinerStream extends MessageSocket {
     if (message && message.type === "unit") this.framesReturned = Math.max(this.framesReturned, message.frameEnd);
     return message;
   }
-  /** Waits for the connection to open, then sends (messages keep their order). */
-  async send(payload) { await this.opened; this.ws.send(body(payload)); }
-  async flush() { await this.opened; this.ws.send(JSON.stringify({ type: "flush" })); }
+  /** Waits for the connection to open, then sends (messages keep their order). Once the connection is closing or
+   * closed it sends nothing and throws a RefinerError `closed` (a browser would drop the message with only a
+   * console warning, and the page believe it sent): reconnect() and resend from the session event's
+   * `frames_received`. */
+  async send(payload) { await this.opened; this.transmit(body(payload)); }
+  async flush() { await this.opened; this.transmit(JSON.stringify({ type: "flush" })); }
+  transmit(data) {
+    if (this.ws.readyState !== WebSocket.OPEN) {
+      const event = this.closeEvent, how = event ? `closed (code ${event.code}${event.reason ? ": " + event.reason : ""})` : "closing";
+      throw new RefinerError(0, "closed", `the stream is ${how}: nothing was sent; reconnect() and resend from the ` +
+                             "session event's frames_received");
+    }
+    this.ws.send(data);
+  }
   /** A new connection to the same session, resuming after the last frame this one received. */
   reconnect() {
     if (this.ws.readyState !== WebSocket.CLOSED) this.close(1000, "reconnecting");

@@ -553,6 +553,38 @@ def test_a_refused_websocket_says_why_though_the_browser_shows_only_1006(make_se
     assert "GET /ready says" in out["draining"]["detail"] and out["draining"]["retryAfter"] > 0
 
 
+# Runs in the page: a stream the server closed (after the flush's done, with 1000), then sent to.
+SEND_AFTER_CLOSE = """
+const client = new m.RefinerClient(args[0]), { session_id } = await client.createSession({});
+const latents = m.Tensor.from("F32", [1, 128, 2, 4, 4], new Float32Array(128 * 2 * 16));
+const prompt = m.Tensor.from("F32", [1, 8, 32], new Float32Array(8 * 32));
+const stream = client.stream(session_id);
+await stream.send({ latents, prompt_embeds: prompt });
+await stream.flush();
+for await (const message of stream) {}
+const out = { closeCode: stream.closeEvent.code };
+for (const [name, call] of [["send", () => stream.send({ latents })], ["flush", () => stream.flush()]]) {
+  try { await call(); out[name] = "sent"; } catch (err) { out[name] = [err.name, err.code, err.detail]; }
+}
+return out;
+"""
+
+
+def test_a_stream_that_closed_refuses_to_send_instead_of_dropping_the_message(make_settings, browser):
+    """After the server closed the stream, send and flush throw a RefinerError `closed` naming the close code and
+    the way on; a browser's WebSocket would take the message, drop it, and only warn in the console."""
+    with LiveServer(make_settings()) as server:
+        browser.get(f"{server.base_url}/health")
+        browser.get_log("browser")  # what loading the page logged
+        out = run_js(browser, SEND_AFTER_CLOSE, server.base_url)
+        console = [entry["message"] for entry in browser.get_log("browser")]
+    assert out["closeCode"] == 1000
+    for name in ("send", "flush"):
+        assert out[name][:2] == ["RefinerError", "closed"], out[name]
+        assert "code 1000" in out[name][2] and "reconnect()" in out[name][2]
+    assert not [line for line in console if "CLOSED state" in line], console
+
+
 def test_the_restart_example_in_api_md_runs(tmp_path, browser):
     """docs/api.md's example of a page outliving a restart, as written, against a real server process: the page's
     first flush waits until the test has drained the server (the stream closed with 1012, the session saved), then
@@ -600,7 +632,10 @@ def test_the_restart_example_in_api_md_runs(tmp_path, browser):
     assert "error" not in result, result["error"]
     logged = result["value"]
     assert logged[-1] == ["done"]
-    assert ["closed", 1012] in logged  # the drain's close, which the loop reconnected after
+    # The drain's cut, as the loop met it (the close, or the flush refused on the closed stream), then the retries
+    # while the server drained, stopped and started.
+    assert ["closed", 1012] in logged or ["retrying after", "closed"] in logged, logged
+    assert {"draining", "unreachable", "not_ready"} & {entry[1] for entry in logged if entry[0] == "retrying after"}
     units = [entry[1:] for entry in logged if entry[0] == "unit"]
     assert units[0][0] == 0 and units[-1][1] == 11
     assert all(end == start for (_, end), (start, _) in zip(units, units[1:])), units  # each frame once, in order
