@@ -258,6 +258,44 @@ def test_without_the_key_the_page_asks_for_the_list_once_not_every_refresh(make_
         assert wait_until(refusals, "the listing asked again on Refresh") == 1
 
 
+def test_after_a_restart_the_page_watches_the_session_again(tmp_path, browser):
+    """A drain closes the page's watcher with 1012 (the session saved): the page says it is reconnecting, waits out
+    the drain, the stop and the next server's start on the same port and snapshot_dir, and watches the session
+    again: the next chunk's block is charted."""
+    from bench.live import ServerProcess, free_port
+
+    port = free_port()
+
+    def server() -> ServerProcess:
+        return ServerProcess(port, tmp_path / "cache", tmp_path / "snapshots", tmp_path / "server.log",
+                             batching=False).start()
+
+    latents, embeds, mask = make_clip(frames=7)
+    first = server()
+    try:
+        with httpx.Client(base_url=first.base_url, timeout=DEADLINE_S) as http:
+            session_id = http.post("/v1/sessions", json={"block_size": 3}).json()["session_id"]
+            browser.get(f"{first.base_url}/view?session={session_id}")
+            wait_for_page(browser, lambda state: state["status"] == "attached", "attached")
+            assert http.post("/v1/admin/drain").json()["sessions_saved"] == 1
+            wait_for_page(browser, lambda state: state["status"] == "reconnecting", "reconnecting after the drain")
+        assert first.terminate() in (0, -15), first.log()
+    finally:
+        first.kill()
+    second = server()
+    try:
+        with httpx.Client(base_url=second.base_url, timeout=DEADLINE_S) as http:
+            wait_for_page(browser, lambda state: state["status"] == "attached", "attached again")
+            response = http.post(f"/v1/sessions/{session_id}/chunks", params={"seq": 0},
+                                 content=payload(latents[:, :, :4], embeds, mask), headers=OCTET)
+            assert response.status_code == 200, response.text
+            state = wait_for_page(browser, lambda state: len(state["blocks"]) == 1, "the block charted")
+    finally:
+        second.kill()
+    assert [(b["frame_start"], b["frame_end"]) for b in state["blocks"]] == [(1, 4)]
+    assert state["error"] is None
+
+
 def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, browser):
     """A realtime session whose engine clock runs 30 s behind (every block late): its line in the list and the
     stats' counter show its late blocks; a session that is not real time shows none."""
