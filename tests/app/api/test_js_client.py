@@ -325,6 +325,19 @@ def test_a_unit_that_arrived_but_was_not_read_comes_again_after_reconnect(make_s
     assert out["units"] == [[0, 1], [1, 4], [4, 5], "done"]
 
 
+def test_api_md_lists_every_export_of_the_module():
+    """docs/api.md's table of the module names each of its exports (a page reads the docs, not the source)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[3]
+    source = (root / "app" / "static" / "wm-refiner.js").read_text()
+    exports = re.findall(r"^export (?:const|function|class) (\w+)", source, re.M)
+    text = (root / "docs" / "api.md").read_text()
+    table = text.split("## The JavaScript module", 1)[1].split("\nThe key: ", 1)[0]
+    assert len(exports) > 10 and [name for name in exports if f"`{name}" not in table] == []
+
+
 def test_the_example_in_api_md_runs(make_settings, browser):
     """docs/api.md's example, as written (its server's URL swapped for this one's), in the browser."""
     lines = api_md_examples()[0]
