@@ -127,6 +127,27 @@ export class Tensor {
     return new array(aligned.buffer, aligned.byteOffset, aligned.byteLength / size);
   }
 
+  /** Indices [start, end) of one axis, as a new tensor (a copy): `clip.slice(2, t, t + 3)` is frames [t, t + 3) of
+   * latents (B, C, T, H, W), torch's `clip[:, :, t:t + 3]`, the way to send a clip fetched or built whole in chunks.
+   * `end` past the axis stops at its end, as Python's slices do. */
+  slice(axis, start, end = this.shape[axis]) {
+    const rank = this.shape.length;
+    if (!Number.isInteger(axis) || axis < 0 || axis >= rank) {
+      throw new RangeError(`axis ${axis} of a ${rank}-d tensor ${JSON.stringify(this.shape)}: give 0 to ${rank - 1}`);
+    }
+    end = Math.min(end, this.shape[axis]);
+    if (!Number.isInteger(start) || !Number.isInteger(end) || start < 0 || start > end) {
+      throw new RangeError(`slice [${start}, ${end}) of axis ${axis} (size ${this.shape[axis]}): give integers 0 <= start <= end`);
+    }
+    const { size } = DTYPES[this.dtype], outer = this.shape.slice(0, axis).reduce((a, b) => a * b, 1);
+    const inner = this.shape.slice(axis + 1).reduce((a, b) => a * b, 1) * size;
+    const run = (end - start) * inner, stride = this.shape[axis] * inner, out = new Uint8Array(outer * run);
+    for (let o = 0; o < outer; o++) out.set(this.bytes.subarray(o * stride + start * inner, o * stride + end * inner), o * run);
+    const shape = this.shape.slice();
+    shape[axis] = end - start;
+    return new Tensor(this.dtype, shape, out);
+  }
+
   /** The elements as float32 (I64 through Number: exact below 2**53). */
   toFloat32() {
     const data = this.data;

@@ -161,6 +161,40 @@ def test_safetensors_round_trip_of_each_dtype(make_settings, browser):
     assert metadata_type and "metadata values are strings" in metadata_type
 
 
+def test_a_tensor_sliced_in_the_browser_equals_torchs_slice(make_settings, browser):
+    """Tensor.slice(axis, start, end) of each axis (a clip fetched whole and sent in chunks) gives the bytes of
+    torch's slice, for a float, a half and an integer dtype; an axis or range that does not exist is refused."""
+    generator = torch.Generator().manual_seed(1)
+    tensors = {"f32": torch.randn(2, 3, 5, 2, 3, generator=generator),
+               "bf16": torch.randn(2, 3, 5, generator=generator).to(torch.bfloat16),
+               "i64": torch.arange(24, dtype=torch.int64).reshape(4, 6)}
+    with LiveServer(make_settings()) as server:
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, """
+            const { tensors } = m.decodeSafetensors(b64.decode(args[0])), slices = {};
+            for (const [name, tensor] of Object.entries(tensors)) {
+              slices[name] = tensor.shape.map((size, axis) => [[1, 3], [0, size], [2, 2], [size - 1, size + 4]].map(
+                ([start, end]) => { const part = tensor.slice(axis, start, end);
+                                    return { shape: part.shape, bytes: b64.encode(part.bytes) }; }));
+            }
+            const refusals = [];
+            for (const bad of [() => tensors.f32.slice(5, 0, 1), () => tensors.f32.slice(2, 3, 1), () => tensors.f32.slice(2, -1, 1)]) {
+              try { bad(); refusals.push(null); } catch (err) { refusals.push(err.message); }
+            }
+            return { slices, refusals };
+        """, b64(save(tensors)))
+    for name, tensor in tensors.items():
+        for axis, cases in enumerate(out["slices"][name]):
+            for (start, end), got in zip([(1, 3), (0, tensor.shape[axis]), (2, 2),
+                                          (tensor.shape[axis] - 1, tensor.shape[axis] + 4)], cases):
+                expected = tensor.narrow(axis, start, min(end, tensor.shape[axis]) - start)
+                assert got["shape"] == list(expected.shape), (name, axis, start, end)
+                assert base64.b64decode(got["bytes"]) == bits(expected).numpy().tobytes(), (name, axis, start, end)
+    bad_axis, backwards, negative = out["refusals"]
+    assert bad_axis and "axis 5 of a 5-d tensor" in bad_axis and "give 0 to 4" in bad_axis
+    assert backwards and "slice [3, 1)" in backwards and negative and "slice [-1, 1)" in negative
+
+
 # Runs in the page: the clip's float32 latents (1, C, T, H, W), prompt and mask in; the units of each way out.
 DRIVE = """
 const [base, key, clipB64, clipShape, promptB64, promptShape, maskValues] = args;
