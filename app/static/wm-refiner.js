@@ -249,13 +249,31 @@ export function base64url(text) {
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 const body = (payload) => (payload instanceof Uint8Array || payload instanceof ArrayBuffer ? payload : encodeSafetensors(payload));
 
+/** `baseUrl` as an absolute http(s) URL without a trailing slash: given absolute, or as a path on this page's origin
+ * (a same-origin proxy: "/refiner"). Anything else would send HTTP to the page's own server ("127.0.0.1:8000" is a
+ * relative path) or nowhere ("localhost:8000" is a URL of scheme "localhost"), and WebSockets to a mangled host, so
+ * it is a TypeError saying what to give. */
+function serverUrl(baseUrl) {
+  const text = String(baseUrl), page = globalThis.location ? globalThis.location.href : undefined;
+  let url = null;
+  if (/^[a-z][a-z0-9+.-]*:\/\//i.test(text) || (page && text.startsWith("/"))) {
+    try { url = new URL(text, page); } catch (err) { url = null; }
+  }
+  if (!url || (url.protocol !== "http:" && url.protocol !== "https:")) {
+    throw new TypeError(`RefinerClient takes the server's http:// or https:// URL, e.g. "http://127.0.0.1:8000" (or a ` +
+                        `path on this page's origin, "/refiner"), not ${JSON.stringify(text)}; it derives the ws:// ` +
+                        "URLs itself");
+  }
+  return url.href.replace(/\/+$/, "");
+}
+
 /** The service at `baseUrl` (default: this page's origin). `apiKey` is sent as `Authorization: Bearer` and, on
  * WebSockets (which take no headers in a browser), as the `wm-refiner.bearer.<base64url key>` subprotocol; it may be
  * changed at any time (`client.apiKey = ...`). */
 export class RefinerClient {
   constructor(baseUrl = globalThis.location ? globalThis.location.origin : undefined, { apiKey = "" } = {}) {
     if (!baseUrl) throw new TypeError("RefinerClient needs the server's URL, e.g. new RefinerClient(\"http://127.0.0.1:8000\")");
-    this.baseUrl = String(baseUrl).replace(/\/+$/, "");
+    this.baseUrl = serverUrl(baseUrl);
     this.apiKey = apiKey;
   }
 

@@ -546,6 +546,37 @@ def test_errors_are_refiner_errors_that_carry_the_servers_envelope(make_settings
     assert out["safetensors"]["name"] == "SafetensorsError" and not out["safetensors"]["isRefinerError"]
 
 
+# Runs in the page (on the server's origin): a client per base URL, what it resolved to, or why it was refused.
+BASE_URLS = """
+const out = {};
+for (const base of ["localhost:" + args[0], "127.0.0.1:" + args[0], "ws://127.0.0.1:" + args[0], "/", "/v1/..", args[1] + "/"]) {
+  try { out[base] = new m.RefinerClient(base).baseUrl; } catch (err) { out[base] = [err.name, err.message]; }
+}
+const client = new m.RefinerClient("/"), { session_id } = await client.createSession({});  // a same-origin proxy's way
+const stream = client.stream(session_id);
+await stream.send({ latents: m.Tensor.from("F32", [1, 128, 1, 4, 4], new Float32Array(128 * 16)),
+                    prompt_embeds: m.Tensor.from("F32", [1, 8, 32], new Float32Array(8 * 32)) });
+out.unit = [(await stream.receive()).frameEnd, stream.ws.url];
+stream.close();
+return out;
+"""
+
+
+def test_a_base_url_without_a_scheme_is_refused_and_a_path_on_the_pages_origin_works(make_settings, browser):
+    """"localhost:8000" (a URL of scheme "localhost"), "127.0.0.1:8000" (a relative path: HTTP to the page's own
+    server) and a ws:// URL are refused by the constructor, saying what to give; a path on the page's origin (a
+    same-origin proxy) resolves to an absolute URL, so its WebSockets work too (they threw "Invalid URL")."""
+    with LiveServer(make_settings()) as server:
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, BASE_URLS, server.port, server.base_url)
+    for base in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", f"ws://127.0.0.1:{server.port}"):
+        name, message = out[base]
+        assert name == "TypeError" and "http:// or https:// URL" in message and f'not "{base}"' in message
+    assert out["/"] == out["/v1/.."] == out[f"{server.base_url}/"] == server.base_url
+    frames, url = out["unit"]
+    assert frames == 1 and url.startswith(f"{server.ws_url}/v1/sessions/")
+
+
 # Runs in the page: WebSockets the server refuses at the handshake, and what `opened` (and a stream's send) says.
 HANDSHAKES = """
 const [base, key] = args, client = new m.RefinerClient(base, { apiKey: key }), out = {};
