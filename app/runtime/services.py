@@ -183,7 +183,8 @@ class Services:
             self.store.parking.resolve_budget(self.refiner.device)
         self._tasks.append(asyncio.create_task(self._warm_up(), name="warm-up"))
         self._tasks.append(asyncio.create_task(
-            upkeep_forever(settings, self.store.registry, self.store.parking, self.sweep, lambda: self.store.draining),
+            upkeep_forever(settings, self.store.registry, self.store.parking, self.store.endings, self.sweep,
+                           lambda: self.store.draining),
             name="evict-idle"))
         if settings.snapshot_dir is not None:
             self._tasks.append(asyncio.create_task(self.store.checkpoints.renew_forever(self.store.registry.handles),

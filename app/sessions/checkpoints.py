@@ -8,7 +8,8 @@ of a session that ended.
   ``snapshot_dir``, checkpoints or not) is renewed every third of ``session_lease_s``; one found lost drops its
   session (``lose``).
 - ``forget``: a session that ended (deleted, evicted, finished) takes its file and its lease with it, so that no
-  replica adopts it back; a background removal, waited for by nothing but tracked until done (``removals``).
+  replica adopts it back; a background removal, waited for by nothing but tracked until done (``removals``), and
+  tried again later where the folder cannot take it now (``app.sessions.endings``).
 
 Everything it uses is given to it by the store that owns the sessions (``SessionStore``): the lease table is the
 store's (creation and adoption put leases in it; parking and the drain take them out), shared here by reference.
@@ -30,7 +31,8 @@ from app.engine.worker import Engine
 from app.outputs.delivery import Encoder
 from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld, LeaseLost
-from app.persistence.records import record_tensors, remove_record, write_fenced
+from app.persistence.records import record_tensors, write_fenced
+from app.sessions.endings import Endings
 from app.sessions.registry import SessionHandle
 from app.sessions.saving import record_of
 
@@ -47,11 +49,14 @@ class Checkpoints:
         *,
         folder: Path | None,
         leases_held: dict[str, Lease],
+        endings: Endings,
         draining: Callable[[], bool],
         lose: Callable[[SessionHandle, BaseException], None],
     ):
         """``folder``: snapshot_dir (None: no files, nothing to do); ``leases_held``: the store's table of this
         replica's leases by id (shared: a checkpoint puts its lease there, an ending session takes it out);
+        ``endings``: the ended sessions whose file is not fenced off and removed yet (the store's, shared with
+        parking);
         ``draining``: a drain is under way (it saves the sessions itself: no checkpoint now); ``lose``: a session
         whose lease another replica took (the store drops it and closes its connections)."""
         self.settings = settings
@@ -60,6 +65,7 @@ class Checkpoints:
         self.encoder = encoder
         self.folder = folder
         self.leases_held = leases_held
+        self.endings = endings
         self.draining = draining
         self.lose = lose
         self.removals: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
@@ -124,39 +130,23 @@ class Checkpoints:
         handle.checkpoint_write.add_done_callback(_log_failed_checkpoint)
 
     def forget(self, handle: SessionHandle) -> None:
-        """A session that ended must never be adopted back from its last checkpoint: its file and its lease go
-        (only while the lease is still this replica's: a session another replica took over is not ours to
-        remove). The registry calls this when a session ends (its ``on_close``)."""
-        folder = self.folder
-        if folder is None:
+        """A session that ended must never be adopted back from its last checkpoint: its floor goes up, then its
+        file and its lease go (only while the lease is still this replica's: a session another replica took over
+        is not ours to remove), once a write of it in flight is done. Its id is refused from now on until that is
+        done, and a folder that cannot take it now has it tried again later (``app.sessions.endings``). The
+        registry calls this when a session ends (its ``on_close``)."""
+        lease = self.leases_held.get(handle.id)
+        if self.folder is None or lease is None:
             return
+        self.endings.end(handle.id, lease.generation, lease, handle.engine_session.closed)
         pending = handle.checkpoint_write
 
         async def remove() -> None:
             if pending is not None:
                 await asyncio.wait({pending})
-            lease = self.leases_held.pop(handle.id, None)
-            if lease is None:
-                return
-
-            def drop() -> None:
-                try:
-                    leases.check(lease)
-                except LeaseLost:
-                    return
-                try:
-                    # Ended: no file of it may be adopted back (a copy put back, a checkpoint a stale writer slipped
-                    # in, its own file if removing it fails), so the floor goes up before the file goes.
-                    leases.raise_floor(folder, handle.id, lease.generation + 1, self.settings.replica_id)
-                    remove_record(folder, handle.id)
-                finally:
-                    leases.release(folder, handle.id, lease)
-
-            try:
-                await asyncio.to_thread(drop)
-            except OSError as error:  # the folder's trouble: nothing waits for this task to say it
-                log.warning("session %s ended; removing its file and lease from %s failed: %r", handle.id, folder,
-                            error)
+            if self.leases_held.get(handle.id) is lease:  # not a later session's of the same id
+                del self.leases_held[handle.id]
+            await self.endings.settle(handle.id)
 
         task = asyncio.ensure_future(remove())
         self.removals.add(task)

@@ -58,6 +58,7 @@ from app.outputs.delivery import Encoder
 from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld, LeaseLost
 from app.persistence.records import FolderView, folder_view, record_tensors, remove_record, snapshot_path, write_fenced
+from app.sessions.endings import Endings
 from app.sessions.footprint import MOVED_PARTS, handle_bytes, handle_parts
 from app.sessions.registry import Registry, SessionHandle
 from app.sessions.saving import record_of
@@ -85,6 +86,7 @@ class Parking:
         folder: Path | None,
         checkpointing: bool,
         leases_held: dict[str, Lease],
+        endings: Endings,
         draining: Callable[[], bool],
         lose: Callable[[SessionHandle, BaseException], None],
     ):
@@ -93,8 +95,9 @@ class Parking:
         (a spilled record's last response), ``refiner`` (the loaded model, for its sizes and device), ``folder``
         (snapshot_dir, None: nothing spills), ``checkpointing`` (a spill's file is a session's checkpoint too),
         ``leases_held`` (the store's table of this replica's leases, by id: shared, a spill takes and releases
-        them), ``draining`` (a drain is under way: nothing moves, the drain saves) and ``lose`` (a session whose
-        lease another replica took: the store drops it and closes its connections)."""
+        them), ``endings`` (the ended sessions whose file is not fenced off and removed yet: a spilled session past
+        its retention joins them), ``draining`` (a drain is under way: nothing moves, the drain saves) and ``lose``
+        (a session whose lease another replica took: the store drops it and closes its connections)."""
         self.settings = settings
         self.registry = registry
         self.engine = engine
@@ -103,6 +106,7 @@ class Parking:
         self.folder = folder
         self.checkpointing = checkpointing
         self.leases_held = leases_held
+        self.endings = endings
         self.draining = draining
         self.lose = lose
         self.spilled: dict[str, Spilled] = {}
@@ -420,7 +424,7 @@ class Parking:
         folder, registry = self.folder, self.registry
         if folder is None:
             return False
-        if self.spill_full():
+        if await self.spill_full():
             return False  # at max_spilled_sessions / max_spilled_bytes: it stays parked, holding its place
         async with handle.moving:
             if not _spillable(handle) or self.draining() or not registry.holds(handle):
@@ -488,12 +492,12 @@ class Parking:
     def spilled_bytes(self) -> int:
         return sum(stub.file_bytes for stub in self.spilled.values())
 
-    def spill_full(self) -> bool:
+    async def spill_full(self) -> bool:
         """At ``max_spilled_sessions`` (or ``max_spilled_bytes``) once the spilled sessions past their retention
         are deleted (oldest first)."""
         if not self._at_spill_bound():
             return False
-        self.expire_spilled()
+        await self.expire_spilled()
         return self._at_spill_bound()
 
     def _at_spill_bound(self) -> bool:
@@ -515,10 +519,10 @@ class Parking:
         # It parks first (park_after_s), then spills at the timer's next round past spill_after_s.
         return handle.last_work + max(settings.park_after_s, settings.spill_after_s) + settings.upkeep_interval_s
 
-    def require_spill_room(self) -> None:
+    async def require_spill_room(self) -> None:
         """Before a new session is created: 503 over_capacity when the spilled sessions are at their bound (it
         could never be spilled, and a live session is never deleted to make room)."""
-        if not self.spill_full():
+        if not await self.spill_full():
             return
         settings = self.settings
         limit = (f"max_spilled_sessions {settings.max_spilled_sessions}" if len(self.spilled) >=
@@ -535,66 +539,86 @@ class Parking:
                     "max_spilled_bytes": settings.max_spilled_bytes},
         )
 
-    def expire_spilled(self, view: FolderView | None = None, releasing: frozenset[str] = frozenset()) -> int:
+    async def expire_spilled(self, view: FolderView | None = None, releasing: frozenset[str] = frozenset()) -> int:
         """Delete the spilled sessions past session_retention_s, oldest first (their files too; 410 from then on);
-        how many. One adopted by another replica meanwhile is not this one's to delete: it is only forgotten."""
+        how many. One adopted by another replica meanwhile is not this one's to delete: it is only forgotten. Its
+        file is looked at, fenced off and removed on worker threads (``app.sessions.endings``: a folder that cannot
+        take that now has it tried again later, the id refused meanwhile)."""
         registry, retention = self.registry, self.settings.retention_s
         now = registry.clock()
         expired = sorted((stub.last_active, session_id) for session_id, stub in self.spilled.items()
                          if now - stub.last_active > retention)
         deleted = 0
         for _, session_id in expired:
-            stub = self.stub(session_id, view, releasing)
-            if stub is not None and view is not None:
-                # Its file itself, before it is deleted: another replica may have adopted the session and spilled it
-                # again between two listings (another inode: not this replica's spill any more).
-                stub = self.stub(session_id, None, releasing)
-            if stub is None or now - stub.last_active <= retention:
-                continue  # adopted elsewhere, or asked for while the folder was listed
-            self.spilled.pop(session_id, None)
-            with contextlib.suppress(OSError):
-                # Ended: its file (written under the floor's generation) may not come back if put back. The floor
-                # goes up before the file goes, so that nobody sees the file gone and the floor not yet raised.
-                leases.raise_floor(self.folder, session_id, leases.read_floor(self.folder, session_id) + 1,
-                                   self.settings.replica_id)
-                remove_record(self.folder, session_id)
-            registry.mark_evicted(session_id, f"{retention:g} s without activity (session_retention_s)")
+            stub = self.spilled.get(session_id)
+            if stub is not None and view is not None and self._gone(session_id, stub, view,
+                                                                    self._ours(session_id, releasing)):
+                stub = self._drop(session_id, stub)
+            # Its file itself, before it is deleted: another replica may have adopted the session and spilled it
+            # again between two listings (another inode: not this replica's spill any more).
+            stub, generation = await self._look(session_id, stub)
+            if stub is None or now - stub.last_active <= retention or self.spilled.get(session_id) is not stub:
+                continue  # adopted elsewhere, or asked for (or deleted) while the folder was looked at
+            # Committed here, with no await since the look: ended, refused from now on, then fenced off and removed.
+            self.spilled.pop(session_id)
+            reason = f"{retention:g} s without activity (session_retention_s)"
+            registry.mark_evicted(session_id, reason)
             registry.remember_ended(session_id, stub.created_at)
+            self.endings.end(session_id, generation, None, ApiError(
+                "session_evicted", f"session {session_id} was evicted after {reason}; create a new session and "
+                                   "send the stream again"))
+            await self.endings.settle(session_id)
             deleted += 1
         return deleted
 
-    def stub(self, session_id: str, view: FolderView | None = None,
-             releasing: frozenset[str] = frozenset()) -> Spilled | None:
-        """The spilled session ``session_id`` if its file is still there (another replica may have adopted it).
-        ``view``: the folder as one listing saw it (``folder_view``), for a caller asking about many sessions;
-        without it this looks at the folder for this one session. ``releasing``: the sessions whose spill was
-        still letting go of its lease when that listing began."""
-        stub = self.spilled.get(session_id)
-        if stub is None:
-            return None
+    def _ours(self, session_id: str, releasing: frozenset[str] = frozenset()) -> bool:
+        """A lease on a spilled session is another replica's (that replica adopted it), unless this replica's spill
+        is still releasing its own (``releasing``: those that were when a listing began): the session is spilled
+        (and counted) from the moment the spill commits, before the lease file is gone."""
+        return session_id in self._releasing or session_id in releasing
+
+    def _gone(self, session_id: str, stub: Spilled, view: FolderView | None, ours: bool) -> bool:
+        """Whether the spilled session's file is gone or another replica's now (it adopted the session). ``view``:
+        the folder as one listing saw it (``folder_view``), for a caller asking about many sessions; without it this
+        looks at the folder for this one session (call it on a worker thread then). ``ours``: a lease on it is
+        this replica's spill's (``_ours``)."""
         folder = self.folder
-        # A lease on it is another replica's (that replica adopted it), unless this replica's spill is still
-        # releasing its own: the session is spilled (and counted) from the moment the spill commits, before the
-        # lease file is gone.
-        ours = session_id in self._releasing or session_id in releasing
         if folder is None:
-            gone = True
-        elif view is not None:  # names only (a listing's inode numbers need not be stat's, on FUSE volumes)
-            gone = session_id not in view.saved or (session_id in view.leased and not ours)
-        else:
-            try:
-                stat = snapshot_path(folder, session_id).stat()
-            except FileNotFoundError:
-                stat = None
-            except OSError:  # the volume's trouble (EIO, ESTALE): not known to be gone; asked again next time
-                return stub
-            # Another inode: another replica adopted it and spilled it again (its own now, with its own retention).
-            gone = stat is None or (stub.file_inode is not None and stat.st_ino != stub.file_inode) or (
-                not ours and bool(leases.generations(folder, session_id)))
+            return True
+        if view is not None:  # names only (a listing's inode numbers need not be stat's, on FUSE volumes)
+            return session_id not in view.saved or (session_id in view.leased and not ours)
+        try:
+            stat = snapshot_path(folder, session_id).stat()
+        except FileNotFoundError:
+            stat = None
+        except OSError:  # the volume's trouble (EIO, ESTALE): not known to be gone; asked again next time
+            return False
+        # Another inode: another replica adopted it and spilled it again (its own now, with its own retention).
+        return stat is None or (stub.file_inode is not None and stat.st_ino != stub.file_inode) or (
+            not ours and bool(leases.generations(folder, session_id)))
+
+    def _drop(self, session_id: str, stub: Spilled) -> None:
+        """Forget a spilled session whose file went (unless it changed meanwhile: spilled again, deleted)."""
+        if self.spilled.get(session_id) is stub:
+            del self.spilled[session_id]
+
+    async def _look(self, session_id: str, stub: Spilled | None) -> tuple[Spilled | None, int]:
+        """The spilled session ``session_id`` (None: not one, or its file went or is another replica's now) and the
+        floor its file was written under, its file looked at on a worker thread (the loop, /health included,
+        never waits on the folder)."""
+        if stub is None or self.folder is None:
+            return None, 0
+
+        ours = self._ours(session_id)
+
+        def look() -> tuple[bool, int]:
+            return self._gone(session_id, stub, None, ours), leases.read_floor(self.folder, session_id)
+
+        gone, floor = await asyncio.to_thread(look)
         if gone:
-            self.spilled.pop(session_id, None)
-            return None
-        return stub
+            self._drop(session_id, stub)
+            return None, floor
+        return stub, floor
 
     async def stubs(self) -> list[Spilled]:
         """Every spilled session whose file is still there: one listing of the folder, on a worker thread (so the
@@ -605,18 +629,31 @@ class Parking:
             return []
         releasing = frozenset(self._releasing)  # before the listing: it may see their leases, gone by its end
         view = None if folder is None else await asyncio.to_thread(folder_view, folder)
-        return [stub for session_id in list(self.spilled)
-                if (stub := self.stub(session_id, view, releasing)) is not None]
+        kept = []
+        for session_id, stub in list(self.spilled.items()):
+            if self._gone(session_id, stub, view, self._ours(session_id, releasing)):
+                self._drop(session_id, stub)
+            else:
+                kept.append(stub)
+        return kept
 
     def read(self, session_id: str) -> dict[str, Any] | None:
         """GET of a spilled session: its description, without bringing it back (a request all the same: its
         retention restarts, as a GET of a live session's does)."""
-        stub = self.stub(session_id)
+        stub = self._here(session_id)
         if stub is None:
             return None
         stub.last_active = self.registry.clock()
         self.record_use(session_id)
         return description(stub)
+
+    def _here(self, session_id: str) -> Spilled | None:
+        """The spilled session ``session_id`` if its file is still there, looked at now."""
+        stub = self.spilled.get(session_id)
+        if stub is not None and self._gone(session_id, stub, None, self._ours(session_id)):
+            self._drop(session_id, stub)
+            return None
+        return stub
 
     def record_use(self, session_id: str) -> None:
         """Write down in the folder that the spilled session was used now, for every replica's sweep
@@ -641,7 +678,7 @@ class Parking:
         """Delete a spilled session (its file); False if it is not one. A folder that cannot be written now
         (read-only, full, gone) is 503 server_busy, and the session stays spilled: a DELETE that did not happen
         must not drop it from the listing and the spilled count while its file stays adoptable."""
-        stub = self.stub(session_id)
+        stub = self._here(session_id)
         if stub is None:
             return False
         try:
@@ -689,7 +726,7 @@ class Parking:
             view, releasing = None, frozenset(self._releasing)
             if self.folder is not None:
                 view = await asyncio.to_thread(folder_view, self.folder)
-            self.expire_spilled(view, releasing)
+            await self.expire_spilled(view, releasing)
 
 
 def _idle(handle: SessionHandle) -> bool:

@@ -56,6 +56,7 @@ from app.persistence.records import (
     snapshot_path,
 )
 from app.sessions.checkpoints import Checkpoints
+from app.sessions.endings import Endings
 from app.sessions.parking import Parking
 from app.sessions.registry import Registry, SessionHandle, page_after
 from app.sessions.subscriptions import Connection
@@ -89,11 +90,15 @@ class SessionStore:
         # This replica's leases (app.persistence.leases) on the sessions it holds with a file in snapshot_dir, by id:
         # taken here (creation, adoption), shared with parking, the checkpoints and the drain.
         self.leases: dict[str, Lease] = {}
+        # Sessions that ended whose file is not fenced off and removed yet (app.sessions.endings): refused meanwhile
+        # (``lookup``), tried again by the upkeep timer. Shared by the checkpoints and parking, which end sessions.
+        self.endings = Endings(self.snapshot_folder, settings.replica_id)
         # A session's durable copy (app.sessions.checkpoints): crash checkpoints, lease renewal, an ended session's
         # file. Built before the registry, which tells it when a session ends.
         self.checkpoints = Checkpoints(
             settings, metrics, engine, encoder,
-            folder=self.snapshot_folder, leases_held=self.leases, draining=lambda: self.draining, lose=self.lose,
+            folder=self.snapshot_folder, leases_held=self.leases, endings=self.endings,
+            draining=lambda: self.draining, lose=self.lose,
         )
         self.registry = Registry(
             max_sessions=settings.max_sessions,
@@ -113,7 +118,7 @@ class SessionStore:
         self.parking = Parking(
             settings, metrics, self.registry, engine, encoder,
             refiner=refiner, folder=self.snapshot_folder, checkpointing=self.checkpoints.enabled,
-            leases_held=self.leases, draining=lambda: self.draining, lose=self.lose,
+            leases_held=self.leases, endings=self.endings, draining=lambda: self.draining, lose=self.lose,
         )
         self.registry.spills_at = self.parking.spills_at  # a 503 too_many_sessions counts the spills to come
         # Real-time admission (setting ``admission``): by the engine's measured cost per row (app.engine.pacing).
@@ -157,7 +162,7 @@ class SessionStore:
         self.admit(realtime=admitted)
         folder = self.snapshot_folder
         if folder is not None:
-            self.parking.require_spill_room()
+            await self.parking.require_spill_room()
         session_id = session_id or uuid.uuid4().hex
         lease = None
         if folder is not None:
@@ -198,6 +203,9 @@ class SessionStore:
             handle.taken += 1  # a spill of it now gives way (app.sessions.parking)
             return handle
         folder = self.snapshot_folder
+        ended = self.endings.refusal(session_id)
+        if ended is not None:  # its file is not fenced off yet: it must not be adopted back
+            raise ended
         if folder is not None and has_snapshot(folder, session_id):
             if self.draining:
                 # A draining server saves what it holds and exits: a session it adopted now would be saved by nobody
@@ -358,6 +366,10 @@ class SessionStore:
             reading: asyncio.Future | None = None  # the worker thread reading and building: the slot is its
             try:
                 lease = await self._claim(folder, session_id)
+                ended = self.endings.refusal(session_id)
+                if ended is not None:  # it ended here (expired, spilled) while the lease was taken: refused
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    raise ended
                 path = snapshot_path(folder, session_id)
                 refiner, stages = self._refiner(), self._stages()
                 limits = snapshot_limits(settings)  # checked from the file's header before anything is allocated

@@ -471,7 +471,7 @@ def test_a_delete_of_a_live_session_the_folder_cannot_take_leaves_it_live_and_on
     whose file could not be removed ends the session for good: another replica refuses the file (410)."""
     import errno
 
-    import app.sessions.checkpoints as checkpoints_module
+    import app.sessions.endings as endings_module
 
     folder = tmp_path / "snaps"
     with running_app(make_settings(snapshot_dir=folder, checkpoint_every_blocks=1, replica_id="a")) as client:
@@ -496,9 +496,88 @@ def test_a_delete_of_a_live_session_the_folder_cannot_take_leaves_it_live_and_on
         def stuck(*args, **kwargs):
             raise OSError(errno.EIO, "Input/output error")
 
-        monkeypatch.setattr(checkpoints_module, "remove_record", stuck)
+        monkeypatch.setattr(endings_module, "remove_record", stuck)
         assert client.delete(f"/v1/sessions/{sid}").status_code == 204
         wait_until(lambda: not client.app.state.services.store.checkpoints.removals, "the ended session's removal")
     assert has_snapshot(folder, sid)  # its removal failed: the file stays, fenced off by the floor
     with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as other:
         assert other.get(f"/v1/sessions/{sid}").status_code == 410
+
+
+def _floor_read_only(monkeypatch):
+    """snapshot_dir cannot take a session's floor (read-only, full): every ``raise_floor`` fails. Returns the
+    function that lets the folder be written again."""
+    import errno
+
+    real = leases_module.raise_floor
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(leases_module, "raise_floor", read_only)
+    return lambda: monkeypatch.setattr(leases_module, "raise_floor", real)
+
+
+def _timed(make_settings, folder, **overrides):
+    """The settings of a replica whose sessions' timer runs every half second (ws_reattach_grace_s sets it), whose
+    registry's clock the test moves, remembering a single evicted id (the next eviction forgets the one before)."""
+    return make_settings(snapshot_dir=folder, replica_id="a", session_retention_s=600.0, ws_reattach_grace_s=1.0,
+                         evicted_ids_remembered=1, **overrides)
+
+
+def test_a_session_evicted_while_the_folder_cannot_fence_it_off_never_comes_back(make_settings, tmp_path,
+                                                                                 monkeypatch):
+    """A live session with a checkpoint, evicted after session_retention_s while snapshot_dir cannot take its floor:
+    no request to refuse, and its file stayed adoptable. Once its id was no longer remembered as evicted, the next
+    GET adopted the "evicted" session back from that file. Its id is refused (410) until the timer, once the
+    folder can be written, has fenced the file off and removed it; another replica then finds nothing to adopt."""
+    folder = tmp_path / "snaps"
+    with running_app(_timed(make_settings, folder, checkpoint_every_blocks=1)) as client:
+        services, now = client.app.state.services, [time.monotonic()]
+        services.registry.clock = lambda: now[0]
+        sid, other = (client.post("/v1/sessions").json()["session_id"] for _ in range(2))
+        _start(client, sid)
+        wait_until(lambda: has_snapshot(folder, sid), "the session's checkpoint")
+        writable = _floor_read_only(monkeypatch)
+        now[0] += 700.0  # both past their retention: the timer evicts them; the other one is the id remembered
+        wait_until(lambda: not services.registry.handles() and not services.store.checkpoints.removals,
+                   "the timer to evict both sessions and try to remove their files")
+        assert has_snapshot(folder, sid)
+        for reply in (client.get(f"/v1/sessions/{sid}"),
+                      client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)):
+            assert reply.status_code == 410, reply.text
+            assert "session_retention_s" in reply.json()["error"]["message"], reply.text
+        writable()
+        wait_until(lambda: not services.store.endings.pending, "the timer to fence off and remove the file")
+        assert not has_snapshot(folder, sid) and not _held_by_anyone(folder, sid)
+        assert leases_module.read_floor(folder, sid) > 0
+    with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as b:
+        assert b.get(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_a_spilled_session_expired_while_the_folder_cannot_fence_it_off_never_comes_back(make_settings, tmp_path,
+                                                                                         monkeypatch):
+    """The same for a spilled session past its retention (``Parking.expire_spilled``): its file stayed, and once its
+    id was no longer remembered as evicted, a GET adopted it back."""
+    folder = tmp_path / "snaps"
+    with running_app(_timed(make_settings, folder)) as client:
+        services, sid, handle = _parked(client)
+        assert client.portal.call(services.store.parking.spill, handle)
+        now = [time.monotonic()]
+        services.registry.clock = lambda: now[0]
+        writable = _floor_read_only(monkeypatch)
+        now[0] += 700.0
+        wait_until(lambda: not services.store.parking.spilled, "the timer to expire the spilled session")
+        assert has_snapshot(folder, sid)
+        client.post("/v1/sessions")
+        now[0] += 700.0  # evicted after it: the id remembered is this one's
+        wait_until(lambda: not services.registry.handles() and not services.store.checkpoints.removals,
+                   "the timer to evict the other session")
+        reply = client.get(f"/v1/sessions/{sid}")
+        assert reply.status_code == 410 and "session_retention_s" in reply.json()["error"]["message"], reply.text
+        writable()
+        wait_until(lambda: not services.store.endings.pending, "the timer to fence off and remove the file")
+        assert not has_snapshot(folder, sid) and leases_module.read_floor(folder, sid) > 0
+    with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as b:
+        assert b.get(f"/v1/sessions/{sid}").status_code == 404
+
