@@ -164,13 +164,13 @@ class SessionOps:
         live = self.store.registry.existing(session_id) if spec.is_session_id(session_id) else None
         if live is not None:
             return views.description(live)  # read, not taken: a parked session stays parked
-        spilled = self.store.parking.read(session_id)
+        spilled = await self.store.parking.read(session_id)
         if spilled is not None:
             return spilled
         return views.description(await self.store.lookup(session_id))
 
     async def delete(self, session_id: str) -> None:
-        if self.store.registry.existing(session_id) is None and self.store.parking.forget(session_id):
+        if self.store.registry.existing(session_id) is None and await self.store.parking.forget(session_id):
             return  # spilled: its file goes, nothing is loaded
         await self.store.lookup(session_id)  # a session saved by another replica is taken and ended here
         await self.store.delete(session_id)

@@ -52,7 +52,7 @@ from models.snapshot import SnapshotError, _read_metadata, read_header
 from app.core.error_kinds import ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
-from app.core.tasks import outlast
+from app.core.tasks import in_thread, outlast
 from app.engine.worker import Engine
 from app.outputs.delivery import Encoder
 from app.persistence import leases
@@ -637,23 +637,15 @@ class Parking:
                 kept.append(stub)
         return kept
 
-    def read(self, session_id: str) -> dict[str, Any] | None:
+    async def read(self, session_id: str) -> dict[str, Any] | None:
         """GET of a spilled session: its description, without bringing it back (a request all the same: its
         retention restarts, as a GET of a live session's does)."""
-        stub = self._here(session_id)
-        if stub is None:
+        stub, _ = await self._look(session_id, self.spilled.get(session_id))
+        if stub is None or self.spilled.get(session_id) is not stub:  # gone, or adopted or deleted meanwhile
             return None
         stub.last_active = self.registry.clock()
-        self.record_use(session_id)
+        await asyncio.to_thread(self.record_use, session_id)
         return description(stub)
-
-    def _here(self, session_id: str) -> Spilled | None:
-        """The spilled session ``session_id`` if its file is still there, looked at now."""
-        stub = self.spilled.get(session_id)
-        if stub is not None and self._gone(session_id, stub, None, self._ours(session_id)):
-            self._drop(session_id, stub)
-            return None
-        return stub
 
     def record_use(self, session_id: str) -> None:
         """Write down in the folder that the spilled session was used now, for every replica's sweep
@@ -661,7 +653,7 @@ class Parking:
         A spilled session has no lease (it is adoptable at once), so its file is the only record every replica
         reads; its write time alone would let another replica's sweep delete a session polled here within its
         retention.
-        One ``utime`` (it never creates the file: one adopted meanwhile stays gone)."""
+        One ``utime`` (it never creates the file: one adopted meanwhile stays gone), called on a worker thread."""
         folder = self.folder
         if folder is None:
             return
@@ -674,27 +666,44 @@ class Parking:
             self.page_in_seconds.labels(state="spilled").observe(time.perf_counter() - started)
             self.moves.labels(to="active").inc()
 
-    def forget(self, session_id: str) -> bool:
+    async def forget(self, session_id: str) -> bool:
         """Delete a spilled session (its file); False if it is not one. A folder that cannot be written now
         (read-only, full, gone) is 503 server_busy, and the session stays spilled: a DELETE that did not happen
-        must not drop it from the listing and the spilled count while its file stays adoptable."""
-        stub = self._here(session_id)
-        if stub is None:
+        must not drop it from the listing and the spilled count while its file stays adoptable. The folder is
+        looked at and written on a worker thread, seen to its end even when the DELETE is cancelled meanwhile (the
+        file gone, the session must be too)."""
+        stub = self.spilled.get(session_id)
+        if stub is None or self.folder is None:
             return False
-        try:
+        folder, ours = self.folder, self._ours(session_id)
+
+        def delete() -> bool:
+            if self._gone(session_id, stub, None, ours):
+                return False
             # Ended: the file it was spilled to (under the floor's generation) may not be adopted back if put back
             # (the floor first, as above).
-            leases.raise_floor(self.folder, session_id, leases.read_floor(self.folder, session_id) + 1,
+            leases.raise_floor(folder, session_id, leases.read_floor(folder, session_id) + 1,
                                self.settings.replica_id)
-            remove_record(self.folder, session_id)
-        except OSError as error:
-            log.warning("deleting spilled session %s from %s failed: %r", session_id, self.folder, error)
+            remove_record(folder, session_id)
+            return True
+
+        deleting = in_thread(delete)
+        cancelled = await outlast(deleting)
+        error = deleting.exception()
+        if error is None:  # deleted, or its file went (another replica adopted it): not spilled here any more
+            self._drop(session_id, stub)
+            if deleting.result():
+                self.registry.remember_ended(session_id, stub.created_at)
+        if cancelled:
+            raise asyncio.CancelledError
+        if isinstance(error, OSError):
+            log.warning("deleting spilled session %s from %s failed: %r", session_id, folder, error)
             raise ApiError("server_busy", f"snapshot_dir cannot be written now ({error.strerror or error}): spilled "
                                           f"session {session_id} was not deleted and its file stays; retry the "
                                           "DELETE later", retry_after_s=self.settings.retry_after_s) from None
-        self.spilled.pop(session_id, None)
-        self.registry.remember_ended(session_id, stub.created_at)
-        return True
+        if error is not None:
+            raise error
+        return deleting.result()
 
     # --- the timer ------------------------------------------------------------------------------------------------
     async def tick(self) -> None:

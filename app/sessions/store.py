@@ -253,7 +253,7 @@ class SessionStore:
                                               f"session {session_id} was not deleted and goes on unchanged; retry "
                                               "the DELETE later", retry_after_s=self.settings.retry_after_s)
             if self.registry.existing(session_id) is None:  # it went meanwhile (spilled, ended): ended all the same
-                forgotten = self.parking.forget(session_id)
+                forgotten = await self.parking.forget(session_id)
                 if cancelled:
                     raise asyncio.CancelledError
                 if forgotten:

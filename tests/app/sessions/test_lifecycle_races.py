@@ -581,3 +581,35 @@ def test_a_spilled_session_expired_while_the_folder_cannot_fence_it_off_never_co
     with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as b:
         assert b.get(f"/v1/sessions/{sid}").status_code == 404
 
+
+def test_a_spilled_session_is_read_deleted_and_expired_without_the_event_loop_touching_the_folder(
+        make_settings, tmp_path, monkeypatch):
+    """A GET and a DELETE of a spilled session and its expiry look at snapshot_dir (the file, its leases, its floor)
+    and write it (the floor, the removal): all on worker threads, so that a stalled network volume stalls them,
+    never the event loop (/health, every other session). They ran on the event loop."""
+    folder = tmp_path / "snaps"
+    with running_app(_timed(make_settings, folder)) as client:
+        services = client.app.state.services
+        spilled = []
+        for _ in range(2):
+            _, sid, handle = _parked(client)
+            assert client.portal.call(services.store.parking.spill, handle)
+            spilled.append(sid)
+        loop_thread = client.portal.call(threading.get_ident)
+        threads: dict[str, set[int]] = {}
+        for module, name in ((leases_module, "generations"), (leases_module, "read_floor"),
+                             (leases_module, "raise_floor"), (parking_module, "remove_record")):
+            def recorded(*args, _real=getattr(module, name), _name=name, **kwargs):
+                threads.setdefault(_name, set()).add(threading.get_ident())
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(module, name, recorded)
+        assert client.get(f"/v1/sessions/{spilled[0]}").json()["state"] == "spilled"
+        assert client.delete(f"/v1/sessions/{spilled[0]}").status_code == 204
+        assert not has_snapshot(folder, spilled[0])
+        now = [time.monotonic() + 700.0]
+        services.registry.clock = lambda: now[0]  # past its retention: the timer expires the other one
+        wait_until(lambda: not has_snapshot(folder, spilled[1]), "the timer to expire the other spilled session")
+        assert set(threads) == {"generations", "read_floor", "raise_floor", "remove_record"}, threads
+        on_the_loop = {name for name, idents in threads.items() if loop_thread in idents}
+        assert not on_the_loop, f"{sorted(on_the_loop)} ran on the event loop"
