@@ -7,9 +7,9 @@ back), then the file goes, then its lease. A DELETE that cannot raise the floor 
 window or a finished session's TTL; a spilled session past its retention: ``Parking.expire_spilled``) has nobody
 to refuse. Such an end is remembered here (``end``) from the moment it happens: until its cleanup (``settle``) is
 done its id is refused as an ended session's (``refusal``: ``SessionStore.lookup`` asks before it adopts a file, and
-again once it holds the lease), and a cleanup that failed (the folder read-only, full, gone) is tried again at every round of the
-upkeep timer (``retry``, ``app.sessions.upkeep``) until the folder takes it. Every file-system call is on a worker
-thread: a stalled network volume stalls the cleanup, never the event loop.
+again once it holds the lease), and a cleanup that failed (the folder read-only, full, gone) is tried again at every
+round of the upkeep timer (``retry``, ``app.sessions.upkeep``) until the folder takes it. Every file-system call is on
+a worker thread: a stalled network volume stalls the cleanup, never the event loop.
 
 The memory is this process's only, a decision. A marker in snapshot_dir cannot be the answer: what failed is a
 write to that folder, and the marker's write would fail with the floor's; a marker anywhere else would be a second

@@ -4,8 +4,9 @@ Every ``interval`` (half the shortest of the idle settings, at most 5 s): sessio
 reattach grace, or TTL) are evicted (``Registry.evict_idle``), idle ones are parked, spilled or deleted
 (``Parking.tick``), the cleanups of ended sessions that snapshot_dir could not take are tried again
 (``app.sessions.endings.Endings.retry``), and now and then (every quarter retention, at least a minute)
-``snapshot_dir`` is swept of what nobody will ask for (``app.persistence.sweeps.FolderSweep.expired_files``, on a worker thread). Nothing moves
-while a drain runs: the drain saves the sessions as they stand, and evicting one would not remove its snapshot.
+``snapshot_dir`` is swept of what nobody will ask for (``app.persistence.sweeps.FolderSweep.expired_files``, on a
+worker thread). Nothing moves while a drain runs: the drain saves the sessions as they stand, and evicting one would
+not remove its snapshot.
 
 A function of its collaborators (given by ``app.runtime.services``), not a method of the store: the store admits,
 finds and ends sessions; deciding when idle ones go is this loop's.
