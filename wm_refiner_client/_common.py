@@ -142,6 +142,10 @@ UNIT_HEADER_BYTES = 2**20
 # Frames a session may hold back and send with a later answer when the client does not know its config: a field
 # the handle was not given (``Session(client, id, {})``) takes the server's default, which may exceed the spec's.
 UNKNOWN_HELD_FRAMES = 256
+# The outputs and video format of a session whose handle was not given them: the session may have any, so the
+# widest (video as float32 and a preview) is assumed.
+UNKNOWN_OUTPUTS = tuple(kind.name for kind in spec.KINDS)
+UNKNOWN_VIDEO_FORMAT = "float32"
 # Video frames held back for an exact decode (``video_lookahead: "exact"``): the decoder's own look-ahead, 7 latent
 # frames for the tiny test VAE, 22 for the released decoder's depth (GET /v1/info ``vae.lookahead_latent_frames``).
 EXACT_LOOKAHEAD_FRAMES = 64
@@ -160,13 +164,18 @@ def unit_answer_limit(shape: Any, config: Mapping[str, Any], *, whole_clip: bool
     sink and a partial block, ``sink_frames + block_size``; with video, the frames its decoder waits for,
     ``video_lookahead``); ``whole_clip`` (``/v1/refine``): exactly the clip's ``t``. A server sending more is not
     answering what was asked; reading on would let a runaway (or hostile) one grow this process's memory without
-    end."""
+    end.
+
+    A session's ``config`` is the server's (whole) unless its handle was made with less (``Session(client, id,
+    {})``): a field it lacks may have any value, so the widest is assumed (``UNKNOWN_HELD_FRAMES``,
+    ``UNKNOWN_OUTPUTS``, ``UNKNOWN_VIDEO_FORMAT``). ``/v1/refine``'s is the request's own: a field it leaves out
+    takes the default, the spec's for the outputs and the video format (no server setting changes those)."""
     dims = tuple(int(n) for n in shape)
     if len(dims) != 5:
         return MAX_JSON_ANSWER_BYTES  # no unit answers such latents: the server refuses them (an error's JSON)
     batch, channels, frames, height, width = dims
     fields = {name: value for name, value in config.items() if value is not None}
-    outputs = fields.get("outputs", spec.BY_NAME["outputs"].default)
+    outputs = fields.get("outputs", spec.BY_NAME["outputs"].default if whole_clip else UNKNOWN_OUTPUTS)
     kinds = outputs.split(",") if isinstance(outputs, str) else list(outputs)
     pixels = any(kind != "latents" for kind in kinds)
     if not whole_clip:
@@ -180,7 +189,9 @@ def unit_answer_limit(shape: Any, config: Mapping[str, Any], *, whole_clip: bool
     per_pixel = channels * LATENT_CHANNEL_BYTES
     per_frame = 0
     if pixels:
-        per_pixel += VIDEO_VALUES_PER_LATENT_PIXEL * VIDEO_VALUE_BYTES.get(fields.get("video_format", "uint8"), 2)
+        video_format = fields.get("video_format", spec.BY_NAME["video_format"].default if whole_clip
+                                  else UNKNOWN_VIDEO_FORMAT)
+        per_pixel += VIDEO_VALUES_PER_LATENT_PIXEL * VIDEO_VALUE_BYTES.get(video_format, 2)
         per_frame += ENCODED_FRAME_OVERHEAD_BYTES
         if "preview" in kinds:  # a JPEG per unit, preview_width wide (unknown: the widest), the video's aspect
             preview = int(fields.get("preview_width") or spec.BY_NAME["preview_width"].maximum)

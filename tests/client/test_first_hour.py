@@ -440,6 +440,32 @@ def test_a_server_without_the_encoder_refuses_the_format_at_creation(video_serve
         kept.delete()
 
 
+@pytest.mark.parametrize("module", ["sync", "async"])
+def test_a_handle_made_without_the_config_reads_a_video_sessions_answers_whole(video_server, module):
+    """A handle made without a request (``Session(client, id, {})``) does not know the session's outputs: the limit
+    on a chunk's answer assumes the widest (video as float32), not the default's latents alone, which refused this
+    session's flush (its video's tail, 12 MB) as over 9.4 MB."""
+    from .conftest import clip
+
+    latents, prompt, mask = clip(12)
+
+    async def send_async(session_id):
+        async with AsyncClient(video_server.base_url) as client:
+            handle = wm.AsyncSession(client, session_id, {})
+            return [await handle.send(latents, prompt, mask), await handle.flush()]
+
+    with Client(video_server.base_url) as client:
+        session = client.create_session(outputs=["latents", "video"], video_format="float32")
+        if module == "sync":
+            handle = wm.Session(client, session.id, {})
+            units = [handle.send(latents, prompt, mask), handle.flush()]
+        else:
+            units = asyncio.run(send_async(session.id))
+        session.delete()
+    assert units[-1].frame_end == 12
+    assert sum(unit.video.shape[1] for unit in units) == 8 * (12 - 1) + 1 - 1  # F = 8 (T - 1) + 1 - S
+
+
 def test_stream_video_without_pyav_is_refused_before_anything_is_sent(video_server, tmp_path):
     from .test_cli import cli_env, write_clip
 

@@ -350,13 +350,17 @@ def test_an_answers_limit_follows_from_what_was_asked():
     small, wide, longer = (1, 128, 3, 4, 4), (1, 128, 3, 8, 8), (1, 128, 12, 4, 4)
     assert unit_answer_limit(wide, latents) > unit_answer_limit(small, latents)
     assert unit_answer_limit(longer, latents) > unit_answer_limit(small, latents)
-    video = {**latents, "outputs": ["latents", "video"]}
+    video = {**latents, "outputs": ["latents", "video"], "video_format": "uint8"}
     assert unit_answer_limit(small, {**video, "video_format": "float32"}) > unit_answer_limit(small, video) \
         > unit_answer_limit(small, latents)
     # The whole clip of /v1/refine: its own frames, nothing held back; unknown outputs: the spec's default (latents).
     assert unit_answer_limit(small, {}, whole_clip=True) == 2 * 3 * 16 * 128 * 4 + 2**20
     assert unit_answer_limit(small, {"outputs": "latents,video"}, whole_clip=True) > \
         unit_answer_limit(small, {}, whole_clip=True)
+    # A handle not given the session's outputs (``Session(client, id, {})``) or video format: any, the widest assumed.
+    assert unit_answer_limit(small, {**latents, "outputs": None}) >= \
+        unit_answer_limit(small, {**video, "video_format": None}) == \
+        unit_answer_limit(small, {**video, "video_format": "float32"})
     assert unit_answer_limit((1, 128, 4, 4), latents) == 16 * 2**20  # no unit answers those: an error's JSON does
 
 
