@@ -282,6 +282,8 @@ class RequestAttempts:
         self.tries = self.policy.attempts if cause is None else min(FIRST_CONTACT_ATTEMPTS, self.policy.attempts)
         if cause is not None and (cause[0] in FINAL_CAUSES or self.failures >= self.tries):
             raise TransportError(f"{self.what}: {cause[1]}", final=cause[0] in FINAL_CAUSES) from exc
+        if self._past_deadline(0.0):  # the try's timeout was cut to the time left: the deadline ended it, whether or
+            raise self._deadline_passed(exc) from exc  # not it may be retried (a POST /v1/sessions may not)
         if never_sent and not self.first_contact:  # the server that answered before is down: a restart
             if self.restart.count() and self.restart.spent():
                 raise TransportError(f"{self.what}: the server was not back {self.policy.restart_timeout_s:.0f} s "
@@ -293,10 +295,13 @@ class RequestAttempts:
             raise TransportError(f"{self.what}: {type(exc).__name__}: {exc}") from exc
         wait = self.policy.delay(self.failures)
         if self._past_deadline(wait):
-            tries = "1 try" if self.failures == 1 else f"{self.failures} tries"
-            raise TransportError(f"{self.what}: RetryPolicy.deadline_s ({self.policy.deadline_s:g} s) passed without "
-                                 f"an answer ({tries}, the last: {type(exc).__name__}: {exc})") from exc
+            raise self._deadline_passed(exc) from exc
         return wait
+
+    def _deadline_passed(self, exc: BaseException) -> TransportError:
+        tries = "1 try" if self.failures == 1 else f"{self.failures} tries"
+        return TransportError(f"{self.what}: RetryPolicy.deadline_s ({self.policy.deadline_s:g} s) passed without an "
+                              f"answer ({tries}, the last: {type(exc).__name__}: {exc})")
 
     def after_error(self, error: APIError, replica: str | None = None) -> float:
         """The server (or the router) answered with ``error``; ``replica``: its ``X-Replica`` header."""

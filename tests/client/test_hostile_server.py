@@ -383,6 +383,23 @@ def test_a_server_that_never_answers_costs_the_deadline_not_attempts_times_timeo
             assert "GET /v1/info" in message and "RetryPolicy.deadline_s (1 s)" in message
 
 
+def test_a_request_that_is_not_retried_names_the_deadline_that_cut_its_try():
+    """POST /v1/sessions is not retried after its request left: its one try, cut to the deadline's 1 s (the client's
+    timeout is 5 s), raised a bare 'ReadTimeout', as if the timeout had been 1 s."""
+    import time
+
+    from wm_refiner_client import TransportError
+
+    def answer(method, path):
+        time.sleep(30)
+        return 201, JSON, {}
+
+    with FakeHTTP(answer) as fake:
+        for message in both(fake.url, lambda c: c.create_session(), TransportError, DEADLINE):
+            assert message.startswith("POST /v1/sessions: RetryPolicy.deadline_s (1 s) passed without an answer "
+                                      "(1 try, the last: ReadTimeout"), message
+
+
 def test_an_answer_that_trickles_in_stops_at_the_deadline():
     """A byte every 0.1 s: every read is within the timeout, and a 1 KiB answer would take 100 s."""
     from wm_refiner_client import TransportError
