@@ -431,33 +431,37 @@ def test_an_adoption_cancelled_while_it_reads_the_file_lets_go_of_the_lease(make
         assert services.registry.existing(sid).session.state.frames_received == 10
 
 
+def _refused_while_read_only(client, sid: str, monkeypatch) -> None:
+    """DELETE ``sid`` while snapshot_dir is read-only (its floor cannot be raised): 503 server_busy saying the
+    session was not deleted; the folder is writable again after it."""
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(leases_module, "raise_floor", read_only)
+        refused = client.delete(f"/v1/sessions/{sid}")
+    assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "server_busy" and "Read-only file system" in error["message"], error
+    assert "not deleted" in error["message"], error
+
+
 def test_a_delete_of_a_spilled_session_the_folder_cannot_take_changes_nothing(make_settings, tmp_path, monkeypatch):
     """snapshot_dir went read-only (or full, or away) after the session was spilled: its DELETE cannot raise the floor
     nor remove the file, so it is a 503 server_busy saying so, and the session stays spilled, listed and counted (it
     was a 500 "the session is unchanged" after it had been dropped from the listing and the count, its file left
     adoptable); the same DELETE works once the folder does."""
-    import errno
-
     folder = tmp_path / "snaps"
     with running_app(make_settings(snapshot_dir=folder)) as client:
         services, sid, handle = _parked(client)
         assert client.portal.call(services.store.parking.spill, handle)
-        real = leases_module.raise_floor
-
-        def read_only(*args, **kwargs):
-            raise OSError(errno.EROFS, "Read-only file system")
-
-        monkeypatch.setattr(leases_module, "raise_floor", read_only)
-        refused = client.delete(f"/v1/sessions/{sid}")
-        assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
-        error = refused.json()["error"]
-        assert error["code"] == "server_busy" and "Read-only file system" in error["message"], error
-        assert "not deleted" in error["message"], error
+        _refused_while_read_only(client, sid, monkeypatch)
         assert client.get(f"/v1/sessions/{sid}").json()["state"] == "spilled"
         assert [s["session_id"] for s in client.get("/v1/sessions").json()["sessions"]] == [sid]
         assert client.get("/v1/info").json()["memory"]["sessions"]["spilled"] == 1
         assert has_snapshot(folder, sid)
-        monkeypatch.setattr(leases_module, "raise_floor", real)
         assert client.delete(f"/v1/sessions/{sid}").status_code == 204
         assert client.get(f"/v1/sessions/{sid}").status_code == 404
         assert not has_snapshot(folder, sid)
@@ -478,18 +482,7 @@ def test_a_delete_of_a_live_session_the_folder_cannot_take_leaves_it_live_and_on
         sid = client.post("/v1/sessions").json()["session_id"]
         _start(client, sid)
         wait_until(lambda: has_snapshot(folder, sid), "the session's checkpoint")
-        real = leases_module.raise_floor
-
-        def read_only(*args, **kwargs):
-            raise OSError(errno.EROFS, "Read-only file system")
-
-        monkeypatch.setattr(leases_module, "raise_floor", read_only)
-        refused = client.delete(f"/v1/sessions/{sid}")
-        assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
-        error = refused.json()["error"]
-        assert error["code"] == "server_busy" and "Read-only file system" in error["message"], error
-        assert "not deleted" in error["message"], error
-        monkeypatch.setattr(leases_module, "raise_floor", real)
+        _refused_while_read_only(client, sid, monkeypatch)
         going_on = client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)
         assert going_on.status_code == 200, going_on.text
 
