@@ -431,17 +431,26 @@ def test_an_adoption_cancelled_while_it_reads_the_file_lets_go_of_the_lease(make
         assert services.registry.existing(sid).session.state.frames_received == 10
 
 
-def _refused_while_read_only(client, sid: str, monkeypatch) -> None:
-    """DELETE ``sid`` while snapshot_dir is read-only (its floor cannot be raised): 503 server_busy saying the
-    session was not deleted; the folder is writable again after it."""
+def _floor_read_only(monkeypatch):
+    """snapshot_dir cannot take a session's floor (read-only, full): every ``raise_floor`` fails. Returns the
+    function that lets the folder be written again."""
     import errno
+
+    real = leases_module.raise_floor
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    with monkeypatch.context() as patched:
-        patched.setattr(leases_module, "raise_floor", read_only)
-        refused = client.delete(f"/v1/sessions/{sid}")
+    monkeypatch.setattr(leases_module, "raise_floor", read_only)
+    return lambda: monkeypatch.setattr(leases_module, "raise_floor", real)
+
+
+def _refused_while_read_only(client, sid: str, monkeypatch) -> None:
+    """DELETE ``sid`` while snapshot_dir is read-only (its floor cannot be raised): 503 server_busy saying the
+    session was not deleted; the folder is writable again after it."""
+    writable = _floor_read_only(monkeypatch)
+    refused = client.delete(f"/v1/sessions/{sid}")
+    writable()
     assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
     error = refused.json()["error"]
     assert error["code"] == "server_busy" and "Read-only file system" in error["message"], error
@@ -495,20 +504,6 @@ def test_a_delete_of_a_live_session_the_folder_cannot_take_leaves_it_live_and_on
     assert has_snapshot(folder, sid)  # its removal failed: the file stays, fenced off by the floor
     with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as other:
         assert other.get(f"/v1/sessions/{sid}").status_code == 410
-
-
-def _floor_read_only(monkeypatch):
-    """snapshot_dir cannot take a session's floor (read-only, full): every ``raise_floor`` fails. Returns the
-    function that lets the folder be written again."""
-    import errno
-
-    real = leases_module.raise_floor
-
-    def read_only(*args, **kwargs):
-        raise OSError(errno.EROFS, "Read-only file system")
-
-    monkeypatch.setattr(leases_module, "raise_floor", read_only)
-    return lambda: monkeypatch.setattr(leases_module, "raise_floor", real)
 
 
 def _timed(make_settings, folder, **overrides):
@@ -606,3 +601,32 @@ def test_a_spilled_session_is_read_deleted_and_expired_without_the_event_loop_to
         assert set(threads) == {"generations", "read_floor", "raise_floor", "remove_record"}, threads
         on_the_loop = {name for name, idents in threads.items() if loop_thread in idents}
         assert not on_the_loop, f"{sorted(on_the_loop)} ran on the event loop"
+
+
+def test_a_delete_cancelled_while_its_floor_goes_up_of_a_session_ended_meanwhile_is_still_cancelled(
+        make_settings, tmp_path, monkeypatch):
+    """A DELETE whose request was cancelled while the worker thread raised the session's floor, and another DELETE
+    ended the session meanwhile: the first one ends cancelled (it returned as if it had succeeded, the cancellation
+    swallowed), and the session stays ended."""
+    folder, sid = tmp_path / "snaps", "cancelled-delete-1"
+    ending = []  # (id, floor) of the DELETE's call: past its lease's generation (a checkpoint's write raises it to it)
+    gate, entered = _gate_threads(monkeypatch, leases_module, "raise_floor", after=True,
+                                  when=lambda folder, *args, **kwargs: tuple(args[:2]) in ending)
+    with running_app(make_settings(snapshot_dir=folder, checkpoint_every_blocks=1)) as client:
+        services = client.app.state.services
+        assert client.put(f"/v1/sessions/{sid}", json={}).status_code == 201
+        _start(client, sid)
+        wait_until(lambda: has_snapshot(folder, sid), "the session's checkpoint")
+        ending.append((sid, services.store.leases[sid].generation + 1))
+
+        async def delete_twice_then_cancel():
+            first = asyncio.ensure_future(services.sessions.delete(sid))
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+            await services.sessions.delete(sid)  # another DELETE (its floor goes up past the gate) ends it meanwhile
+            return await _cancel_while_held(first, entered, gate, 1)
+
+        assert isinstance(client.portal.call(delete_twice_then_cancel), asyncio.CancelledError)
+        assert client.get(f"/v1/sessions/{sid}").status_code == 404
+        wait_until(lambda: not services.store.checkpoints.removals, "the ended session's removal")
+        assert not has_snapshot(folder, sid)
