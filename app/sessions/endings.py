@@ -122,7 +122,14 @@ class Endings:
                 # A spilled session holds no lease: a lease now, or a file written under a later generation than
                 # its own, is another holder's.
                 raise LeaseLost(f"session {session_id} was taken by another holder after it ended")
-            leases.raise_floor(folder, session_id, generation + 1, self.replica_id)
+            try:
+                leases.raise_floor(folder, session_id, generation + 1, self.replica_id)
+            except OSError:
+                # A full folder cannot take the floor, but the file it fences can go first: left in place it keeps
+                # the folder full, and is adoptable once the folder has room; its removal frees the space the floor
+                # then takes. (A read-only folder refuses the removal too: pending, tried again.)
+                remove_record(folder, session_id)
+                leases.raise_floor(folder, session_id, generation + 1, self.replica_id)
             ending.fenced = True  # read by the next attempt only, which begins after this one ended
         elif (any(later > generation + 1 for later in leases.generations(folder, session_id))
               or leases.read_floor(folder, session_id) > generation + 1):

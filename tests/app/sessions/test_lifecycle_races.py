@@ -630,3 +630,36 @@ def test_a_delete_cancelled_while_its_floor_goes_up_of_a_session_ended_meanwhile
         assert client.get(f"/v1/sessions/{sid}").status_code == 404
         wait_until(lambda: not services.store.checkpoints.removals, "the ended session's removal")
         assert not has_snapshot(folder, sid)
+
+
+def test_a_session_that_ends_while_snapshot_dir_is_full_leaves_no_file_to_adopt(make_settings, tmp_path, monkeypatch):
+    """A session evicted (past session_retention_s) while snapshot_dir is full: its floor cannot be written, but its
+    file goes all the same (which frees the space; the floor is then raised). It was kept when the floor failed
+    first, and another replica adopted the evicted session back from it."""
+    import errno
+
+    folder = tmp_path / "snaps"
+    ending = []  # (id, floor) of the end's call: past its lease's generation (a checkpoint's write raises it to it)
+    real = leases_module.raise_floor
+
+    def full(folder, *args, **kwargs):
+        if tuple(args[:2]) in ending:
+            ending.clear()  # once: the removal frees the space
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(folder, *args, **kwargs)
+
+    monkeypatch.setattr(leases_module, "raise_floor", full)
+    with running_app(make_settings(snapshot_dir=folder, checkpoint_every_blocks=1, session_retention_s=1.0,
+                                   replica_id="a")) as client:
+        services = client.app.state.services
+        sid = client.post("/v1/sessions").json()["session_id"]
+        floor = services.store.leases[sid].generation + 1
+        ending.append((sid, floor))
+        handle = services.registry.existing(sid)
+        _start(client, sid)  # its checkpoint is written before its end removes it
+        wait_until(lambda: not services.registry.holds(handle) and not services.store.checkpoints.removals,
+                   "the session's eviction and its file's removal")
+        assert not ending, "the end did not try to raise the floor"
+    assert not has_snapshot(folder, sid) and leases_module.read_floor(folder, sid) == floor
+    with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as other:
+        assert other.get(f"/v1/sessions/{sid}").status_code == 404
