@@ -43,6 +43,7 @@ while (($#)); do
     *) break ;;
   esac
 done
+[[ "$deadline_s" =~ ^[0-9]+$ ]] || { echo "--deadline-s takes whole seconds, not '$deadline_s'" >&2; exit 2; }
 out="${1:-${OUT:-gpu-check}}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"

@@ -22,8 +22,9 @@ it, naming the setting that would compile it).
 piece; the attention between them runs eagerly and reads the sessions' own window buffers). On a CPU this path
 is slower than eager (measured: docs/benchmarks.md), so the service leaves it off there by default.
 
-The whole step can also compile as one graph (``fullgraph=True``, no break): ``models.attention_op`` makes the
-attention kernel a custom op and traces the per-session functions (tested on the CPU:
+The whole step can also compile as one graph (``fullgraph=True``, no break): under ``models.attention.fullgraph()``
+the attention kernel is a custom op (``models.attention_op``) and the per-session functions are traced (tested on
+the CPU:
 ``tests/models/test_attention_op.py``, ``forward_body`` as ``run_batch`` calls it). Decision: this step does not
 use it. Traced, the per-session loop turns each session's shapes and window slots into guards: measured there,
 the same mix of sessions reuses its graph, but another session count, another prompt length or a history that is

@@ -297,7 +297,8 @@ def make_plan(config: dict[str, Any], stream: Stream, dtype: torch.dtype, gpus: 
     weights). ``max_load``: the share of a GPU's rate real-time sessions may use (the server's
     ``admission_max_load`` under ``admission: realtime``; 1.0 spends all of it)."""
     if not 0 < max_load <= 1:
-        raise ValueError(f"max_load={max_load!r}: the share of the GPU's rate for real-time sessions, in (0, 1]")
+        raise ValueError(f"max_load (--max-load) {max_load!r}: the share of the GPU's rate for real-time sessions, "
+                         "in (0, 1]")
     model = meta_model(config) if model is None else model
     geometry = latent_geometry(config, stream)
     temporal = vae_scale_factors(config)[0]

@@ -76,8 +76,9 @@ QUERY_RULE = ("Query parameters: each route takes only the ones it documents, ea
 
 
 def require_content_type(request: Request, expected: str) -> None:
-    """415 unless the body is declared as ``expected`` (an absent header is taken as that), in one header: of two
-    that disagree, which one a proxy or framework reads is theirs to choose (RFC 9110 allows one), so none is."""
+    """415 unless the body is declared as ``expected`` (an absent header is taken as that), in one header: RFC 9110
+    allows one, and of two (even equal ones: no reason to tell them apart) which one a proxy or framework reads is
+    theirs to choose, so none is."""
     values = request.headers.getlist("content-type")
     if len(values) > 1:
         raise ApiError(

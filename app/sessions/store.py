@@ -253,9 +253,11 @@ class SessionStore:
                                               f"session {session_id} was not deleted and goes on unchanged; retry "
                                               "the DELETE later", retry_after_s=self.settings.retry_after_s)
             if self.registry.existing(session_id) is None:  # it went meanwhile (spilled, ended): ended all the same
-                forgotten = await self.parking.forget(session_id)
-                if cancelled:
-                    raise asyncio.CancelledError
+                try:
+                    forgotten = await self.parking.forget(session_id)
+                finally:
+                    if cancelled:  # the cancellation wins over the folder's 503 too: the caller has gone
+                        raise asyncio.CancelledError
                 if forgotten:
                     return
         self.registry.delete(session_id)
