@@ -432,17 +432,26 @@ def test_an_adoption_cancelled_while_it_reads_the_file_lets_go_of_the_lease(make
 
 
 def _floor_read_only(monkeypatch):
-    """snapshot_dir cannot take a session's floor (read-only, full): every ``raise_floor`` fails. Returns the
-    function that lets the folder be written again."""
+    """snapshot_dir is read-only: every ``raise_floor`` fails, and so does every removal of a session's file (an
+    ended session's file goes first where only the floor cannot be written: a full folder). Returns the function
+    that lets the folder be written again."""
     import errno
 
-    real = leases_module.raise_floor
+    import app.sessions.endings as endings_module
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(leases_module, "raise_floor", read_only)
-    return lambda: monkeypatch.setattr(leases_module, "raise_floor", real)
+    patched = [(leases_module, "raise_floor"), (endings_module, "remove_record"), (parking_module, "remove_record")]
+    real = [(module, name, getattr(module, name)) for module, name in patched]
+    for module, name in patched:
+        monkeypatch.setattr(module, name, read_only)
+
+    def writable() -> None:
+        for module, name, function in real:
+            monkeypatch.setattr(module, name, function)
+
+    return writable
 
 
 def _refused_while_read_only(client, sid: str, monkeypatch) -> None:
