@@ -206,7 +206,8 @@ class SessionStore:
         ended = self.endings.refusal(session_id)
         if ended is not None:  # its file is not fenced off yet: it must not be adopted back
             raise ended
-        if folder is not None and has_snapshot(folder, session_id):
+        # A stat of the shared folder (NFS can take seconds): off the event loop, like every call on the folder.
+        if folder is not None and await asyncio.to_thread(has_snapshot, folder, session_id):
             if self.draining:
                 # A draining server saves what it holds and exits: a session it adopted now would be saved by nobody
                 # (the drain's list is taken) and, without checkpoints, its file deleted. It stays in the folder.

@@ -94,6 +94,36 @@ def test_a_listing_of_many_spilled_sessions_is_fast_and_never_stalls_health(make
         assert first == "spilled-000002"
 
 
+def test_a_lookup_of_a_session_this_replica_does_not_hold_checks_the_folder_off_the_event_loop(make_settings, tmp_path,
+                                                                                             monkeypatch):
+    """A GET of a session this replica does not hold looks for its file in snapshot_dir: a stat that a shared folder
+    (NFS) can hold for seconds, which on the event loop held every other request as long. It runs on a worker
+    thread (asserted by the thread each stat of the folder ran on, not by a time)."""
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    settings = make_settings(warmup=False, snapshot_dir=folder)
+    stats: list[tuple[str, int]] = []  # (the file looked for, the thread that looked)
+    real_is_file = type(folder).is_file
+
+    def counted_is_file(path):
+        if path.parent == folder:
+            stats.append((path.name, threading.get_ident()))
+        return real_is_file(path)
+
+    with LiveServer(settings) as server, httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        loop_thread = server.on_loop(_thread_ident()).result(DEADLINE_S)
+        monkeypatch.setattr(type(folder), "is_file", counted_is_file)
+        try:
+            reply = http.get("/v1/sessions/nobody-has-this-one")
+        finally:
+            monkeypatch.setattr(type(folder), "is_file", real_is_file)
+        assert reply.status_code == 404, reply.text
+        assert reply.json()["error"]["code"] == "session_not_found"
+        looked = [thread for name, thread in stats if name.startswith("nobody-has-this-one")]
+        assert looked, stats  # the folder was looked at (the file's check ran at all)
+        assert loop_thread not in looked, "the snapshot file's stat ran on the event loop"
+
+
 def _ping_flood(base_url: str, path: str, total_bytes: int, give_up_s: float):
     """A client that sends ping frames on ``path`` and never reads; returns (the bytes the server took before its
     socket stopped accepting more, ``total_bytes`` when it never did; the socket, still open)."""
