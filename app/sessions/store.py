@@ -378,13 +378,13 @@ class SessionStore:
                 limits = snapshot_limits(settings)  # checked from the file's header before anything is allocated
                 key, floor = settings.signing_key, lease.floor
                 try:
-                    if not path.is_file():
-                        raise FileNotFoundError(path)
                     # Read, header-checked and (signed) verified on a worker thread: the hash reads every byte of the
                     # file, time the engine thread spends on other sessions' blocks. The session is built there too, in
                     # host memory (pinned on CUDA); the engine thread only checks the record and queues its copies.
                     # The lease is renewed meanwhile, as the engine's queue may be long too.
                     def read_and_build():
+                        if not path.is_file():  # removed meanwhile (stat'ed here: never on the event loop)
+                            raise FileNotFoundError(path)
                         tensors, metadata = read_record(path, refiner, limits, key, floor, session_id)
                         return tensors, metadata, host_session(refiner, tensors, metadata)
 
@@ -428,11 +428,9 @@ class SessionStore:
                     # state is lost; its id answers 410 saying so, and the file is kept aside for the operator.
                     aside = folder / f"{path.name}.stale"
                     log.warning("snapshot of %s is an older copy (%s); moved aside to %s", session_id, exc, aside.name)
-                    with contextlib.suppress(OSError):
-                        os.replace(path, aside)
                     self.registry.mark_evicted(session_id, "its file in snapshot_dir turned out to be an older copy of "
                                                            f"it (set aside as {aside.name}): {exc}")
-                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    await to_thread_to_the_end(_set_aside, path, aside, folder, session_id, lease)
                     return None
                 except SnapshotUnreadable as exc:
                     # An I/O error (the volume, this process's open files, a permission): the file is not known to
@@ -447,9 +445,7 @@ class SessionStore:
                 except Exception as exc:
                     aside = folder / f"{path.name}.corrupt"
                     log.warning("snapshot of %s cannot be adopted (%s); moved aside to %s", session_id, exc, aside.name)
-                    with contextlib.suppress(OSError):
-                        os.replace(path, aside)
-                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    await to_thread_to_the_end(_set_aside, path, aside, folder, session_id, lease)
                     return None
                 if self.draining:
                     # The drain began while the file was read: it saves only the sessions it found, so this one is
@@ -557,3 +553,11 @@ def _moved(held: LeaseHeld) -> ApiError:
         "replica is gone, this one takes the session once the lease expires: retry then",
         retry_after_s=max(1, math.ceil(held.expires_in)),
     )
+
+
+def _set_aside(path: Path, aside: Path, folder: Path, session_id: str, lease) -> None:
+    """Move a snapshot that cannot be adopted aside for the operator (best effort: gone or unwritable, it stays),
+    then release the lease taken to read it. On a worker thread, both: a shared folder can be slow."""
+    with contextlib.suppress(OSError):
+        os.replace(path, aside)
+    leases.release(folder, session_id, lease)

@@ -123,6 +123,29 @@ def test_a_lookup_of_a_session_this_replica_does_not_hold_checks_the_folder_off_
         assert looked, stats  # the folder was looked at (the file's check ran at all)
         assert loop_thread not in looked, "the snapshot file's stat ran on the event loop"
 
+        # A file that cannot be adopted: looked at, read, and set aside for the operator, all off the loop too.
+        (folder / "junk-0001.session.safetensors").write_bytes(b"not a snapshot")
+        moves: list[int] = []
+        real_replace = os.replace
+
+        def counted_replace(source, target):
+            moves.append(threading.get_ident())
+            return real_replace(source, target)
+
+        stats.clear()
+        monkeypatch.setattr(type(folder), "is_file", counted_is_file)
+        monkeypatch.setattr(os, "replace", counted_replace)
+        try:
+            reply = http.get("/v1/sessions/junk-0001")
+        finally:
+            monkeypatch.setattr(type(folder), "is_file", real_is_file)
+            monkeypatch.setattr(os, "replace", real_replace)
+        assert reply.status_code == 404, reply.text
+        assert (folder / "junk-0001.session.safetensors.corrupt").is_file()
+        looked = [thread for name, thread in stats if name.startswith("junk-0001")]
+        assert len(looked) >= 2 and loop_thread not in looked, (looked, loop_thread)
+        assert moves and loop_thread not in moves, (moves, loop_thread)
+
 
 def _ping_flood(base_url: str, path: str, total_bytes: int, give_up_s: float):
     """A client that sends ping frames on ``path`` and never reads; returns (the bytes the server took before its
