@@ -424,6 +424,20 @@ MEASURE_ORDER = ("eager", "graphed", "compiled")
 MODE_MARGIN = 0.05  # a mode must beat the simpler one by 5% at every measured count to be recommended
 
 
+def compiler_problem(device: torch.device) -> str | None:
+    """Why ``torch.compile``'s inductor cannot compile for ``device`` on this machine, or None. On CUDA it writes
+    Triton kernels: with a triton that does not import (absent, or built for another torch; a CUDA torch wheel
+    brings its own) every compiled mode would fail at its first compile, so ``section_step_modes`` skips them with
+    this reason instead of tracing the model to reach that error. On a CPU it writes C++ and needs no triton."""
+    if device.type != "cuda":
+        return None
+    try:
+        import triton  # noqa: F401 -- whether it imports is the question
+    except Exception as exc:  # noqa: BLE001 -- an ImportError, or a broken build's any error at import
+        return f"triton does not import ({type(exc).__name__}: {exc}): inductor needs it to compile for CUDA"
+    return None
+
+
 def recommend(figures: dict[str, dict[str, Any]], counts, margin: float = MODE_MARGIN) -> str:
     """The mode the setting should follow: start from eager and step up (compiled, then graphed) only where the
     next mode's steady block is at least ``margin`` faster than the one recommended so far at every session count
@@ -509,7 +523,8 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
     Decision for the CPU (``--smoke``): graphed is skipped with its reason recorded, not run as a plain compile
     under another name: CUDA graphs need a CUDA device, and on a CPU ``reduce-overhead`` compiles exactly what
     ``compiled`` does, so a figure for it would only measure noise. A mode that fails is recorded in ``errors`` and
-    the others run; a mode not started by the section's time cap or the run's end is skipped (null)."""
+    the others run; a mode not started by the section's time cap or the run's end is skipped (null), and so are the
+    compiled modes where the compiler cannot run (``compiler_problem``: on CUDA, a triton that does not import)."""
     spec = ctx.preset["step_modes"]
     counts = tuple(spec["sessions"])
     height, width = ctx.preset["geometries"][spec["geometry"]]
@@ -519,12 +534,15 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
                            "margin_ratio": MODE_MARGIN}
     skipped: dict[str, str] = {}
     errors: dict[str, str] = {}
+    unavailable = compiler_problem(ctx.device)
     try:
         for mode in MEASURE_ORDER:
             ctx.save("step_modes", _conclude(dict(out), counts, skipped, errors, partial=True))
             left = deadline - time.perf_counter()
             if mode == "graphed" and ctx.device.type != "cuda":
                 skipped[mode] = "CUDA graphs need a CUDA device (on a CPU reduce-overhead compiles as compiled does)"
+            elif mode != "eager" and unavailable:
+                skipped[mode] = unavailable
             elif mode != "eager" and left < spec["mode_min_s"]:
                 skipped[mode] = (f"time: {left:.0f} s left of the section's cap, under the "
                                  f"{spec['mode_min_s']:.0f} s a mode needs")
@@ -597,11 +615,20 @@ def machine(device: torch.device) -> dict[str, Any]:
     import diffusers
 
     out = {"torch": torch.__version__, "diffusers": diffusers.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "cpu": _cpu_model(), "device": str(device)}
+           "python": platform.python_version(), "cpu": _cpu_model(), "device": str(device), "triton": _triton()}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
         out["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return out
+
+
+def _triton() -> str:
+    """triton's version, or why it does not import (what compiled modes on CUDA need: ``compiler_problem``)."""
+    try:
+        import triton
+    except Exception as exc:  # noqa: BLE001 -- reported, not raised: only the compiled modes need it
+        return f"does not import ({type(exc).__name__}: {exc})"
+    return str(getattr(triton, "__version__", "unknown version"))
 
 
 def section_names(only: str | None = None, skip: str | None = None) -> list[str]:
@@ -697,8 +724,8 @@ def render(summary: dict[str, Any]) -> str:
     """The summary as a Markdown table: section, figure (named with its unit), value."""
     m = summary["machine"]
     lines = [f"# GPU check ({summary['mode']}, {summary['dtype']})", "",
-             f"{m.get('gpu', m['device'])}, torch {m['torch']} (CUDA {m['cuda']}), diffusers {m['diffusers']}, "
-             f"CPU {m['cpu']}", "", "| section | figure | value |", "|---|---|---|"]
+             f"{m.get('gpu', m['device'])}, torch {m['torch']} (CUDA {m['cuda']}), triton {m.get('triton')}, "
+             f"diffusers {m['diffusers']}, CPU {m['cpu']}", "", "| section | figure | value |", "|---|---|---|"]
     for section, figures in summary["sections"].items():
         for key, value in _flatten(figures):
             lines.append(f"| {section} | {key} | {_cell(value)} |")

@@ -132,6 +132,12 @@ assert torch.cuda.is_available(), "no CUDA device (use --smoke for the CPU check
 major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 assert (major, minor) >= (2, 11), f"torch {torch.__version__}: the GPU check needs >= 2.11"
 print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**30, "GiB")
+try:  # told, not asserted: only the compiled modes need it (step_modes skips them without it, naming why)
+    import triton
+    print("triton", triton.__version__)
+except Exception as error:
+    print(f"triton does not import ({type(error).__name__}: {error}): the compiled step modes are skipped and the "
+          "compiled-step test fails")
 PY
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 

@@ -83,3 +83,29 @@ def test_a_later_process_exits_by_its_own_sections_not_the_earlier_ones(tmp_path
     assert "decode" in gpu.json.loads((tmp_path / "summary.json").read_text())["errors"]  # still recorded
     modes["mode_errors"] = ["graphed: BackendCompilerFailed: ..."]
     assert gpu.main(["--smoke", "--only", "step_modes", str(tmp_path)]) == 1
+
+
+def test_without_an_importable_triton_the_compiled_modes_on_cuda_are_skipped_with_the_reason(monkeypatch):
+    """On CUDA inductor writes Triton kernels: a triton that does not import (absent, or built for another torch)
+    would fail every compiled mode at its first compile. The check names that once, as the reason the compiled modes
+    were skipped, and says so in the machine's description; on a CPU (C++ kernels) triton is not needed."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ModuleNotFoundError
+    reason = gpu.compiler_problem(torch.device("cuda", 0))
+    assert reason is not None and reason.startswith("triton does not import (ModuleNotFoundError")
+    assert gpu.compiler_problem(torch.device("cpu")) is None
+    assert gpu.machine(torch.device("cpu"))["triton"].startswith("does not import (ModuleNotFoundError")
+
+
+def test_a_compiled_mode_the_compiler_cannot_run_is_skipped_not_failed(ctx, monkeypatch):
+    """``step_modes`` with the compiler unavailable (as ``compiler_problem`` finds a CUDA machine without triton): the
+    compiled modes are skipped with that reason, eager and the padding are still measured, nothing counts as a
+    failure, and eager is what is recommended."""
+    monkeypatch.setattr(gpu, "compiler_problem", lambda device: "triton does not import (ImportError: simulated)")
+    figures = gpu.section_step_modes(ctx)
+    assert "compiled: triton does not import (ImportError: simulated)" in figures["skipped"]
+    assert figures["compiled"]["batched_2_sessions_block_s"] is None
+    assert figures["eager"]["batched_2_sessions_block_s"] > 0
+    assert figures["padding"]["exact_block_s"] > 0
+    assert figures["mode_errors"] == [] and figures["recommended_mode"] == "eager"
