@@ -32,6 +32,7 @@ SLOW_FILES = {
     "tests/app/api/test_view_browser.py": "headless Chromium",
     "tests/app/api/test_js_client.py": "headless Chromium",
     "tests/app/api/test_cors.py": "headless Chromium",
+    "tests/app/api/test_js_types.py": "tsc and node in subprocesses, headless Chromium",
     "tests/app/api/test_fuzz.py": "schemathesis over every operation",
     "tests/client/test_cli.py": "the CLI in subprocesses and a pseudo-terminal",
     "tests/client/test_packaging.py": "builds wheels",

@@ -1,14 +1,15 @@
 """The live view: ``GET /view``, a browser page that lists the sessions, watches one over
 ``WS /v1/sessions/{id}/watch`` and plays its video as it is refined, with a per-block latency chart; and
-``GET /static/wm-refiner.js``, the ES module that speaks the protocol (the page imports it; so may any web app).
+``GET /static/wm-refiner.js``, the ES module that speaks the protocol (the page imports it; so may any web app), and
+``GET /static/wm-refiner.d.ts``, its TypeScript declarations.
 
-Both are files of app/static (no build step, nothing fetched from another origin, so the page works offline and
+All are files of app/static (no build step, nothing fetched from another origin, so the page works offline and
 behind any firewall), shipped as package data and read through ``importlib.resources``. The page itself holds no
 data, so it is public (``PUBLIC_PATHS``, which app.api.factory adds to its own); when the server has an API key the page asks
 for it and sends it with its own requests. Both are left out of the OpenAPI schema: a page for people and a file,
 not operations for clients.
 
-The module is public for the same reason: it is code, no data, and a browser fetches a module script (``import``,
+The module (and its declarations) is public for the same reason: it is code, no data, and a browser fetches a module script (``import``,
 ``<script type="module">``) without an ``Authorization`` header, so a key-protected module could not be imported by
 the very pages that hold the key. Only the files named in ``STATIC_FILES`` are served: no directory is exposed
 (app/static also holds asyncapi.yaml, served at ``/asyncapi.yaml`` behind the key like the rest of the API).
@@ -35,8 +36,13 @@ CONTENT_SECURITY_POLICY = (
 
 
 # URL path -> (file in app/static, content type). JavaScript is text/javascript (RFC 9239); browsers refuse a module
-# served as anything but a JavaScript type.
-STATIC_FILES = {"/static/wm-refiner.js": ("wm-refiner.js", "text/javascript; charset=utf-8")}
+# served as anything but a JavaScript type. The module's TypeScript declarations sit beside it, for pages written in
+# TypeScript (docs/api.md, "TypeScript"); TypeScript has no registered media type, application/typescript is the one
+# its tools (Deno) read as TypeScript.
+STATIC_FILES = {
+    "/static/wm-refiner.js": ("wm-refiner.js", "text/javascript; charset=utf-8"),
+    "/static/wm-refiner.d.ts": ("wm-refiner.d.ts", "application/typescript; charset=utf-8"),
+}
 # Served without the API key (app.api.factory adds them to its PUBLIC_PATHS).
 PUBLIC_PATHS = frozenset({"/view", *STATIC_FILES})
 
