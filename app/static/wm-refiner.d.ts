@@ -59,8 +59,9 @@ export type Tensors = Record<string, Tensor>;
 /** A safetensors header's metadata: every value a string. */
 export type Metadata = Record<string, string>;
 
-/** Tensors and string metadata into one safetensors file (the header padded to 8 bytes). */
-export declare function encodeSafetensors(tensors: Record<string, Tensor>, metadata?: Metadata | null): Uint8Array;
+/** Tensors and string metadata into one safetensors file (the header padded to 8 bytes); a name whose value is
+ * undefined is left out. */
+export declare function encodeSafetensors(tensors: Record<string, Tensor | undefined>, metadata?: Metadata | null): Uint8Array;
 /** One safetensors file into its tensors (views into the input, not copies) and metadata; a malformed file throws a
  * SafetensorsError saying what is wrong. */
 export declare function decodeSafetensors(input: ArrayBuffer | Uint8Array): { tensors: Tensors; metadata: Metadata };

@@ -159,7 +159,9 @@ export class Tensor {
 }
 
 /** Tensors (name -> Tensor) and string metadata into one safetensors file (a Uint8Array). The header is padded
- * with spaces to a multiple of 8 bytes, as safetensors' own writer does, so every tensor's data is aligned. */
+ * with spaces to a multiple of 8 bytes, as safetensors' own writer does, so every tensor's data is aligned. A name
+ * whose value is undefined is left out, as JSON.stringify leaves it out: `{latents, prompt_embeds: switching ? prompt
+ * : undefined}` sends the prompt only when it switches (null is still refused: not a Tensor). */
 export function encodeSafetensors(tensors, metadata = null) {
   if (tensors instanceof Tensor) throw new TypeError("encodeSafetensors takes {name: Tensor}, e.g. {latents: tensor}, not a bare Tensor");
   const header = {}, parts = [];
@@ -171,6 +173,7 @@ export function encodeSafetensors(tensors, metadata = null) {
     header.__metadata__ = metadata;
   }
   for (const [name, tensor] of Object.entries(tensors)) {
+    if (tensor === undefined) continue;
     if (!(tensor instanceof Tensor)) throw new TypeError(`${name} is not a Tensor: build it with Tensor.from(dtype, shape, values)`);
     if (name === "__metadata__") throw new TypeError("__metadata__ is the header's metadata, not a tensor name");
     header[name] = { dtype: tensor.dtype, shape: tensor.shape, data_offsets: [offset, offset + tensor.bytes.byteLength] };

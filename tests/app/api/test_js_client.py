@@ -717,3 +717,37 @@ def test_the_restart_example_in_api_md_runs(tmp_path, browser):
     units = [entry[1:] for entry in logged if entry[0] == "unit"]
     assert units[0][0] == 0 and units[-1][1] == 11
     assert all(end == start for (_, end), (start, _) in zip(units, units[1:])), units  # each frame once, in order
+
+
+# Runs in the page: a stream whose messages carry the prompt only when it changes, written the way JavaScript (and the
+# TypeScript declarations' optional fields) invite: `prompt_embeds: switching ? prompt : undefined`.
+OPTIONAL_PROMPT = """
+const client = new m.RefinerClient(args[0]), { session_id } = await client.createSession({ block_size: 3 });
+const latents = (t) => m.Tensor.from("F32", [1, 128, t, 4, 4], new Float32Array(128 * t * 16).map(Math.random));
+const prompts = [1, 2].map(() => m.Tensor.from("F32", [1, 8, 32], new Float32Array(8 * 32).map(Math.random)));
+const clip = latents(10), out = { events: [], units: [] };
+const chunk = (at, prompt) => ({ latents: clip.slice(2, at, at + 2), prompt_embeds: prompt, prompt_attention_mask: undefined });
+const plain = clip.slice(2, 0, 2);
+out.sameBytes = b64.encode(m.encodeSafetensors({ latents: plain, prompt_embeds: undefined })) ===
+                b64.encode(m.encodeSafetensors({ latents: plain }));
+try { m.encodeSafetensors({ latents: plain, prompt_embeds: null }); out.nullRefused = null; } catch (err) { out.nullRefused = err.message; }
+const stream = client.stream(session_id);
+for (let at = 0; at < 10; at += 2) await stream.send(chunk(at, at === 0 ? prompts[0] : at === 6 ? prompts[1] : undefined));
+await stream.flush();
+for await (const message of stream) {
+  if (message.type === "unit") out.units.push([message.frameStart, message.frameEnd]); else out.events.push(message);
+}
+return out;
+"""
+
+
+def test_a_chunk_whose_optional_tensors_are_undefined_is_sent_without_them(make_settings, browser):
+    """`{latents, prompt_embeds: undefined}` (the prompt switched only on some messages) is encoded as `{latents}`
+    and streamed; it threw "prompt_embeds is not a Tensor", though the declarations make the field optional. A null
+    is still refused, saying what to give."""
+    with LiveServer(make_settings()) as server:
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, OPTIONAL_PROMPT, server.base_url)
+    assert out["sameBytes"] is True
+    assert out["nullRefused"] and "prompt_embeds is not a Tensor" in out["nullRefused"]
+    assert out["units"] == [[0, 1], [1, 4], [4, 7], [7, 10]] and out["events"] == [{"type": "done", "frames": 10}]
