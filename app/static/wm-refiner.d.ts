@@ -341,7 +341,8 @@ export declare class RefinerClient {
   constructor(baseUrl?: string | URL, options?: { apiKey?: string });
   /** The absolute URL, without a trailing slash. */
   baseUrl: string;
-  /** Sent as `Authorization: Bearer` and as the WebSocket subprotocol; may be changed at any time. */
+  /** Sent as `Authorization: Bearer` and as the WebSocket subprotocol, without the whitespace around it; may be
+   * changed at any time. */
   apiKey: string;
   /** One HTTP request; resolves to the Response when it is 2xx, else rejects with a RefinerError. */
   request(method: string, path: string, options?: RequestOptions): Promise<Response>;

@@ -249,6 +249,10 @@ export function base64url(text) {
   return btoa(binary).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
 }
 
+// The key as it goes out: without the HTTP whitespace (space, tab, CR, LF) around it, which Fetch strips from every
+// header value. A key read from a file ("KEY\n") or pasted with a space then works on the WebSockets too, whose
+// subprotocol would otherwise carry the whitespace the Authorization header lost, and be refused.
+const sentKey = (key) => String(key || "").replace(/^[\t\n\r ]+|[\t\n\r ]+$/g, "");
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 const body = (payload) => (payload instanceof Uint8Array || payload instanceof ArrayBuffer ? payload : encodeSafetensors(payload));
 
@@ -271,8 +275,8 @@ function serverUrl(baseUrl) {
 }
 
 /** The service at `baseUrl` (default: this page's origin). `apiKey` is sent as `Authorization: Bearer` and, on
- * WebSockets (which take no headers in a browser), as the `wm-refiner.bearer.<base64url key>` subprotocol; it may be
- * changed at any time (`client.apiKey = ...`). */
+ * WebSockets (which take no headers in a browser), as the `wm-refiner.bearer.<base64url key>` subprotocol, both without
+ * the whitespace around it; it may be changed at any time (`client.apiKey = ...`). */
 export class RefinerClient {
   constructor(baseUrl = globalThis.location ? globalThis.location.origin : undefined, { apiKey = "" } = {}) {
     if (!baseUrl) throw new TypeError("RefinerClient needs the server's URL, e.g. new RefinerClient(\"http://127.0.0.1:8000\")");
@@ -282,7 +286,7 @@ export class RefinerClient {
 
   /** One HTTP request; resolves to the Response when it is 2xx, else throws a RefinerError. */
   async request(method, path, { json, payload, query } = {}) {
-    const headers = this.apiKey ? { Authorization: "Bearer " + this.apiKey } : {};
+    const key = sentKey(this.apiKey), headers = key ? { Authorization: "Bearer " + key } : {};
     let sent;
     if (json !== undefined) { headers["Content-Type"] = "application/json"; sent = JSON.stringify(json); }
     if (payload !== undefined) { headers["Content-Type"] = "application/octet-stream"; sent = body(payload); }
@@ -406,7 +410,10 @@ export class RefinerClient {
     url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
     return url.href;
   }
-  subprotocols() { return this.apiKey ? [SUBPROTOCOL, BEARER_PREFIX + base64url(this.apiKey)] : [SUBPROTOCOL]; }
+  subprotocols() {
+    const key = sentKey(this.apiKey);
+    return key ? [SUBPROTOCOL, BEARER_PREFIX + base64url(key)] : [SUBPROTOCOL];
+  }
 }
 
 function queryString(query) {

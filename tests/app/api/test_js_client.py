@@ -751,3 +751,37 @@ def test_a_chunk_whose_optional_tensors_are_undefined_is_sent_without_them(make_
     assert out["sameBytes"] is True
     assert out["nullRefused"] and "prompt_embeds is not a Tensor" in out["nullRefused"]
     assert out["units"] == [[0, 1], [1, 4], [4, 7], [7, 10]] and out["events"] == [{"type": "done", "frames": 10}]
+
+
+# Runs in the page: a client per spelling of the right key with whitespace around it (read from a file, pasted), each
+# creating a session, streaming one frame and watching it.
+PADDED_KEYS = """
+const [base, key] = args, out = {};
+const latents = m.Tensor.from("F32", [1, 128, 1, 4, 4], new Float32Array(128 * 16));
+const prompt = m.Tensor.from("F32", [1, 8, 32], new Float32Array(8 * 32));
+for (const padded of [key + "\\n", " " + key, "\\t" + key + "\\r\\n"]) {
+  const client = new m.RefinerClient(base, { apiKey: padded }), got = out[JSON.stringify(padded)] = [];
+  try {
+    const { session_id } = await client.createSession({});
+    got.push("created");
+    const watcher = client.watch(session_id), stream = client.stream(session_id);
+    await watcher.opened; got.push("watching");
+    await stream.send({ latents, prompt_embeds: prompt });
+    got.push((await stream.receive()).frameEnd, (await watcher.receive()).frameEnd);
+    stream.close(); watcher.close();
+  } catch (err) { got.push(err.code, err.detail); }
+}
+return out;
+"""
+
+
+def test_a_key_with_whitespace_around_it_opens_websockets_as_it_calls_http(make_settings, browser):
+    """A key read from a file ("KEY\\n") or pasted with a space: the browser strips that whitespace from the
+    Authorization header (Fetch normalizes header values), so HTTP worked, but the module sent it whole in the
+    WebSocket subprotocol, and every stream and watcher was refused with a misleading handshake_refused (naming
+    cors_origins). The module sends the key the same way on both."""
+    with LiveServer(make_settings(api_key=KEY)) as server:
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, PADDED_KEYS, server.base_url, KEY)
+    assert out == {json.dumps(padded): ["created", "watching", 1, 1]
+                   for padded in (KEY + "\n", " " + KEY, "\t" + KEY + "\r\n")}, out
