@@ -614,3 +614,59 @@ def test_a_preview_watcher_the_server_closes_is_opened_again_after_the_retry_del
         wait_until(lambda: watchers_of(http)[session_id] == 1, "the page to watch it again", timeout=30)
         assert time.monotonic() - closed_at >= 9.0  # not before PREVIEW_RETRY_MS (less the poll's slack)
         wait_for_preview(browser, session_id, end, send_preview_chunk(http, session_id, clip, 1, first, end))
+
+
+def test_a_page_in_a_background_tab_comes_back_live_not_as_far_behind_as_it_was_hidden(make_settings, vae_dir,
+                                                                                        browser):
+    """A live view left in a background tab, while the session goes on: it draws nothing there (nobody sees it, and
+    browsers slow its timer to once a second, so its queue grew and, back in front, it played the backlog at fps:
+    as far behind the session as it was away). It keeps only the newest frame, counting the others as skipped, and
+    back in front shows that frame: the session's last, exactly (raw uint8)."""
+    sink, block, latent_frames = 1, 2, 9
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        config = {"outputs": ["video"], "video_format": "uint8", "video_lookahead": 0, "block_size": block,
+                  "fps": 32.0}  # each unit its own frames
+        session_id = http.post("/v1/sessions", json=config).json()["session_id"]
+        browser.get(f"{server.base_url}/view?session={session_id}&format=raw")
+        wait_for_page(browser, lambda state: state["status"] == "attached", "attached")
+        latents, embeds, mask = make_clip(frames=latent_frames)
+        bounds = [0, sink, *range(sink + block, latent_frames, block), latent_frames]
+        video = []
+
+        def send(seq: int) -> None:
+            start, end = bounds[seq], bounds[seq + 1]
+            body = payload(latents[:, :, start:end], *((embeds, mask) if seq == 0 else ()))
+            response = http.post(f"/v1/sessions/{session_id}/chunks", params={"seq": seq, "flush": end == latent_frames},
+                                 content=body, headers=OCTET)
+            assert response.status_code == 200, response.text
+            video.append(decode_response(response.content)[0]["video"])
+
+        for seq in range(2):  # in front: every frame drawn
+            send(seq)
+        shown = sum(part.shape[1] for part in video)
+        before = wait_for_page(browser, lambda state: state["framesDrawn"] == state["framesReceived"] == shown > 0,
+                               "the first frames drawn")
+
+        front = browser.current_window_handle
+        browser.execute_script("window.open(location.origin + '/health', '_blank')")
+        wait_until(lambda: len(browser.window_handles) == 2, "the second tab")
+        browser.switch_to.window(next(handle for handle in browser.window_handles if handle != front))
+        assert browser.execute_script("return opener.document.visibilityState") == "hidden"
+        for seq in range(2, len(bounds) - 1):  # the session goes on while the page is hidden
+            send(seq)
+        total = sum(part.shape[1] for part in video)
+        hidden = wait_until(lambda: (lambda view: view["framesReceived"] == total and view)(
+            browser.execute_script("return opener.wmView")), "every frame received in the background")
+        queued = browser.execute_script("return opener.document.getElementById('queued').textContent")
+        assert hidden["framesDrawn"] == before["framesDrawn"], "frames drawn in a hidden tab"
+
+        browser.close()
+        browser.switch_to.window(front)
+        state = wait_for_page(browser, lambda state: state["framesDrawn"] == before["framesDrawn"] + 1,
+                              "the newest frame drawn once in front")
+        assert state["framesSkipped"] == total - shown - 1, (state, queued)
+        last = next(part for part in reversed(video) if part.shape[1])[0, -1]
+        scale, drawn = canvas_frame(browser, last.shape[0], last.shape[1])
+        assert scale >= 2
+        assert torch.equal(torch.tensor(drawn, dtype=torch.uint8), last.flatten())
