@@ -87,8 +87,9 @@ export type ServerErrorCode =
   | "invalid_request" | "not_ready" | "draining" | "too_many_sessions" | "engine_busy" | "server_busy"
   | "session_moved" | "insufficient_memory" | "over_capacity" | "internal_error";
 /** The module's own codes: no answer (`unreachable`), a socket closed (`closed`), a refused WebSocket HTTP could not
- * explain (`handshake_refused`), an error answer without the server's envelope (`http_error`). */
-export type ClientErrorCode = "unreachable" | "closed" | "handshake_refused" | "http_error";
+ * explain (`handshake_refused`), an error answer without the server's envelope (`http_error`), `reconnect()` of a
+ * stream the server closed with 1008 (`not_reconnectable`). */
+export type ClientErrorCode = "unreachable" | "closed" | "handshake_refused" | "http_error" | "not_reconnectable";
 
 /** The server's error object: code and message, and the fields some errors carry besides them
  * (`insufficient_memory`'s `bytes_needed`, `bytes_free`, `bytes_budget`; `over_capacity`'s `load_needed`...). */
@@ -407,7 +408,8 @@ export declare class RefinerStream extends MessageSocket {
   send(payload: Payload): Promise<void>;
   /** Ends the stream: the pending frames are refined as a final short block, then `done`. */
   flush(): Promise<void>;
-  /** A new connection to the same session, resuming after the last frame this one read. */
+  /** A new connection to the same session, resuming after the last frame this one read; throws a RefinerError
+   * `not_reconnectable` after a close 1008 (another connection took the session over, or the resume was refused). */
   reconnect(): RefinerStream;
   protected transmit(data: string | Uint8Array | ArrayBuffer): void;
 }

@@ -515,8 +515,18 @@ export class RefinerStream extends MessageSocket {
     }
     this.ws.send(data);
   }
-  /** A new connection to the same session, resuming after the last frame this one received. */
+  /** A new connection to the same session, resuming after the last frame this one received. Not after the server
+   * closed this one with 1008: another connection resumed the session (a second tab, another client) or the server
+   * refused the resume, and reconnecting cannot help (it would take the session back from that connection, whose own
+   * reconnect would take it again, for ever); that throws a RefinerError `not_reconnectable` saying why. */
   reconnect() {
+    const event = this.closeEvent;
+    if (event && event.code === 1008) {
+      throw new RefinerError(0, "not_reconnectable", `the server closed this stream with 1008 (${event.reason || "policy"}` +
+        "): reconnecting would not help. If another connection (a second tab, another client) now streams the " +
+        "session, leave it there; to take it back anyway, or to resume from another frame, open " +
+        "client.stream(sessionId, { resumeFrom }) yourself");
+    }
     if (this.ws.readyState !== WebSocket.CLOSED) this.close(1000, "reconnecting");
     return this.client.stream(this.sessionId, { resumeFrom: this.framesReturned });
   }

@@ -785,3 +785,55 @@ def test_a_key_with_whitespace_around_it_opens_websockets_as_it_calls_http(make_
         out = run_js(browser, PADDED_KEYS, server.base_url, KEY)
     assert out == {json.dumps(padded): ["created", "watching", 1, 1]
                    for padded in (KEY + "\n", " " + KEY, "\t" + KEY + "\r\n")}, out
+
+
+# Runs in the page: a stream that reads one unit, then (once args[1] resolves: another connection took the session over)
+# reads to its end and calls reconnect(), as the restart example's loop does after any close.
+TAKEN_OVER = """
+const client = new m.RefinerClient(args[0]), { session_id } = await client.createSession({ block_size: 3 });
+const latents = m.Tensor.from("F32", [1, 128, 5, 4, 4], new Float32Array(128 * 5 * 16).map(Math.random));
+const stream = client.stream(session_id);
+await stream.send({ latents, prompt_embeds: m.Tensor.from("F32", [1, 8, 32], new Float32Array(8 * 32)) });
+const out = { session_id, first: (await stream.receive()).frameEnd };
+window.takenOver = new Promise((resolve) => { window.tookOver = resolve; });
+window.sessionId = session_id;
+await window.takenOver;
+for await (const message of stream) {}
+out.close = [stream.closeEvent.code, stream.closeEvent.reason];
+try { const again = stream.reconnect(); await again.opened; out.reconnected = true; } catch (err) { out.refused = [err.name, err.code, err.detail]; }
+return out;
+"""
+
+
+def test_a_stream_another_connection_took_over_is_not_taken_back_by_reconnect(make_settings, browser):
+    """Two tabs (or two clients) resuming the same session take it from each other: each closes the other with 1008
+    "another connection resumed this session". A loop that reconnects after every close (the restart example's)
+    took it straight back, and two such loops took turns forever. reconnect() after a 1008 (a takeover, or a resume
+    the server refused) throws instead, saying why; the other connection keeps the session."""
+    import json as json_module
+
+    from websockets.sync.client import connect
+
+    with LiveServer(make_settings()) as server:
+        browser.get(f"{server.base_url}/health")
+        browser.set_script_timeout(DEADLINE_S)
+        browser.execute_script("""window.result = null;
+            import(arguments[0]).then((m) => (new Function("m", "args", "return (async () => {" + arguments[1] + "})();"))(m, [arguments[2]]))
+              .then((value) => { window.result = { value }; }, (err) => { window.result = { error: String(err.stack || err) }; });""",
+                               f"{server.base_url}/static/wm-refiner.js", TAKEN_OVER, server.base_url)
+        session_id = wait_until(lambda: browser.execute_script("return window.sessionId"), "the page's first unit")
+        with connect(f"{server.ws_url}/v1/sessions/{session_id}/stream?resume_from=1", max_size=None) as other:
+            event = json_module.loads(other.recv())
+            assert event["type"] == "session"
+            browser.execute_script("window.tookOver()")
+            result = wait_until(lambda: browser.execute_script("return window.result"), "the page to finish")
+            other.send(json_module.dumps({"type": "flush"}))  # the session is still this connection's
+            messages = [message for message in other]
+        assert json_module.loads(messages[-1]) == {"type": "done", "frames": 5}
+    assert "error" not in result, result["error"]
+    out = result["value"]
+    assert out["close"] == [1008, "another connection resumed this session"]
+    assert "reconnected" not in out
+    name, code, detail = out["refused"]
+    assert (name, code) == ("RefinerError", "not_reconnectable")
+    assert "another connection resumed this session" in detail and "resumeFrom" in detail
