@@ -19,9 +19,6 @@ URL_ENV = "WM_REFINER_URL"
 DEFAULT_URL = "http://127.0.0.1:8000"
 # The keyword arguments of create_session, session and refine: the session's fields (spec.FIELDS).
 CONFIG_FIELDS = spec.NAMES
-# A 720p unit is several MB; websockets refuses messages over 1 MiB by default (close 1009), so the client lifts
-# the limit: it only ever receives what it asked for, units of its own session.
-WS_MAX_SIZE = None
 
 
 # A connection this client closes itself (Ctrl-C, a closed stream, a reconnect) need not wait for the server's close
@@ -198,6 +195,81 @@ def unit_answer_limit(shape: Any, config: Mapping[str, Any], *, whole_clip: bool
             per_frame += 2 * 3 * preview * max(preview * height // max(width, 1), 1) + ENCODED_FRAME_OVERHEAD_BYTES
     most = frames * batch * (height * width * per_pixel + per_frame)
     return ANSWER_MARGIN * most + UNIT_HEADER_BYTES
+
+
+# --- how big a WebSocket message may be -------------------------------------------------------------------------
+def geometry_of(item: Any) -> tuple[int, int, int, int] | None:
+    """(B, C, H, W) of a stream chunk (an array, a ``Chunk`` or a chunk dict), None for anything else (the stream
+    refuses it when it sends it, naming what is wrong)."""
+    latents = item.get("latents") if isinstance(item, dict) else getattr(item, "latents", item)
+    shape = getattr(latents, "shape", None)
+    if shape is None or len(shape) != 5:
+        return None
+    batch, channels, _, height, width = (int(n) for n in shape)
+    return batch, channels, height, width
+
+
+def widest_geometry(info: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """The widest (B, C, H, W) a session of the server that answered ``info`` (``GET /v1/info``) may have: its
+    ``limits.max_batch`` rows of ``model.channels`` channels and ``limits.max_frame_tokens`` latent pixels (taken as
+    one column: the widest preview aspect). For a message of a session whose latents this client has not seen (a
+    watch, a stream that sends no chunk)."""
+    limits, model = info.get("limits"), info.get("model")
+    numbers = {}
+    for where, part, name in (("limits", limits, "max_batch"), ("model", model, "channels"),
+                              ("limits", limits, "max_frame_tokens")):
+        value = part.get(name) if isinstance(part, dict) else None
+        if type(value) is not int or value < 1:
+            raise ProtocolError(f"GET /v1/info: {where}.{name} is {value!r}, not a positive integer; the client "
+                                "bounds a WebSocket message of an unseen session's geometry by it")
+        numbers[name] = value
+    return numbers["max_batch"], numbers["channels"], numbers["max_frame_tokens"], 1
+
+
+class MessageLimit:
+    """What one WebSocket connection may receive: a binary message (a unit) up to ``unit_bytes``
+    (``unit_answer_limit`` of one unit: a unit covers at most ``sink_frames`` or ``block_size`` latent frames, and with
+    video the frames its decoder held back, of the session's geometry ``(B, C, H, W)``), a text message (an event)
+    up to ``MAX_JSON_ANSWER_BYTES``. ``max_size`` (the larger) is websockets' own bound, which refuses a bigger
+    message from its frame header, before reading it (``too_big`` names it); ``check`` refuses a message of one kind
+    over its own bound. ``what``: the connection, for the message (``stream of session ...``)."""
+
+    def __init__(self, what: str, geometry: tuple[int, int, int, int], config: Mapping[str, Any]):
+        batch, channels, height, width = geometry
+        self.what = what
+        self.unit_bytes = unit_answer_limit((batch, channels, 0, height, width), config)
+        self.json_bytes = MAX_JSON_ANSWER_BYTES
+        self.max_size = max(self.unit_bytes, self.json_bytes)
+
+    def check(self, message: str | bytes) -> None:
+        """``ProtocolError`` for a message over its kind's bound."""
+        if isinstance(message, bytes):
+            if len(message) > self.unit_bytes:
+                raise self._over(len(message), self.unit_bytes, "binary")
+        elif len(message) > self.json_bytes // 4 and len(message.encode("utf-8")) > self.json_bytes:
+            raise self._over(len(message.encode("utf-8")), self.json_bytes, "text")
+
+    def too_big(self, exc: BaseException) -> ProtocolError | None:
+        """The ``ProtocolError`` of a connection this client closed (1009) because a message ran past ``max_size``,
+        else None (``exc``: the ``ConnectionClosed`` its receive raised)."""
+        from websockets.exceptions import PayloadTooBig
+
+        cause = getattr(exc, "__cause__", None)
+        if not isinstance(cause, PayloadTooBig) or cause.message is not None:
+            return None
+        size = (cause.size or 0) + (cause.current_size or 0)
+        return self._over(size, cause.max_size, "")
+
+    def _over(self, size: int, limit: int, kind: str) -> ProtocolError:
+        if kind == "text":
+            why = "an event of the service is a few KiB (MAX_JSON_ANSWER_BYTES)"
+        else:
+            why = ("the most one unit of this session can weigh, with margin "
+                   "(wm_refiner_client._common.MessageLimit)")
+        said = f"a {kind} message of {size} bytes" if kind else f"a message of at least {size} bytes"
+        return ProtocolError(f"{self.what}: the server sent {said}, over this connection's limit of {limit} bytes "
+                             f"({why}); not read further, the connection is closed. Is this a wm-refiner server "
+                             "(the address: --server, $WM_REFINER_URL)?")
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,10 @@ from ._common import (
     AnswerBody,
     WS_LOG,
     WATCH_SKIP,
-    WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
+    MAX_JSON_ANSWER_BYTES,
+    MessageLimit,
     SessionState,
     SessionSummary,
     StreamStats,
@@ -42,9 +43,20 @@ from ._common import (
     unit_answer_limit,
     watch_item,
     watch_query,
+    widest_geometry,
     ws_url,
 )
-from .client import OCTET, Listing, Replicas, _close_code, _geometry, _join, handshake_error, session_state
+from .client import (
+    OCTET,
+    Listing,
+    Replicas,
+    _close_code,
+    _geometry,
+    _join,
+    _watched,
+    handshake_error,
+    session_state,
+)
 from .errors import APIError, TransportError
 from .protocol import DONE_SENDING, NEED_CHUNK, WAIT, ChunkSeq, RequestAttempts, StreamProtocol, connect_failure
 from .retry import RetryPolicy
@@ -167,10 +179,18 @@ class AsyncClient:
             log.info("%s", attempts.retry_note(wait), extra={"wait_s": wait})
             await asyncio.sleep(wait)
 
-    async def _connect(self, path: str, query: Mapping[str, Any] | None = None) -> ClientConnection:
+    async def _message_limit(self, what: str, config: Mapping[str, Any],
+                             geometry: tuple[int, int, int, int] | None) -> MessageLimit:
+        """See ``Client._message_limit``."""
+        return MessageLimit(what, geometry if geometry is not None else widest_geometry(await self.info()), config)
+
+    async def _connect(self, path: str, query: Mapping[str, Any] | None = None,
+                            limit: MessageLimit | None = None) -> ClientConnection:
+        """See ``Client._connect``."""
         url = ws_url(self.base_url, path, query)
+        max_size = MAX_JSON_ANSWER_BYTES if limit is None else limit.max_size  # None: events only (see Client)
         try:
-            ws = await connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
+            ws = await connect(url, additional_headers=auth_headers(self.api_key), max_size=max_size,
                                compression=None, open_timeout=self.timeout,
                                close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
@@ -247,14 +267,18 @@ class AsyncSession:
                     video_quality: str | int | None = None) -> AsyncIterator[Unit | BlockEvent | DroppedEvent]:
         """``WS /v1/sessions/{id}/watch`` (see ``Session.watch``)."""
         query = watch_query(outputs, video_format, video_quality)
-        ws = await self.client._connect(session_path(self.id, "/watch"), query)
+        limit = await self.client._message_limit(f"watch of session {self.id}", _watched(self.config, video_format),
+                                                 self._geometry)
+        ws = await self.client._connect(session_path(self.id, "/watch"), query, limit)
         async with ws:
             while True:
                 try:
                     message = await ws.recv()
                 except ConnectionClosed as exc:
-                    raise TransportError(f"the watch of session {self.id} ended before the session's flush ({exc})",
-                                         close_code=_close_code(exc)[0]) from exc
+                    raise limit.too_big(exc) or TransportError(
+                        f"the watch of session {self.id} ended before the session's flush ({exc})",
+                        close_code=_close_code(exc)[0]) from exc
+                limit.check(message)
                 item = watch_item(message, self.client.return_tensors)
                 if item is None:
                     return
@@ -281,7 +305,7 @@ class AsyncStream(AsyncIterator[Unit]):
             session.id, session.config, session.client.retry, prompt=prompt, prompt_mask=prompt_mask,
             frames_returned=session._frames_returned, video_frames_returned=session._video_frames_returned,
             known_replica=session.replica, return_tensors=session.client.return_tensors, on_unit=session._note,
-            stats=self.stats, from_session_start=from_session_start,
+            stats=self.stats, from_session_start=from_session_start, geometry=session._geometry,
         )
         chunk_iterator = chunks.__aiter__() if hasattr(chunks, "__aiter__") else _aiter(chunks)
         self._units = self._run(_AsyncFeed(chunk_iterator))
@@ -317,8 +341,11 @@ class AsyncStream(AsyncIterator[Unit]):
                 if wait:
                     log.info("%s", protocol.reconnect_note(wait), extra={"wait_s": wait})
                 await asyncio.sleep(wait)
+                if protocol.geometry is None:  # the size of what may come back follows from the first chunk's
+                    protocol.expect(await feed.peek())
+                limit = await client._message_limit(protocol.what, protocol.config, protocol.geometry)
                 try:
-                    ws = await client._connect(session_path(session.id, "/stream"), protocol.query())
+                    ws = await client._connect(session_path(session.id, "/stream"), protocol.query(), limit)
                 except (APIError, TransportError) as exc:
                     protocol.refused(exc, getattr(exc, "replica", None))
                     continue
@@ -327,12 +354,16 @@ class AsyncStream(AsyncIterator[Unit]):
                     try:
                         first = await asyncio.wait_for(ws.recv(), client.timeout)
                     except ConnectionClosed as exc:
+                        too_big = limit.too_big(exc)
+                        if too_big is not None:
+                            raise too_big from None
                         protocol.failed(TransportError(f"the stream closed before the session event ({exc})"))
                         continue
                     except asyncio.TimeoutError:  # see Stream._run: a server silent after the handshake is stuck
                         protocol.failed(TransportError(f"no session event within {client.timeout:g} s of "
                                                        "connecting"))
                         continue
+                    limit.check(first)
                     if not protocol.opened(first, ws.response.headers.get("x-replica") if ws.response else None):
                         continue
                     client._replicas.served(session.id, protocol.replica)
@@ -345,8 +376,12 @@ class AsyncStream(AsyncIterator[Unit]):
                         except ConnectionClosed as exc:
                             if failed:
                                 raise failed[0] from None
+                            too_big = limit.too_big(exc)
+                            if too_big is not None:
+                                raise too_big from None
                             protocol.lost(*_close_code(exc), exc)
                             break
+                        limit.check(message)
                         taken = protocol.received(message)
                         if taken is True:
                             return
@@ -390,6 +425,20 @@ class _AsyncFeed:
             raise
         self._next = None
         return ("item", item)
+
+    async def peek(self) -> Any:
+        """The caller's next chunk, read (awaiting it) but left for ``take``; None when there is none (the chunks are
+        exhausted, or their iterator raised: ``take`` raises that)."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._chunks.__anext__())
+        try:
+            return await asyncio.shield(self._next)
+        except asyncio.CancelledError:
+            if self._next.done() and self._next.cancelled():
+                self._next = None
+            raise
+        except BaseException:  # StopAsyncIteration, the caller's error: ``take`` meets it again
+            return None
 
     async def aclose(self) -> None:
         """The stream is over: a chunk still being read is not wanted any more."""

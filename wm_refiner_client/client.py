@@ -29,9 +29,10 @@ from ._common import (
     AnswerBody,
     WS_LOG,
     WATCH_SKIP,
-    WS_MAX_SIZE,
     BlockEvent,
     DroppedEvent,
+    MAX_JSON_ANSWER_BYTES,
+    MessageLimit,
     SessionState,
     SessionSummary,
     StreamStats,
@@ -50,6 +51,7 @@ from ._common import (
     unit_answer_limit,
     warn_unreachable,
     watch_item,
+    widest_geometry,
     watch_query,
     ws_url,
 )
@@ -245,11 +247,20 @@ class Client:
             log.info("%s", attempts.retry_note(wait), extra={"wait_s": wait})
             time.sleep(wait)
 
-    def _connect(self, path: str, query: Mapping[str, Any] | None = None) -> ClientConnection:
-        """A WebSocket to ``path``; a refused handshake raises the typed error of its status and body."""
+    def _message_limit(self, what: str, config: Mapping[str, Any],
+                       geometry: tuple[int, int, int, int] | None) -> MessageLimit:
+        """What a WebSocket of a session of ``config`` may receive (``MessageLimit``); its latents' ``geometry``
+        (B, C, H, W), when this client has not seen it, the widest the server allows (``GET /v1/info``)."""
+        return MessageLimit(what, geometry if geometry is not None else widest_geometry(self.info()), config)
+
+    def _connect(self, path: str, query: Mapping[str, Any] | None = None,
+                 limit: MessageLimit | None = None) -> ClientConnection:
+        """A WebSocket to ``path`` that receives no message over ``limit.max_size`` (websockets then closes it with
+        1009: ``limit.too_big``); a refused handshake raises the typed error of its status and body."""
         url = ws_url(self.base_url, path, query)
+        max_size = MAX_JSON_ANSWER_BYTES if limit is None else limit.max_size  # None: events only
         try:
-            ws = connect(url, additional_headers=auth_headers(self.api_key), max_size=WS_MAX_SIZE,
+            ws = connect(url, additional_headers=auth_headers(self.api_key), max_size=max_size,
                          compression=None, open_timeout=self.timeout,
                          close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
@@ -401,14 +412,18 @@ class Session:
         ends after the session's flush. Read-only: it neither slows nor keeps the session alive. ``video_format``,
         ``video_quality``: another encoding of the session's video than its own (``jpeg``, ``h264``, ...)."""
         query = watch_query(outputs, video_format, video_quality)
-        ws = self.client._connect(session_path(self.id, "/watch"), query)
+        limit = self.client._message_limit(f"watch of session {self.id}", _watched(self.config, video_format),
+                                           self._geometry)
+        ws = self.client._connect(session_path(self.id, "/watch"), query, limit)
         with ws:
             while True:
                 try:
                     message = ws.recv()
                 except ConnectionClosed as exc:
-                    raise TransportError(f"the watch of session {self.id} ended before the session's flush ({exc})",
-                                         close_code=_close_code(exc)[0]) from exc
+                    raise limit.too_big(exc) or TransportError(
+                        f"the watch of session {self.id} ended before the session's flush ({exc})",
+                        close_code=_close_code(exc)[0]) from exc
+                limit.check(message)
                 item = watch_item(message, self.client.return_tensors)
                 if item is None:
                     return
@@ -439,7 +454,7 @@ class Stream(Iterator[Unit]):
             session.id, session.config, session.client.retry, prompt=prompt, prompt_mask=prompt_mask,
             frames_returned=session._frames_returned, video_frames_returned=session._video_frames_returned,
             known_replica=session.replica, return_tensors=session.client.return_tensors, on_unit=session._note,
-            stats=self.stats, from_session_start=from_session_start,
+            stats=self.stats, from_session_start=from_session_start, geometry=session._geometry,
         )
         self._units = self._run(_Feed(iter(chunks)))
 
@@ -473,8 +488,11 @@ class Stream(Iterator[Unit]):
             if wait:
                 log.info("%s", protocol.reconnect_note(wait), extra={"wait_s": wait})
             time.sleep(wait)
+            if protocol.geometry is None:  # the size of what may come back follows from the first chunk's
+                protocol.expect(feed.peek())
+            limit = client._message_limit(protocol.what, protocol.config, protocol.geometry)
             try:
-                ws = client._connect(session_path(session.id, "/stream"), protocol.query())
+                ws = client._connect(session_path(session.id, "/stream"), protocol.query(), limit)
             except (APIError, TransportError) as exc:
                 protocol.refused(exc, getattr(exc, "replica", None))
                 continue
@@ -483,11 +501,15 @@ class Stream(Iterator[Unit]):
                 try:
                     first = ws.recv(timeout=client.timeout)
                 except ConnectionClosed as exc:  # closed before a word (a server going down): try again
+                    too_big = limit.too_big(exc)
+                    if too_big is not None:
+                        raise too_big from None
                     protocol.failed(TransportError(f"the stream closed before the session event ({exc})"))
                     continue
                 except TimeoutError:  # the server sends it at once: one that stays silent is stuck, try again
                     protocol.failed(TransportError(f"no session event within {client.timeout:g} s of connecting"))
                     continue
+                limit.check(first)
                 if not protocol.opened(first, ws.response.headers.get("x-replica") if ws.response else None):
                     continue
                 client._replicas.served(session.id, protocol.replica)
@@ -499,8 +521,12 @@ class Stream(Iterator[Unit]):
                     except ConnectionClosed as exc:
                         if sender.error is not None:
                             raise sender.error from None
+                        too_big = limit.too_big(exc)
+                        if too_big is not None:
+                            raise too_big from None
                         protocol.lost(*_close_code(exc), exc)
                         break
+                    limit.check(message)
                     taken = protocol.received(message)
                     if taken is True:
                         return
@@ -539,6 +565,18 @@ class _Feed:
                 self._cond.wait()
             result, self._result = self._result, None
             return result
+
+    def peek(self) -> Any:
+        """The caller's next chunk, read (waiting for it) but left for ``take``; None when there is none (the chunks
+        are exhausted, or their iterator raised: ``take`` hands that on)."""
+        with self._cond:
+            if self._result is None and not self._reading:
+                self._reading = True
+                threading.Thread(target=self._read, name="wm-refiner-stream-feed", daemon=True).start()
+            while self._result is None:
+                self._cond.wait()
+            kind, item = self._result
+            return item if kind == "item" else None
 
     def interrupt(self) -> None:
         """Wake a ``take`` whose ``stopped`` was just set."""
@@ -611,6 +649,11 @@ class _Sender(threading.Thread):
 def _close_code(exc: ConnectionClosed) -> tuple[int | None, str]:
     """The close code and reason the server sent (None: the connection dropped without a close frame)."""
     return (exc.rcvd.code, exc.rcvd.reason) if exc.rcvd is not None else (None, "")
+
+
+def _watched(config: Mapping[str, Any], video_format: str | None) -> dict[str, Any]:
+    """The config a watch's units follow: the session's, with the watch's own ``video_format`` when it asks one."""
+    return dict(config) if video_format is None else {**config, "video_format": video_format}
 
 
 def _geometry(latents: Array) -> tuple[int, int, int, int]:

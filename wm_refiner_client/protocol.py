@@ -26,7 +26,15 @@ import ssl
 import time
 from typing import Any, Callable, Mapping
 
-from ._common import FATAL_CLOSE_CODES, FLUSH_MESSAGE, RESUMABLE_EVENT_CODES, StreamStats, event_error, parse_event
+from ._common import (
+    FATAL_CLOSE_CODES,
+    FLUSH_MESSAGE,
+    RESUMABLE_EVENT_CODES,
+    StreamStats,
+    event_error,
+    geometry_of,
+    parse_event,
+)
 from .errors import (
     APIError,
     PayloadTooLargeCodeError,
@@ -400,8 +408,13 @@ class StreamProtocol:
                  video_frames_returned: int = 0, known_replica: str | None = None,
                  return_tensors: ReturnTensors = "np", on_unit: Callable[[Unit], None] | None = None,
                  stats: StreamStats | None = None, clock: Callable[[], float] = time.monotonic,
-                 from_session_start: bool = False):
+                 from_session_start: bool = False, geometry: tuple[int, int, int, int] | None = None):
         self.session_id = session_id
+        self.what = f"stream of session {session_id}"
+        # (B, C, H, W) of the session's latents, which bounds the size of a unit (``_common.MessageLimit``): the
+        # handle's (its HTTP chunks'), else the first chunk's (``expect``, before the first connection), else None
+        # (a stream that sends nothing: the driver takes the widest the server allows).
+        self.geometry = geometry
         self.config = dict(config)
         self.policy = policy
         self.source = ChunkSource(prompt, prompt_mask, max_kept_bytes=policy.max_resend_bytes)
@@ -575,8 +588,14 @@ class StreamProtocol:
         self._flush_sent = True
         return FLUSH_MESSAGE
 
+    def expect(self, item: Any) -> None:
+        """The caller's next chunk, not taken yet (None: there is none): its geometry, when the stream has none."""
+        if self.geometry is None and item is not None:
+            self.geometry = geometry_of(item)
+
     def add(self, item: Any) -> bytes | None:
         """The caller's next chunk, numbered and kept for a resend; its payload (None: no frames, nothing to send)."""
+        self.expect(item)
         payload = self.source.add(item)
         self.stats.frames_sent = self.source.frames_sent
         return payload

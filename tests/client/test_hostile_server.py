@@ -171,12 +171,20 @@ def test_a_unit_that_cannot_be_read_is_a_protocol_error(name):
 
 
 class FakeWS:
-    """A loopback WebSocket server running ``handler(ws)`` for every connection, on a loop in a thread."""
+    """A loopback WebSocket server running ``handler(ws)`` for every connection, on a loop in a thread; ``info``: the
+    JSON it answers a plain ``GET /v1/info`` with (None: that request fails its handshake)."""
 
-    def __init__(self, handler):
+    def __init__(self, handler, info=None):
         from websockets.asyncio.server import serve
 
         self.connections = 0
+        self.info_requests = 0
+
+        def process_request(connection, request):
+            if info is not None and request.path == "/v1/info":
+                self.info_requests += 1
+                return connection.respond(200, json.dumps(info))
+            return None
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
@@ -185,7 +193,7 @@ class FakeWS:
             await handler(ws)
 
         async def start():
-            return await serve(counted, "127.0.0.1", 0)
+            return await serve(counted, "127.0.0.1", 0, process_request=process_request)
 
         self.server = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
@@ -205,7 +213,7 @@ class FakeWS:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def stream_both(url, timeout=5.0):
+def stream_both(url, timeout=5.0, config=None):
     """A stream of 4 frames with the sync and the asyncio client: the errors they end with (bounded by ``timeout``
     per connection and two connections)."""
     import numpy as np
@@ -215,7 +223,7 @@ def stream_both(url, timeout=5.0):
     from wm_refiner_client.client import Session
 
     chunks = [np.zeros((1, 1, 4, 1, 1), np.float32)]
-    config = {"sink_frames": 1, "block_size": 3}
+    config = config or {"sink_frames": 1, "block_size": 3}
     errors = []
     with Client(url, retry=FAST, timeout=timeout) as client:
         with pytest.raises(WmRefinerError) as sync_error:
@@ -434,3 +442,147 @@ def test_a_stream_unit_past_the_frames_sent_is_a_protocol_error_when_it_arrives(
     for error in errors:
         assert isinstance(error, ProtocolError), error
         assert "frames [0, 1000)" in str(error) and "only 4 frames: 4 sent by this stream" in str(error)
+
+
+# --- WebSocket messages that do not end --------------------------------------------------------------------------
+LATENTS_ONLY = {"sink_frames": 1, "block_size": 3, "outputs": ["latents"]}
+SESSION_EVENT = json.dumps({"type": "session", "session_id": SID, "frames_received": 0, "flushed": False})
+ENDLESS_MIB = 40  # "endless": past every limit below, yet finite, so a client without one ends (its test fails)
+
+
+async def send_endless(ws, kind):
+    """One message of ``ENDLESS_MIB`` MiB, sent in 1 MiB fragments (a frame header of its own each)."""
+    piece = b"\0" * 2**20 if kind == "binary" else "[" * 2**20
+
+    async def pieces():
+        for _ in range(ENDLESS_MIB):
+            yield piece
+
+    try:
+        await ws.send(pieces())
+    except Exception:  # the client closed the connection at its limit
+        return
+    await asyncio.sleep(60)
+
+
+@pytest.mark.parametrize("kind", ["binary", "text"])
+def test_an_endless_stream_message_is_cut_at_the_connections_limit(kind):
+    """websockets' max_size was None: a message that never ends grew the client's memory without bound. A stream's
+    limit follows from its chunks' geometry and config (MessageLimit), at least the 16 MiB of a JSON event."""
+    from wm_refiner_client._common import MAX_JSON_ANSWER_BYTES
+
+    async def handler(ws):
+        await ws.send(SESSION_EVENT)
+        await ws.recv()  # the client's 4 frames
+        await send_endless(ws, kind)
+
+    with FakeWS(handler) as fake:
+        errors = stream_both(fake.url, config=LATENTS_ONLY)
+        assert fake.connections == 2  # not retried: one connection per client
+    for error in errors:
+        assert isinstance(error, ProtocolError), error
+        assert f"stream of session {SID}: the server sent a message of at least" in str(error)
+        assert f"over this connection's limit of {MAX_JSON_ANSWER_BYTES} bytes" in str(error)
+
+
+def test_a_stream_unit_over_what_one_unit_can_weigh_is_refused():
+    """Under websockets' bound (the JSON events' 16 MiB) but over one unit's: refused by its kind's limit."""
+    async def handler(ws):
+        await ws.send(SESSION_EVENT)
+        await ws.recv()
+        await ws.send(b"\0" * (2 * 2**20))
+        await asyncio.sleep(60)
+
+    with FakeWS(handler) as fake:
+        errors = stream_both(fake.url, config=LATENTS_ONLY)
+    for error in errors:
+        assert isinstance(error, ProtocolError), error
+        assert f"a binary message of {2 * 2**20} bytes, over this connection's limit of {2 * 4 * 4 + 2**20}" \
+            in str(error)
+
+
+INFO = {"model": {"channels": 8}, "limits": {"max_batch": 2, "max_frame_tokens": 16}}
+
+
+def watch_both(url, config, call=lambda session: session.watch()):
+    """``call(session)`` (an iterator of watch items) with the sync and the asyncio client, over a handle made
+    without a request: the errors they end with."""
+    from wm_refiner_client import WmRefinerError
+    from wm_refiner_client.aio import AsyncSession
+    from wm_refiner_client.client import Session
+
+    errors = []
+    with Client(url, retry=FAST, timeout=5.0) as client:
+        with pytest.raises(WmRefinerError) as sync_error:
+            list(call(Session(client, SID, config)))
+        errors.append(sync_error.value)
+
+    async def run():
+        client = AsyncClient(url, retry=FAST, timeout=5.0)
+        try:
+            with pytest.raises(WmRefinerError) as async_error:
+                async for _ in call(AsyncSession(client, SID, config)):
+                    pass
+            errors.append(async_error.value)
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+    assert len(errors) == 2
+    return errors
+
+
+@pytest.mark.parametrize("kind", ["binary", "text"])
+def test_an_endless_watch_message_is_cut_at_the_widest_unit_the_server_allows(kind):
+    """A watcher has sent no latents: its limit follows from the server's limits (GET /v1/info: max_batch rows of
+    the model's channels, max_frame_tokens latent pixels) and the session's config."""
+    from wm_refiner_client._common import MAX_JSON_ANSWER_BYTES, unit_answer_limit
+
+    config = {**LATENTS_ONLY, "sink_frames": 16384}  # a unit of up to 16387 frames: over 16 MiB
+    unit_bytes = unit_answer_limit((2, 8, 0, 16, 1), config)  # a unit of 2 rows of 8 channels, 16 x 1 latent pixels
+    assert unit_bytes == 2 * 16387 * 2 * 16 * 8 * 4 + 2**20 > MAX_JSON_ANSWER_BYTES
+
+    async def handler(ws):
+        await send_endless(ws, kind)
+
+    with FakeWS(handler, info=INFO) as fake:
+        errors = watch_both(fake.url, config)
+        assert fake.info_requests == 2
+    for error in errors:
+        assert isinstance(error, ProtocolError), error
+        assert f"watch of session {SID}: the server sent a message of at least" in str(error)
+        assert f"over this connection's limit of {unit_bytes} bytes" in str(error)
+
+
+def test_a_watch_event_over_an_events_limit_is_refused():
+    """Under the connection's bound (a large unit's) but over a JSON event's 16 MiB."""
+    from wm_refiner_client._common import MAX_JSON_ANSWER_BYTES
+
+    config = {**LATENTS_ONLY, "sink_frames": 16384}
+    size = MAX_JSON_ANSWER_BYTES + 2**20
+
+    async def handler(ws):
+        await ws.send("[" * size)
+        await asyncio.sleep(60)
+
+    with FakeWS(handler, info=INFO) as fake:
+        errors = watch_both(fake.url, config)
+    for error in errors:
+        assert isinstance(error, ProtocolError), error
+        assert f"a text message of {size} bytes, over this connection's limit of {MAX_JSON_ANSWER_BYTES}" \
+            in str(error)
+
+
+@pytest.mark.parametrize("info, said", [({"model": {}, "limits": {"max_batch": 2, "max_frame_tokens": 16}},
+                                         "model.channels is None"),
+                                        ({**INFO, "limits": {"max_batch": "2", "max_frame_tokens": 16}},
+                                         "limits.max_batch is '2'")])
+def test_a_watch_of_a_server_whose_info_has_no_limits_is_a_protocol_error(info, said):
+    async def handler(ws):
+        await asyncio.sleep(60)
+
+    with FakeWS(handler, info=info) as fake:
+        errors = watch_both(fake.url, LATENTS_ONLY)
+        assert fake.connections == 0  # refused before connecting
+    for error in errors:
+        assert isinstance(error, ProtocolError) and said in str(error), error
