@@ -184,14 +184,14 @@ class AsyncClient:
         """See ``Client._message_limit``."""
         return MessageLimit(what, geometry if geometry is not None else widest_geometry(await self.info()), config)
 
-    async def _connect(self, path: str, query: Mapping[str, Any] | None = None,
-                            limit: MessageLimit | None = None) -> ClientConnection:
+    async def _connect(self, path: str, query: Mapping[str, Any] | None = None, limit: MessageLimit | None = None,
+                       open_timeout: float | None = None) -> ClientConnection:
         """See ``Client._connect``."""
         url = ws_url(self.base_url, path, query)
         max_size = MAX_JSON_ANSWER_BYTES if limit is None else limit.max_size  # None: events only (see Client)
         try:
             ws = await connect(url, additional_headers=auth_headers(self.api_key), max_size=max_size,
-                               compression=None, open_timeout=self.timeout,
+                               compression=None, open_timeout=open_timeout or self.timeout,
                                close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
             self._reached = True  # the server answered (a refusal is an answer)
@@ -337,22 +337,24 @@ class AsyncStream(AsyncIterator[Unit]):
         session._seq.forget()
         try:
             while True:
+                if protocol.geometry is None:  # the size of what may come back follows from the first chunk's
+                    protocol.expect(await feed.peek())
                 wait = protocol.wait_before_connect()
                 if wait:
                     log.info("%s", protocol.reconnect_note(wait), extra={"wait_s": wait})
                 await asyncio.sleep(wait)
-                if protocol.geometry is None:  # the size of what may come back follows from the first chunk's
-                    protocol.expect(await feed.peek())
                 limit = await client._message_limit(protocol.what, protocol.config, protocol.geometry)
                 try:
-                    ws = await client._connect(session_path(session.id, "/stream"), protocol.query(), limit)
+                    ws = await client._connect(session_path(session.id, "/stream"), protocol.query(), limit,
+                                               protocol.connect_timeout(client.timeout))
                 except (APIError, TransportError) as exc:
                     protocol.refused(exc, getattr(exc, "replica", None))
                     continue
                 sender: asyncio.Task | None = None
                 try:
                     try:
-                        first = await asyncio.wait_for(ws.recv(), client.timeout)
+                        waited = protocol.connect_timeout(client.timeout)
+                        first = await asyncio.wait_for(ws.recv(), waited)
                     except ConnectionClosed as exc:
                         too_big = limit.too_big(exc)
                         if too_big is not None:
@@ -360,8 +362,7 @@ class AsyncStream(AsyncIterator[Unit]):
                         protocol.failed(TransportError(f"the stream closed before the session event ({exc})"))
                         continue
                     except asyncio.TimeoutError:  # see Stream._run: a server silent after the handshake is stuck
-                        protocol.failed(TransportError(f"no session event within {client.timeout:g} s of "
-                                                       "connecting"))
+                        protocol.failed(TransportError(f"no session event within {waited:g} s of connecting"))
                         continue
                     limit.check(first)
                     if not protocol.opened(first, ws.response.headers.get("x-replica") if ws.response else None):

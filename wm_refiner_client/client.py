@@ -253,15 +253,15 @@ class Client:
         (B, C, H, W), when this client has not seen it, the widest the server allows (``GET /v1/info``)."""
         return MessageLimit(what, geometry if geometry is not None else widest_geometry(self.info()), config)
 
-    def _connect(self, path: str, query: Mapping[str, Any] | None = None,
-                 limit: MessageLimit | None = None) -> ClientConnection:
+    def _connect(self, path: str, query: Mapping[str, Any] | None = None, limit: MessageLimit | None = None,
+                 open_timeout: float | None = None) -> ClientConnection:
         """A WebSocket to ``path`` that receives no message over ``limit.max_size`` (websockets then closes it with
         1009: ``limit.too_big``); a refused handshake raises the typed error of its status and body."""
         url = ws_url(self.base_url, path, query)
         max_size = MAX_JSON_ANSWER_BYTES if limit is None else limit.max_size  # None: events only
         try:
             ws = connect(url, additional_headers=auth_headers(self.api_key), max_size=max_size,
-                         compression=None, open_timeout=self.timeout,
+                         compression=None, open_timeout=open_timeout or self.timeout,
                          close_timeout=CLOSE_TIMEOUT_S, logger=WS_LOG)
         except InvalidStatus as exc:
             self._reached = True  # the server answered (a refusal is an answer)
@@ -484,22 +484,24 @@ class Stream(Iterator[Unit]):
         session, client, protocol = self.session, self.session.client, self._protocol
         session._seq.forget()  # stream messages count as chunks: the handle asks the server before its next send
         while True:
+            if protocol.geometry is None:  # the size of what may come back follows from the first chunk's
+                protocol.expect(feed.peek())
             wait = protocol.wait_before_connect()
             if wait:
                 log.info("%s", protocol.reconnect_note(wait), extra={"wait_s": wait})
             time.sleep(wait)
-            if protocol.geometry is None:  # the size of what may come back follows from the first chunk's
-                protocol.expect(feed.peek())
             limit = client._message_limit(protocol.what, protocol.config, protocol.geometry)
             try:
-                ws = client._connect(session_path(session.id, "/stream"), protocol.query(), limit)
+                ws = client._connect(session_path(session.id, "/stream"), protocol.query(), limit,
+                                     protocol.connect_timeout(client.timeout))
             except (APIError, TransportError) as exc:
                 protocol.refused(exc, getattr(exc, "replica", None))
                 continue
             sender: _Sender | None = None
             try:
+                waited = protocol.connect_timeout(client.timeout)
                 try:
-                    first = ws.recv(timeout=client.timeout)
+                    first = ws.recv(timeout=waited)
                 except ConnectionClosed as exc:  # closed before a word (a server going down): try again
                     too_big = limit.too_big(exc)
                     if too_big is not None:
@@ -507,7 +509,7 @@ class Stream(Iterator[Unit]):
                     protocol.failed(TransportError(f"the stream closed before the session event ({exc})"))
                     continue
                 except TimeoutError:  # the server sends it at once: one that stays silent is stuck, try again
-                    protocol.failed(TransportError(f"no session event within {client.timeout:g} s of connecting"))
+                    protocol.failed(TransportError(f"no session event within {waited:g} s of connecting"))
                     continue
                 limit.check(first)
                 if not protocol.opened(first, ws.response.headers.get("x-replica") if ws.response else None):

@@ -440,6 +440,9 @@ class StreamProtocol:
         self._flush_sent = False
         self._attempts = self._new_attempts(clock)
         self._clock = clock
+        # When the stream last stood without a connection that got the session event (its first connection's try,
+        # or the failure after one): ``RetryPolicy.deadline_s`` bounds the time from there; None while connected.
+        self._outage_since: float | None = None
 
     def _new_attempts(self, clock: Callable[[], float]) -> RequestAttempts:
         return RequestAttempts(self.policy, f"stream of session {self.session_id}", known_replica=self.replica,
@@ -448,7 +451,10 @@ class StreamProtocol:
     # --- connecting ---------------------------------------------------------------------------------------------
     def wait_before_connect(self) -> float:
         """Seconds to wait before the next connection (0 for the first); raises ``TransportError`` once the policy's
-        attempts are spent without a unit in between."""
+        attempts are spent without a unit in between, or when the wait would end past ``RetryPolicy.deadline_s``
+        from the moment the stream was left without a connection (a stream that is connected is never cut)."""
+        if self._outage_since is None:
+            self._outage_since = self._clock()
         if not self.failures:
             return 0.0
         if self.restart.spent():
@@ -460,7 +466,27 @@ class StreamProtocol:
                                  f"attempts (last: {self.last_error})") from self.last_error
         wait = self.policy.delay(self.failures, self.retry_after)
         self.retry_after = None
+        if self.policy.deadline_s is not None and self._clock() + wait - self._outage_since >= self.policy.deadline_s:
+            raise self._deadline_passed()
         return wait
+
+    def connect_timeout(self, timeout: float) -> float:
+        """The timeout of the next connection's opening and of its session event: the client's ``timeout``, cut to
+        what ``RetryPolicy.deadline_s`` leaves of this reconnection (``TransportError`` when nothing is left)."""
+        if self.policy.deadline_s is None or self._outage_since is None:
+            return timeout
+        left = self._outage_since + self.policy.deadline_s - self._clock()
+        if left <= 0:
+            raise self._deadline_passed()
+        return min(timeout, left)
+
+    def _deadline_passed(self) -> TransportError:
+        tries = "1 failed try" if self.failures == 1 else f"{self.failures} failed tries"
+        last = f", the last: {describe_failure(self.last_error)}" if self.last_error is not None else ""
+        error = TransportError(f"stream of session {self.session_id}: RetryPolicy.deadline_s "
+                               f"({self.policy.deadline_s:g} s) passed without a connection ({tries}{last})")
+        error.__cause__ = self.last_error
+        return error
 
     def reconnect_note(self, wait: float) -> str:
         """The log line of a reconnection about to wait ``wait`` seconds (as ``RequestAttempts.retry_note``): what
@@ -477,6 +503,8 @@ class StreamProtocol:
         counts against ``restart_timeout_s`` rather than ``attempts``."""
         self.failures += 1
         self.last_error = exc
+        if self._outage_since is None:
+            self._outage_since = self._clock()
         if restarting:
             self.restart.count()
 
@@ -522,8 +550,7 @@ class StreamProtocol:
             error = event_error(event)
             if error.code not in RESUMABLE_EVENT_CODES:
                 raise error
-            self.failures += 1
-            self.last_error = error
+            self._count(error, False)
             return False
         if event["type"] != "session":
             raise ProtocolError(f"expected the session event first, got {event}")
@@ -543,6 +570,7 @@ class StreamProtocol:
         # unit: a server that closes again before any work is the same restart).
         self.failures -= self.restart.back()
         self._went_away = False
+        self._outage_since = None  # connected: the deadline waits for the next failure
         self.source.rewind(event["frames_received"] - self.base, ahead=self.from_session_start)
         if event.get("durable_frames") is not None:
             self.source.durable(event["durable_frames"] - self.base)

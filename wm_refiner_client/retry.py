@@ -43,8 +43,12 @@ class RetryPolicy:
     time left, a wait that would end past the deadline is not waited, and the body is checked as it arrives: the
     call raises at the deadline (a server that keeps sending pieces of its body: with the first piece after it).
     What it raises: the last error the server answered (a 503 that kept coming: ``ServiceUnavailableError``), else
-    ``TransportError`` naming the deadline. A stream is not bounded by it (it lasts as long as its chunks; its
-    reconnects are bounded by ``attempts`` and ``restart_timeout_s``), nor is ``watch()``."""
+    ``TransportError`` naming the deadline. A stream's reconnections are bounded by it too: from the moment a stream
+    is without a connection (its first try, or the failure that ended one) until a connection gets the session
+    event, its waits, each connection's opening and the wait for its session event stop at ``deadline_s`` (a
+    server restarting included, whatever ``restart_timeout_s`` allows), with a ``TransportError`` naming it; a
+    connected stream is never cut (it lasts as long as its chunks). ``watch()``'s ``GET /v1/info`` is bounded by
+    it, the watch itself is not."""
 
     attempts: int = 10
     backoff_s: float = 0.25

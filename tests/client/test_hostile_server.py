@@ -213,7 +213,7 @@ class FakeWS:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def stream_both(url, timeout=5.0, config=None):
+def stream_both(url, timeout=5.0, config=None, retry=FAST):
     """A stream of 4 frames with the sync and the asyncio client: the errors they end with (bounded by ``timeout``
     per connection and two connections)."""
     import numpy as np
@@ -225,13 +225,13 @@ def stream_both(url, timeout=5.0, config=None):
     chunks = [np.zeros((1, 1, 4, 1, 1), np.float32)]
     config = config or {"sink_frames": 1, "block_size": 3}
     errors = []
-    with Client(url, retry=FAST, timeout=timeout) as client:
+    with Client(url, retry=retry, timeout=timeout) as client:
         with pytest.raises(WmRefinerError) as sync_error:
             list(Session(client, SID, config).stream(chunks))
         errors.append(sync_error.value)
 
     async def run():
-        client = AsyncClient(url, retry=FAST, timeout=timeout)
+        client = AsyncClient(url, retry=retry, timeout=timeout)
         try:
             with pytest.raises(WmRefinerError) as async_error:
                 async for _ in AsyncSession(client, SID, config).stream(chunks):
@@ -586,3 +586,67 @@ def test_a_watch_of_a_server_whose_info_has_no_limits_is_a_protocol_error(info, 
         assert fake.connections == 0  # refused before connecting
     for error in errors:
         assert isinstance(error, ProtocolError) and said in str(error), error
+
+
+# --- a stream's reconnects within RetryPolicy.deadline_s -------------------------------------------------------------
+def test_a_streams_reconnects_stop_at_the_deadline():
+    """Every connection closes before the session event: without a deadline the stream reconnects ``attempts``
+    times (and for ``restart_timeout_s`` while a server restarts); ``deadline_s`` bounds the time without a
+    connection, as it bounds an HTTP call."""
+    from wm_refiner_client import TransportError
+
+    attempts = 200
+
+    async def handler(ws):
+        await ws.close(1011, "internal error")
+
+    policy = RetryPolicy(attempts=attempts, backoff_s=0.01, max_backoff_s=0.01, deadline_s=0.5)
+    with FakeWS(handler) as fake:
+        errors = stream_both(fake.url, config=LATENTS_ONLY, retry=policy)
+        assert fake.connections < 2 * attempts  # gave up before its attempts were spent
+    for error in errors:
+        assert isinstance(error, TransportError), error
+        assert str(error).startswith(f"stream of session {SID}: RetryPolicy.deadline_s (0.5 s) passed without a "
+                                     "connection ("), error
+
+
+def _unit(start, end):
+    return _safetensors({"frame_start": str(start), "frame_end": str(end)},
+                        {"latents": ("F32", [1, 1, end - start, 1, 1], b"\0" * 4 * (end - start))})
+
+
+def test_a_connected_stream_outlasts_its_deadline_and_reconnects_within_it():
+    """deadline_s bounds each reconnection, not the stream: a block that takes longer than it to come back, on a
+    connection that stays open, is waited for; the connection dropped after it is opened again."""
+    from wm_refiner_client.aio import AsyncSession
+    from wm_refiner_client.client import Session
+
+    import numpy as np
+
+    async def handler(ws):
+        if fake.connections % 2 == 1:  # the first connection of each client: one unit, a long block, then a drop
+            await ws.send(SESSION_EVENT)
+            await ws.recv()
+            await ws.send(_unit(0, 1))
+            await asyncio.sleep(1.0)  # twice the deadline, connected
+            ws.transport.abort()
+            return
+        await ws.send(json.dumps({"type": "session", "session_id": SID, "frames_received": 4, "flushed": False}))
+        await ws.send(_unit(1, 4))
+        assert json.loads(await ws.recv()) == {"type": "flush"}
+        await ws.send(json.dumps({"type": "done", "frames": 4}))
+        await ws.close()
+
+    policy = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.01, deadline_s=0.5)
+    chunks = [np.zeros((1, 1, 4, 1, 1), np.float32)]
+    with FakeWS(handler) as fake:
+        with Client(fake.url, retry=policy, timeout=5.0) as client:
+            units = list(Session(client, SID, LATENTS_ONLY).stream(chunks))
+            assert [(u.frame_start, u.frame_end) for u in units] == [(0, 1), (1, 4)]
+
+        async def run():
+            async with AsyncClient(fake.url, retry=policy, timeout=5.0) as client:
+                return [u async for u in AsyncSession(client, SID, LATENTS_ONLY).stream(chunks)]
+
+        assert [(u.frame_start, u.frame_end) for u in asyncio.run(run())] == [(0, 1), (1, 4)]
+        assert fake.connections == 4
