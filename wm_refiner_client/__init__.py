@@ -14,8 +14,8 @@ not required. ``AsyncClient`` offers the same with asyncio. Errors are typed (``
 """
 
 from ._common import BlockEvent, DroppedEvent, SessionState, SessionSummary, StreamStats
-from .aio import AsyncClient, AsyncSession, AsyncStream
-from .client import Client, Session, Stream
+from .aio import AsyncClient, AsyncSession, AsyncStream, AsyncWatch
+from .client import Client, Session, Stream, Watch
 from .errors import *  # noqa: F403 (the error classes are part of the API)
 from .errors import APIError, ProtocolError, TransportError, WmRefinerError
 from .resume import Chunk
@@ -29,6 +29,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSession",
     "AsyncStream",
+    "AsyncWatch",
     "APIError",
     "BlockEvent",
     "Chunk",
@@ -41,6 +42,7 @@ __all__ = [
     "SessionSummary",
     "Stream",
     "StreamStats",
+    "Watch",
     "TransportError",
     "Unit",
     "WmRefinerError",

@@ -408,6 +408,14 @@ def watch_item(message: str | bytes, return_tensors) -> Any:
 WATCH_SKIP = object()  # an event a watcher does not hand on (a type this client does not know)
 
 
+def done_frames(message: str) -> int | None:
+    """The ``frames`` of a ``done`` event (the frames the session returned in all; None when it has none)."""
+    frames = parse_event(message).get("frames")
+    if frames is not None and (type(frames) is not int or frames < 0):
+        raise ProtocolError(f"the server sent a done event whose frames are not a frame count: {message[:200]!r}")
+    return frames
+
+
 def parse_event(text: str) -> dict[str, Any]:
     try:
         event = json.loads(text)

@@ -42,6 +42,7 @@ from ._common import (
     session_path,
     unit_answer_limit,
     watch_item,
+    done_frames,
     watch_query,
     widest_geometry,
     ws_url,
@@ -263,27 +264,10 @@ class AsyncSession:
         """Stream ``chunks`` over the WebSocket (see ``Session.stream``); ``async for`` over the units."""
         return AsyncStream(self, chunks, prompt, prompt_mask, from_session_start)
 
-    async def watch(self, outputs: str | Iterable[str] | None = None, *, video_format: str | None = None,
-                    video_quality: str | int | None = None) -> AsyncIterator[Unit | BlockEvent | DroppedEvent]:
-        """``WS /v1/sessions/{id}/watch`` (see ``Session.watch``)."""
-        query = watch_query(outputs, video_format, video_quality)
-        limit = await self.client._message_limit(f"watch of session {self.id}", _watched(self.config, video_format),
-                                                 self._geometry)
-        ws = await self.client._connect(session_path(self.id, "/watch"), query, limit)
-        async with ws:
-            while True:
-                try:
-                    message = await ws.recv()
-                except ConnectionClosed as exc:
-                    raise limit.too_big(exc) or TransportError(
-                        f"the watch of session {self.id} ended before the session's flush ({exc})",
-                        close_code=_close_code(exc)[0]) from exc
-                limit.check(message)
-                item = watch_item(message, self.client.return_tensors)
-                if item is None:
-                    return
-                if item is not WATCH_SKIP:
-                    yield item
+    def watch(self, outputs: str | Iterable[str] | None = None, *, video_format: str | None = None,
+              video_quality: str | int | None = None) -> AsyncWatch:
+        """``WS /v1/sessions/{id}/watch`` (see ``Session.watch``; ``async for`` over it)."""
+        return AsyncWatch(self, watch_query(outputs, video_format, video_quality), video_format)
 
     async def state(self) -> SessionState:
         """``GET /v1/sessions/{id}``."""
@@ -292,6 +276,56 @@ class AsyncSession:
 
     async def delete(self) -> None:
         await self.client.delete_session(self.id)
+
+
+class AsyncWatch(AsyncIterator["Unit | BlockEvent | DroppedEvent"]):
+    """The items of one ``AsyncSession.watch(...)`` (see ``Watch``: ``frames``, ``frame_end``); ``await
+    watch.aclose()`` ends it."""
+
+    def __init__(self, session: AsyncSession, query: dict[str, str], video_format: str | None):
+        self.session = session
+        self.frames: int | None = None
+        self.frame_end: int | None = None
+        self._items = self._run(query, video_format)
+
+    def __aiter__(self) -> AsyncWatch:
+        return self
+
+    async def __anext__(self) -> Unit | BlockEvent | DroppedEvent:
+        return await self._items.__anext__()
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+
+    async def __aenter__(self) -> AsyncWatch:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def _run(self, query: dict[str, str],
+                   video_format: str | None) -> AsyncIterator[Unit | BlockEvent | DroppedEvent]:
+        session, client = self.session, self.session.client
+        limit = await client._message_limit(f"watch of session {session.id}",
+                                            _watched(session.config, video_format), session._geometry)
+        ws = await client._connect(session_path(session.id, "/watch"), query, limit)
+        async with ws:
+            while True:
+                try:
+                    message = await ws.recv()
+                except ConnectionClosed as exc:
+                    raise limit.too_big(exc) or TransportError(
+                        f"the watch of session {session.id} ended before the session's flush ({exc})",
+                        close_code=_close_code(exc)[0]) from exc
+                limit.check(message)
+                item = watch_item(message, client.return_tensors)
+                if item is None:
+                    self.frames = done_frames(message)
+                    return
+                if isinstance(item, Unit):
+                    self.frame_end = item.frame_end
+                if item is not WATCH_SKIP:
+                    yield item
 
 
 class AsyncStream(AsyncIterator[Unit]):

@@ -50,6 +50,7 @@ from ._common import (
     session_path,
     unit_answer_limit,
     warn_unreachable,
+    done_frames,
     watch_item,
     widest_geometry,
     watch_query,
@@ -406,29 +407,13 @@ class Session:
         return Stream(self, chunks, prompt, prompt_mask, from_session_start)
 
     def watch(self, outputs: str | Iterable[str] | None = None, *, video_format: str | None = None,
-              video_quality: str | int | None = None) -> Iterator[Unit | BlockEvent | DroppedEvent]:
+              video_quality: str | int | None = None) -> Watch:
         """``WS /v1/sessions/{id}/watch``: every unit the session finalizes from now on (restricted to
         ``outputs``), a ``BlockEvent`` after each refined block, a ``DroppedEvent`` when this watcher fell behind;
         ends after the session's flush. Read-only: it neither slows nor keeps the session alive. ``video_format``,
-        ``video_quality``: another encoding of the session's video than its own (``jpeg``, ``h264``, ...)."""
-        query = watch_query(outputs, video_format, video_quality)
-        limit = self.client._message_limit(f"watch of session {self.id}", _watched(self.config, video_format),
-                                           self._geometry)
-        ws = self.client._connect(session_path(self.id, "/watch"), query, limit)
-        with ws:
-            while True:
-                try:
-                    message = ws.recv()
-                except ConnectionClosed as exc:
-                    raise limit.too_big(exc) or TransportError(
-                        f"the watch of session {self.id} ended before the session's flush ({exc})",
-                        close_code=_close_code(exc)[0]) from exc
-                limit.check(message)
-                item = watch_item(message, self.client.return_tensors)
-                if item is None:
-                    return
-                if item is not WATCH_SKIP:
-                    yield item
+        ``video_quality``: another encoding of the session's video than its own (``jpeg``, ``h264``, ...). What it
+        cannot have seen (units finalized before it joined, or while it was away): ``Watch``."""
+        return Watch(self, watch_query(outputs, video_format, video_quality), video_format)
 
     # --- state -------------------------------------------------------------------------------------------------
     def state(self) -> SessionState:
@@ -438,6 +423,65 @@ class Session:
     def delete(self) -> None:
         """``DELETE /v1/sessions/{id}``."""
         self.client.delete_session(self.id)
+
+
+class Watch(Iterator["Unit | BlockEvent | DroppedEvent"]):
+    """The items of one ``Session.watch(...)`` as they arrive: ``Unit``, ``BlockEvent``, ``DroppedEvent``; it ends
+    after the session's flush. Closing it (or leaving a ``with`` block) ends the watch.
+
+    A watch gets the units the session finalizes while it is attached, and no others: the service keeps none for a
+    watcher (a stream's ``resume_from`` is the producer's alone), and this watch does not reconnect (a restart of the
+    session's replica ends it with a ``TransportError`` whose ``close_code`` is 1012 or 1001; ``python -m app
+    watch`` watches again). What it missed is said, not hidden: units dropped because it fell behind by a
+    ``DroppedEvent``, and at the end ``frames``, the frames the session returned in all (the ``done`` event's; None
+    until then), against ``frame_end``, where the last unit it received ends (None before one): frames
+    ``[frame_end, frames)`` were finalized while it could not get them. A caller that watches again after a
+    failure learns the frames finalized meanwhile from ``state().frames_returned``: the new watch's units start
+    there or later."""
+
+    def __init__(self, session: Session, query: dict[str, str], video_format: str | None):
+        self.session = session
+        self.frames: int | None = None
+        self.frame_end: int | None = None
+        self._items = self._run(query, video_format)
+
+    def __iter__(self) -> Watch:
+        return self
+
+    def __next__(self) -> Unit | BlockEvent | DroppedEvent:
+        return next(self._items)
+
+    def close(self) -> None:
+        self._items.close()
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _run(self, query: dict[str, str], video_format: str | None) -> Iterator[Unit | BlockEvent | DroppedEvent]:
+        session, client = self.session, self.session.client
+        limit = client._message_limit(f"watch of session {session.id}", _watched(session.config, video_format),
+                                      session._geometry)
+        ws = client._connect(session_path(session.id, "/watch"), query, limit)
+        with ws:
+            while True:
+                try:
+                    message = ws.recv()
+                except ConnectionClosed as exc:
+                    raise limit.too_big(exc) or TransportError(
+                        f"the watch of session {session.id} ended before the session's flush ({exc})",
+                        close_code=_close_code(exc)[0]) from exc
+                limit.check(message)
+                item = watch_item(message, client.return_tensors)
+                if item is None:
+                    self.frames = done_frames(message)
+                    return
+                if isinstance(item, Unit):
+                    self.frame_end = item.frame_end
+                if item is not WATCH_SKIP:
+                    yield item
 
 
 class Stream(Iterator[Unit]):

@@ -6,13 +6,16 @@ refined latents from the moment the watch began go to a safetensors file, with `
 writing what it got either way; a drain of the session's replica (close 1012/1001) is ridden out (``_follow``). A
 watcher never slows a session: one that falls behind loses units (the server's ``watch_queue_units``); the files
 then hold the frames before the gap, and the command ends with exit 2 saying so, rather than writing a clip with
-frames missing from its middle.
+frames missing from its middle. So does a restart that cost units: the service sends a watcher no unit finalized
+before it attaches, so the frames refined while the watch was away (the session's ``frames_returned`` when it
+answers again, or the ``done`` event's count past the last unit) are a gap, named by its frames.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +55,17 @@ def watch_command(args: argparse.Namespace) -> int:
         try:
             print(f"watching session {session.id} (Ctrl-C to stop)", file=sys.stderr)
             for event in events:
+                if isinstance(event, Rejoined):
+                    if end is not None and event.frames_returned > end:
+                        gap = (f"frames [{end}, {event.frames_returned}) were refined while the watch reconnected "
+                               "(the server sends a watcher no unit from before it attaches)")
+                        break
+                    continue
+                if isinstance(event, Finished):
+                    if end is not None and event.frames is not None and event.frames > end:
+                        gap = (f"frames [{end}, {event.frames}) never came (the session returned {event.frames} "
+                               "frames in all)")
+                    break
                 if isinstance(event, DroppedEvent):
                     gap = (f"this watcher fell behind and the server dropped {event.units} units (its "
                            "watch_queue_units): the files stop before the gap; watch again, or from a machine that "
@@ -101,18 +115,36 @@ RESTART_CLOSE_CODES = frozenset({1001, 1012})
 RECONNECT_FOR_S = 60.0  # how long a restart may keep the session unreachable (503, 404 between replicas)
 
 
+@dataclass(frozen=True)
+class Rejoined:
+    """The session answered again after a restart: the frames it had returned by then, whether it was flushed."""
+
+    frames_returned: int
+    flushed: bool
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The session's flush ended the watch: the frames it returned in all (the ``done`` event's; None: not said)."""
+
+    frames: int | None
+
+
 def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_FOR_S):
     """``session.watch(...)``'s events, across the restarts (drains) of the session's replica: the watch connects
-    again through the same URL (behind a router, to the replica that adopts the session). Units the session
-    finalized while no watch was attached are not seen: with ``--output``/``--video`` the files' gap check ends the
-    command (exit 2) rather than writing a clip with frames missing."""
+    again through the same URL (behind a router, to the replica that adopts the session), after a ``Rejoined``
+    (where the session stood then: a flushed one is not watched again, its watch would never end), and ends with
+    ``Finished``. Units the session finalized while no watch was attached are not seen (the server keeps none for
+    a watcher): ``watch_command`` compares the frames these say with the last unit's end, and names the gap."""
     import time
 
     from wm_refiner_client import APIError, TransportError
 
     while True:
+        watch = session.watch(outputs, video_format=video_format)
         try:
-            yield from session.watch(outputs, video_format=video_format)
+            yield from watch
+            yield Finished(watch.frames)
             return
         except TransportError as exc:
             code = exc.close_code
@@ -124,11 +156,14 @@ def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_F
         while True:  # until the session answers again (the router may still send to the draining replica)
             time.sleep(1.0)
             try:
-                session.state()
+                state = session.state()
                 break
             except (APIError, TransportError) as exc:
                 if time.monotonic() > deadline or getattr(exc, "status", 503) not in (404, 502, 503, 504):
                     raise
+        yield Rejoined(state.frames_returned, state.flushed)
+        if state.flushed:
+            return
 
 
 def _write(args: argparse.Namespace, latents: list[np.ndarray], first: int | None, video) -> str:

@@ -172,18 +172,23 @@ def test_a_unit_that_cannot_be_read_is_a_protocol_error(name):
 
 class FakeWS:
     """A loopback WebSocket server running ``handler(ws)`` for every connection, on a loop in a thread; ``info``: the
-    JSON it answers a plain ``GET /v1/info`` with (None: that request fails its handshake)."""
+    JSON it answers a plain ``GET /v1/info`` with (None: that request fails its handshake); ``routes``: more paths a
+    plain GET gets JSON from (a value, or a function called for each request)."""
 
-    def __init__(self, handler, info=None):
+    def __init__(self, handler, info=None, routes=None):
         from websockets.asyncio.server import serve
 
         self.connections = 0
         self.info_requests = 0
+        answers = dict(routes or {})
+        if info is not None:
+            answers["/v1/info"] = info
 
         def process_request(connection, request):
-            if info is not None and request.path == "/v1/info":
-                self.info_requests += 1
-                return connection.respond(200, json.dumps(info))
+            if request.path in answers and "upgrade" not in request.headers:
+                self.info_requests += request.path == "/v1/info"
+                answer = answers[request.path]
+                return connection.respond(200, json.dumps(answer() if callable(answer) else answer))
             return None
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -650,3 +655,71 @@ def test_a_connected_stream_outlasts_its_deadline_and_reconnects_within_it():
 
         assert [(u.frame_start, u.frame_end) for u in asyncio.run(run())] == [(0, 1), (1, 4)]
         assert fake.connections == 4
+
+
+# --- what a watch cannot have seen -----------------------------------------------------------------------------------
+def _done_after(units):
+    async def handler(ws):
+        for start, end in units:
+            await ws.send(_unit(start, end))
+            await ws.send(json.dumps({"type": "block", "frame_start": start, "frame_end": end, "latency_ms": 1.0}))
+        await ws.send(json.dumps({"type": "done", "frames": 7}))
+        await ws.close()
+    return handler
+
+
+def test_a_watch_says_the_frames_the_session_returned_in_all():
+    """The done event's count was dropped: a watch that missed the session's last units (finalized before it
+    joined again) could not tell. ``frames`` against ``frame_end`` names them."""
+    from wm_refiner_client.aio import AsyncSession
+    from wm_refiner_client.client import Session
+
+    with FakeWS(_done_after([(4, 5)]), info=INFO) as fake:
+        with Client(fake.url, retry=FAST) as client:
+            watch = Session(client, SID, LATENTS_ONLY).watch()
+            assert (watch.frames, watch.frame_end) == (None, None)
+            assert [type(item).__name__ for item in watch] == ["Unit", "BlockEvent"]
+            assert (watch.frames, watch.frame_end) == (7, 5)
+
+        async def run():
+            async with AsyncClient(fake.url, retry=FAST) as client:
+                watch = AsyncSession(client, SID, LATENTS_ONLY).watch()
+                items = [type(item).__name__ async for item in watch]
+                return items, watch.frames, watch.frame_end
+
+        assert asyncio.run(run()) == (["Unit", "BlockEvent"], 7, 5)
+
+
+@pytest.mark.parametrize("returned, flushed, connections", [(4, False, 2), (7, False, 1), (7, True, 1)])
+def test_python_m_app_watch_names_the_frames_a_restart_cost_it(tmp_path, returned, flushed, connections):
+    """``python -m app watch`` rides out a restart of the session's replica (close 1012), but the server sends a
+    watcher no unit from before it attaches: frames refined while it reconnected were lost silently when the
+    session answered with them already returned (or flushed), or when the flush came before another unit. It names
+    them and exits 2, the file holding the frames before them."""
+    from safetensors.numpy import load_file
+
+    from .test_cli import run_cli
+
+    states = []
+
+    def state():
+        states.append(1)
+        first = len(states) == 1  # get_session, before the watch; later: the session after the restart
+        return {"session_id": SID, "config": LATENTS_ONLY, "frames_received": 7, "next_seq": 2,
+                "frames_returned": 0 if first else returned, "flushed": False if first else flushed}
+
+    async def handler(ws):
+        if fake.connections == 1:
+            for start, end in [(0, 1), (1, 4)]:
+                await ws.send(_unit(start, end))
+            await ws.close(1012, "service restart")
+            return
+        await _done_after([])(ws)
+
+    output = tmp_path / "watched.safetensors"
+    with FakeWS(handler, info=INFO, routes={f"/v1/sessions/{SID}": state}) as fake:
+        result = run_cli("watch", SID, "--server", fake.url, "--output", str(output))
+        assert fake.connections == connections
+    assert result.returncode == 2, result
+    assert "error: frames [4, 7)" in result.stderr, result.stderr
+    assert load_file(str(output))["latents"].shape[2] == 4  # frames [0, 4)
