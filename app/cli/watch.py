@@ -48,6 +48,7 @@ def watch_command(args: argparse.Namespace) -> int:
             video = SegmentFile(Path(args.video), float(session.config.get("fps", 16.0)))
         latents: list[np.ndarray] = []
         first = end = None  # the frames the files hold: [first, end)
+        video_end = None  # and the pixel frames, up to the last unit's video_frame_end
         interrupted = False
         gap: str | None = None
         blocks = 0
@@ -79,9 +80,17 @@ def watch_command(args: argparse.Namespace) -> int:
                 if end is not None and event.frame_start > end:  # a unit lost without a dropped event
                     gap = f"frames [{end}, {event.frame_start}) never came"
                     break
+                if end is not None and event.frame_start < end:  # frames the files hold, sent again (a replica
+                    # that adopted an older checkpoint refined them once more): only what follows them is new
+                    if event.frame_end <= end and (event.video_frame_end is None or video_end is None
+                                                   or event.video_frame_end <= video_end):
+                        continue
+                    event = event.after(end, video_end)
                 if first is None:
                     first = event.frame_start
-                end = event.frame_end
+                end = max(end or 0, event.frame_end)
+                if event.video_frame_end is not None:
+                    video_end = max(video_end or 0, event.video_frame_end)
                 if args.output and event.latents is not None:
                     latents.append(np.asarray(event.latents, dtype=np.float32))
                 if video is not None:

@@ -723,3 +723,37 @@ def test_python_m_app_watch_names_the_frames_a_restart_cost_it(tmp_path, returne
     assert result.returncode == 2, result
     assert "error: frames [4, 7)" in result.stderr, result.stderr
     assert load_file(str(output))["latents"].shape[2] == 4  # frames [0, 4)
+
+
+def np_bytes(values):
+    import numpy as np
+
+    return np.asarray(values, np.float32).tobytes()
+
+
+def test_python_m_app_watch_writes_frames_sent_again_once(tmp_path):
+    """A unit that repeats frames the watch holds (a replica that adopted an older checkpoint refines them again)
+    was appended whole: the file held frames [2, 4) twice. Only its new frames are kept."""
+    from safetensors.numpy import load_file
+
+    from .test_cli import run_cli
+
+    state = {"session_id": SID, "config": LATENTS_ONLY, "frames_received": 6, "next_seq": 2, "frames_returned": 0,
+             "flushed": False}
+
+    async def handler(ws):
+        await ws.send(_safetensors({"frame_start": "0", "frame_end": "4"},
+                                   {"latents": ("F32", [1, 1, 4, 1, 1], np_bytes([0, 1, 2, 3]))}))
+        await ws.send(_safetensors({"frame_start": "2", "frame_end": "4"},
+                                   {"latents": ("F32", [1, 1, 2, 1, 1], np_bytes([2, 3]))}))
+        await ws.send(_safetensors({"frame_start": "2", "frame_end": "6"},
+                                   {"latents": ("F32", [1, 1, 4, 1, 1], np_bytes([2, 3, 4, 5]))}))
+        await ws.send(json.dumps({"type": "done", "frames": 6}))
+        await ws.close()
+
+    output = tmp_path / "watched.safetensors"
+    with FakeWS(handler, info=INFO, routes={f"/v1/sessions/{SID}": state}) as fake:
+        result = run_cli("watch", SID, "--server", fake.url, "--output", str(output))
+    assert result.returncode == 0, result
+    assert f"frames [0, 6) -> {output}" in result.stdout, result.stdout
+    assert load_file(str(output))["latents"].reshape(-1).tolist() == [0, 1, 2, 3, 4, 5]
