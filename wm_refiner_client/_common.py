@@ -408,6 +408,19 @@ def watch_item(message: str | bytes, return_tensors) -> Any:
 WATCH_SKIP = object()  # an event a watcher does not hand on (a type this client does not know)
 
 
+def watch_open_timeout(timeout: float, deadline_s: float | None) -> float:
+    """The timeout of a watch's handshake: the client's ``timeout``, cut to ``RetryPolicy.deadline_s``."""
+    return timeout if deadline_s is None else min(timeout, deadline_s)
+
+
+def watch_open_failed(exc: BaseException, what: str, timeout: float, deadline_s: float | None) -> BaseException:
+    """The error of a watch's handshake that failed with ``exc``: one naming ``RetryPolicy.deadline_s`` when the
+    deadline (shorter than ``timeout``) is what cut it, else ``exc``."""
+    if deadline_s is not None and deadline_s < timeout and isinstance(exc.__cause__, TimeoutError):
+        return type(exc)(f"{what}: RetryPolicy.deadline_s ({deadline_s:g} s) passed during the handshake ({exc})")
+    return exc
+
+
 def done_frames(message: str) -> int | None:
     """The ``frames`` of a ``done`` event (the frames the session returned in all; None when it has none)."""
     frames = parse_event(message).get("frames")

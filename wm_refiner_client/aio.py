@@ -43,6 +43,8 @@ from ._common import (
     unit_answer_limit,
     watch_item,
     done_frames,
+    watch_open_failed,
+    watch_open_timeout,
     watch_query,
     widest_geometry,
     ws_url,
@@ -306,9 +308,14 @@ class AsyncWatch(AsyncIterator["Unit | BlockEvent | DroppedEvent"]):
     async def _run(self, query: dict[str, str],
                    video_format: str | None) -> AsyncIterator[Unit | BlockEvent | DroppedEvent]:
         session, client = self.session, self.session.client
-        limit = await client._message_limit(f"watch of session {session.id}",
-                                            _watched(session.config, video_format), session._geometry)
-        ws = await client._connect(session_path(session.id, "/watch"), query, limit)
+        what = f"watch of session {session.id}"
+        limit = await client._message_limit(what, _watched(session.config, video_format), session._geometry)
+        deadline_s = client.retry.deadline_s
+        try:
+            ws = await client._connect(session_path(session.id, "/watch"), query, limit,
+                                       watch_open_timeout(client.timeout, deadline_s))
+        except TransportError as exc:
+            raise watch_open_failed(exc, what, client.timeout, deadline_s) from exc.__cause__
         async with ws:
             while True:
                 try:

@@ -52,6 +52,8 @@ from ._common import (
     warn_unreachable,
     done_frames,
     watch_item,
+    watch_open_failed,
+    watch_open_timeout,
     widest_geometry,
     watch_query,
     ws_url,
@@ -462,9 +464,14 @@ class Watch(Iterator["Unit | BlockEvent | DroppedEvent"]):
 
     def _run(self, query: dict[str, str], video_format: str | None) -> Iterator[Unit | BlockEvent | DroppedEvent]:
         session, client = self.session, self.session.client
-        limit = client._message_limit(f"watch of session {session.id}", _watched(session.config, video_format),
-                                      session._geometry)
-        ws = client._connect(session_path(session.id, "/watch"), query, limit)
+        what = f"watch of session {session.id}"
+        limit = client._message_limit(what, _watched(session.config, video_format), session._geometry)
+        deadline_s = client.retry.deadline_s
+        try:
+            ws = client._connect(session_path(session.id, "/watch"), query, limit,
+                                 watch_open_timeout(client.timeout, deadline_s))
+        except TransportError as exc:
+            raise watch_open_failed(exc, what, client.timeout, deadline_s) from exc.__cause__
         with ws:
             while True:
                 try:

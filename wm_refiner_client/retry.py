@@ -47,8 +47,8 @@ class RetryPolicy:
     is without a connection (its first try, or the failure that ended one) until a connection gets the session
     event, its waits, each connection's opening and the wait for its session event stop at ``deadline_s`` (a
     server restarting included, whatever ``restart_timeout_s`` allows), with a ``TransportError`` naming it; a
-    connected stream is never cut (it lasts as long as its chunks). ``watch()``'s ``GET /v1/info`` is bounded by
-    it, the watch itself is not."""
+    connected stream is never cut (it lasts as long as its chunks). ``watch()``'s opening (its ``GET /v1/info`` and
+    its handshake) is bounded by it, the watch itself is not."""
 
     attempts: int = 10
     backoff_s: float = 0.25

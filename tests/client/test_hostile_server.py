@@ -509,7 +509,7 @@ def test_a_stream_unit_over_what_one_unit_can_weigh_is_refused():
 INFO = {"model": {"channels": 8}, "limits": {"max_batch": 2, "max_frame_tokens": 16}}
 
 
-def watch_both(url, config, call=lambda session: session.watch()):
+def watch_both(url, config, call=lambda session: session.watch(), retry=FAST, timeout=5.0):
     """``call(session)`` (an iterator of watch items) with the sync and the asyncio client, over a handle made
     without a request: the errors they end with."""
     from wm_refiner_client import WmRefinerError
@@ -517,13 +517,13 @@ def watch_both(url, config, call=lambda session: session.watch()):
     from wm_refiner_client.client import Session
 
     errors = []
-    with Client(url, retry=FAST, timeout=5.0) as client:
+    with Client(url, retry=retry, timeout=timeout) as client:
         with pytest.raises(WmRefinerError) as sync_error:
             list(call(Session(client, SID, config)))
         errors.append(sync_error.value)
 
     async def run():
-        client = AsyncClient(url, retry=FAST, timeout=5.0)
+        client = AsyncClient(url, retry=retry, timeout=timeout)
         try:
             with pytest.raises(WmRefinerError) as async_error:
                 async for _ in call(AsyncSession(client, SID, config)):
@@ -757,3 +757,40 @@ def test_python_m_app_watch_writes_frames_sent_again_once(tmp_path):
     assert result.returncode == 0, result
     assert f"frames [0, 6) -> {output}" in result.stdout, result.stdout
     assert load_file(str(output))["latents"].reshape(-1).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_watchs_handshake_stops_at_the_deadline():
+    """The watch's GET /v1/info was bounded by RetryPolicy.deadline_s, its handshake by the client's timeout alone:
+    a server that takes the upgrade request and never answers it held the watch for the whole timeout."""
+    from wm_refiner_client import TransportError
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /v1/info "):
+            body = json.dumps(INFO).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+            await writer.drain()
+            writer.close()
+            return
+        await asyncio.sleep(60)  # the upgrade: never answered
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = asyncio.run_coroutine_threadsafe(asyncio.start_server(serve, "127.0.0.1", 0), loop).result()
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    policy = RetryPolicy(attempts=2, backoff_s=0.01, max_backoff_s=0.01, deadline_s=0.5)
+    try:
+        errors = watch_both(url, LATENTS_ONLY, retry=policy, timeout=30.0)
+    finally:
+        async def stop():
+            server.close()
+            for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+                task.cancel()
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+    for error in errors:
+        assert isinstance(error, TransportError), error
+        assert str(error).startswith(f"watch of session {SID}: RetryPolicy.deadline_s (0.5 s) passed during the "
+                                     "handshake"), error
