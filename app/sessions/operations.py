@@ -401,6 +401,10 @@ class SessionOps:
         handle.watchers.add(watcher)
         self.store.connections.add(watcher)
         self._watching[watcher] = handle
+        if handle.finished:
+            # Flushed before it joined: no unit will come, and the flush's "done" went out already. Said now, or the
+            # watcher would wait for the session's release (flushed_session_ttl_s) and end with an error.
+            watcher.finish(handle.session.state.frames_returned)
         return watcher
 
     def _check_watch_encodings(self, handle: SessionHandle, outputs: Outputs) -> None:
@@ -486,6 +490,7 @@ class SessionOps:
             self._finish_watchers(handle)
 
     def _finish_watchers(self, handle: SessionHandle) -> None:
+        handle.finished = True
         frames = handle.session.state.frames_returned
         for watcher in list(handle.watchers):
             watcher.finish(frames)

@@ -62,6 +62,9 @@ class SessionHandle:
     # Read-only subscribers (app.sessions.subscriptions; SessionOps.watch registers them): they get every unit
     # published from when they joined.
     watchers: set[WatchSubscriber] = field(default_factory=set)
+    # Its flush's units were all offered and its watchers told "done" (``SessionOps._finish_watchers``; an adopted
+    # session saved flushed, ``SessionStore._hold``): a watcher joining later is told "done" at once.
+    finished: bool = False
     # Crash checkpoints (app.sessions.checkpoints): blocks and time of the last, and its write in flight.
     checkpoint_blocks: int = 0
     checkpoint_at: float = field(default_factory=time.monotonic)

@@ -503,6 +503,7 @@ class SessionStore:
         if record.created_at is not None:
             handle.created_at = record.created_at
         handle.from_checkpoint = record.checkpoint
+        handle.finished = record.session.state.flushed  # its units went out before it was saved
         # Its next forward waits on the device for the copies that brought it (a park, for the copies it reads).
         handle.engine_session.ready = handle.park_ready = record.ready
         if record.realtime:

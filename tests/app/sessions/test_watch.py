@@ -166,3 +166,30 @@ def test_the_session_list_pages_oldest_first(client):
     assert [s["session_id"] for s in client.get("/v1/sessions").json()["sessions"]] == ids[1:]
     assert client.get("/v1/sessions", params={"after": "gone"}).status_code == 422
     assert client.get("/v1/sessions", params={"limit": 0}).status_code == 422
+
+
+def test_a_watcher_joining_a_flushed_session_is_told_done_at_once(make_settings, tmp_path):
+    """A session flushed before the watcher joined sends no more units, and its "done" went out at the flush: the
+    late watcher gets "done" with the session's frames and a normal close, not a wait until the session's release
+    (flushed_session_ttl_s) ended by an error. The same for a flushed session adopted after a restart."""
+    latents, embeds, mask = make_clip(frames=4, seed=5)
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    settings = make_settings(snapshot_dir=folder, flushed_session_ttl_s=600)
+    with LiveServer(settings) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        reply = http.post(f"/v1/sessions/{session_id}/chunks", params={"flush": True},
+                          content=payload(latents, embeds, mask), headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        with connect(f"{server.ws_url}/v1/sessions/{session_id}/watch", open_timeout=DEADLINE_S) as watcher:
+            units, events = read_until_closed(watcher)
+            assert units == [] and events == [{"type": "done", "frames": 4}], events
+            assert watcher.close_code == 1000
+        # Not one of its watchers any more: the session holds none.
+        wait_until(lambda: http.get(f"/v1/sessions/{session_id}").json()["watchers"] == 0, "the watcher gone")
+    with LiveServer(settings) as server:  # the drain saved it; this replica adopts it at the watch
+        with connect(f"{server.ws_url}/v1/sessions/{session_id}/watch", open_timeout=DEADLINE_S) as watcher:
+            units, events = read_until_closed(watcher)
+            assert units == [] and events == [{"type": "done", "frames": 4}], events
+            assert watcher.close_code == 1000
