@@ -42,12 +42,29 @@ EMPTY_MESSAGE = (
 )
 
 
+# The largest safetensors header a request may have. A payload names at most the three CHUNK_TENSORS (a header of a
+# few hundred bytes, whatever their sizes) plus whatever __metadata__ its writer adds; safetensors' own parser takes
+# headers up to 100 MB, and on one of tens of MB (thousands of metadata keys, or of zero-size tensors) it runs for
+# seconds, on the event loop that serves every other connection. Bounded here, before it runs.
+MAX_HEADER_BYTES = 64 * 1024
+
+
 def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = EMPTY_PAYLOAD) -> dict[str, torch.Tensor]:
-    """The tensors of a request payload; ``ApiError`` (400) when the bytes are not safetensors or hold a tensor
-    name the route does not know (a misspelt name must not be silently ignored). ``empty``: the message for no
-    bytes at all, which says what the route takes instead."""
+    """The tensors of a request payload; ``ApiError`` (400) when the bytes are not safetensors, have a header over
+    ``MAX_HEADER_BYTES`` or hold a tensor name the route does not know (a misspelt name must not be silently
+    ignored). ``empty``: the message for no bytes at all, which says what the route takes instead."""
     if not data:
         raise ApiError("invalid_payload", empty)
+    if len(data) >= 8:
+        (header_size,) = struct.unpack_from("<Q", data)
+        if header_size > MAX_HEADER_BYTES:
+            raise ApiError(
+                "invalid_payload",
+                f"the safetensors header declares {header_size} bytes, more than the {MAX_HEADER_BYTES} this server "
+                f"reads (a payload names at most {list(allowed)}: a header of a few hundred bytes); send the "
+                "bytes of safetensors.torch.save({'latents': ..., 'prompt_embeds': ...}) with little or no "
+                "__metadata__",
+            )
     try:
         tensors = _load(bytes(data))
     except (SafetensorError, Exception) as exc:  # whatever the parser trips on, the bytes are the client's

@@ -18,6 +18,7 @@ import torch
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from app.core.codec import MAX_HEADER_BYTES
 from app.core.settings import Settings
 
 from tests.faults import failing_forwards
@@ -135,6 +136,16 @@ def offsets_disagree_with_the_shape() -> bytes:
     return struct.pack("<Q", len(header)) + header + b"\0" * 16
 
 
+def header_of(size: int, latents: torch.Tensor) -> bytes:
+    """``latents`` as safetensors bytes whose header is exactly ``size`` bytes (padded with spaces, which the format
+    allows), the rest of it string metadata."""
+    data = latents.contiguous().numpy().tobytes()
+    entry = {"latents": {"dtype": "F32", "shape": list(latents.shape), "data_offsets": [0, len(data)]}}
+    header = json.dumps({"__metadata__": {"note": "x" * max(0, size - 200)}, **entry}).encode()
+    assert len(header) <= size
+    return struct.pack("<Q", size) + header + b" " * (size - len(header)) + data
+
+
 # (id, body, status, code): payload rows test_errors.CHUNK_CASES does not have. Every one is also sent over
 # the WebSocket, where it must produce the same error code as an event.
 PAYLOAD_CASES = [
@@ -144,6 +155,9 @@ PAYLOAD_CASES = [
     ("header-not-json", header_not_json(), 400, "invalid_payload"),
     ("offsets-past-the-end", offsets_past_the_end(), 400, "invalid_payload"),
     ("offsets-disagree-with-shape", offsets_disagree_with_the_shape(), 400, "invalid_payload"),
+    # A good chunk but for a header over the 64 KiB the server reads (safetensors' parser would take one of up to
+    # 100 MB, for seconds on the event loop).
+    ("header-over-the-limit", header_of(MAX_HEADER_BYTES + 1, ONE), 400, "invalid_payload"),
     ("random-bytes", torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
      .numpy().tobytes(), 400, "invalid_payload"),
     # Names.
@@ -200,6 +214,24 @@ def test_bad_chunk_over_http_changes_no_session(client, expected, body, status, 
     assert_error(post_chunk(client, sessions.target, body, seq=1), status, code)
     sessions.assert_unchanged()
     sessions.finish(expected)
+
+
+def test_a_header_over_the_limit_is_refused_naming_it_and_one_at_the_limit_is_taken(client, expected):
+    """A request's safetensors header is read up to MAX_HEADER_BYTES: the server never hands a larger one (a
+    metadata bomb, thousands of zero-size tensors) to the parser, which takes seconds on tens of MB, on the event
+    loop. The refusal says the size, the limit and what to send; a header of exactly the limit is a chunk."""
+    sessions = Sessions(client)
+    error = assert_error(post_chunk(client, sessions.target, header_of(MAX_HEADER_BYTES + 1, ONE), seq=1),
+                         400, "invalid_payload")
+    message = error["error"]["message"]
+    assert f"declares {MAX_HEADER_BYTES + 1} bytes" in message, message
+    assert f"more than the {MAX_HEADER_BYTES}" in message, message
+    assert "safetensors.torch.save" in message, message
+    sessions.assert_unchanged()
+    response = post_chunk(client, sessions.target, header_of(MAX_HEADER_BYTES, ONE), seq=1)
+    assert response.status_code == 200, response.text
+    assert stable_state(client, sessions.target)["frames_received"] == sessions.before[sessions.target][
+        "frames_received"] + 1
 
 
 # Headers and query parameters (the body itself is a good chunk).
