@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections import Counter
 from typing import Any, Mapping
 
 import torch
@@ -51,8 +52,8 @@ MAX_HEADER_BYTES = 64 * 1024
 
 def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = EMPTY_PAYLOAD) -> dict[str, torch.Tensor]:
     """The tensors of a request payload; ``ApiError`` (400) when the bytes are not safetensors, have a header over
-    ``MAX_HEADER_BYTES`` or hold a tensor name the route does not know (a misspelt name must not be silently
-    ignored). ``empty``: the message for no bytes at all, which says what the route takes instead."""
+    ``MAX_HEADER_BYTES``, name a tensor twice or hold a tensor name the route does not know (a misspelt name must
+    not be silently ignored). ``empty``: the message for no bytes at all, which says what the route takes instead."""
     if not data:
         raise ApiError("invalid_payload", empty)
     if len(data) >= 8:
@@ -65,6 +66,7 @@ def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = E
                 "bytes of safetensors.torch.save({'latents': ..., 'prompt_embeds': ...}) with little or no "
                 "__metadata__",
             )
+        _refuse_repeated_keys(bytes(data[8 : 8 + header_size]))
     try:
         tensors = _load(bytes(data))
     except (SafetensorError, Exception) as exc:  # whatever the parser trips on, the bytes are the client's
@@ -80,6 +82,35 @@ def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = E
             f"unknown tensor name(s) {unknown}; a payload holds only {list(allowed)}",
         )
     return tensors
+
+
+class _RepeatedKeys(ValueError):
+    pass
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    mapping = dict(pairs)
+    if len(mapping) < len(pairs):  # linear: a header of thousands of keys must not cost seconds
+        counts = Counter(key for key, _ in pairs)
+        raise _RepeatedKeys(sorted(key for key, n in counts.items() if n > 1))
+    return mapping
+
+
+def _refuse_repeated_keys(header: bytes) -> None:
+    """400 for a header that names a tensor (or a field, or a metadata key) twice: safetensors' parser keeps one
+    of them without a word, and which one another reader (a proxy, a logger, the sender's own tools) takes is
+    its own choice, so the payload means what each reader decides. A header that is not JSON is left to the
+    parser, whose message says so."""
+    try:
+        json.loads(header, object_pairs_hook=_once)
+    except _RepeatedKeys as exc:
+        raise ApiError(
+            "invalid_payload",
+            f"the safetensors header names {exc.args[0]} more than once in one object; name each tensor (and each "
+            "of its fields, each __metadata__ key) once: safetensors.torch.save writes such a header",
+        ) from None
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep: the parser says so below
+        pass
 
 
 def read_metadata(data: bytes) -> dict[str, str]:

@@ -146,6 +146,14 @@ def header_of(size: int, latents: torch.Tensor) -> bytes:
     return struct.pack("<Q", size) + header + b" " * (size - len(header)) + data
 
 
+def latents_named_twice() -> bytes:
+    """'latents' twice over the same 8192 bytes: one frame of float32 or two of float16, whichever entry a reader
+    keeps (safetensors' parser kept one without a word)."""
+    entry = '{"dtype": "%s", "shape": [1, 128, %d, 4, 4], "data_offsets": [0, 8192]}'
+    header = ('{"latents": %s, "latents": %s}' % (entry % ("F32", 1), entry % ("F16", 2))).encode()
+    return struct.pack("<Q", len(header)) + header + ONE.numpy().tobytes()
+
+
 # (id, body, status, code): payload rows test_errors.CHUNK_CASES does not have. Every one is also sent over
 # the WebSocket, where it must produce the same error code as an event.
 PAYLOAD_CASES = [
@@ -162,6 +170,7 @@ PAYLOAD_CASES = [
      .numpy().tobytes(), 400, "invalid_payload"),
     # Names.
     ("name-case", payload(Latents=ONE), 400, "invalid_payload"),
+    ("name-twice", latents_named_twice(), 400, "invalid_payload"),
     ("only-unknown-names", payload(frames=ONE, text=EMBEDS.contiguous()), 400, "invalid_payload"),
     ("mask-misspelt", payload(ONE, EMBEDS, prompt_mask=MASK.contiguous()), 400, "invalid_payload"),
     # Ranks.
