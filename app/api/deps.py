@@ -85,6 +85,7 @@ def require_content_type(request: Request, expected: str) -> None:
             "unsupported_media_type",
             f"Content-Type given {len(values)} times ({', '.join(map(repr, values))}); send it once, as {expected}",
         )
+    _require_identity_encoding(request)
     declared = values[0] if values else None
     if declared is None:
         return
@@ -93,6 +94,23 @@ def require_content_type(request: Request, expected: str) -> None:
         raise ApiError(
             "unsupported_media_type",
             f"Content-Type {declared!r} is not accepted here; send the body as {expected}",
+        )
+
+
+def _require_identity_encoding(request: Request) -> None:
+    """415 for a body sent with a Content-Encoding (gzip, br, ...): this server reads bodies as they come, so a
+    compressed one would be parsed as its compressed bytes (a gzipped chunk got "not a safetensors file (header too
+    large)"), and a plain body that claims an encoding would be taken though its sender meant something else. RFC
+    9110 (15.5.16): 415, with Accept-Encoding naming the codings taken; here none but identity."""
+    codings = [coding.strip().lower() for value in request.headers.getlist("content-encoding")
+               for coding in value.split(",")]
+    if any(coding not in ("", "identity") for coding in codings):
+        declared = ", ".join(request.headers.getlist("content-encoding"))
+        raise ApiError(
+            "unsupported_media_type",
+            f"Content-Encoding {declared!r} is not accepted: this server reads bodies as sent; send the body "
+            "uncompressed, without a Content-Encoding header (tensors barely compress)",
+            headers={"Accept-Encoding": "identity"},
         )
 
 

@@ -100,7 +100,7 @@ _WHEN = {
     409: "seq out of order, or a chunk after the stream was flushed",
     410: "the session was evicted after session_idle_timeout_s without activity",
     413: "the body, the frames per chunk or the prompt length is over its limit (GET /v1/info, limits)",
-    415: "wrong Content-Type",
+    415: "wrong Content-Type, or a Content-Encoding other than identity (send the body uncompressed)",
     422: "wrong rank, dtype, channel count or H/W; NaN or Inf; an invalid config or query parameter",
     500: "the forward failed (a bug, or the device ran out of memory); the session is unchanged",
     503: "not ready, draining, or out of capacity (sessions or queue); retry after Retry-After seconds",

@@ -114,7 +114,7 @@ class KindedError(Exception):
 
 class ApiError(Exception):
     def __init__(self, kind: str, message: str, retry_after_s: int | None = None,
-                 fields: dict[str, Any] | None = None):
+                 fields: dict[str, Any] | None = None, headers: dict[str, str] | None = None):
         if kind not in ERRORS:
             raise KeyError(f"unknown error kind {kind!r}")
         super().__init__(message)
@@ -124,6 +124,7 @@ class ApiError(Exception):
         # Figures a client acts on (api.md 1.2: insufficient_memory's bytes_needed and bytes_free), as JSON fields
         # of the envelope's "error" beside the message, so that nobody parses them out of its prose.
         self.fields = dict(fields or {})
+        self.extra_headers = dict(headers or {})  # what the answer's headers say besides (415's Accept-Encoding)
 
     @property
     def spec(self) -> ErrorKind:
@@ -140,8 +141,9 @@ class ApiError(Exception):
 
     def headers(self, retry_after_s: int) -> dict[str, str]:
         if not self.spec.retry_after:
-            return {}
-        return {"Retry-After": str(self.retry_after_s if self.retry_after_s is not None else retry_after_s)}
+            return dict(self.extra_headers)
+        return {**self.extra_headers,
+                "Retry-After": str(self.retry_after_s if self.retry_after_s is not None else retry_after_s)}
 
 
 def envelope(code: str, message: str) -> dict[str, Any]:

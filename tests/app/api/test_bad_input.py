@@ -243,6 +243,31 @@ def test_a_header_over_the_limit_is_refused_naming_it_and_one_at_the_limit_is_ta
         "frames_received"] + 1
 
 
+def test_a_compressed_body_is_415_naming_the_encoding_on_every_body_route(client, expected):
+    """A gzipped chunk used to get 400 "not a safetensors file (header too large)" and a gzipped config 400 "not
+    JSON", which send a client looking at its tensors; now each says the encoding is the problem, with
+    Accept-Encoding: identity (RFC 9110, 15.5.16), and changes nothing. identity is the body as sent: taken."""
+    import gzip
+
+    sessions = Sessions(client)
+    chunk = payload(LATENTS[:, :, 5:8])
+    gzipped = {**OCTET, "content-encoding": "gzip"}
+    answers = {
+        "chunk": post_chunk(client, sessions.target, gzip.compress(chunk), headers=gzipped, seq=1),
+        "refine": client.post("/v1/refine", content=gzip.compress(payload(LATENTS, EMBEDS, MASK)), headers=gzipped),
+        "config": client.post("/v1/sessions", content=gzip.compress(b'{"seed": 7}'),
+                              headers={"content-type": "application/json", "content-encoding": "gzip"}),
+    }
+    for route, response in answers.items():
+        message = assert_error(response, 415, "unsupported_media_type")["error"]["message"]
+        assert "Content-Encoding 'gzip'" in message and "uncompressed" in message, (route, message)
+        assert response.headers["accept-encoding"] == "identity", route
+    sessions.assert_unchanged()
+    response = post_chunk(client, sessions.target, chunk, headers={**OCTET, "content-encoding": "identity"}, seq=1)
+    assert response.status_code == 200, response.text
+    assert stable_state(client, sessions.target)["next_seq"] == sessions.before[sessions.target]["next_seq"] + 1
+
+
 # Headers and query parameters (the body itself is a good chunk).
 REQUEST_CASES = [
     ("content-type-multipart", {"content-type": "multipart/form-data; boundary=x"}, {}, 415, "unsupported_media_type"),
@@ -252,6 +277,10 @@ REQUEST_CASES = [
     # Two Content-Type headers: the first used to win, whatever the second (a proxy may read the other one).
     ("content-type-twice", [("content-type", "application/octet-stream"), ("content-type", "application/json")], {},
      415, "unsupported_media_type"),
+    # A declared Content-Encoding: the body used to be read as is (this one is not compressed at all, and was taken).
+    ("content-encoding-gzip", {**OCTET, "content-encoding": "gzip"}, {}, 415, "unsupported_media_type"),
+    ("content-encoding-br-after-identity", [*OCTET.items(), ("content-encoding", "identity"),
+                                            ("content-encoding", "br")], {}, 415, "unsupported_media_type"),
     ("seq-not-a-number", OCTET, {"seq": "one"}, 422, "invalid_request"),
     ("seq-fraction", OCTET, {"seq": "1.5"}, 422, "invalid_request"),
     # Found by fuzzing: these used to pass as integers.
