@@ -50,12 +50,31 @@ EMPTY_MESSAGE = (
 MAX_HEADER_BYTES = 64 * 1024
 
 
-def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = EMPTY_PAYLOAD) -> dict[str, torch.Tensor]:
+# What a WebSocket binary message that holds JSON text is told (a client whose send() took the flush's bytes).
+JSON_MESSAGE = 'commands such as {"type": "flush"} go in a text message; binary messages carry safetensors payloads'
+JSON_BODY = "a session's config goes to POST /v1/sessions (JSON); a chunk's or a clip's body is a safetensors file"
+
+
+def decode(data: bytes, allowed: tuple[str, ...] = CHUNK_TENSORS, empty: str = EMPTY_PAYLOAD,
+           json_text: str = JSON_BODY) -> dict[str, torch.Tensor]:
     """The tensors of a request payload; ``ApiError`` (400) when the bytes are not safetensors, have a header over
     ``MAX_HEADER_BYTES``, name a tensor twice or hold a tensor name the route does not know (a misspelt name must
-    not be silently ignored). ``empty``: the message for no bytes at all, which says what the route takes instead."""
+    not be silently ignored). ``empty``: the message for no bytes at all, which says what the route takes instead;
+    ``json_text``: what to do instead, for bytes that are a JSON object (whose first 8 bytes, read as the header's
+    length, would otherwise make the refusal say the header is too large)."""
     if not data:
         raise ApiError("invalid_payload", empty)
+    if data[:1] == b"{" and len(data) <= MAX_HEADER_BYTES:
+        try:
+            text = json.loads(bytes(data))
+        except (ValueError, RecursionError):
+            text = None
+        if isinstance(text, dict):
+            raise ApiError(
+                "invalid_payload",
+                f"the bytes are JSON text ({bytes(data[:80]).decode(errors='replace')!r}), not a safetensors file; "
+                f"{json_text}",
+            )
     if len(data) >= 8:
         (header_size,) = struct.unpack_from("<Q", data)
         if header_size > MAX_HEADER_BYTES:

@@ -31,7 +31,7 @@ from models.session import check_finite
 from models.vae import StreamingDecoder
 from wm_refiner_client import spec
 
-from app.core.codec import EMPTY_CHUNK, EMPTY_MESSAGE, LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
+from app.core.codec import EMPTY_CHUNK, EMPTY_MESSAGE, JSON_MESSAGE, LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
 from app.core.error_kinds import ApiError
 from app.core.metrics import Metrics
 from app.core.settings import Settings
@@ -603,7 +603,7 @@ class StreamSession:
         """One binary message: a chunk payload, refined and published unit by unit."""
         received = time.perf_counter()
         services, settings = self.ops.services, self.ops.settings
-        tensors = decode(data, empty=EMPTY_MESSAGE)
+        tensors = decode(data, empty=EMPTY_MESSAGE, json_text=JSON_MESSAGE)
         latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
                                 services.require_model().info.in_channels)
         await scan_finite(tensors)

@@ -481,6 +481,29 @@ def test_bad_websocket_message_changes_no_session(client, expected, message, cod
     finish_and_check(client, sessions.bystander, expected)
 
 
+def test_json_text_sent_as_bytes_is_told_where_it_belongs(client, expected):
+    """A flush sent as a binary message (a client whose send() got bytes: json.dumps(...).encode(), a Uint8Array)
+    used to be told "not a safetensors file (header too large)", its first 8 bytes read as a header length: a
+    client then looks at its tensors. It is told to send it as text, and changes nothing; over HTTP, a JSON body
+    sent as a chunk is told the same way what goes where."""
+    sessions = Sessions(client)
+    with client.websocket_connect(f"/v1/sessions/{sessions.target}/stream") as ws:
+        ws.send_bytes(json.dumps({"type": "flush"}).encode())
+        units, event = receive_until_event(ws)
+        assert units == [] and event["error"]["code"] == "invalid_payload", event
+        message = event["error"]["message"]
+        assert "JSON text" in message and '{"type": "flush"} go in a text message' in message, message
+        sessions.assert_unchanged()  # not flushed: the stream goes on
+        ws.send_bytes(payload(LATENTS[:, :, 5:8]))
+        ws.send_text(json.dumps({"type": "flush"}))
+        units, event = receive_until_event(ws)
+        assert event == {"type": "done", "frames": 8}
+    assert torch.equal(torch.cat([latents for latents, _ in units], dim=2), expected[:, :, 4:8])
+    error = assert_error(post_chunk(client, sessions.bystander, b'{"seed": 7}', seq=1), 400, "invalid_payload")
+    assert "JSON text" in error["error"]["message"] and "POST /v1/sessions" in error["error"]["message"], error
+    finish_and_check(client, sessions.bystander, expected)
+
+
 def test_several_bad_websocket_messages_in_a_row(client, expected):
     """One connection, every bad payload one after the other: each is an event, none ends the stream."""
     sessions = Sessions(client)
