@@ -268,6 +268,26 @@ def test_a_compressed_body_is_415_naming_the_encoding_on_every_body_route(client
     assert stable_state(client, sessions.target)["next_seq"] == sessions.before[sessions.target]["next_seq"] + 1
 
 
+def test_a_flush_before_any_frame_ends_the_session_with_an_empty_answer(client):
+    """The documented answer (api.md, "To flush without new frames"): a session that never got a frame has no batch
+    or frame size, so its empty flush answers latents (1, C, 0, 1, 1) with frame_start = frame_end = 0 and ends the
+    session (a later chunk is 409 stream_closed); the WebSocket's flush says done with 0 frames and sends no unit."""
+    session_id = new_session(client)
+    response = post_chunk(client, session_id, b"", seq=0, flush="true")
+    assert response.status_code == 200, response.text
+    latents, metadata = read_latents(response.content)
+    assert tuple(latents.shape) == (1, 128, 0, 1, 1)
+    assert (metadata["frame_start"], metadata["frame_end"], metadata["seq"]) == ("0", "0", "0"), metadata
+    state = client.get(f"/v1/sessions/{session_id}").json()
+    assert state["flushed"] and state["frames_received"] == 0 and state["next_seq"] == 1, state
+    assert_error(post_chunk(client, session_id, payload(ONE, EMBEDS)), 409, "stream_closed")
+    session_id = new_session(client)
+    with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+        ws.send_text(json.dumps({"type": "flush"}))
+        units, event = receive_until_event(ws)
+        assert units == [] and event == {"type": "done", "frames": 0}, (units, event)
+
+
 # Headers and query parameters (the body itself is a good chunk).
 REQUEST_CASES = [
     ("content-type-multipart", {"content-type": "multipart/form-data; boundary=x"}, {}, 415, "unsupported_media_type"),
