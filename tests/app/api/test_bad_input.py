@@ -288,6 +288,20 @@ def test_a_flush_before_any_frame_ends_the_session_with_an_empty_answer(client):
         assert units == [] and event == {"type": "done", "frames": 0}, (units, event)
 
 
+SPELLINGS = [("true", True), ("True", True), ("1", True), ("yes", True), ("on", True), ("T", True), ("y", True),
+             ("false", False), ("0", False), ("no", False), ("off", False), ("f", False), ("N", False)]
+
+
+@pytest.mark.parametrize("spelling,flushes", SPELLINGS)
+def test_flush_takes_the_documented_boolean_spellings(client, spelling, flushes):
+    """Decided: the query's booleans take what pydantic's lax bool takes (api.md, query parameters), since curl
+    users write 1 and Python's str(True) is "True"; every one means what it says, and anything else is 422."""
+    session_id = new_session(client)
+    response = post_chunk(client, session_id, payload(LATENTS[:, :, :2], EMBEDS, MASK), seq=0, flush=spelling)
+    assert response.status_code == 200, response.text
+    assert client.get(f"/v1/sessions/{session_id}").json()["flushed"] is flushes
+
+
 # Headers and query parameters (the body itself is a good chunk).
 REQUEST_CASES = [
     ("content-type-multipart", {"content-type": "multipart/form-data; boundary=x"}, {}, 415, "unsupported_media_type"),
