@@ -125,6 +125,11 @@ def error_head(status: int, reason: str, code: str, message: str) -> bytes:
             "connection: close\r\n\r\n").encode() + body
 
 
+# The longest URL httptools parses (its parse_url keeps offsets in 16 bits): a longer one made uvicorn answer 400,
+# which this protocol's envelope then blamed on Content-Length and the like.
+MAX_URL_BYTES = 65535
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a bound on a request head's size and on the time to send head and body.
     The limits come from the ``Settings`` given to ``configure`` (uvicorn builds one protocol per connection)."""
@@ -202,6 +207,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         uvicorn's plain-text "Invalid HTTP request received." (uvicorn has logged it already). As the other refusals:
         once, and never into a response already under way (a malformed chunk while the route answers)."""
         if self._refused:
+            return
+        url = len(getattr(self, "url", b""))
+        if url > MAX_URL_BYTES:  # httptools.parse_url's own limit, whatever max_header_bytes allows
+            self._refuse(431, "Request Header Fields Too Large", "headers_too_large",
+                         f"the request line's URL is {url} bytes, more than the {MAX_URL_BYTES} the server's HTTP "
+                         "parser takes; send a shorter URL (a session id is at most 64 characters, query values are "
+                         "short)", logged=True)
             return
         self._refuse(400, "Bad Request", "invalid_payload",
                      "the request is not valid HTTP/1.1 (the server's parser refused it: e.g. Content-Length and "

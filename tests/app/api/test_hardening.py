@@ -244,6 +244,31 @@ def test_a_request_the_http_parser_refuses_gets_the_error_envelope(make_settings
             assert http.post("/v1/sessions").status_code == 201
 
 
+def test_a_url_longer_than_the_http_parser_takes_is_431_saying_so(make_settings):
+    """A URL over httptools' 65535 bytes (within max_header_bytes, set larger here) was answered 400 "not valid
+    HTTP/1.1 (... Content-Length and Transfer-Encoding together ...)": now 431 headers_too_large naming the URL's
+    length and the limit, as a WebSocket handshake's long request line is; the server goes on."""
+    from app.api.guards import MAX_URL_BYTES
+
+    with LiveServer(make_settings(max_header_bytes=256 * 1024)) as server:
+        import httpx
+
+        path = "/v1/sessions/" + "a" * (MAX_URL_BYTES + 100)
+        sock = _connect(server)
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        sock.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431"), head
+        error = json.loads(body)["error"]
+        assert error["code"] == "headers_too_large", error
+        assert f"URL is {len(path)} bytes, more than the {MAX_URL_BYTES}" in error["message"], error
+        with httpx.Client(base_url=server.base_url) as http:
+            assert http.get("/health").status_code == 200
+
+
 def test_head_through_the_real_server_answers_with_the_gets_headers_and_no_body(make_settings):
     """The test client checks no Content-Length; uvicorn does: a HEAD answered as its GET must still be a HEAD to the
     server (told GET, it refused the empty body as shorter than Content-Length, a 500 in the log)."""
