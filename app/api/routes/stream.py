@@ -52,6 +52,10 @@ _STOP = object()
 _BACKGROUND: set[asyncio.Task] = set()
 # Close reasons must fit a control frame (123 bytes).
 _MAX_REASON = 120
+# The longest text message a stream parses. Its one text message is {"type": "flush"}; a longer one is refused
+# unread, since json.loads of a text up to max_ws_message_bytes runs on the event loop (a 50 MB object of 4 million
+# keys held it, and every other connection, for 4 s and took 600 MB).
+MAX_COMMAND_CHARS = 4096
 
 
 @router.websocket("/v1/sessions/{session_id}/stream")
@@ -283,6 +287,12 @@ class StreamConnection:
             self._report(exc)
 
     async def _command(self, text: str) -> None:
+        if len(text) > MAX_COMMAND_CHARS:
+            self._report(ApiError(
+                "invalid_payload",
+                f"a text message of {len(text)} characters, more than the {MAX_COMMAND_CHARS} a stream reads; its one "
+                "text message is {\"type\": \"flush\"} (binary messages carry the chunk payloads)"))
+            return
         try:
             command = json.loads(text)
         except (ValueError, RecursionError):  # "[" * 5000 nests past the parser's recursion limit

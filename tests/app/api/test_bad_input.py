@@ -538,6 +538,28 @@ def test_json_text_sent_as_bytes_is_told_where_it_belongs(client, expected):
     finish_and_check(client, sessions.bystander, expected)
 
 
+def test_a_long_text_message_is_refused_unread(client, expected):
+    """A stream's one text message is the flush: a text over MAX_COMMAND_CHARS is refused without being parsed
+    (json.loads of a 50 MB object held the event loop for seconds). Even a flush padded past it: it used to be
+    parsed and taken; now it is an event naming the size, the session unchanged, and the stream goes on."""
+    from app.api.routes.stream import MAX_COMMAND_CHARS
+
+    sessions = Sessions(client)
+    padded = json.dumps({"type": "flush"}) + " " * MAX_COMMAND_CHARS
+    with client.websocket_connect(f"/v1/sessions/{sessions.target}/stream") as ws:
+        ws.send_text(padded)
+        units, event = receive_until_event(ws)
+        assert units == [] and event["type"] == "error" and event["error"]["code"] == "invalid_payload", event
+        message = event["error"]["message"]
+        assert f"a text message of {len(padded)} characters, more than the {MAX_COMMAND_CHARS}" in message, message
+        sessions.assert_unchanged()  # not flushed
+        ws.send_bytes(payload(LATENTS[:, :, 5:8]))
+        ws.send_text(json.dumps({"type": "flush"}) + " " * (MAX_COMMAND_CHARS - 17))  # at the limit: read
+        units, event = receive_until_event(ws)
+        assert event == {"type": "done", "frames": 8}
+    assert torch.equal(torch.cat([latents for latents, _ in units], dim=2), expected[:, :, 4:8])
+
+
 def test_several_bad_websocket_messages_in_a_row(client, expected):
     """One connection, every bad payload one after the other: each is an event, none ends the stream."""
     sessions = Sessions(client)
