@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from app.cli.remote import INTERRUPTED, SegmentFile, add_client_options, require_video_libraries, write_latents
+from wm_refiner_client.retry import RetryPolicy
 
 OUTPUT_FIRST_FRAME = "wm_refiner.frame_start"  # the session's frame the file's first latent frame is
 
@@ -52,7 +53,7 @@ def watch_command(args: argparse.Namespace) -> int:
         interrupted = False
         gap: str | None = None
         blocks = 0
-        events = _follow(session, outputs or None, "h264" if args.video else None)
+        events = _follow(session, outputs or None, "h264" if args.video else None, client.retry.restart_timeout_s)
         try:
             print(f"watching session {session.id} (Ctrl-C to stop)", file=sys.stderr)
             for event in events:
@@ -121,7 +122,11 @@ def watch_command(args: argparse.Namespace) -> int:
 # Close codes of a replica that stops (a drain: 1012 once it saved the session, 1001 going away): the session lives
 # on, adopted by the replica the router picks next, so the watch connects again rather than ending as an error.
 RESTART_CLOSE_CODES = frozenset({1001, 1012})
-RECONNECT_FOR_S = 60.0  # how long a restart may keep the session unreachable (503, 404 between replicas)
+# What a restarting session answers until it is served again: 503 while its replica loads and warms up (not_ready),
+# drains or another replica holds its lease (session_moved), 404 between replicas, 502/504 from a router.
+RESTARTING_STATUSES = frozenset({404, 502, 503, 504})
+RECONNECT_FOR_S = RetryPolicy().restart_timeout_s  # the client's own bound: a restart of the released model
+# (weights, warm-up, probes) takes minutes
 
 
 @dataclass(frozen=True)
@@ -141,34 +146,43 @@ class Finished:
 
 def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_FOR_S):
     """``session.watch(...)``'s events, across the restarts (drains) of the session's replica: the watch connects
-    again through the same URL (behind a router, to the replica that adopts the session), after a ``Rejoined``
-    (where the session stood then: a flushed one is not watched again, its watch would never end), and ends with
-    ``Finished``. Units the session finalized while no watch was attached are not seen (the server keeps none for
-    a watcher): ``watch_command`` compares the frames these say with the last unit's end, and names the gap."""
+    again through the same URL (behind a router, to the replica that adopts the session), for up to
+    ``reconnect_for_s`` from the close, while the session or its watch answers as a restarting server does
+    (``RESTARTING_STATUSES``), after a ``Rejoined`` (where the session stood then: a flushed one is not watched
+    again) and ends with ``Finished``. Units the session finalized while no watch was attached are not seen (the
+    server keeps none for a watcher): ``watch_command`` compares the frames these say with the last unit's end,
+    and names the gap."""
     import time
 
     from wm_refiner_client import APIError, TransportError
 
+    deadline: float | None = None  # set while the session's replica is restarting
     while True:
-        watch = session.watch(outputs, video_format=video_format)
         try:
-            yield from watch
+            watch = session.watch(outputs, video_format=video_format)
+            for event in watch:
+                deadline = None
+                yield event
             yield Finished(watch.frames)
             return
         except TransportError as exc:
             code = exc.close_code
-            if code not in RESTART_CLOSE_CODES:
+            if code in RESTART_CLOSE_CODES:
+                print(f"the session's replica is restarting (close {code}); the session was saved: watching it "
+                      "again", file=sys.stderr)
+                deadline = time.monotonic() + reconnect_for_s
+            elif deadline is None or exc.final or time.monotonic() > deadline:
                 raise
-            print(f"the session's replica is restarting (close {code}); the session was saved: watching it again",
-                  file=sys.stderr)
-        deadline = time.monotonic() + reconnect_for_s
+        except APIError as exc:  # the watch's handshake refused: still restarting, or not
+            if deadline is None or exc.status not in RESTARTING_STATUSES or time.monotonic() > deadline:
+                raise
         while True:  # until the session answers again (the router may still send to the draining replica)
             time.sleep(1.0)
             try:
                 state = session.state()
                 break
             except (APIError, TransportError) as exc:
-                if time.monotonic() > deadline or getattr(exc, "status", 503) not in (404, 502, 503, 504):
+                if time.monotonic() > deadline or getattr(exc, "status", 503) not in RESTARTING_STATUSES:
                     raise
         yield Rejoined(state.frames_returned, state.flushed)
         if state.flushed:

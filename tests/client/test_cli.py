@@ -547,3 +547,55 @@ def test_sessions_behind_peers_names_each_replica_and_says_which_gave_no_listing
     row = next(line for line in rows if line.startswith(session.id))
     assert row.split()[-1] == "replica-listed"
     assert listed.stderr.count("\n") == 1 and f"no listing from {dead}" in listed.stderr, listed.stderr
+
+
+def test_watch_waits_out_a_restart_whose_warm_up_refuses_the_watch(checkpoint_dir, tmp_path):
+    """``watch`` across a drain and a restart of the session's server: the new server adopts the session during its
+    warm-up, so the session's GET answers but the watch's handshake is refused with 503 not_ready until /ready. The
+    watch waits for it, like a stream (it ended with exit 2 and that 503), and ends with the session's flush."""
+    import time
+
+    port = free_port()
+    settings = dict(model=str(checkpoint_dir), device="cpu", dtype="float32", batching=False)
+    latents, prompt, mask = clip(13)
+
+    def server(**warmup) -> ServerProcess:
+        return ServerProcess(port, tmp_path / "cache", tmp_path / "snapshots", tmp_path / "server.log",
+                             **settings, **warmup)
+
+    servers = [server().start()]
+    watcher = None
+    try:
+        with Client(servers[0].base_url) as client:
+            expected = client.refine(latents, prompt, mask).latents
+            session = client.create_session()
+            session.send(latents[:, :, :4], prompt=prompt, prompt_mask=mask)
+            watcher = subprocess.Popen(
+                [sys.executable, "-m", "app", "watch", session.id, "--server", servers[0].base_url, "--output",
+                 str(tmp_path / "watched.safetensors")],
+                cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+            def attached() -> None:
+                while session.state().raw["watchers"] == 0:
+                    assert watcher.poll() is None, watcher.communicate()
+                    time.sleep(0.2)
+
+            attached()  # before the drain closes it with 1012
+            servers[0].terminate()
+            # A warm-up of seconds: the watch comes back during it.
+            servers.append(server(warmup_height=32, warmup_width=64).start())
+            attached()  # again, on the restarted server
+            session.send(latents[:, :, 4:])
+            session.flush()
+        out, err = watcher.communicate(timeout=TIMEOUT_S)
+    finally:
+        if watcher is not None and watcher.poll() is None:
+            watcher.kill()
+        for process in servers:
+            process.kill()
+    assert re.search(r'"WebSocket /v1/sessions/\w+/watch[^"]*" 503', servers[1].log()), servers[1].log()
+    assert watcher.returncode == 0, err
+    assert "restarting (close 1012)" in err
+    assert f"session {session.id} is flushed" in out
+    watched = load_file(str(tmp_path / "watched.safetensors"))["latents"]
+    assert np.array_equal(watched, expected[:, :, 13 - watched.shape[2]:])
