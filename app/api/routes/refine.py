@@ -32,6 +32,10 @@ log = logging.getLogger("app")
 router = APIRouter(tags=["refine"])
 # Lists and the look-ahead arrive as text (``outputs=latents,video``, ``video_lookahead=2``); these bound the text.
 _TEXT_MAX_LENGTH = {spec.CHOICES: 32, spec.LOOKAHEAD: 16}
+# A clip whose body is over max_body_bytes (a 720p clip of the released refiner: 450 KB a frame in float32) goes
+# as a session's chunks, which have no length limit.
+CLIP_ADVICE = ("(max_body_bytes); send a clip this long as a session's chunks instead (POST /v1/sessions, then "
+               "its frames in chunks or over its WebSocket stream: any length), or raise max_body_bytes")
 
 
 def _query_annotation(field: spec.SessionField) -> Any:
@@ -92,7 +96,7 @@ async def refine(
 
     async def read_payload() -> bytes:
         require_content_type(request, OCTET_STREAM)
-        data = await read_body(request, services.settings.max_body_bytes)
+        data = await read_body(request, services.settings.max_body_bytes, CLIP_ADVICE)
         body_read.set()
         return data
 

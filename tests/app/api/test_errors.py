@@ -279,6 +279,11 @@ def test_one_shot_errors(client):
     assert_error(client.post("/v1/refine", content=garbage(), headers=OCTET), 400, "invalid_payload")
     assert_error(client.post("/v1/refine", content=clip, headers={"content-type": "text/csv"}), 415,
                  "unsupported_media_type")
+    # A clip over max_body_bytes is told the way a long clip goes (a session's chunks), not a chunk's advice.
+    message = assert_error(client.post("/v1/refine", content=payload(torch.randn(1, 128, 8, 8, 8), EMBEDS),
+                                       headers=OCTET), 413, "payload_too_large")["error"]["message"]
+    assert "(max_body_bytes)" in message and "POST /v1/sessions" in message, message
+    assert "frames per chunk" not in message, message
 
 
 # --- the WebSocket: an error event, the stream goes on -------------------------------------------------------
