@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,10 +24,10 @@ KNOWN_GPUS = {"H100": "80GB", "H200": "141GB", "B200": "180GB"}
 def add_plan_parser(commands) -> None:
     plan = commands.add_parser(
         "plan", help="capacity plan: bytes per session, FLOPs per block, sessions per GPU (no weights loaded)")
-    source = plan.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="refiner folder (or its config.json); only config.json is read")
-    source.add_argument("--config", help="settings YAML (configs/sana-wm.yaml): its model folder's config.json, else "
-                                         "the released refiner's architecture; its dtype, geometry and defaults")
+    plan.add_argument("--model", help="refiner folder (or its config.json); only config.json is read (with "
+                                      "--config: instead of the settings' model, as serve's --model)")
+    plan.add_argument("--config", help="settings YAML (configs/sana-wm.yaml): its model folder's config.json, else "
+                                       "the released refiner's architecture; its dtype, geometry and defaults")
     plan.add_argument("--vae", help="an LTX-2 VAE folder (or its config.json) for sessions with video outputs: "
                                     "adds its decoder state per session (default: the settings' vae, if any)")
     plan.add_argument("--height", type=int, help="pixels (default: the settings' warm-up geometry, else 704)")
@@ -61,9 +62,14 @@ def plan_command(args: argparse.Namespace) -> int:
 
     from app.core.values import parse_bytes
 
+    if not (args.model or args.config):
+        print("error: plan needs --model DIR (a refiner folder), --config FILE (a settings YAML such as "
+              "configs/sana-wm.yaml), or both", file=sys.stderr)
+        return 2
     settings = load_settings(args.config) if args.config else Settings()
     if args.model:
-        config, source = read_config(args.model), str(args.model)
+        config, source = read_config(args.model), str(args.model) + (f" (settings from {args.config})"
+                                                                       if args.config else "")
     elif settings.model and (Path(settings.model) / "config.json").is_file():
         config, source = read_config(settings.model), f"{settings.model} (from {args.config})"
     else:

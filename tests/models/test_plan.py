@@ -180,3 +180,25 @@ def test_the_compute_column_keeps_back_what_realtime_admission_keeps_back(tmp_pa
         assert main(["plan", "--config", str(settings), "--json", "--tflops", "1", "--height", "128", "--width", "128",
                      *flags]) == 0
         assert json.loads(capsys.readouterr().out)["max_load"] == expected
+
+
+def test_plan_takes_a_model_folder_besides_the_settings_as_serve_does(tmp_path, capsys):
+    # `serve --config configs/sana-wm.yaml --model DIR` is how operations.md serves weights kept elsewhere; `plan`
+    # refused the same pair ("argument --model: not allowed with argument --config").
+    from app.cli.commands import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(_config("tiny")))
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("model: /nowhere/sana-wm-refiner\nwarmup_height: 8\nwarmup_width: 6\ndtype: float32\n"
+                        "default_block_size: 2\n")
+    assert main(["plan", "--config", str(settings), "--model", str(model), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["source"] == f"{model} (settings from {settings})"
+    assert plan["weights"]["parameters"] == sum(p.numel() for p in meta_model(_config("tiny")).parameters())
+    assert (plan["stream"]["height"], plan["stream"]["width"], plan["stream"]["block_size"]) == (256, 192, 2)
+    assert plan["dtype"] == "float32"
+    # Neither: one line saying what to give.
+    assert main(["plan"]) == 2
+    assert "plan needs --model DIR (a refiner folder), --config FILE" in capsys.readouterr().err
