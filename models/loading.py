@@ -105,9 +105,22 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         return torch.device("meta")
     if device == "cpu" or device.startswith("cuda"):
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
+            raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available: {cuda_missing()}")
         return _indexed(torch.device(device))
     raise ModelLoadError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N', 'auto' or 'meta' (shapes only)")
+
+
+def cuda_missing() -> str:
+    """Why ``torch.cuda.is_available()`` is False, and what to do: a CPU-only build of torch (what the ``[cpu]``
+    extra installs) cannot see a GPU whatever the machine has; a CUDA build that sees none points at the driver or
+    the GPUs this process may use."""
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build; on a GPU machine install a CUDA build of "
+                "torch (2.11 or newer) and the project without the [cpu] extra, which pins the CPU build "
+                "(`pip install -e .` keeps the machine's own torch), or use 'cpu' or 'auto'")
+    return (f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) sees no GPU; check the driver "
+            "(nvidia-smi), CUDA_VISIBLE_DEVICES and, in a container, its GPU access (docker run --gpus, a "
+            "Kubernetes nvidia.com/gpu limit), or use 'cpu' or 'auto'")
 
 
 def _indexed(device: torch.device) -> torch.device:

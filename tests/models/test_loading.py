@@ -111,8 +111,14 @@ def test_device_and_dtype_resolution():
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         resolve_dtype("float8", torch.device("cpu"))
     if not torch.cuda.is_available():
-        with pytest.raises(ModelLoadError, match="CUDA is not available"):
+        with pytest.raises(ModelLoadError, match="CUDA is not available") as caught:
             resolve_device("cuda")
+        # It says why and what to do: a CPU-only torch (the [cpu] extra's) is to be replaced, not served on a CPU.
+        if torch.version.cuda is None:
+            assert f"this torch ({torch.__version__}) is a CPU-only build" in str(caught.value)
+            assert "without the [cpu] extra" in str(caught.value)
+        else:
+            assert "sees no GPU; check the driver (nvidia-smi), CUDA_VISIBLE_DEVICES" in str(caught.value)
 
 
 def test_a_cuda_device_always_carries_its_index(monkeypatch):
