@@ -95,7 +95,11 @@ def plan_command(args: argparse.Namespace) -> int:
     if vae:
         file = Path(vae) / "config.json" if Path(vae).is_dir() else Path(vae)
         if not file.is_file():
-            raise FileNotFoundError(f"--vae {vae!r}: no config.json there; pass an AutoencoderKLLTX2Video folder")
+            from models.errors import ModelLoadError
+            from models.loading import VAE_CLASS, pipeline_hint
+
+            raise ModelLoadError(f"--vae {vae!r}: no config.json there; pass an {VAE_CLASS} folder"
+                                 f"{pipeline_hint(Path(vae), [VAE_CLASS])}")
         vae_config = json.loads(file.read_text())
     dtype_name = args.dtype or (settings.dtype if settings.dtype != "auto" else "bf16")
     gpus = _gpus(args.gpu_memory, args.tflops)

@@ -191,7 +191,7 @@ def test_weights_that_do_not_fit_the_config_fail_clearly(breakage, fragment, tin
         load_refiner(folder, device="cpu", dtype="float32")
 
 
-def test_a_whole_pipeline_release_names_the_subfolder_to_pass(tiny_dir, tmp_path):
+def test_a_whole_pipeline_release_names_the_subfolder_to_pass(tiny_dir, tmp_path, capsys):
     """A downloaded diffusers release is a pipeline folder (model_index.json, one subfolder per component): pointed
     at it, the loaders, `plan` and `serve`'s checks name the subfolder holding the refiner (or the VAE) instead of
     only saying config.json is missing."""
@@ -217,6 +217,11 @@ def test_a_whole_pipeline_release_names_the_subfolder_to_pass(tiny_dir, tmp_path
         with pytest.raises(ModelLoadError, match="diffusers pipeline folder") as caught:
             load()
         assert str(caught.value).endswith(hint), caught.value
+    # `plan --vae` pointed at the release names the subfolder too (it said only "no config.json there").
+    from app.cli.commands import main
+
+    assert main(["plan", "--model", str(release / "transformer"), "--vae", str(release)]) == 2
+    assert capsys.readouterr().err.rstrip().endswith(vae_hint)
     # The subfolders named load; a folder that is no release gets no hint.
     load_refiner(release / "transformer", "cpu")
     with pytest.raises(ModelLoadError) as caught:
