@@ -70,12 +70,13 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.model:
         config, source = read_config(args.model), str(args.model) + (f" (settings from {args.config})"
                                                                        if args.config else "")
-    elif settings.model and (Path(settings.model) / "config.json").is_file():
-        config, source = read_config(settings.model), f"{settings.model} (from {args.config})"
-    else:
+    elif settings.model and Path(settings.model).exists():  # here: read (a release's top folder is named as such)
+        config, source = read_config(settings.model), f"{settings.model} (the settings' model)"
+    else:  # planning away from the weights: the released architecture
         config = released_config()
-        source = (f"the released refiner's architecture (diffusers' defaults; {args.config}'s model folder "
-                  f"{settings.model!r} has no config.json here)")
+        where = (f"the settings' model folder {settings.model!r} is not on this machine" if settings.model
+                 else "the settings name no model folder")
+        source = f"the released refiner's architecture (diffusers' defaults; {where})"
     scale = [int(v) for v in config.get("vae_scale_factors", (8, 32, 32))]
     from_settings = bool(args.config)
     height = args.height or (settings.warmup_height * scale[1] if from_settings else 704)
@@ -90,7 +91,7 @@ def plan_command(args: argparse.Namespace) -> int:
         batch=args.batch, prompt_tokens=args.prompt_tokens,
         positions=args.positions or settings.default_positions,
     )
-    vae = args.vae or (settings.vae if settings.vae and (Path(settings.vae) / "config.json").is_file() else None)
+    vae = args.vae or (settings.vae if settings.vae and Path(settings.vae).exists() else None)
     vae_config = None
     if vae:
         file = Path(vae) / "config.json" if Path(vae).is_dir() else Path(vae)
@@ -98,7 +99,8 @@ def plan_command(args: argparse.Namespace) -> int:
             from models.errors import ModelLoadError
             from models.loading import VAE_CLASS, pipeline_hint
 
-            raise ModelLoadError(f"--vae {vae!r}: no config.json there; pass an {VAE_CLASS} folder"
+            named = "--vae" if args.vae else "the settings' vae"
+            raise ModelLoadError(f"{named} {vae!r}: no config.json there; pass an {VAE_CLASS} folder"
                                  f"{pipeline_hint(Path(vae), [VAE_CLASS])}")
         vae_config = json.loads(file.read_text())
     dtype_name = args.dtype or (settings.dtype if settings.dtype != "auto" else "bf16")

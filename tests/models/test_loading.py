@@ -222,6 +222,13 @@ def test_a_whole_pipeline_release_names_the_subfolder_to_pass(tiny_dir, tmp_path
 
     assert main(["plan", "--model", str(release / "transformer"), "--vae", str(release)]) == 2
     assert capsys.readouterr().err.rstrip().endswith(vae_hint)
+    # And so does `plan --config` whose settings name the release (it planned diffusers' default architecture, or
+    # latents only, as if the folders were not on this machine).
+    for setting, hint in (("model", refiner_hint), ("vae", vae_hint)):
+        settings = tmp_path / f"{setting}.yaml"
+        settings.write_text(f"model: {release / 'transformer'}\n{setting}: {release}\n")
+        assert main(["plan", "--config", str(settings)]) == 2
+        assert capsys.readouterr().err.rstrip().endswith(hint)
     # The subfolders named load; a folder that is no release gets no hint.
     load_refiner(release / "transformer", "cpu")
     with pytest.raises(ModelLoadError) as caught:
