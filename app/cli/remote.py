@@ -492,6 +492,11 @@ def sessions_command(args: argparse.Namespace) -> int:
         if args.delete:
             refused = 0
             for session_id in args.delete:  # each one, whatever became of the others (exit 2 if any was refused)
+                if not spec.is_session_id(session_id):
+                    print(f"error: {session_id[:80]!r} is no session id (8 to 64 of A-Z, a-z, 0-9, '_' and '-'); "
+                          "`python -m app sessions` lists the ids", file=sys.stderr)
+                    refused += 1
+                    continue
                 try:
                     client.delete_session(session_id)
                 except APIError as exc:

@@ -149,6 +149,13 @@ def test_sessions_lists_and_deletes(server):
     several = run_cli("sessions", "--server", server.base_url, "--delete", session.id, other.id)
     assert several.returncode == 2 and f"deleted {other.id}" in several.stdout, several
     assert f"error: {session.id}: 404" in several.stderr
+    # An id no session can have (a typo, a truncated paste) is one of them too: said, and the rest still deleted (it
+    # ended the command with "error (ValueError): ...; choose one such id", the ids after it untried).
+    with Client(server.base_url) as client:
+        last = client.create_session()
+    mistyped = run_cli("sessions", "--server", server.base_url, "--delete", "abc", last.id)
+    assert mistyped.returncode == 2 and f"deleted {last.id}" in mistyped.stdout, mistyped
+    assert mistyped.stderr.startswith("error: 'abc' is no session id (8 to 64 of A-Z, a-z, 0-9, '_' and '-'"), mistyped
 
 
 def _watchers(server, session_id: str, count: int) -> None:
