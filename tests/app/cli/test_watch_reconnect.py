@@ -4,6 +4,8 @@ stream's "reconnect with ?resume_from=" hint, which the command has no way to fo
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from app.cli import watch
@@ -16,6 +18,20 @@ def _closed(code: int) -> TransportError:
     return TransportError("the watch ended before the session's flush", close_code=code)
 
 
+class FakeWatch:
+    """What ``Session.watch`` returns: its events, then ``frames`` (the done event's count) once they ended."""
+
+    def __init__(self, events, end, frames):
+        self.events, self.end, self.frames = events, end, None
+        self._frames = frames
+
+    def __iter__(self):
+        yield from self.events
+        if self.end is not None:
+            raise self.end
+        self.frames = self._frames
+
+
 class FakeSession:
     def __init__(self, runs, states):
         self.runs, self.states, self.watches = list(runs), list(states), 0
@@ -23,9 +39,7 @@ class FakeSession:
     def watch(self, outputs, video_format=None):
         self.watches += 1
         events, end = self.runs.pop(0)
-        yield from events
-        if end is not None:
-            raise end
+        return FakeWatch(events, end, frames=3)
 
     def state(self):
         outcome = self.states.pop(0)
@@ -37,8 +51,9 @@ class FakeSession:
 def test_a_drain_1012_reconnects_and_the_watch_goes_on(monkeypatch, capsys):
     monkeypatch.setattr("time.sleep", lambda s: None)
     session = FakeSession([(["a"], _closed(1012)), (["b", "c"], None)],
-                          [ServiceUnavailableError("draining", status=503), {"ok": True}])
-    assert list(watch._follow(session, None, None)) == ["a", "b", "c"]
+                          [ServiceUnavailableError("draining", status=503),
+                           SimpleNamespace(frames_returned=1, flushed=False)])
+    assert list(watch._follow(session, None, None)) == ["a", watch.Rejoined(1, False), "b", "c", watch.Finished(3)]
     assert session.watches == 2
     assert "restarting (close 1012)" in capsys.readouterr().err
 
