@@ -394,6 +394,20 @@ class Settings(_SessionDefaults):
     def _replica_id_safe(cls, value: str) -> str:
         return check_replica_id(value)
 
+    @field_validator("api_key", "peer_api_key")
+    @classmethod
+    def _key_without_surrounding_space(cls, value: str | None, info) -> str | None:
+        # A key read from a file or a Kubernetes secret often ends with a newline. Clients send the key without it
+        # (a header's value has no surrounding space), so as configured it could never match: every request 401.
+        # The value itself is never in the message (it may be a real key).
+        if value is None or value == "":
+            return value
+        stripped = value.strip()
+        if not stripped:
+            raise ValueError(f"{info.field_name} is only whitespace; give the key, or leave it unset to run without "
+                             "authentication")
+        return stripped
+
     @field_validator("snapshot_signing_key")
     @classmethod
     def _signing_key_long_enough(cls, value: str | None) -> str | None:

@@ -196,3 +196,26 @@ def test_one_request_tries_one_key_per_channel(client):
     with client.websocket_connect(url, subprotocols=["wm-refiner", bearer_subprotocol(KEY)], headers=GOOD) as ws:
         ws.send_text('{"type": "flush"}')
         assert ws.receive_text() == '{"type": "done", "frames": 0}'
+
+
+def test_a_key_configured_with_a_trailing_newline_is_the_key_without_it(checkpoint_dir, tmp_path, monkeypatch):
+    """A key read from a file or a Kubernetes secret ends with a newline; clients send the key without it, so, as
+    configured, it matched no request (every call 401). It is the key without the space around it; a key of
+    whitespace only is refused at start-up (it would otherwise mean "no authentication" or "nobody"), without
+    the value in the message."""
+    from pydantic import ValidationError
+
+    from app.core.settings import Settings
+
+    monkeypatch.setenv("WM_REFINER_API_KEY", f"{KEY}\n")
+    settings = Settings(model=str(checkpoint_dir), device="cpu", dtype="float32", cache_dir=tmp_path)
+    assert settings.api_key == KEY
+    with running_app(settings) as client:
+        assert client.get("/v1/info", headers=GOOD).status_code == 200
+        assert client.get("/v1/info", headers=WRONG).status_code == 401
+    monkeypatch.setenv("WM_REFINER_API_KEY", " \n")
+    with pytest.raises(ValidationError) as refused:
+        Settings(model=str(checkpoint_dir), device="cpu", dtype="float32", cache_dir=tmp_path)
+    assert "api_key is only whitespace" in str(refused.value)
+    monkeypatch.delenv("WM_REFINER_API_KEY")
+    assert Settings(peer_api_key=" peer-key ", cache_dir=tmp_path).peer_api_key == "peer-key"
