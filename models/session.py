@@ -162,7 +162,8 @@ class FiniteCheck:
             f"inputs are finite: their latents reach |x| = {largest:.3g} and prompt_embeds |x| = "
             f"{prompt_largest:.3g}, too large for the model in {str(self.dtype).removeprefix('torch.')}; nothing of "
             "it was kept (the session is as before these frames): send latents and prompt_embeds at the scale the "
-            "stage-1 model produces (|x| of order 1 to 10)"
+            "stage-1 model produces (|x| of order 1 to 10). The prompt_embeds in effect may have come with an "
+            "earlier chunk: it stays until a chunk brings another, so send prompt_embeds again with these frames"
         )
 
 

@@ -276,6 +276,28 @@ def test_a_chunk_that_refines_to_non_finite_values_is_refused_and_the_session_is
     assert all(torch.equal(a.latents, b.latents) for a, b in zip(first + rest, uninterrupted))
 
 
+def test_a_prompt_too_large_that_came_before_its_block_is_named_and_a_new_prompt_with_the_frames_recovers():
+    """A prompt switch with too few frames to finish a block is taken (nothing is refined yet); the block that
+    then refines to Inf fails, and so would every retry of its frames alone, the prompt being still in effect: the
+    error says so, and the same frames sent again with a sane prompt continue the session."""
+    from models import RefinerSession, SessionConfig, from_model
+    from models.checkpoints import build_model
+    from models.errors import NonFiniteOutputError
+
+    refiner = from_model(build_model("tiny"))
+    config = SessionConfig(block_size=2, kv_max_frames=5)
+    latents, embeds = make_inputs(frames=7, seed=4)
+    session = RefinerSession(refiner, config)
+    session.push(latents[:, :, :3], embeds)  # sink and one block
+    assert session.push(latents[:, :, 3:4], torch.full_like(embeds, 3e38)) == []  # half a block: nothing to refine
+    for _ in range(2):  # the retry of the frames alone fails the same way: the prompt is still in effect
+        with pytest.raises(NonFiniteOutputError, match="prompt_embeds in effect may have come with an earlier chunk"):
+            session.push(latents[:, :, 4:5])
+    units = session.push(latents[:, :, 4:5], embeds)
+    assert [(u.frame_start, u.frame_end) for u in units] == [(3, 5)]
+    assert torch.isfinite(units[0].latents).all()
+
+
 @pytest.mark.parametrize("deferred", [False, True], ids=["read_at_commit", "read_late"])
 def test_push_undoes_a_chunk_whose_second_block_is_poisoned_with_a_full_history(deferred):
     """All or nothing when the chunk's first block committed and pushed history out, on both paths of the finite
