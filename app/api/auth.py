@@ -28,6 +28,8 @@ from app.core.error_kinds import ApiError, WS_POLICY_VIOLATION
 BEARER_SUBPROTOCOL = b"wm-refiner.bearer."
 # The plain subprotocol the view page offers beside the key.
 PLAIN_SUBPROTOCOL = "wm-refiner"
+# The operator routes (app.api.routes.admin), which admin_api_key guards instead of api_key when it is set.
+ADMIN_PREFIX = "/v1/admin/"
 
 
 def select_subprotocol(offered: Iterable[str]) -> str | None:
@@ -50,22 +52,32 @@ class ApiKeyMiddleware:
         api_key: str | None,
         public_paths: Iterable[str],
         on_reject: Callable[[ApiError], None] | None = None,
+        admin_key: str | None = None,
     ):
         self.app = app
         self.expected = api_key.encode() if api_key else None
+        # The operator routes' own key, when one is set: there it replaces api_key (a client key drains nothing).
+        self.admin_expected = admin_key.encode() if admin_key else None
         self.public_paths = frozenset(public_paths)
         self.on_reject = on_reject
 
     async def __call__(self, scope, receive, send) -> None:
+        admin = self.admin_expected is not None and scope.get("path", "").startswith(ADMIN_PREFIX)
+        expected = self.admin_expected if admin else self.expected
         if (
-            self.expected is None
+            expected is None
             or scope["type"] not in ("http", "websocket")
             or scope["path"] in self.public_paths
-            or self._authorized(scope)
+            or self._authorized(scope, expected)
         ):
             await self.app(scope, receive, send)
             return
-        message = "missing or wrong API key; send the header 'Authorization: Bearer <key>' (query-string keys are ignored)"
+        if admin:
+            message = ("missing or wrong admin key: the operator routes (/v1/admin/) take admin_api_key, not the "
+                       "clients' api_key; send the header 'Authorization: Bearer <admin key>'")
+        else:
+            message = ("missing or wrong API key; send the header 'Authorization: Bearer <key>' (query-string keys "
+                       "are ignored)")
         if scope["type"] == "websocket":  # a browser cannot set that header on a WebSocket
             message += ("; a browser's WebSocket offers the subprotocol 'wm-refiner.bearer.<key as base64url, "
                         "unpadded>' instead")
@@ -87,7 +99,7 @@ class ApiKeyMiddleware:
         else:  # a server without the denial-response extension: refuse the handshake the only way left
             await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION, "reason": "unauthorized"})
 
-    def _authorized(self, scope) -> bool:
+    def _authorized(self, scope, expected: bytes) -> bool:
         # One credential of each kind per request: Authorization is a singleton field (RFC 9110 11.6.2), and a
         # request that carried many (headers, or bearer subprotocols on a WebSocket) tried that many keys at once:
         # 2,000 guesses fit in one request head under max_header_bytes.
@@ -104,11 +116,11 @@ class ApiKeyMiddleware:
             return False
         for value in headers:
             scheme, _, token = value.partition(b" ")
-            if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+            if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected):
                 return True
         for protocol in keys:
             key = _subprotocol_key(protocol)
-            if key is not None and hmac.compare_digest(key, self.expected):
+            if key is not None and hmac.compare_digest(key, expected):
                 return True
         return False
 

@@ -91,7 +91,8 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
     # Errors raised by the routes, not by the middlewares around them.
     app.add_middleware(AnswerUnexpectedErrors, services=services)
     app.add_middleware(
-        ApiKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS, on_reject=services.reject
+        ApiKeyMiddleware, api_key=settings.api_key, public_paths=PUBLIC_PATHS, on_reject=services.reject,
+        admin_key=settings.admin_api_key,
     )
     app.add_middleware(HttpMetricsMiddleware, services=services)
     # A preflight is answered before the API-key check, and every answer (errors too) gets the CORS headers; a

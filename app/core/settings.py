@@ -121,6 +121,11 @@ class Settings(_SessionDefaults):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: str | None = Field(default=None, repr=False, description="unset: no authentication")
+    admin_api_key: str | None = Field(
+        default=None, repr=False,
+        description="the key of the operator routes (/v1/admin/*: the drain); set, api_key no longer opens them (a "
+        "client with the service's key cannot drain a replica); unset: api_key guards them like every route",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     forwarded_allow_ips: str | None = Field(
         default=None,
@@ -394,7 +399,7 @@ class Settings(_SessionDefaults):
     def _replica_id_safe(cls, value: str) -> str:
         return check_replica_id(value)
 
-    @field_validator("api_key", "peer_api_key")
+    @field_validator("api_key", "admin_api_key", "peer_api_key")
     @classmethod
     def _key_without_surrounding_space(cls, value: str | None, info) -> str | None:
         # A key read from a file or a Kubernetes secret often ends with a newline. Clients send the key without it

@@ -129,3 +129,34 @@ def test_the_image_copies_every_package_the_project_installs():
               for source in match.group(1).split()}
     missing = [package for package in packages if (root / package).is_dir() and package not in copied]
     assert not missing, f"the Dockerfile does not COPY {missing}, which pyproject installs"
+
+
+def test_the_prestop_hook_drains_with_the_admin_key_from_the_secret(tmp_path):
+    """The pod's preStop script, run as Kubernetes runs it (python -c, the pod's environment), against a real
+    server that has its own admin key: it sends WM_REFINER_ADMIN_API_KEY (a secret's value, newline and all), not
+    the clients' key, and the server drains."""
+    import os
+    import sys
+
+    import httpx
+
+    from app.core.settings import Settings
+    from bench.live import ThreadServer
+    from models.checkpoints import write_checkpoint
+
+    pod = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "refiner")
+    container = pod["spec"]["template"]["spec"]["containers"][0]
+    env_names = {e["name"] for e in container["env"]}
+    assert {"WM_REFINER_API_KEY", "WM_REFINER_ADMIN_API_KEY"} <= env_names
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python", "-c"]
+    settings = Settings(model=str(write_checkpoint(tmp_path / "m", preset="tiny")), device="cpu", dtype="float32",
+                        cache_dir=tmp_path / "c", api_key="client-key", admin_api_key="admin-key")
+    with ThreadServer(settings) as server:
+        script = command[2].replace("http://127.0.0.1:8000", server.base_url)
+        environment = {**os.environ, "WM_REFINER_API_KEY": "client-key\n", "WM_REFINER_ADMIN_API_KEY": "admin-key\n"}
+        result = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        ready = httpx.get(f"{server.base_url}/ready", timeout=30)
+        assert ready.status_code == 503 and "draining" in ready.text, ready.text

@@ -169,7 +169,8 @@ def test_the_subprotocol_key_is_base64url():
     middleware = ApiKeyMiddleware(None, key, public_paths=())
 
     def authorized(protocol: str, kind: str = "websocket") -> bool:
-        return middleware._authorized({"type": kind, "headers": [(b"sec-websocket-protocol", protocol.encode())]})
+        return middleware._authorized({"type": kind, "headers": [(b"sec-websocket-protocol", protocol.encode())]},
+                                      key.encode())
 
     assert bearer_subprotocol(key) == "wm-refiner.bearer.d20-Pj4_Pz9rZXk"
     assert authorized("wm-refiner, " + bearer_subprotocol(key))
@@ -219,3 +220,31 @@ def test_a_key_configured_with_a_trailing_newline_is_the_key_without_it(checkpoi
     assert "api_key is only whitespace" in str(refused.value)
     monkeypatch.delenv("WM_REFINER_API_KEY")
     assert Settings(peer_api_key=" peer-key ", cache_dir=tmp_path).peer_api_key == "peer-key"
+
+
+ADMIN = "adm1n-key"
+
+
+def test_with_an_admin_key_only_it_drains_and_it_opens_nothing_else(checkpoint_dir, tmp_path):
+    """admin_api_key set: the operator routes take it and not the clients' api_key (a client holding the service's
+    key drained a replica), and it opens no client route. Without api_key, the client routes stay open and the
+    drain still needs the admin key."""
+    from app.core.settings import Settings
+
+    def settings(**keys):
+        return Settings(model=str(checkpoint_dir), device="cpu", dtype="float32", cache_dir=tmp_path, **keys)
+
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    with running_app(settings(api_key=KEY, admin_api_key=f"{ADMIN}\n")) as client:
+        refused = client.post("/v1/admin/drain", headers=GOOD)
+        assert refused.status_code == 401
+        assert "admin_api_key" in refused.json()["error"]["message"]
+        assert client.get("/v1/info", headers=admin).status_code == 401  # the admin key is no client key
+        assert client.get("/v1/info", headers=GOOD).status_code == 200
+        assert client.get("/ready").status_code == 200  # nothing was drained
+        drained = client.post("/v1/admin/drain", headers=admin)
+        assert drained.status_code == 200 and drained.json()["draining"] is True
+    with running_app(settings(admin_api_key=ADMIN)) as client:
+        assert client.get("/v1/info").status_code == 200
+        assert client.post("/v1/admin/drain").status_code == 401
+        assert client.get("/ready").status_code == 200
