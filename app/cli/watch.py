@@ -160,9 +160,12 @@ def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_F
     while True:
         try:
             watch = session.watch(outputs, video_format=video_format)
-            for event in watch:
-                deadline = None
-                yield event
+            try:
+                for event in watch:
+                    deadline = None
+                    yield event
+            finally:
+                watch.close()  # this generator closed early (a gap, Ctrl-C): the connection closes now, not at exit
             yield Finished(watch.frames)
             return
         except TransportError as exc:

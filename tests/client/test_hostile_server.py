@@ -731,6 +731,30 @@ def np_bytes(values):
     return np.asarray(values, np.float32).tobytes()
 
 
+def test_python_m_app_watchs_events_closed_early_close_the_watchs_connection():
+    """``watch_command`` stops reading at a gap (or Ctrl-C) and closes its events (``_follow``) so that the watch's
+    connection closes then, not when the command has written its files and returned: the server goes on offering
+    units to a watcher that is still attached. ``_follow`` iterates a ``Watch`` object, whose connection closing
+    the generator used to leave open."""
+    from app.cli import watch
+    from wm_refiner_client.client import Session
+
+    closed = threading.Event()
+
+    async def handler(ws):
+        await ws.send(_unit(0, 1))
+        await ws.wait_closed()  # the client closes; this server never does
+        closed.set()
+
+    with FakeWS(handler, info=INFO) as fake, Client(fake.url, retry=FAST) as client:
+        events = watch._follow(Session(client, SID, LATENTS_ONLY), None, None)
+        first = next(events)
+        assert (first.frame_start, first.frame_end) == (0, 1)
+        events.close()
+        assert closed.wait(10), "the watch's connection is still open after its events were closed"
+        assert fake.connections == 1
+
+
 def test_python_m_app_watch_writes_frames_sent_again_once(tmp_path):
     """A unit that repeats frames the watch holds (a replica that adopted an older checkpoint refines them again)
     was appended whole: the file held frames [2, 4) twice. Only its new frames are kept."""

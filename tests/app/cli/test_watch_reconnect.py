@@ -31,6 +31,9 @@ class FakeWatch:
             raise self.end
         self.frames = self._frames
 
+    def close(self):
+        pass
+
 
 class FakeSession:
     def __init__(self, runs, states):
