@@ -385,9 +385,9 @@ class AsyncStream(AsyncIterator[Unit]):
                     log.info("%s", protocol.reconnect_note(wait), extra={"wait_s": wait})
                 await asyncio.sleep(wait)
                 limit = await client._message_limit(protocol.what, protocol.config, protocol.geometry)
+                opening = protocol.connect_timeout(client.timeout)  # raises once the deadline passed: not a refusal
                 try:
-                    ws = await client._connect(session_path(session.id, "/stream"), protocol.query(), limit,
-                                               protocol.connect_timeout(client.timeout))
+                    ws = await client._connect(session_path(session.id, "/stream"), protocol.query(), limit, opening)
                 except (APIError, TransportError) as exc:
                     protocol.refused(exc, getattr(exc, "replica", None))
                     continue

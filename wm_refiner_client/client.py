@@ -542,9 +542,9 @@ class Stream(Iterator[Unit]):
                 log.info("%s", protocol.reconnect_note(wait), extra={"wait_s": wait})
             time.sleep(wait)
             limit = client._message_limit(protocol.what, protocol.config, protocol.geometry)
+            opening = protocol.connect_timeout(client.timeout)  # raises once the deadline passed: not a refusal
             try:
-                ws = client._connect(session_path(session.id, "/stream"), protocol.query(), limit,
-                                     protocol.connect_timeout(client.timeout))
+                ws = client._connect(session_path(session.id, "/stream"), protocol.query(), limit, opening)
             except (APIError, TransportError) as exc:
                 protocol.refused(exc, getattr(exc, "replica", None))
                 continue

@@ -620,6 +620,35 @@ def _unit(start, end):
                         {"latents": ("F32", [1, 1, end - start, 1, 1], b"\0" * 4 * (end - start))})
 
 
+def test_a_deadline_that_passes_before_a_connection_opens_is_said_once():
+    """A stream that has sent no chunk learns its message limit from GET /v1/info before each connection; when that
+    answer is slow, the deadline can pass between the wait and the connection. That was taken for a refused
+    connection (one more failed try) and the stream ended with the deadline's error wrapped in itself: "passed
+    without a connection (2 failed tries, the last: ... passed without a connection (1 failed try ...))"."""
+    import time
+
+    from wm_refiner_client import TransportError
+
+    def slow_info():
+        time.sleep(1.2)  # two of them pass the deadline, one does not
+        return INFO
+
+    async def handler(ws):
+        await ws.close(1011, "internal error")  # before the session event: the stream connects again
+
+    policy = RetryPolicy(attempts=50, backoff_s=0.01, max_backoff_s=0.01, deadline_s=2.0)
+    with FakeWS(handler, routes={"/v1/info": slow_info}) as fake:
+        errors = watch_both(fake.url, LATENTS_ONLY, call=lambda session: session.stream([]), retry=policy)
+        assert fake.connections == 2  # one per client: its second try was cut before it connected
+    for error in errors:
+        assert isinstance(error, TransportError), error
+        message = str(error)
+        assert message.startswith(f"stream of session {SID}: RetryPolicy.deadline_s (2 s) passed without a "
+                                  "connection (1 failed try, the last: TransportError (the stream closed before the "
+                                  "session event"), message
+        assert message.count("RetryPolicy.deadline_s") == 1, message
+
+
 def test_a_connected_stream_outlasts_its_deadline_and_reconnects_within_it():
     """deadline_s bounds each reconnection, not the stream: a block that takes longer than it to come back, on a
     connection that stays open, is waited for; the connection dropped after it is opened again."""
