@@ -218,28 +218,24 @@ class FakeWS:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def stream_both(url, timeout=5.0, config=None, retry=FAST):
-    """A stream of 4 frames with the sync and the asyncio client: the errors they end with (bounded by ``timeout``
-    per connection and two connections)."""
-    import numpy as np
-
+def errors_of_both(url, config, call, retry=FAST, timeout=5.0):
+    """``call(session)`` (an iterator: a stream, a watch) with the sync and the asyncio client, over a handle made
+    without a request: the errors they end with."""
     from wm_refiner_client import WmRefinerError
     from wm_refiner_client.aio import AsyncSession
     from wm_refiner_client.client import Session
 
-    chunks = [np.zeros((1, 1, 4, 1, 1), np.float32)]
-    config = config or {"sink_frames": 1, "block_size": 3}
     errors = []
     with Client(url, retry=retry, timeout=timeout) as client:
         with pytest.raises(WmRefinerError) as sync_error:
-            list(Session(client, SID, config).stream(chunks))
+            list(call(Session(client, SID, config)))
         errors.append(sync_error.value)
 
     async def run():
         client = AsyncClient(url, retry=retry, timeout=timeout)
         try:
             with pytest.raises(WmRefinerError) as async_error:
-                async for _ in AsyncSession(client, SID, config).stream(chunks):
+                async for _ in call(AsyncSession(client, SID, config)):
                     pass
             errors.append(async_error.value)
         finally:
@@ -248,6 +244,16 @@ def stream_both(url, timeout=5.0, config=None, retry=FAST):
     asyncio.run(run())
     assert len(errors) == 2
     return errors
+
+
+def stream_both(url, timeout=5.0, config=None, retry=FAST):
+    """A stream of 4 frames with the sync and the asyncio client: the errors they end with (bounded by ``timeout``
+    per connection and two connections)."""
+    import numpy as np
+
+    chunks = [np.zeros((1, 1, 4, 1, 1), np.float32)]
+    return errors_of_both(url, config or {"sink_frames": 1, "block_size": 3}, lambda session: session.stream(chunks),
+                          retry, timeout)
 
 
 def test_a_stream_whose_server_never_sends_the_session_event_gives_up():
@@ -510,31 +516,8 @@ INFO = {"model": {"channels": 8}, "limits": {"max_batch": 2, "max_frame_tokens":
 
 
 def watch_both(url, config, call=lambda session: session.watch(), retry=FAST, timeout=5.0):
-    """``call(session)`` (an iterator of watch items) with the sync and the asyncio client, over a handle made
-    without a request: the errors they end with."""
-    from wm_refiner_client import WmRefinerError
-    from wm_refiner_client.aio import AsyncSession
-    from wm_refiner_client.client import Session
-
-    errors = []
-    with Client(url, retry=retry, timeout=timeout) as client:
-        with pytest.raises(WmRefinerError) as sync_error:
-            list(call(Session(client, SID, config)))
-        errors.append(sync_error.value)
-
-    async def run():
-        client = AsyncClient(url, retry=retry, timeout=timeout)
-        try:
-            with pytest.raises(WmRefinerError) as async_error:
-                async for _ in call(AsyncSession(client, SID, config)):
-                    pass
-            errors.append(async_error.value)
-        finally:
-            await client.aclose()
-
-    asyncio.run(run())
-    assert len(errors) == 2
-    return errors
+    """``errors_of_both`` of a watch (or of ``call``)."""
+    return errors_of_both(url, config, call, retry, timeout)
 
 
 @pytest.mark.parametrize("kind", ["binary", "text"])
