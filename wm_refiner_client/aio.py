@@ -378,7 +378,7 @@ class AsyncStream(AsyncIterator[Unit]):
         session._seq.forget()
         try:
             while True:
-                if protocol.geometry is None:  # the size of what may come back follows from the first chunk's
+                if protocol.reads_first_chunk():  # the size of what may come back follows from the first chunk's
                     protocol.expect(await feed.peek())
                 wait = protocol.wait_before_connect()
                 if wait:

@@ -535,7 +535,7 @@ class Stream(Iterator[Unit]):
         session, client, protocol = self.session, self.session.client, self._protocol
         session._seq.forget()  # stream messages count as chunks: the handle asks the server before its next send
         while True:
-            if protocol.geometry is None:  # the size of what may come back follows from the first chunk's
+            if protocol.reads_first_chunk():  # the size of what may come back follows from the first chunk's
                 protocol.expect(feed.peek())
             wait = protocol.wait_before_connect()
             if wait:

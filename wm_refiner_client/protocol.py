@@ -412,8 +412,8 @@ class StreamProtocol:
         self.session_id = session_id
         self.what = f"stream of session {session_id}"
         # (B, C, H, W) of the session's latents, which bounds the size of a unit (``_common.MessageLimit``): the
-        # handle's (its HTTP chunks'), else the first chunk's (``expect``, before the first connection), else None
-        # (a stream that sends nothing: the driver takes the widest the server allows).
+        # handle's (its HTTP chunks'), else the first chunk's (``expect``: before the first connection when
+        # ``reads_first_chunk``, else as it is sent), else None (the driver takes the widest the server allows).
         self.geometry = geometry
         self.config = dict(config)
         self.policy = policy
@@ -615,6 +615,14 @@ class StreamProtocol:
             return WAIT
         self._flush_sent = True
         return FLUSH_MESSAGE
+
+    def reads_first_chunk(self) -> bool:
+        """Whether the driver reads the caller's next chunk before it connects, for the geometry that bounds what may
+        come back: only while the stream has none and the caller holds no unit of the session. A caller that holds
+        some continues a session whose units a resume may replay, and may wait for them before it yields its next
+        chunk (a closed-loop source): a driver waiting for that chunk first would wait for ever. It connects then
+        with the widest bound the server allows, and the chunks it sends give the geometry for the next connection."""
+        return self.geometry is None and self.tracker.frames == 0
 
     def expect(self, item: Any) -> None:
         """The caller's next chunk, not taken yet (None: there is none): its geometry, when the stream has none."""

@@ -160,6 +160,57 @@ def test_a_cancelled_async_stream_continues_from_the_frames_the_caller_kept(serv
         assert client.get_session(client.create_session().id, frames_returned=0).frames_returned == 0
 
 
+def test_a_closed_loop_source_that_waits_for_the_replayed_units_is_not_waited_for_first(server, reference):
+    """A program continuing a session it holds units of (``get_session(id, frames_returned=K)``) with a source that
+    yields its next chunk only once the units a resume replays have come (a closed loop: the next input follows the
+    last output). The stream must connect before it has that chunk; it read the first chunk first (for the size
+    that bounds what may come back), and both waited for each other for ever."""
+
+    async def run():
+        async with AsyncClient(server.base_url) as client:
+            session = await client.create_session()
+            kept: list = []
+            never = asyncio.Event()
+
+            async def source():
+                yield LATENTS[:, :, :8]
+                await never.wait()
+
+            async def consume():
+                async for unit in session.stream(source(), prompt=PROMPT, prompt_mask=MASK):
+                    kept.append(unit)
+                    if len(kept) == 1:
+                        await never.wait()
+
+            task = asyncio.create_task(consume())
+            while not kept:
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(500):
+                state = await session.state()
+                if state.frames_returned == 7 and not state.streaming:
+                    break
+                await asyncio.sleep(0.02)
+            again = await client.get_session(session.id, frames_returned=kept[-1].frame_end)
+            replayed = asyncio.Event()
+
+            async def closed_loop():
+                await asyncio.wait_for(replayed.wait(), 30)  # the next input follows the last output
+                yield LATENTS[:, :, 8:]
+
+            rest = []
+            async for unit in again.stream(closed_loop()):
+                rest.append(unit)
+                replayed.set()
+            return kept, rest
+
+    kept, rest = asyncio.run(run())
+    assert [(unit.frame_start, unit.frame_end) for unit in rest][:2] == [(1, 4), (4, 7)]
+    assert np.array_equal(concat(kept + rest), reference)
+
+
 def test_sessions_info_state_watch_and_delete(server):
     with Client(server.base_url) as client:
         info = client.info()
