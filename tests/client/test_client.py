@@ -112,38 +112,45 @@ def test_async_client_http_and_stream(server, reference):
     assert np.array_equal(concat(streamed), reference)
 
 
+async def _stream_cancelled_after_its_first_unit(client):
+    """A session streamed 8 frames into by a program cancelled once it kept the first unit: (the session, the
+    units kept), with the server done sending the rest (blocks [1, 4) and [4, 7)) to the connection that went."""
+    session = await client.create_session()
+    kept: list = []
+    never = asyncio.Event()
+
+    async def source():
+        yield LATENTS[:, :, :8]
+        await never.wait()  # a live source that has nothing more yet
+
+    async def consume():
+        async for unit in session.stream(source(), prompt=PROMPT, prompt_mask=MASK):
+            kept.append(unit)
+            if len(kept) == 1:
+                await never.wait()  # the program is busy when it is cancelled
+
+    task = asyncio.create_task(consume())
+    while not kept:
+        await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(500):
+        state = await session.state()
+        if state.frames_returned == 7 and not state.streaming:
+            break
+        await asyncio.sleep(0.02)
+    return session, kept
+
+
 def test_a_cancelled_async_stream_continues_from_the_frames_the_caller_kept(server, reference):
     """A program cancelled mid-stream kept fewer frames than the server returned (units went to a connection that
     was gone): ``get_session(id, frames_returned=K)`` gets them again, so the clip comes out whole, bit for bit."""
 
     async def run():
         async with AsyncClient(server.base_url) as client:
-            session = await client.create_session()
-            kept: list = []
-            never = asyncio.Event()
-
-            async def source():
-                yield LATENTS[:, :, :8]
-                await never.wait()  # a live source that has nothing more yet
-
-            async def consume():
-                async for unit in session.stream(source(), prompt=PROMPT, prompt_mask=MASK):
-                    kept.append(unit)
-                    if len(kept) == 1:
-                        await never.wait()  # the program is busy when it is cancelled
-
-            task = asyncio.create_task(consume())
-            while not kept:
-                await asyncio.sleep(0.02)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            held = kept[-1].frame_end
-            for _ in range(500):
-                state = await session.state()
-                if state.frames_returned == 7 and not state.streaming:
-                    break
-                await asyncio.sleep(0.02)
+            session, kept = await _stream_cancelled_after_its_first_unit(client)
+            held, state = kept[-1].frame_end, await session.state()
             assert (held, state.frames_returned) == (1, 7)  # the sink kept; blocks [1, 4) and [4, 7) were sent
             assert (await client.get_session(session.id)).frames_returned == 7  # the server's count: a gap
             with pytest.raises(ValueError, match="returned only 7"):
@@ -168,31 +175,7 @@ def test_a_closed_loop_source_that_waits_for_the_replayed_units_is_not_waited_fo
 
     async def run():
         async with AsyncClient(server.base_url) as client:
-            session = await client.create_session()
-            kept: list = []
-            never = asyncio.Event()
-
-            async def source():
-                yield LATENTS[:, :, :8]
-                await never.wait()
-
-            async def consume():
-                async for unit in session.stream(source(), prompt=PROMPT, prompt_mask=MASK):
-                    kept.append(unit)
-                    if len(kept) == 1:
-                        await never.wait()
-
-            task = asyncio.create_task(consume())
-            while not kept:
-                await asyncio.sleep(0.02)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            for _ in range(500):
-                state = await session.state()
-                if state.frames_returned == 7 and not state.streaming:
-                    break
-                await asyncio.sleep(0.02)
+            session, kept = await _stream_cancelled_after_its_first_unit(client)
             again = await client.get_session(session.id, frames_returned=kept[-1].frame_end)
             replayed = asyncio.Event()
 
