@@ -136,7 +136,8 @@ CHUNK_400 = ("invalid_payload: the body is not a safetensors file, holds a tenso
              "flush=true is a flush without new frames); missing_input: no latents tensor, or the session's first "
              "chunk has no prompt_embeds and the server no default_prompt")
 CHUNK_409 = ("seq_conflict: seq is neither the next one nor the last accepted one (the message names the expected "
-             "seq); stream_closed: the session was flushed and takes no more chunks")
+             "seq), or it is the last accepted one with another body or flush, which is not a retry of it (the "
+             "message says what differs); stream_closed: the session was flushed and takes no more chunks")
 REFINE_400 = ("invalid_payload: the body is empty, not a safetensors file, or holds a tensor name other than "
               "latents, prompt_embeds, prompt_attention_mask; missing_input: no latents tensor, or no prompt_embeds "
               "while the server has no default_prompt")
@@ -207,8 +208,8 @@ def _example_header(seq: str, latency: str) -> dict[str, Any]:
 
 
 CHUNK_RESPONSE = _refined_payload(
-    "The frames this chunk finalized (possibly none: n = 0), in the session's outputs; a repeated seq gets the "
-    "stored bytes again (header X-Replayed: true), metadata included.",
+    "The frames this chunk finalized (possibly none: n = 0), in the session's outputs; a repeated seq with the "
+    "same body and flush gets the stored bytes again (header X-Replayed: true), metadata included.",
     "this chunk's index among the session's accepted chunks, HTTP and WebSocket, from 0: the query's seq when "
     "given",
     _example_header("0", "412.337"),

@@ -31,6 +31,7 @@ from models.session import check_finite
 from models.vae import StreamingDecoder
 from wm_refiner_client import spec
 
+from app.core.chunk_request import ChunkRequest
 from app.core.codec import EMPTY_CHUNK, EMPTY_MESSAGE, JSON_MESSAGE, LATENTS, PROMPT_EMBEDS, PROMPT_MASK, decode
 from app.core.error_kinds import ApiError
 from app.core.metrics import Metrics
@@ -225,7 +226,8 @@ class SessionOps:
     async def submit_chunk(self, session_id: str, seq: int | None, flush: bool, read_payload: ReadBody,
                            ) -> tuple[bytes, bool]:
         """One chunk, all or nothing: (the response's bytes, replayed). A repeat of the last ``seq`` gets the
-        stored response again instead of appending the frames twice. An empty body with ``flush`` is a flush
+        stored response again instead of appending the frames twice, if it is the same request (body and flush;
+        another one under that seq is 409). An empty body with ``flush`` is a flush
         without new frames (the stream's ``{"type": "flush"}``); without ``flush`` it is refused (400)."""
         services, settings = self.services, self.settings
         services.require_ready()
@@ -241,9 +243,10 @@ class SessionOps:
                 latents = check_payload(tensors, settings, settings.max_frames_per_chunk, "max_frames_per_chunk",
                                         services.require_model().info.in_channels)
                 await scan_finite(tensors)
+            request = None if seq is None else await chunk_request(data, flush)
             # Once the chunk is handed over it runs to the end and is counted even if this request goes away, so a
             # retry of its seq gets the stored response instead of appending the frames twice.
-            chunk = asyncio.ensure_future(self._chunk(handle, seq, flush, tensors, latents, received))
+            chunk = asyncio.ensure_future(self._chunk(handle, seq, request, flush, tensors, latents, received))
             self._chunks.add(chunk)
             chunk.add_done_callback(_settled(self._chunks))
             return await asyncio.shield(chunk)
@@ -251,11 +254,12 @@ class SessionOps:
             handle.requests_in_flight -= 1
             self.store.touch(handle)
 
-    async def _chunk(self, handle: SessionHandle, seq, flush, tensors, latents, received) -> tuple[bytes, bool]:
+    async def _chunk(self, handle: SessionHandle, seq, request, flush, tensors, latents, received
+                     ) -> tuple[bytes, bool]:
         services, chunks = self.services, handle.chunks
         encoder = services.encoder
         async with chunks.turn(self.settings.session_queue_depth):
-            if chunks.is_repeat(seq):
+            if chunks.is_repeat(seq, request):
                 return await encoder.run(chunks.stored_response), True
             await self.store.prepare(handle, None if latents is None else tuple(latents.shape),
                                      _prompt_tokens(tensors.get(PROMPT_EMBEDS)))
@@ -271,7 +275,7 @@ class SessionOps:
             metadata = unit_metadata(chunks.next_seq, durable_metadata(handle))
             build = encoder.response(copies, result.state, shape, metadata, outputs=handle.outputs,
                                      positions=result.positions, received=received)
-            index = chunks.accept_request(seq, build)
+            index = chunks.accept_request(seq, build, request)
             # A chunk accepted over HTTP means the client is back: a detached session's grace period ends (a stream
             # message of the dropped connection, still finishing, does not count).
             self.store.registry.attach(handle)
@@ -696,6 +700,18 @@ async def scan_finite(tensors: dict[str, Any]) -> None:
 
 # Chunks up to this size are scanned on the event loop (a 256 KiB isfinite takes tens of microseconds).
 _INLINE_SCAN_BYTES = 256 * 1024
+
+
+async def chunk_request(body: bytes, flush: bool) -> ChunkRequest:
+    """The identity of a chunk sent with a ``seq`` (its repeat must equal it), hashed on a worker thread when the
+    body is large: SHA-256 of a 64 MiB body takes ~40 ms (``app.core.chunk_request``), which on the event loop would
+    stall every other request; up to ``_INLINE_DIGEST_BYTES`` (~0.15 ms) the hop to a thread costs more."""
+    if len(body) <= _INLINE_DIGEST_BYTES:
+        return ChunkRequest.of(body, flush)
+    return await asyncio.to_thread(ChunkRequest.of, body, flush)
+
+
+_INLINE_DIGEST_BYTES = 256 * 1024
 
 
 def parse_resume_from(value: str | None) -> int | None:

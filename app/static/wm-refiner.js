@@ -326,11 +326,12 @@ export class RefinerClient {
    * resolves to the unit it finalized: `{tensors, metadata, frameStart, frameEnd, seq, latencyMs, replayed}`.
    * `payload` null with `flush: true` flushes without new frames (an empty body).
    *
-   * With `seq` the call is safe to retry, and it does so itself up to `retries` times, with the same seq: when the
-   * request failed on the network (the server may have taken the chunk and lost the answer: repeating the last
-   * accepted seq returns the stored answer, `replayed: true`) or answered 503 with Retry-After (nothing was taken).
-   * Without `seq` nothing is retried (a repeat would append the frames twice). A 409 seq_conflict names the seq
-   * the server expects. */
+   * With `seq` the call is safe to retry, and it does so itself up to `retries` times, with the same seq and the same
+   * bytes: when the request failed on the network (the server may have taken the chunk and lost the answer:
+   * repeating the last accepted seq's request returns the stored answer, `replayed: true`) or answered 503 with
+   * Retry-After (nothing was taken). Without `seq` nothing is retried (a repeat would append the frames twice). A 409
+   * seq_conflict names the seq the server expects; other frames or another `flush` under the last accepted seq get
+   * it too (not a retry: nothing was taken). */
   async sendChunk(id, payload, { seq, flush = false, retries = 3, maxWaitMs = 10000 } = {}) {
     if (payload == null && !flush) {
       throw new TypeError("sendChunk needs the chunk's tensors ({latents, ...}) or its encoded bytes; null (no new " +

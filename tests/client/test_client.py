@@ -269,6 +269,34 @@ def test_http_chunk_whose_response_is_lost_is_sent_again_with_its_seq(server, re
     assert np.array_equal(concat([first, second, last]), reference)
 
 
+def test_a_send_that_raised_is_retried_by_sending_it_again_and_other_frames_under_its_seq_are_refused(server,
+                                                                                                     reference):
+    """The chunk was taken but its answer lost, and no retry was left: the next ``send`` keeps that seq. With the same
+    arguments it is the same request (the same bytes) and gets the stored answer; with other frames it used to get
+    that stored answer too, the new frames silently dropped; now SeqConflictError says so and changes nothing."""
+    with Proxy(server.port) as proxy, Client(proxy.base_url, retry=RetryPolicy(attempts=1)) as client:
+        session = client.create_session()
+        first = session.send(LATENTS[:, :, :6], PROMPT, MASK)
+        proxy.swallow_responses(1)  # the server refines seq 1; its answer never arrives
+        with pytest.raises(wm.TransportError):
+            session.send(LATENTS[:, :, 6:10])
+        assert proxy.swallowed == 1
+        before = session.state()
+        assert (before.frames_received, before.next_seq) == (10, 2)
+        with pytest.raises(wm.SeqConflictError) as refused:
+            session.send(LATENTS[:, :, 10:], flush=True)
+        message = str(refused.value)
+        assert "seq=1 was accepted already for another request" in message and "use seq=2" in message, message
+        after = session.state()
+        assert (after.frames_received, after.frames_returned, after.next_seq, after.flushed) == \
+            (before.frames_received, before.frames_returned, before.next_seq, before.flushed)
+        second = session.send(LATENTS[:, :, 6:10])
+        assert second.replayed and second.seq == 1
+        last = session.send(LATENTS[:, :, 10:], flush=True)
+        assert not last.replayed and last.seq == 2
+    assert np.array_equal(concat([first, second, last]), reference)
+
+
 def test_stream_absorbs_a_dropped_connection(server, reference):
     """The connection is cut after two units while chunks are still to come: the client reconnects with
     resume_from, resends what the server lacks, and yields each frame once (the server resends units whole)."""

@@ -33,7 +33,9 @@ async def post_chunk(
     request: Request,
     services: ServicesDep,
     seq: Annotated[
-        int | None, Query(ge=0, description="counts accepted chunks from 0; repeat the last to retry"), PlainInteger
+        int | None,
+        Query(ge=0, description="counts accepted chunks from 0; repeat the last, with the same body and flush, to retry"),
+        PlainInteger,
     ] = None,
     flush: Annotated[bool, Query(description="also refine the pending frames as a final block and end the stream; "
                                              "the body may then be empty")] = False,

@@ -169,6 +169,37 @@ def test_repeated_and_stale_seq(client, expected):
     finish_and_check(client, session_id, expected)
 
 
+def test_a_used_seq_with_another_body_or_flush_is_409_and_changes_nothing(client, expected):
+    """A repeat of the last seq is a retry only when it is the same request: the same body bytes and flush. It used to
+    be answered with the stored response whatever it held, so seq=0&flush=true did not flush and a client that
+    reused a seq for new frames lost them without a word."""
+    session_id = started_session(client)  # seq 0: frames 0..4 with the prompt, flush=false
+    before = session_state(client, session_id)
+    cases = [
+        ({"seq": 0, "flush": "true"}, payload(LATENTS[:, :, :5], EMBEDS, MASK), ["flush=true where it had flush=false"]),
+        ({"seq": 0}, payload(LATENTS[:, :, 5:8]), ["a body of", "bytes where it had"]),
+        ({"seq": 0}, payload(LATENTS[:, :, :5] + 1, EMBEDS, MASK), ["other body bytes (the same length"]),
+        ({"seq": 0, "flush": "true"}, b"", ["flush=true where it had flush=false", "a body of 0 bytes"]),
+    ]
+    for params, body, differences in cases:
+        error = assert_error(post_chunk(client, session_id, body, **params), 409, "seq_conflict")
+        message = error["error"]["message"]
+        assert "seq=0 was accepted already for another request" in message, message
+        assert all(words in message for words in differences), message
+        assert "use seq=1" in message and "same body bytes with the same flush" in message, message
+        assert session_state(client, session_id) == before, params
+    again = post_chunk(client, session_id, payload(LATENTS[:, :, :5], EMBEDS, MASK), seq=0)
+    assert again.status_code == 200 and again.headers["x-replayed"] == "true", "the same request is still a retry"
+    # The flushing chunk: its retry is replayed, the same body without flush is not its retry.
+    last = post_chunk(client, session_id, payload(LATENTS[:, :, 5:8]), seq=1, flush="true")
+    assert last.status_code == 200, last.text
+    assert torch.equal(read_latents(last.content)[0], expected[:, :, 4:8]), "the refused requests changed nothing"
+    retry = post_chunk(client, session_id, payload(LATENTS[:, :, 5:8]), seq=1, flush="true")
+    assert retry.headers["x-replayed"] == "true" and retry.content == last.content
+    error = assert_error(post_chunk(client, session_id, payload(LATENTS[:, :, 5:8]), seq=1), 409, "seq_conflict")
+    assert "flush=false where it had flush=true" in error["error"]["message"]
+
+
 def test_chunk_after_flush_is_409(client, expected):
     session_id = started_session(client)
     finish = post_chunk(client, session_id, payload(LATENTS[:, :, 5:8]), seq=1, flush="true")
