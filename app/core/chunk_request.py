@@ -7,7 +7,8 @@ client bug (its frames would be silently dropped, its flush not done), refused w
 The body is kept as its length and SHA-256, not as its bytes: SHA-256 because on the AMD EPYC machine it runs at
 ~1.8 GB/s (SHA extensions) against ~0.75 GB/s for BLAKE2b; a 720p chunk of 3 latent frames (1.35 MB in float32)
 takes ~0.8 ms, a body at the default ``max_body_bytes`` (64 MiB) ~40 ms, so a large one is hashed off the event
-loop (``app.sessions.operations``).
+loop (``app.sessions.operations``). The request is saved with the stored response (``app.persistence.records``),
+so a retry after a drain, a restart or an adoption by another replica is recognised too.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 A file holds what ``models.snapshot`` saves of the session (config, prompt, KV cache, generator state, pending
 frames, counters: ``session_to_tensors``) plus the service's own fields: the session id, ``next_seq``, the last
-``seq`` and its stored response (a retry after the restart gets the same bytes), the units retained for a
-reattaching stream, its creation time, its outputs and its output stages' states (``app.outputs.stage``; for video its
-decoder's state, ``models.vae.video_to_tensors``, under ``app.video``). Everything sits in one file so that one
-atomic rename commits all of it; a restart can never pair a session with another moment's seq counters or units.
+``seq``, its request (``app.core.chunk_request``: what a retry must repeat) and its stored response (a retry after
+the restart gets the same bytes), the units retained for a reattaching stream, its creation time, its outputs and its
+output stages' states (``app.outputs.stage``; for video its decoder's state, ``models.vae.video_to_tensors``, under
+``app.video``). Everything sits in one file so that one atomic rename commits all of it; a restart can never pair a
+session with another moment's seq counters or units.
 
 Sessions move through the folder: a draining replica writes its sessions (and a checkpoint is written the same
 way); the replica that next gets a request for one takes the session's *lease* (``app.persistence.leases``: of several racing
@@ -58,6 +59,7 @@ from models.transfer import use_device
 
 from wm_refiner_client import spec
 
+from app.core.chunk_request import ChunkRequest
 from app.core.error_kinds import ApiError
 from app.outputs.catalog import outputs_from_fields
 from app.outputs.kinds import Outputs
@@ -99,6 +101,9 @@ class SessionRecord:
     # The event its tensors' copies to the device complete with (a session built in host memory: its first forward
     # waits for it on the device, ``app.engine.worker.wait_for``); None when nothing was copied (on the CPU).
     ready: Any = None
+    # The request of ``last_seq`` (a repeat must equal it). None: unknown, as in a file written before requests were
+    # recorded; such a session replays a repeat of its last seq whatever the request holds, as it did then.
+    last_request: ChunkRequest | None = None
 
 
 def check_snapshot_folder(folder: Path) -> None:
@@ -137,6 +142,7 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
         "next_seq": record.next_seq,
         "last_seq": record.last_seq,
         "has_last_response": record.last_response is not None,
+        "last_request": None if record.last_request is None else record.last_request.to_fields(),
         "units": [[unit.frame_start, unit.frame_end] for unit in record.units],
         "streaming": record.streaming,
         "created_at": record.created_at,
@@ -345,6 +351,9 @@ def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
         last_response = _tensor_bytes(tensors[LAST_RESPONSE_TENSOR]) if fields["has_last_response"] else None
         next_seq = int(fields["next_seq"])
         last_seq = None if fields["last_seq"] is None else int(fields["last_seq"])
+        # Absent from files written before requests were recorded: unknown (None), a repeat is then replayed as it
+        # was before; those files stay readable.
+        last_request = ChunkRequest.from_fields(fields.get("last_request"))
         outputs = outputs_from_fields(fields.get("outputs") or {}, vae_configured=True)
     except (KeyError, TypeError, ValueError) as exc:
         raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
@@ -370,7 +379,7 @@ def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     return SessionRecord(session_id, session, next_seq, last_seq, last_response, units, bool(fields.get("streaming")),
                          outputs=replace(outputs, fps=session.config.fps), stages=session_stages,
                          created_at=fields.get("created_at"), checkpoint=bool(fields.get("checkpoint")),
-                         realtime=fields.get("realtime") is True, ready=ready)
+                         realtime=fields.get("realtime") is True, ready=ready, last_request=last_request)
 
 
 def record_identity(path: Path, metadata: dict[str, str], expected_id: str | None = None) -> str:

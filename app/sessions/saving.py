@@ -23,7 +23,7 @@ def record_of(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionRe
     chunks = handle.chunks
     units = list(handle.retained)
     streaming = handle.streaming or handle.detached
-    next_seq, last_seq = chunks.next_seq, chunks.last_seq
+    next_seq, last_seq, last_request = chunks.next_seq, chunks.last_seq, chunks.last_request
     realtime = handle.engine_session.pacing is not None
 
     def build() -> SessionRecord:
@@ -32,7 +32,7 @@ def record_of(handle: SessionHandle, encoder: Encoder) -> Callable[[], SessionRe
         wait_for(handle.engine_session)
         return SessionRecord(handle.id, handle.session, next_seq, last_seq, chunks.stored_response(), units, streaming,
                              encode=encode, outputs=handle.outputs, stages=handle.engine_session.stages,
-                             created_at=handle.created_at, realtime=realtime)
+                             created_at=handle.created_at, realtime=realtime, last_request=last_request)
 
     def encode(unit: SentUnit) -> bytes:
         return encoder.unit_bytes(unit.host, unit.outputs, time.perf_counter(), unit.metadata)

@@ -107,6 +107,10 @@ def test_replicas_sharing_a_folder_adopt_each_session_exactly_once_and_continue_
         for index, session_id in enumerate(ids):
             owner = next(name for name, status in answers[session_id].items() if status == 200)
             http = httpx.Client(base_url=servers[owner].base_url, timeout=DEADLINE_S)
+            # Seq 0's request came with its stored answer: seq 0 with flush is not its retry on the adopter either.
+            other = http.post(f"/v1/sessions/{session_id}/chunks?seq=0&flush=true",
+                              content=payload(latents[:, :, :5], embeds, mask), headers=OCTET)
+            assert other.status_code == 409 and other.json()["error"]["code"] == "seq_conflict", other.status_code
             retry = http.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=payload(latents[:, :, :5], embeds, mask),
                               headers=OCTET)
             assert retry.headers.get("x-replayed") == "true" and retry.content == first_halves[session_id].content

@@ -25,7 +25,7 @@ def test_a_record_of_a_paged_in_session_waits_for_its_copies_first(monkeypatch):
     monkeypatch.setattr(saving, "SessionRecord", lambda *args, **kwargs: order.append(("record", None)) or "record")
     engine_session = EngineSession(session=None)
     engine_session.ready = event = object()
-    chunks = SimpleNamespace(next_seq=1, last_seq=0, stored_response=lambda: None)
+    chunks = SimpleNamespace(next_seq=1, last_seq=0, last_request=None, stored_response=lambda: None)
     handle = SimpleNamespace(id="s", session=None, chunks=chunks, retained=[], streaming=False, detached=False,
                              engine_session=engine_session, outputs=None, created_at=0.0)
     build = saving.record_of(handle, encoder=None)

@@ -1,0 +1,88 @@
+"""A saved session keeps the request of its last ``seq`` with the stored response (``app.core.chunk_request``): a
+retry after a drain and adoption is recognised as one, another request under that seq is 409 there too; a file
+written before requests were recorded is still adopted and replays a repeat as it did then."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from app.core.chunk_request import ChunkRequest
+from tests.app.conftest import OCTET, make_clip, payload, running_app
+
+LATENTS, EMBEDS, MASK = make_clip(frames=12)
+FIRST = payload(LATENTS[:, :, :5], EMBEDS, MASK)  # seq 0: the sink and block [1, 4); frame 4 pending
+
+
+def _drained_after_first_chunk(make_settings, folder: Path) -> tuple[str, bytes]:
+    """A session that took seq 0 (``FIRST``), written to ``folder`` by the app's drain: its id and seq 0's answer."""
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        reply = client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=FIRST, headers=OCTET)
+        assert reply.status_code == 200, reply.text
+    return session_id, reply.content
+
+
+def _state(client, session_id: str) -> dict:
+    state = client.get(f"/v1/sessions/{session_id}").json()
+    return {key: state[key] for key in ("frames_received", "frames_returned", "pending_frames", "next_seq", "flushed")}
+
+
+def test_an_adopted_session_refuses_another_request_under_its_last_seq(make_settings, tmp_path):
+    folder = tmp_path / "snapshots"
+    session_id, answer = _drained_after_first_chunk(make_settings, folder)
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        url = f"/v1/sessions/{session_id}/chunks"
+        before = _state(client, session_id)  # adopted here
+        assert before["next_seq"] == 1
+        other = client.post(url, params={"seq": 0, "flush": "true"}, content=FIRST, headers=OCTET)
+        assert other.status_code == 409 and other.json()["error"]["code"] == "seq_conflict", other.status_code
+        assert "flush=true where it had flush=false" in other.json()["error"]["message"]
+        other = client.post(url, params={"seq": 0}, content=payload(LATENTS[:, :, 5:8]), headers=OCTET)
+        assert other.status_code == 409 and "a body of" in other.json()["error"]["message"], other.status_code
+        assert _state(client, session_id) == before
+        retry = client.post(url, params={"seq": 0}, content=FIRST, headers=OCTET)
+        assert retry.headers.get("x-replayed") == "true" and retry.content == answer
+        assert _state(client, session_id) == before
+
+
+def test_a_file_saved_without_the_request_is_adopted_and_replays_its_last_seq_as_before(make_settings, tmp_path):
+    """Unknown request (a file written before requests were recorded): a repeat of the last seq gets the stored
+    answer, whatever it holds, as it did when the file was written; the file is not refused."""
+    folder = tmp_path / "snapshots"
+    session_id, answer = _drained_after_first_chunk(make_settings, folder)
+    path = folder / f"{session_id}.session.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    fields = json.loads(metadata["app"])
+    assert fields["last_request"]["flush"] is False and fields["last_request"]["bytes"] == len(FIRST)
+    del fields["last_request"]
+    metadata["app"] = json.dumps(fields)
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        url = f"/v1/sessions/{session_id}/chunks"
+        before = _state(client, session_id)
+        repeat = client.post(url, params={"seq": 0}, content=payload(LATENTS[:, :, 5:8]), headers=OCTET)
+        assert repeat.status_code == 200 and repeat.headers.get("x-replayed") == "true", repeat.text
+        assert repeat.content == answer and _state(client, session_id) == before
+        # The next chunk is recorded again: its seq is held to its request.
+        nxt = client.post(url, params={"seq": 1}, content=payload(LATENTS[:, :, 5:8]), headers=OCTET)
+        assert nxt.status_code == 200, nxt.text
+        other = client.post(url, params={"seq": 1, "flush": "true"}, content=payload(LATENTS[:, :, 5:8]), headers=OCTET)
+        assert other.status_code == 409 and other.json()["error"]["code"] == "seq_conflict", other.status_code
+
+
+def test_a_files_request_field_is_read_back_or_refused_when_malformed():
+    """What a file holds is not trusted as it is: a malformed request is a ValueError, which the record's reader
+    reports as unreadable service fields (the file set aside as a corrupt one), never a half-read request."""
+    request = ChunkRequest.of(FIRST, flush=True)
+    assert ChunkRequest.from_fields(json.loads(json.dumps(request.to_fields()))) == request
+    assert ChunkRequest.from_fields(None) is None
+    for bad in ([], {"flush": "yes", "bytes": 1, "sha256": "0" * 64}, {"flush": True, "bytes": -1, "sha256": "0" * 64},
+                {"flush": True, "bytes": True, "sha256": "0" * 64}, {"flush": True, "bytes": 1, "sha256": "xyz"}):
+        with pytest.raises(ValueError):
+            ChunkRequest.from_fields(bad)
