@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from app.core.codec import decode_response, encode, read_metadata
 from app.core.error_kinds import ApiError
 
 
@@ -83,6 +84,25 @@ class RetainedUnits:
         # A unit that straddles resume_from (a client counting frames, not units) is sent whole.
         return list(self._units)
 
+    def replay(self, resume_from: int, until: int) -> list[SentUnit]:
+        """The units a watcher that has every frame before ``resume_from`` missed, up to ``until`` (the end of the
+        newest unit offered to watchers: later ones reach it live). Changes nothing (the session's stream may still
+        need them). A unit that straddles ``resume_from`` is sent whole, as a stream's resume does. ApiError
+        ``resume_unavailable`` naming the first frame that can be sent again when frames in between are not kept
+        (too old for ``ws_resume_units``, or returned in an HTTP response, whose units are not kept)."""
+        if resume_from >= until:
+            return []
+        units = list(self._units)
+        first = units[0].frame_start if units and units[-1].frame_end == until else until
+        if resume_from < first:
+            raise ApiError(
+                "resume_unavailable",
+                f"frames [{resume_from}, {first}) are no longer kept (a session keeps the last "
+                f"ws_resume_units={self.capacity} units its stream returned, none returned in HTTP responses); "
+                f"reconnect with resume_from={first} to continue without them",
+            )
+        return [unit for unit in units if unit.frame_end > resume_from]
+
     def first_frame(self, frames_returned: int) -> int:
         """The earliest frame that can still be sent again (``frames_returned`` when none is kept: a client
         holding every frame needs nothing resent)."""
@@ -90,3 +110,20 @@ class RetainedUnits:
 
     def restore(self, units: list[SentUnit]) -> None:
         self._units = deque(units[-self.capacity :])
+
+
+def narrowed(data: bytes, dropped: dict[str, tuple[str, ...]]) -> bytes:
+    """A unit's bytes without the output kinds in ``dropped`` (kind: the tensors its stage puts on the wire): their
+    tensors and their metadata (named ``<kind>_...``) left out, everything else as it was (a watcher asking fewer
+    kinds than its session's, sent a retained unit again)."""
+    tensors, metadata = decode_response(data)
+    names = {name for wire_names in dropped.values() for name in wire_names}
+    prefixes = tuple(f"{kind}_" for kind in dropped)
+    return encode({name: tensor for name, tensor in tensors.items() if name not in names},
+                  {key: value for key, value in metadata.items() if not key.startswith(prefixes)})
+
+
+def latency_of(data: bytes) -> float | None:
+    """The ``latency_ms`` a unit's bytes say (None when they say none)."""
+    value = read_metadata(data).get("latency_ms")
+    return None if value is None else float(value)

@@ -383,13 +383,20 @@ class SessionOps:
     async def watch(
         self, session_id: str, query: Mapping[str, str | None], subscribe: Callable[[str, Outputs], WatchSubscriber],
     ) -> WatchSubscriber:
-        """Add a read-only subscriber asking for ``query`` (``outputs``, ``video_format``, ``video_quality``, each
-        text or None; any other parameter was refused before the route ran, ``app.api.factory.QueryRule``):
-        ``subscribe(session_id, outputs)`` builds it (the route's ``app.sessions.subscriptions.WatchSubscriber``);
-        it gets every unit published from now on. Done before the route's first await, so no unit published
-        meanwhile is missed."""
+        """Add a read-only subscriber asking for ``query`` (``outputs``, ``video_format``, ``video_quality``,
+        ``resume_from``, each text or None; any other parameter was refused before the route ran,
+        ``app.api.factory.QueryRule``): ``subscribe(session_id, outputs)`` builds it (the route's
+        ``app.sessions.subscriptions.WatchSubscriber``); it gets every unit published from now on and, with
+        ``resume_from=N``, first the retained units holding frames at or after N that watchers were offered before
+        it joined. The replay is taken and the watcher registered in one step, after the last await, so that a unit
+        published meanwhile is either replayed or offered live, never both and never neither. ApiError: refuse the
+        handshake; RefuseInBand: accept, say why and close (a bad ``resume_from``, as a stream's)."""
         self.services.require_ready()
         handle = await self.store.lookup(session_id)
+        try:
+            start = parse_resume_from(query.get("resume_from"))
+        except ApiError as error:
+            raise RefuseInBand(error) from None
         outputs = handle.outputs.restrict(query.get("outputs"), query.get("video_format"), query.get("video_quality"))
         if len(handle.watchers) >= self.settings.max_watchers:
             # over_capacity, as a watcher past max_watch_encodings is: the engine is not what is busy.
@@ -401,15 +408,50 @@ class SessionOps:
                 fields={"watchers": len(handle.watchers), "max_watchers": self.settings.max_watchers},
             )
         self._check_watch_encodings(handle, outputs)
+        replay: list[SentUnit] = []
+        if start is not None:
+            try:
+                replay = self._watch_replay(handle, start, outputs)
+            except ApiError as error:
+                raise RefuseInBand(error) from None
         watcher = subscribe(handle.id, outputs)
         handle.watchers.add(watcher)
         self.store.connections.add(watcher)
         self._watching[watcher] = handle
+        if start is not None:
+            watcher.replay(replay, handle.outputs, start)
         if handle.finished:
             # Flushed before it joined: no unit will come, and the flush's "done" went out already. Said now, or the
             # watcher would wait for the session's release (flushed_session_ttl_s) and end with an error.
             watcher.finish(handle.session.state.frames_returned)
         return watcher
+
+    def _watch_replay(self, handle: SessionHandle, start: int, outputs: Outputs) -> list[SentUnit]:
+        """The retained units a watcher resuming from frame ``start`` missed (``RetainedUnits.replay``), by the
+        rules of a stream's resume: ``start`` within the frames returned (an adopted crash checkpoint may be behind
+        the client: any ``start`` then, its frames come again live), and the units in the watcher's outputs."""
+        frames_returned = handle.session.state.frames_returned
+        if start > frames_returned and not handle.from_checkpoint:
+            raise ApiError(
+                "invalid_request",
+                f"resume_from={start} is outside [0, {frames_returned}]: this session has returned "
+                f"{frames_returned} frames; pass the number of frames you received",
+            )
+        units = handle.retained.replay(start, handle.offered_until)
+        own = handle.outputs
+        if outputs.video and own.video and any(unit.payload is not None for unit in units) and (
+                (outputs.video_format, outputs.video_quality) != (own.video_format, own.video_quality)):
+            # The kept units hold the video as the session encodes it; encoding it again would need the frames it
+            # was encoded from (gone, or lossy for jpeg and h264).
+            raise ApiError(
+                "invalid_request",
+                f"resume_from={start} sends again the units the session kept, whose video is in the session's own "
+                f"encoding (video_format={own.video_format}, video_quality={own.video_quality}), not the "
+                f"video_format={outputs.video_format}, video_quality={outputs.video_quality} this watch asks for; "
+                "resume without video_format and video_quality (the session's own video) or without video "
+                "(outputs=latents), or watch without resume_from (from now on)",
+            )
+        return units
 
     def _check_watch_encodings(self, handle: SessionHandle, outputs: Outputs) -> None:
         """503 over_capacity when a watcher of ``outputs`` would add a video encoding past ``max_watch_encodings``
@@ -473,6 +515,7 @@ class SessionOps:
         ``app.sessions.subscriptions`` only."""
         self.count_out([unit], handle, received)
         handle.retained.add(sent)
+        handle.offered_until = max(handle.offered_until, sent.frame_end)
         if handle.stream is not None:
             handle.stream.send_unit(sent)
         for watcher in list(handle.watchers):
@@ -483,6 +526,9 @@ class SessionOps:
         """Offer units that went out another way (an HTTP response) to the session's watchers, with the response's
         ``metadata`` (seq, durable_frames); ``done``: the session was flushed with them."""
         watchers = list(handle.watchers)
+        for unit in units:
+            described = unit.unit if isinstance(unit, UnitCopies) else unit
+            handle.offered_until = max(handle.offered_until, described.frame_end)
         if watchers:
             # One host copy per unit, whatever the number of watchers.
             copies = [unit if isinstance(unit, UnitCopies) else UnitCopies(unit, self.services.stages)

@@ -62,6 +62,9 @@ class SessionHandle:
     # Read-only subscribers (app.sessions.subscriptions; SessionOps.watch registers them): they get every unit
     # published from when they joined.
     watchers: set[WatchSubscriber] = field(default_factory=set)
+    # The end of the newest unit offered to its watchers (a stream's when published, an HTTP response's at once):
+    # a watcher resuming from an earlier frame is sent the retained units up to here, and gets the rest live.
+    offered_until: int = 0
     # Its flush's units were all offered and its watchers told "done" (``SessionOps._finish_watchers``; an adopted
     # session saved flushed, ``SessionStore._hold``): a watcher joining later is told "done" at once.
     finished: bool = False
@@ -197,6 +200,8 @@ class Registry:
             last_work=self.clock(),
             retained=RetainedUnits(self.resume_units),
             outputs=outputs,
+            # Adopted: every unit it had committed went out before it was saved (its retained units end there).
+            offered_until=session.state.frames_returned,
         )
         if self._deliveries is not None:
             handle.deliveries = self._deliveries(handle)

@@ -66,6 +66,11 @@ class WatchSubscriber(Connection, Protocol):
         bytes in the session's outputs, given when they are the watcher's too; ``metadata``: what the unit's bytes
         say besides frames and latency (seq, durable_frames). May drop it (a full queue)."""
 
+    def replay(self, units: list[SentUnit], outputs: Outputs, resume_from: int) -> None:
+        """A resuming watcher (``?resume_from=N``): first send ``units`` again (retained, in the session's
+        ``outputs``: restricted to the watcher's when they differ), before anything offered; from then on skip an
+        offered unit ending at or before ``resume_from`` (the client has it)."""
+
     def finish(self, frames: int) -> None:
         """The session was flushed and every unit offered (``frames`` returned in all)."""
 

@@ -334,6 +334,9 @@ export interface WatchOptions {
   outputs?: OutputKind[] | string;
   videoFormat?: VideoFormat;
   videoQuality?: "auto" | number;
+  /** Latent frames already received (the last unit's `frameEnd`): the units the session kept from there come
+   * first, then live ones (`?resume_from=`; refused in-band, an error event and close 1008, when they are not kept). */
+  resumeFrom?: number;
 }
 
 /** The service at `baseUrl` (default: this page's origin): its http(s) URL, or a path on the page's origin. */

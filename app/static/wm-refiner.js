@@ -365,8 +365,9 @@ export class RefinerClient {
                              (event) => this.handshakeRefusal(id, event, { stream: true, resumeFrom }));
   }
   /** A read-only watcher (WS /v1/sessions/{id}/watch): every unit the session finalizes from now on. */
-  watch(id, { outputs, videoFormat, videoQuality } = {}) {
-    const query = { outputs: Array.isArray(outputs) ? outputs.join(",") : outputs, video_format: videoFormat, video_quality: videoQuality };
+  watch(id, { outputs, videoFormat, videoQuality, resumeFrom } = {}) {
+    const query = { outputs: Array.isArray(outputs) ? outputs.join(",") : outputs, video_format: videoFormat,
+                    video_quality: videoQuality, resume_from: resumeFrom };
     return new MessageSocket(this.wsUrl(`/v1/sessions/${encodeURIComponent(id)}/watch`, query), this.subprotocols(),
                              (event) => this.handshakeRefusal(id, event, {}));
   }

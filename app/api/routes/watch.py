@@ -32,12 +32,13 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from app.api.routes.stream import close_reason, deny, subprotocol
+from app.api.routes.stream import close_reason, deny, refuse, subprotocol
 from app.core.error_kinds import WS_NORMAL, ApiError
 from app.outputs.delivery import UnitCopies
 from app.outputs.kinds import HostUnit, Outputs
-from app.outputs.replay import SentUnit
+from app.outputs.replay import SentUnit, latency_of, narrowed
 from app.runtime.services import Services
+from app.sessions.operations import RefuseInBand
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["sessions"])
@@ -47,6 +48,7 @@ router = APIRouter(tags=["sessions"])
 async def watch(
     websocket: WebSocket, session_id: str,
     outputs: str | None = None, video_format: str | None = None, video_quality: str | None = None,
+    resume_from: str | None = None,
 ) -> None:
     # The query is declared (as text: Outputs.restrict says what is wrong with it), so app.api.factory.QueryRule refuses
     # anything else.
@@ -54,8 +56,12 @@ async def watch(
     try:
         # Subscribed before the first await: no unit published meanwhile is missed.
         watcher = await services.sessions.watch(
-            session_id, {"outputs": outputs, "video_format": video_format, "video_quality": video_quality},
+            session_id, {"outputs": outputs, "video_format": video_format, "video_quality": video_quality,
+                         "resume_from": resume_from},
             lambda sid, chosen: Watcher(websocket, sid, services, chosen))
+    except RefuseInBand as refused:  # a bad resume_from: said in-band, as on a stream
+        await refuse(websocket, refused.error, services)
+        return
     except ApiError as error:
         await deny(websocket, error, services)
         return
@@ -79,6 +85,7 @@ class Watcher:
         self.limit = services.settings.watch_queue_units
         self.queue: deque[tuple] = deque()  # units (bounded by ``limit``) and, at the end, done / close
         self.dropped = 0  # units lost since the last "dropped" event
+        self.skip_until = 0  # offered units ending at or before this frame are not sent (a resume: the client has them)
         self.wakeup = asyncio.Event()
         self.closing = False
         self.done_event = asyncio.Event()
@@ -98,12 +105,23 @@ class Watcher:
         ``metadata``: what the unit's bytes say besides frames and latency (seq, durable_frames)."""
         if self.closing:
             return
+        described = unit.unit if isinstance(unit, UnitCopies) else unit
+        if described.frame_end <= self.skip_until:
+            return
         if sum(1 for item in self.queue if item[0] == "unit") >= self.limit:
             self.dropped += 1
             self.services.metrics.watch_units_dropped.inc()
             return
         latency_ms = (time.perf_counter() - received) * 1000.0
         self.queue.append(("unit", unit, received, sent, latency_ms, metadata))
+        self.wakeup.set()
+
+    def replay(self, units: list[SentUnit], outputs: Outputs, resume_from: int) -> None:
+        """``?resume_from=N``: ``units`` (retained, in the session's ``outputs``) go out first, outside the queue's
+        bound (they are at most ``ws_resume_units``); units offered later that end at or before N are skipped."""
+        self.skip_until = resume_from
+        for unit in units:
+            self.queue.append(("replay", unit, outputs))
         self.wakeup.set()
 
     def finish(self, frames: int) -> None:
@@ -173,6 +191,8 @@ class Watcher:
                     await websocket.send_text(json.dumps({"type": "dropped", "units": dropped}))
                 if kind == "unit":
                     await self._send_unit(*item[1:])
+                elif kind == "replay":
+                    await self._send_replayed(*item[1:])
                 elif kind in ("text", "refusal"):
                     await websocket.send_text(json.dumps(item[1]))
                 else:
@@ -200,4 +220,26 @@ class Watcher:
         if described.kind == "block":
             event: dict[str, Any] = {"type": "block", "frame_start": described.frame_start,
                                      "frame_end": described.frame_end, "latency_ms": round(latency_ms, 3)}
+            await self.websocket.send_text(json.dumps(event))
+
+    async def _send_replayed(self, unit: SentUnit, session_outputs: Outputs) -> None:
+        """A retained unit sent again: the session's bytes as they were (bit for bit what its producer got), without
+        the kinds this watcher did not ask for; then, for a refined block, its "block" event (its latency as the unit
+        says it)."""
+        encoder = self.services.encoder
+        if unit.payload is None:  # its first encoding failed: encoded now, in this watcher's outputs
+            data = await encoder.run_for_watcher(
+                lambda: encoder.unit_bytes(unit.host, self.outputs, time.perf_counter(), unit.metadata))
+        elif self.outputs.kinds == session_outputs.kinds:
+            data = unit.payload
+        else:
+            stages = encoder.stages
+            dropped = {kind: stages[kind].wire_names or (kind,)
+                       for kind in session_outputs.kinds if kind not in self.outputs.kinds}
+            data = await encoder.run_for_watcher(lambda: narrowed(unit.payload, dropped))
+        await self.websocket.send_bytes(data)
+        if 0 < unit.frame_start < unit.frame_end:  # a block (the sink starts at frame 0, a tail holds no frame)
+            latency = latency_of(data)
+            event: dict[str, Any] = {"type": "block", "frame_start": unit.frame_start, "frame_end": unit.frame_end,
+                                     "latency_ms": None if latency is None else round(latency, 3)}
             await self.websocket.send_text(json.dumps(event))

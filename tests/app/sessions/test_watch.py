@@ -122,7 +122,7 @@ def test_watch_refusals_and_http_producers(make_settings):
         http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
         session_id = http.post("/v1/sessions").json()["session_id"]
         base = f"{server.ws_url}/v1/sessions/{session_id}"
-        for url, status in ((f"{base}/watch?outputs=video", 422), (f"{base}/watch?resume_from=2", 422),
+        for url, status in ((f"{base}/watch?outputs=video", 422), (f"{base}/watch?resume_frm=2", 422),
                             (f"{server.ws_url}/v1/sessions/nope/watch", 404)):
             with pytest.raises(InvalidStatus) as refused:
                 connect(url, open_timeout=DEADLINE_S)
