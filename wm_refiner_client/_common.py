@@ -571,11 +571,17 @@ RESUMABLE_EVENT_CODES = frozenset({"draining", "engine_busy", "internal_error", 
 
 
 def watch_query(outputs: str | Iterable[str] | None, video_format: str | None,
-                video_quality: str | int | None) -> dict[str, str]:
+                video_quality: str | int | None, resume_from: int | None = None) -> dict[str, str]:
     """A watch's query: ``outputs`` (a kind or several), ``video_format`` / ``video_quality`` (a watcher may ask
     for another encoding than the session's own, within the server's ``max_watch_encodings``); None leaves each
-    to the session."""
+    to the session. ``resume_from``: the latent frames the watcher has (the server sends the units it kept from
+    there first); a negative or non-integer one is a ``ValueError``, nothing sent."""
     query: dict[str, str] = {}
+    if resume_from is not None:
+        if isinstance(resume_from, bool) or not isinstance(resume_from, int) or resume_from < 0:
+            raise ValueError(f"resume_from={resume_from!r}: pass the latent frames this watcher has received (an "
+                             "int >= 0: the last unit's frame_end), or None to watch from now on")
+        query["resume_from"] = str(resume_from)
     if outputs is not None:
         query["outputs"] = outputs if isinstance(outputs, str) else ",".join(outputs)
     if video_format is not None:

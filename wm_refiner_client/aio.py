@@ -267,9 +267,9 @@ class AsyncSession:
         return AsyncStream(self, chunks, prompt, prompt_mask, from_session_start)
 
     def watch(self, outputs: str | Iterable[str] | None = None, *, video_format: str | None = None,
-              video_quality: str | int | None = None) -> AsyncWatch:
+              video_quality: str | int | None = None, resume_from: int | None = None) -> AsyncWatch:
         """``WS /v1/sessions/{id}/watch`` (see ``Session.watch``; ``async for`` over it)."""
-        return AsyncWatch(self, watch_query(outputs, video_format, video_quality), video_format)
+        return AsyncWatch(self, watch_query(outputs, video_format, video_quality, resume_from), video_format)
 
     async def state(self) -> SessionState:
         """``GET /v1/sessions/{id}``."""

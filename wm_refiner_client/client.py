@@ -409,13 +409,17 @@ class Session:
         return Stream(self, chunks, prompt, prompt_mask, from_session_start)
 
     def watch(self, outputs: str | Iterable[str] | None = None, *, video_format: str | None = None,
-              video_quality: str | int | None = None) -> Watch:
+              video_quality: str | int | None = None, resume_from: int | None = None) -> Watch:
         """``WS /v1/sessions/{id}/watch``: every unit the session finalizes from now on (restricted to
         ``outputs``), a ``BlockEvent`` after each refined block, a ``DroppedEvent`` when this watcher fell behind;
         ends after the session's flush. Read-only: it neither slows nor keeps the session alive. ``video_format``,
-        ``video_quality``: another encoding of the session's video than its own (``jpeg``, ``h264``, ...). What it
-        cannot have seen (units finalized before it joined, or while it was away): ``Watch``."""
-        return Watch(self, watch_query(outputs, video_format, video_quality), video_format)
+        ``video_quality``: another encoding of the session's video than its own (``jpeg``, ``h264``, ...).
+        ``resume_from``: the latent frames this watcher already has (a previous watch's ``frame_end``): the server
+        first sends again the units it kept from there (a unit straddling it whole), then live ones; an
+        ``APIError`` ``resume_unavailable`` (409) names the first frame it can still send when the ones from
+        ``resume_from`` are no longer kept. What it cannot have seen otherwise (units finalized before it joined,
+        or while it was away): ``Watch``."""
+        return Watch(self, watch_query(outputs, video_format, video_quality, resume_from), video_format)
 
     # --- state -------------------------------------------------------------------------------------------------
     def state(self) -> SessionState:
@@ -431,15 +435,16 @@ class Watch(Iterator["Unit | BlockEvent | DroppedEvent"]):
     """The items of one ``Session.watch(...)`` as they arrive: ``Unit``, ``BlockEvent``, ``DroppedEvent``; it ends
     after the session's flush. Closing it (or leaving a ``with`` block) ends the watch.
 
-    A watch gets the units the session finalizes while it is attached, and no others: the service keeps none for a
-    watcher (a stream's ``resume_from`` is the producer's alone), and this watch does not reconnect (a restart of the
-    session's replica ends it with a ``TransportError`` whose ``close_code`` is 1012 or 1001; ``python -m app
-    watch`` watches again). What it missed is said, not hidden: units dropped because it fell behind by a
+    A watch gets the units the session finalizes while it is attached, and, opened with ``resume_from=N``, first the
+    units the session kept (its last ``ws_resume_units``) holding frames from N on. It does not reconnect by itself (a
+    restart of the session's replica ends it with a ``TransportError`` whose ``close_code`` is 1012 or 1001):
+    watch again with ``resume_from=frame_end`` (``python -m app watch`` does) to lose nothing the server still
+    keeps. What it missed is said, not hidden: units dropped because it fell behind by a
     ``DroppedEvent``, and at the end ``frames``, the frames the session returned in all (the ``done`` event's; None
     until then), against ``frame_end``, where the last unit it received ends (None before one): frames
     ``[frame_end, frames)`` were finalized while it could not get them. A caller that watches again after a
-    failure learns the frames finalized meanwhile from ``state().frames_returned``: the new watch's units start
-    there or later."""
+    failure without ``resume_from`` learns the frames finalized meanwhile from ``state().frames_returned``: the new
+    watch's units start there or later."""
 
     def __init__(self, session: Session, query: dict[str, str], video_format: str | None):
         self.session = session

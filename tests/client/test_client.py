@@ -438,3 +438,35 @@ def test_a_watch_s_video_encoding_reaches_the_server(server):
         with pytest.raises(wm.APIError) as refused:
             next(iter(session.watch(video_format="jpeg")))
     assert refused.value.status == 422 and "video_format" in refused.value.message, refused.value
+
+
+def test_a_watch_with_resume_from_gets_the_kept_units_from_there(server):
+    """``Session.watch(resume_from=N)`` (and the asyncio one): the units the session kept from frame N (the one
+    straddling N whole), the same bytes the stream got, then done; past the frames returned, the server's refusal;
+    not a frame count, a ValueError before anything is sent."""
+    with Client(server.base_url) as client:
+        session = client.create_session()
+        units = list(session.stream([LATENTS[:, :, :8]], prompt=PROMPT, prompt_mask=MASK))
+        assert [(u.frame_start, u.frame_end) for u in units] == [(0, 1), (1, 4), (4, 7), (7, 8)]
+        with session.watch(resume_from=2) as watch:
+            seen = list(watch)
+        replayed = [item for item in seen if isinstance(item, wm.Unit)]
+        assert [(u.frame_start, u.frame_end, u.seq) for u in replayed] == [
+            (u.frame_start, u.frame_end, u.seq) for u in units[1:]]
+        assert all(np.array_equal(w.latents, u.latents) for w, u in zip(replayed, units[1:]))
+        assert [(b.frame_start, b.frame_end) for b in seen if isinstance(b, wm.BlockEvent)] == [(1, 4), (4, 7), (7, 8)]
+        assert (watch.frame_end, watch.frames) == (8, 8)
+        with pytest.raises(wm.APIError) as refused:
+            list(session.watch(resume_from=9))
+        assert refused.value.code == "invalid_request" and "outside [0, 8]" in refused.value.message
+        with pytest.raises(ValueError, match="resume_from=-1"):
+            session.watch(resume_from=-1)
+
+    async def run():
+        async with AsyncClient(server.base_url) as client:
+            again = await client.get_session(session.id)
+            return [item async for item in again.watch(resume_from=4) if isinstance(item, wm.Unit)]
+
+    watched = asyncio.run(run())
+    assert [(u.frame_start, u.frame_end) for u in watched] == [(4, 7), (7, 8)]
+    assert all(np.array_equal(w.latents, u.latents) for w, u in zip(watched, units[2:]))
