@@ -6,9 +6,11 @@ refined latents from the moment the watch began go to a safetensors file, with `
 writing what it got either way; a drain of the session's replica (close 1012/1001) is ridden out (``_follow``). A
 watcher never slows a session: one that falls behind loses units (the server's ``watch_queue_units``); the files
 then hold the frames before the gap, and the command ends with exit 2 saying so, rather than writing a clip with
-frames missing from its middle. So does a restart that cost units: the service sends a watcher no unit finalized
-before it attaches, so the frames refined while the watch was away (the session's ``frames_returned`` when it
-answers again, or the ``done`` event's count past the last unit) are a gap, named by its frames.
+frames missing from its middle. A restart costs no units when the server still keeps them: the watch reconnects
+with ``resume_from`` = the frames it holds, and the session's kept units (its last ``ws_resume_units``, saved with it
+by the drain) come first. When they are no longer kept, the frames refined while the watch was away (the session's
+``frames_returned`` when it answers again, or the ``done`` event's count past the last unit) are a gap, named by
+its frames.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def watch_command(args: argparse.Namespace) -> int:
                 if isinstance(event, Rejoined):
                     if end is not None and event.frames_returned > end:
                         gap = (f"frames [{end}, {event.frames_returned}) were refined while the watch reconnected "
-                               "(the server sends a watcher no unit from before it attaches)")
+                               "and the server no longer keeps them (its ws_resume_units; units returned in HTTP "
+                               "responses are not kept)")
                         break
                     continue
                 if isinstance(event, Finished):
@@ -148,21 +151,28 @@ def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_F
     """``session.watch(...)``'s events, across the restarts (drains) of the session's replica: the watch connects
     again through the same URL (behind a router, to the replica that adopts the session), for up to
     ``reconnect_for_s`` from the close, while the session or its watch answers as a restarting server does
-    (``RESTARTING_STATUSES``), after a ``Rejoined`` (where the session stood then: a flushed one is not watched
-    again) and ends with ``Finished``. Units the session finalized while no watch was attached are not seen (the
-    server keeps none for a watcher): ``watch_command`` compares the frames these say with the last unit's end,
-    and names the gap."""
+    (``RESTARTING_STATUSES``), and ends with ``Finished``. Once it holds units it reconnects with ``resume_from``
+    = the end of the last one, so the server first sends again the units finalized while it was away (those it
+    still keeps: a drain saves them with the session); a unit straddling that end comes whole (``watch_command``
+    keeps what follows the frames it has). When the server no longer keeps them (``resume_unavailable``; or the
+    kept units are not in the watch's video encoding), or before any unit came, it watches from now on after a
+    ``Rejoined`` (where the session stood then: a flushed one is not watched again), against which
+    ``watch_command`` names the gap."""
     import time
 
-    from wm_refiner_client import APIError, TransportError
+    from wm_refiner_client import APIError, TransportError, Unit
 
     deadline: float | None = None  # set while the session's replica is restarting
+    held: int | None = None  # where the last unit received ends: what a resume asks from
+    resume = False  # the next watch resumes from ``held``
     while True:
         try:
-            watch = session.watch(outputs, video_format=video_format)
+            watch = session.watch(outputs, video_format=video_format, resume_from=held if resume else None)
             try:
                 for event in watch:
                     deadline = None
+                    if isinstance(event, Unit):
+                        held = max(held or 0, event.frame_end)
                     yield event
             finally:
                 watch.close()  # this generator closed early (a gap, Ctrl-C): the connection closes now, not at exit
@@ -176,7 +186,16 @@ def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_F
                 deadline = time.monotonic() + reconnect_for_s
             elif deadline is None or exc.final or time.monotonic() > deadline:
                 raise
-        except APIError as exc:  # the watch's handshake refused: still restarting, or not
+        except APIError as exc:  # the watch's handshake refused: still restarting, or not; or its resume refused
+            if resume and exc.code in RESUME_REFUSALS:
+                print(f"the units since frame {held} cannot be sent again ({exc.code}): watching from now on",
+                      file=sys.stderr)
+                resume = False
+                state = session.state()
+                yield Rejoined(state.frames_returned, state.flushed)
+                if state.flushed:
+                    return
+                continue
             if deadline is None or exc.status not in RESTARTING_STATUSES or time.monotonic() > deadline:
                 raise
         while True:  # until the session answers again (the router may still send to the draining replica)
@@ -187,9 +206,17 @@ def _follow(session, outputs, video_format, reconnect_for_s: float = RECONNECT_F
             except (APIError, TransportError) as exc:
                 if time.monotonic() > deadline or getattr(exc, "status", 503) not in RESTARTING_STATUSES:
                     raise
+        if held is not None:
+            resume = True  # what was finalized meanwhile comes first, flushed or not
+            continue
         yield Rejoined(state.frames_returned, state.flushed)
         if state.flushed:
             return
+
+
+# A resumed watch refused in-band: the units from where the watch stands are no longer kept, or are kept in a video
+# encoding other than the one it asks (the --video file's H.264 of a session that encodes otherwise).
+RESUME_REFUSALS = frozenset({"resume_unavailable", "invalid_request"})
 
 
 def _write(args: argparse.Namespace, latents: list[np.ndarray], first: int | None, video) -> str:

@@ -606,3 +606,97 @@ def test_watch_waits_out_a_restart_whose_warm_up_refuses_the_watch(checkpoint_di
     assert f"session {session.id} is flushed" in out
     watched = load_file(str(tmp_path / "watched.safetensors"))["latents"]
     assert np.array_equal(watched, expected[:, :, 13 - watched.shape[2]:])
+
+
+@pytest.mark.parametrize("producer_kind", ["stream", "http"])
+def test_watch_resumes_across_a_restart_without_losing_the_blocks_refined_while_it_was_away(checkpoint_dir, tmp_path,
+                                                                                           producer_kind):
+    """``watch`` holds the sink and the first block when the session's server drains; while it is away (stopped, so
+    that it surely is) the producer resumes on the restarted server and refines the rest of the clip. The watch
+    reconnects with resume_from = the frames it holds and gets those blocks from the units the session kept (saved
+    by the drain): it exits 0 with the whole clip, where it named a gap (exit 2) before. A producer over HTTP: its
+    units are not kept, so the resume is refused and the gap named (exit 2), the file holding the frames before."""
+    import json
+    import signal
+    import threading
+    import time
+
+    from safetensors.numpy import save
+    from websockets.sync.client import connect
+
+    port = free_port()
+    settings = dict(model=str(checkpoint_dir), device="cpu", dtype="float32", batching=False)
+    latents, prompt, mask = clip(13)
+
+    def server() -> ServerProcess:
+        return ServerProcess(port, tmp_path / "cache", tmp_path / "snapshots", tmp_path / "server.log", **settings)
+
+    def stream(base_url: str, session_id: str, query: str = ""):
+        url = base_url.replace("http://", "ws://") + f"/v1/sessions/{session_id}/stream{query}"
+        return connect(url, open_timeout=TIMEOUT_S, max_size=None)
+
+    def units(ws, count: int) -> None:
+        while count:
+            count -= isinstance(ws.recv(timeout=TIMEOUT_S), bytes)
+
+    servers = [server().start()]
+    watcher = None
+    lines: list[str] = []
+    client = Client(servers[0].base_url)  # the same URL for both servers
+    try:
+        expected = client.refine(latents, prompt, mask).latents
+        session = client.create_session()
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "app", "watch", session.id, "--server", servers[0].base_url, "--output",
+             str(tmp_path / "watched.safetensors")],
+            cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(watcher.stdout), daemon=True)
+        reader.start()
+        while session.state().raw["watchers"] == 0:
+            assert watcher.poll() is None, watcher.stderr.read()
+        if producer_kind == "stream":
+            with stream(servers[0].base_url, session.id) as producer:
+                producer.send(save({"latents": latents[:, :, :4].copy(), "prompt_embeds": prompt,
+                                    "prompt_attention_mask": mask}))
+                units(producer, 2)  # [0, 1) and [1, 4)
+        else:
+            session.send(latents[:, :, :4], prompt=prompt, prompt_mask=mask)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any("frames [1, 4)" in line for line in lines):  # the watch has them too
+            assert time.monotonic() < deadline and watcher.poll() is None, lines
+            time.sleep(0.1)
+        os.kill(watcher.pid, signal.SIGSTOP)  # away: its socket gets the drain's close, unread
+        servers[0].terminate()
+        servers.append(server().start())
+        if producer_kind == "stream":
+            with stream(servers[1].base_url, session.id, "?resume_from=4") as producer:
+                assert json.loads(producer.recv(timeout=TIMEOUT_S))["frames_received"] == 4
+                producer.send(save({"latents": latents[:, :, 4:].copy()}))
+                producer.send(json.dumps({"type": "flush"}))
+                units(producer, 3)  # [4, 7), [7, 10), [10, 13), while the watch is away
+        else:
+            session.send(latents[:, :, 4:])
+            session.flush()
+        os.kill(watcher.pid, signal.SIGCONT)
+        watcher.wait(timeout=TIMEOUT_S)
+        reader.join(TIMEOUT_S)  # stdout is the reader's alone (communicate() would take lines from it)
+        err = watcher.stderr.read()
+    finally:
+        client.close()
+        if watcher is not None and watcher.poll() is None:
+            os.kill(watcher.pid, signal.SIGCONT)
+            watcher.kill()
+        for process in servers:
+            process.kill()
+    assert "restarting (close 1012)" in err
+    watched = load_file(str(tmp_path / "watched.safetensors"))["latents"]
+    if producer_kind == "stream":
+        assert watcher.returncode == 0, err
+        assert f"session {session.id} is flushed" in "".join(lines)
+        assert re.findall(r"^frames \[(\d+), (\d+)\)", "".join(lines), re.M) == [
+            ("1", "4"), ("4", "7"), ("7", "10"), ("10", "13")]  # each block once, the replayed ones included
+        assert np.array_equal(watched, expected)
+    else:
+        assert watcher.returncode == 2, err
+        assert "error: frames [4, 13) were refined while the watch reconnected and the server no longer keeps" in err
+        assert np.array_equal(watched, expected[:, :, :4])

@@ -702,12 +702,12 @@ def test_a_watch_says_the_frames_the_session_returned_in_all():
         assert asyncio.run(run()) == (["Unit", "BlockEvent"], 7, 5)
 
 
-@pytest.mark.parametrize("returned, flushed, connections", [(4, False, 2), (7, False, 1), (7, True, 1)])
-def test_python_m_app_watch_names_the_frames_a_restart_cost_it(tmp_path, returned, flushed, connections):
-    """``python -m app watch`` rides out a restart of the session's replica (close 1012), but the server sends a
-    watcher no unit from before it attaches: frames refined while it reconnected were lost silently when the
-    session answered with them already returned (or flushed), or when the flush came before another unit. It names
-    them and exits 2, the file holding the frames before them."""
+@pytest.mark.parametrize("returned, flushed", [(4, False), (7, False), (7, True)])
+def test_python_m_app_watch_names_the_frames_a_restart_cost_it(tmp_path, returned, flushed):
+    """``python -m app watch`` rides out a restart of the session's replica (close 1012) and watches again with
+    resume_from = the frames it holds (4), whether the session answers with frames already returned or flushed. A
+    server that then sends none of the frames it returned meanwhile (only the flush's done, 7 frames) cost it
+    [4, 7): they were lost silently before; it names them and exits 2, the file holding the frames before them."""
     from safetensors.numpy import load_file
 
     from .test_cli import run_cli
@@ -720,7 +720,10 @@ def test_python_m_app_watch_names_the_frames_a_restart_cost_it(tmp_path, returne
         return {"session_id": SID, "config": LATENTS_ONLY, "frames_received": 7, "next_seq": 2,
                 "frames_returned": 0 if first else returned, "flushed": False if first else flushed}
 
+    paths = []
+
     async def handler(ws):
+        paths.append(ws.request.path)
         if fake.connections == 1:
             for start, end in [(0, 1), (1, 4)]:
                 await ws.send(_unit(start, end))
@@ -731,7 +734,11 @@ def test_python_m_app_watch_names_the_frames_a_restart_cost_it(tmp_path, returne
     output = tmp_path / "watched.safetensors"
     with FakeWS(handler, info=INFO, routes={f"/v1/sessions/{SID}": state}) as fake:
         result = run_cli("watch", SID, "--server", fake.url, "--output", str(output))
-        assert fake.connections == connections
+        assert fake.connections == 2
+    from urllib.parse import parse_qs, urlsplit
+
+    assert [parse_qs(urlsplit(path).query) for path in paths] == [
+        {"outputs": ["latents"]}, {"outputs": ["latents"], "resume_from": ["4"]}]
     assert result.returncode == 2, result
     assert "error: frames [4, 7)" in result.stderr, result.stderr
     assert load_file(str(output))["latents"].shape[2] == 4  # frames [0, 4)

@@ -39,7 +39,7 @@ class FakeSession:
     def __init__(self, runs, states):
         self.runs, self.states, self.watches = list(runs), list(states), 0
 
-    def watch(self, outputs, video_format=None):
+    def watch(self, outputs, video_format=None, resume_from=None):
         self.watches += 1
         events, end = self.runs.pop(0)
         return FakeWatch(events, end, frames=3)
