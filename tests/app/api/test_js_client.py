@@ -837,3 +837,42 @@ def test_a_stream_another_connection_took_over_is_not_taken_back_by_reconnect(ma
     name, code, detail = out["refused"]
     assert (name, code) == ("RefinerError", "not_reconnectable")
     assert "another connection resumed this session" in detail and "resumeFrom" in detail
+
+
+WATCH_RESUMED = """
+const [base, sessionId] = args;
+const client = new m.RefinerClient(base);
+const watcher = client.watch(sessionId, { resumeFrom: 2 });
+await watcher.opened;
+const out = { units: [], events: [] };
+for await (const message of watcher) {
+  if (message.type === "unit") out.units.push([message.frameStart, message.frameEnd, b64.encode(new Uint8Array(message.bytes))]);
+  else out.events.push(message);
+}
+out.closeCode = watcher.closeEvent.code;
+return out;
+"""
+
+
+def test_a_watch_with_resume_from_gets_the_kept_units_again(make_settings, browser):
+    """``client.watch(id, {resumeFrom})`` asks ``?resume_from=``: the units the session kept from there (the one
+    straddling it whole), byte for byte what its stream got, each block's event, then done."""
+    from websockets.sync.client import connect
+
+    latents, embeds, mask = make_clip(frames=8, seed=31)
+    with LiveServer(make_settings()) as server:
+        session_id = httpx.post(f"{server.base_url}/v1/sessions", timeout=DEADLINE_S).json()["session_id"]
+        produced = []
+        with connect(f"{server.ws_url}/v1/sessions/{session_id}/stream", open_timeout=DEADLINE_S,
+                     max_size=None) as ws:
+            ws.send(payload(latents, embeds, mask))
+            ws.send('{"type": "flush"}')
+            while isinstance(message := ws.recv(timeout=DEADLINE_S), bytes):
+                produced.append(message)
+        browser.get(f"{server.base_url}/health")
+        out = run_js(browser, WATCH_RESUMED, server.base_url, session_id)
+    assert [(start, end) for start, end, _ in out["units"]] == [(1, 4), (4, 7), (7, 8)]
+    assert [base64.b64decode(data) for _, _, data in out["units"]] == produced[1:]
+    blocks = [(e["frame_start"], e["frame_end"]) for e in out["events"] if e["type"] == "block"]
+    assert blocks == [(1, 4), (4, 7), (7, 8)]
+    assert out["events"][-1] == {"type": "done", "frames": 8} and out["closeCode"] == 1000
