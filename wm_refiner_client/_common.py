@@ -408,6 +408,20 @@ def watch_item(message: str | bytes, return_tensors) -> Any:
 WATCH_SKIP = object()  # an event a watcher does not hand on (a type this client does not know)
 
 
+def watch_message(watch: Any, limit: MessageLimit, message: str | bytes, return_tensors) -> Any:
+    """One message of ``watch`` (a ``Watch`` or an ``AsyncWatch``), within ``limit``: what ``watch_item`` makes of it,
+    with ``watch.frame_end`` (where its last unit ends) and, at the ``done`` event (None), ``watch.frames`` set."""
+    from .units import Unit
+
+    limit.check(message)
+    item = watch_item(message, return_tensors)
+    if item is None:
+        watch.frames = done_frames(message)
+    elif isinstance(item, Unit):
+        watch.frame_end = item.frame_end
+    return item
+
+
 def watch_open_timeout(timeout: float, deadline_s: float | None) -> float:
     """The timeout of a watch's handshake: the client's ``timeout``, cut to ``RetryPolicy.deadline_s``."""
     return timeout if deadline_s is None else min(timeout, deadline_s)

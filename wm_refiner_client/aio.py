@@ -41,8 +41,7 @@ from ._common import (
     resumed_frames,
     session_path,
     unit_answer_limit,
-    watch_item,
-    done_frames,
+    watch_message,
     watch_open_failed,
     watch_open_timeout,
     watch_query,
@@ -324,13 +323,9 @@ class AsyncWatch(AsyncIterator["Unit | BlockEvent | DroppedEvent"]):
                     raise limit.too_big(exc) or TransportError(
                         f"the watch of session {session.id} ended before the session's flush ({exc})",
                         close_code=_close_code(exc)[0]) from exc
-                limit.check(message)
-                item = watch_item(message, client.return_tensors)
+                item = watch_message(self, limit, message, client.return_tensors)
                 if item is None:
-                    self.frames = done_frames(message)
                     return
-                if isinstance(item, Unit):
-                    self.frame_end = item.frame_end
                 if item is not WATCH_SKIP:
                     yield item
 

@@ -50,8 +50,7 @@ from ._common import (
     session_path,
     unit_answer_limit,
     warn_unreachable,
-    done_frames,
-    watch_item,
+    watch_message,
     watch_open_failed,
     watch_open_timeout,
     widest_geometry,
@@ -485,13 +484,9 @@ class Watch(Iterator["Unit | BlockEvent | DroppedEvent"]):
                     raise limit.too_big(exc) or TransportError(
                         f"the watch of session {session.id} ended before the session's flush ({exc})",
                         close_code=_close_code(exc)[0]) from exc
-                limit.check(message)
-                item = watch_item(message, client.return_tensors)
+                item = watch_message(self, limit, message, client.return_tensors)
                 if item is None:
-                    self.frames = done_frames(message)
                     return
-                if isinstance(item, Unit):
-                    self.frame_end = item.frame_end
                 if item is not WATCH_SKIP:
                     yield item
 
