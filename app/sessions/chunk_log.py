@@ -64,7 +64,13 @@ class ChunkLog:
                 self._check_same(seq, request)
             return True
         if seq != self.next_seq:
-            again = f", or seq={self.last_seq} to get the last response again" if self.last_seq is not None else ""
+            if self.last_seq is not None:
+                again = f", or seq={self.last_seq} to get the last response again"
+            elif seq < self.next_seq:  # a retry of an earlier chunk: say why it is not replayed
+                again = (f" (seq={seq} was accepted already; only the last accepted chunk's seq can be sent again, "
+                         "and the last one was a stream message or a chunk without seq)")
+            else:
+                again = ""
             raise ApiError(
                 "seq_conflict",
                 f"seq={seq} is out of order: this session expects seq={self.next_seq} next{again}",
@@ -107,5 +113,7 @@ class ChunkLog:
             self.build = None
 
     def accept_message(self) -> None:
-        """Count an accepted WebSocket message (it has no ``seq`` and no response to repeat)."""
+        """Count an accepted WebSocket message. It is the last accepted chunk now, and it has no response to
+        repeat: the ``seq`` of an HTTP chunk before it can no longer be repeated (its stored response is dropped)."""
         self.next_seq += 1
+        self.last_seq = self.last_request = self.last_response = self.build = None

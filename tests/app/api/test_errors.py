@@ -169,6 +169,28 @@ def test_repeated_and_stale_seq(client, expected):
     finish_and_check(client, session_id, expected)
 
 
+def test_after_a_stream_message_the_last_http_seq_is_not_repeated(client, expected):
+    """Only the last accepted chunk's seq can be repeated (api.md). A stream message after HTTP seq=0 is the last
+    chunk then (it takes seq 1 and has no response to repeat), so seq=0 again is 409 naming seq=2; it used to get
+    seq 0's stored response, as if nothing had come since."""
+    session_id = started_session(client)  # seq 0 over HTTP: frames 0..4, 0..3 returned
+    with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+        ws.send_bytes(payload(LATENTS[:, :, 5:8]))  # seq 1: frames 5..7, block [4, 7) refined
+        wait_until(lambda: session_state(client, session_id)["next_seq"] == 2, "the stream message to be accepted")
+    before = session_state(client, session_id)
+    body = assert_error(post_chunk(client, session_id, payload(LATENTS[:, :, :5], EMBEDS, MASK), seq=0), 409,
+                        "seq_conflict")
+    message = body["error"]["message"]
+    assert "expects seq=2" in message and "seq=0 was accepted already" in message, message
+    assert "to get the last response again" not in message, message
+    assert session_state(client, session_id) == before
+    last = post_chunk(client, session_id, b"", seq=2, flush="true")
+    assert last.status_code == 200 and "x-replayed" not in last.headers, last.text
+    latents, meta = read_latents(last.content)
+    assert (meta["frame_start"], meta["frame_end"], meta["seq"]) == ("7", "8", "2")
+    assert torch.equal(latents, expected[:, :, 7:8])
+
+
 def test_a_used_seq_with_another_body_or_flush_is_409_and_changes_nothing(client, expected):
     """A repeat of the last seq is a retry only when it is the same request: the same body bytes and flush. It used to
     be answered with the stored response whatever it held, so seq=0&flush=true did not flush and a client that

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from app.core.chunk_request import ChunkRequest
-from tests.app.conftest import OCTET, make_clip, payload, running_app
+from tests.app.conftest import OCTET, make_clip, payload, running_app, wait_until
 
 LATENTS, EMBEDS, MASK = make_clip(frames=12)
 FIRST = payload(LATENTS[:, :, :5], EMBEDS, MASK)  # seq 0: the sink and block [1, 4); frame 4 pending
@@ -74,6 +74,28 @@ def test_a_file_saved_without_the_request_is_adopted_and_replays_its_last_seq_as
         assert nxt.status_code == 200, nxt.text
         other = client.post(url, params={"seq": 1, "flush": "true"}, content=payload(LATENTS[:, :, 5:8]), headers=OCTET)
         assert other.status_code == 409 and other.json()["error"]["code"] == "seq_conflict", other.status_code
+
+
+def test_a_session_saved_after_a_stream_message_does_not_repeat_the_http_seq_before_it(make_settings, tmp_path):
+    """After HTTP seq=0 and a stream message (seq 1) the last chunk has no seq to repeat: the drain's file says so
+    (no last seq, no stored response), and seq=0 sent to the adopting server is 409 naming seq=2, as it is live."""
+    folder = tmp_path / "snapshots"
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        assert client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=FIRST, headers=OCTET).status_code == 200
+        with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+            ws.send_bytes(payload(LATENTS[:, :, 5:8]))
+            wait_until(lambda: _state(client, session_id)["next_seq"] == 2, "the stream message to be accepted")
+    with safe_open(str(folder / f"{session_id}.session.safetensors"), framework="pt") as handle:
+        fields = json.loads(handle.metadata()["app"])
+    assert (fields["next_seq"], fields["last_seq"], fields["has_last_response"]) == (2, None, False), fields
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        before = _state(client, session_id)  # adopted here
+        assert before["next_seq"] == 2 and before["frames_received"] == 8, before
+        repeat = client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=FIRST, headers=OCTET)
+        assert repeat.status_code == 409 and repeat.json()["error"]["code"] == "seq_conflict", repeat.status_code
+        assert "expects seq=2" in repeat.json()["error"]["message"]
+        assert _state(client, session_id) == before
 
 
 def test_a_files_request_field_is_read_back_or_refused_when_malformed():
