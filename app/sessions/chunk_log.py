@@ -88,6 +88,16 @@ class ChunkLog:
                 f"flush, use seq={self.next_seq} (an empty body with flush=true flushes without new frames)",
             )
 
+    def restore(self, next_seq: int, last_seq: int | None, last_response: bytes | None,
+                last_request: ChunkRequest | None) -> None:
+        """The counters of a session read from its file. A ``last_seq`` is the index of its chunk, so one other than
+        ``next_seq - 1`` had stream messages after it: a file written before ``accept_message`` dropped it still
+        holds it (and its response), and it is dropped here, so that it is not repeated there either."""
+        if last_seq is not None and last_seq != next_seq - 1:
+            last_seq = last_response = last_request = None
+        self.next_seq, self.last_seq, self.last_response = next_seq, last_seq, last_response
+        self.last_request = last_request
+
     def stored_response(self) -> bytes | None:
         """The last ``seq``'s response, encoding it here if it was not stored yet (None without a ``seq``)."""
         if self.last_response is None and self.build is not None:

@@ -508,9 +508,7 @@ class SessionStore:
         handle.engine_session.ready = handle.park_ready = record.ready
         if record.realtime:
             handle.engine_session.pacing = self.realtime.pacing(record.session.config)
-        chunks = handle.chunks
-        chunks.next_seq, chunks.last_seq, chunks.last_response = record.next_seq, record.last_seq, record.last_response
-        chunks.last_request = record.last_request
+        handle.chunks.restore(record.next_seq, record.last_seq, record.last_response, record.last_request)
         handle.first_block_done = record.session.state.blocks_refined > 0
         handle.retained.restore(record.units)
         if handle.deliveries is not None and record.units:

@@ -98,6 +98,29 @@ def test_a_session_saved_after_a_stream_message_does_not_repeat_the_http_seq_bef
         assert _state(client, session_id) == before
 
 
+def test_a_file_written_with_a_stale_last_seq_is_adopted_without_repeating_it(make_settings, tmp_path):
+    """Files written before a stream message dropped the last seq hold the HTTP chunk's seq and response behind a
+    later next_seq (last seq 0, next seq 2 after seq 0 and a message). Such a last seq is not the last chunk's, so
+    the adopting server does not repeat it: 409 naming seq=2, and the file is adopted all the same."""
+    folder = tmp_path / "snapshots"
+    session_id, _ = _drained_after_first_chunk(make_settings, folder)
+    path = folder / f"{session_id}.session.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    fields = json.loads(metadata["app"])
+    assert (fields["next_seq"], fields["last_seq"], fields["has_last_response"]) == (1, 0, True), fields
+    fields["next_seq"] = 2  # as the old code saved it after a stream message (seq 1)
+    metadata["app"] = json.dumps(fields)
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        before = _state(client, session_id)  # adopted here
+        assert before["next_seq"] == 2, before
+        repeat = client.post(f"/v1/sessions/{session_id}/chunks?seq=0", content=FIRST, headers=OCTET)
+        assert repeat.status_code == 409 and repeat.json()["error"]["code"] == "seq_conflict", repeat.status_code
+        assert "expects seq=2" in repeat.json()["error"]["message"]
+        assert _state(client, session_id) == before
+
+
 def test_a_files_request_field_is_read_back_or_refused_when_malformed():
     """What a file holds is not trusted as it is: a malformed request is a ValueError, which the record's reader
     reports as unreadable service fields (the file set aside as a corrupt one), never a half-read request."""
