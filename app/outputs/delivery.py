@@ -158,13 +158,19 @@ class Encoder:
         Block latencies are observed the first time. ``units``: ``OutUnit``s, or their ``UnitCopies`` when the same
         units go to watchers too (one host copy and one video encoding for all).
 
-        The latency is taken at the first build and kept: a response built again (a repeated seq asking before the
-        first build was stored, a snapshot) is the same bytes."""
+        The first bytes built are kept: a response built again (a repeated seq asking before the first build was
+        stored, a snapshot, maybe at the same time on another thread) returns them. Encoding it again would not
+        give the same bytes: safetensors writes the metadata in no fixed order (and the latency is taken at the
+        first build)."""
         copies = [unit if isinstance(unit, UnitCopies) else UnitCopies(unit, self.stages) for unit in units]
         units, observed = tuple(c.unit for c in copies), []
         latency: list[str] = []
+        built: list[bytes] = []  # the first bytes built, returned by every build
+        keep = threading.Lock()
 
         def build() -> bytes:
+            if built:
+                return built[0]
             hosts = [c.wait() for c in copies]
             geometry = state.geometry
             if geometry is not None:
@@ -180,7 +186,10 @@ class Encoder:
                 observed.append(True)
                 for unit in units:
                     self.observe(unit)
-            return data
+            with keep:  # not held while encoding: a build never waits for another one
+                if not built:
+                    built.append(data)
+                return built[0]
 
         return build
 

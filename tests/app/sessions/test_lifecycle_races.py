@@ -7,16 +7,19 @@ cancelled park still records where the session's tensors are."""
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 import threading
 import time
 
 import pytest
+from safetensors import safe_open
 
+import app.outputs.delivery as delivery_module
 import app.persistence.leases as leases_module
 import app.sessions.parking as parking_module
 import app.sessions.store as store_module
-from app.persistence.records import SUFFIX, has_snapshot
+from app.persistence.records import LAST_RESPONSE_TENSOR, SUFFIX, has_snapshot
 from app.sessions.footprint import handle_bytes
 from models import SessionConfig
 from models.session import Geometry
@@ -672,3 +675,55 @@ def test_a_session_that_ends_while_snapshot_dir_is_full_leaves_no_file_to_adopt(
     assert not has_snapshot(folder, sid) and leases_module.read_floor(folder, sid) == floor
     with running_app(make_settings(snapshot_dir=folder, replica_id="b")) as other:
         assert other.get(f"/v1/sessions/{sid}").status_code == 404
+
+
+# --- what a saved record pairs (app.sessions.saving.record_of) ----------------------------------------------------
+def _saved(tensors, metadata) -> tuple[dict, int, bytes | None]:
+    """A record's service fields, its frames_received and its stored response."""
+    response = tensors.get(LAST_RESPONSE_TENSOR)
+    return (json.loads(metadata["app"]), json.loads(metadata["state"])["frames_received"],
+            None if response is None else response.numpy().tobytes())
+
+
+def test_a_drain_saves_a_chunk_accepted_before_its_response_is_encoded_with_that_response(make_settings, tmp_path,
+                                                                                          monkeypatch):
+    """The drain pauses the engine right after seq 1's forward and saves the session while seq 1's response is still
+    being encoded (held here). The file counts the chunk (accepted on the loop before the pause's answer reaches the
+    drain) and pairs seq 1 with seq 1's response (built for the file from the same builder), never seq 0's bytes or
+    frames next_seq does not count; the adopting server replays seq 1 with the bytes its client got."""
+    armed = threading.Event()
+    gate, entered = _gate_threads(monkeypatch, delivery_module, "encode", when=lambda *a, **k: armed.is_set())
+    folder = tmp_path / "snaps"
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        services = client.app.state.services
+        sid = client.post("/v1/sessions").json()["session_id"]
+        _start(client, sid)
+        hold = EngineHold()
+        held = client.portal.start_task_soon(services.engine.call, hold)
+        hold.wait_started()
+        result = {}
+        sender = threading.Thread(target=lambda: result.update(reply=client.post(
+            f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)))
+        sender.start()
+        wait_until(lambda: services.engine.outstanding == 1, "seq 1 to reach the engine")
+        armed.set()
+        drain = client.portal.start_task_soon(services.drain)
+        wait_until(lambda: services.draining, "the drain to start")
+        hold.release.set()
+        held.result(DEADLINE_S)
+        assert entered.wait(DEADLINE_S), "seq 1's response was never encoded"
+        assert drain.result(DEADLINE_S)["sessions_saved"] == 1  # while seq 1's response is held
+        with safe_open(str(folder / f"{sid}{SUFFIX}"), framework="pt") as file:
+            fields, frames, response = _saved({LAST_RESPONSE_TENSOR: file.get_tensor(LAST_RESPONSE_TENSOR)},
+                                              dict(file.metadata()))
+        gate.set()
+        sender.join(DEADLINE_S)
+    reply = result["reply"]
+    assert reply.status_code == 200, reply.text
+    assert (fields["next_seq"], fields["last_seq"], frames) == (2, 1, 10), (fields, frames)
+    assert response == reply.content, "the file's response for seq 1 is not the one its client got"
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        again = client.post(f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)
+        assert again.headers.get("x-replayed") == "true" and again.content == reply.content, again.status_code
+        state = client.get(f"/v1/sessions/{sid}").json()
+        assert (state["next_seq"], state["frames_received"]) == (2, 10), state
