@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 import app.outputs.delivery as delivery_module
 import app.persistence.leases as leases_module
+import app.sessions.checkpoints as checkpoints_module
 import app.sessions.parking as parking_module
 import app.sessions.store as store_module
 from app.persistence.records import LAST_RESPONSE_TENSOR, SUFFIX, has_snapshot
@@ -727,3 +728,75 @@ def test_a_drain_saves_a_chunk_accepted_before_its_response_is_encoded_with_that
         assert again.headers.get("x-replayed") == "true" and again.content == reply.content, again.status_code
         state = client.get(f"/v1/sessions/{sid}").json()
         assert (state["next_seq"], state["frames_received"]) == (2, 10), state
+
+
+def test_a_spill_saves_the_session_as_it_was_while_a_newer_chunk_waits(make_settings, tmp_path, monkeypatch):
+    """A spill's record is read, then built on the engine (held here) while seq 1 arrives: seq 1 waits for the
+    session's tensors (the spill holds them) and reaches the engine only after the record is built, so the record
+    pairs seq 0 with seq 0's response and seq 0's frames; the spill then gives way to it (the session stays here)."""
+    written = []
+    real = parking_module.write_fenced
+    monkeypatch.setattr(parking_module, "write_fenced", lambda folder, sid, tensors, metadata, **kw: written.append(
+        _saved(tensors, metadata)) or real(folder, sid, tensors, metadata, **kw))
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps")) as client:
+        services, sid, handle = _parked(client)
+        first = client.post(f"/v1/sessions/{sid}/chunks?seq=0", content=payload(FIRST, EMBEDS, MASK), headers=OCTET)
+        assert first.headers.get("x-replayed") == "true"  # seq 0's response, as the record must hold it
+        hold = EngineHold()
+        held = client.portal.start_task_soon(services.engine.call, hold)
+        hold.wait_started()
+        spill = client.portal.start_task_soon(services.store.parking.spill, handle)
+        wait_until(lambda: services.engine._inbox, "the spill's record to be queued on the engine")
+        result = {}
+        sender = threading.Thread(target=lambda: result.update(reply=client.post(
+            f"/v1/sessions/{sid}/chunks?seq=1", content=payload(SECOND), headers=OCTET)))
+        sender.start()
+        wait_until(lambda: handle.chunks.waiting == 1, "seq 1 to take the session's turn")
+        hold.release.set()
+        held.result(DEADLINE_S)
+        assert spill.result(DEADLINE_S) is False, "the spill did not give way to seq 1"
+        sender.join(DEADLINE_S)
+        assert result["reply"].status_code == 200, result["reply"].text
+        assert handle.chunks.next_seq == 2 and handle.session.state.frames_received == 10
+    [(fields, frames, response)] = written
+    assert (fields["next_seq"], fields["last_seq"], frames) == (1, 0, 5), (fields, frames)
+    assert response == first.content
+
+
+def test_a_checkpoint_saves_the_chunk_it_follows_while_the_next_one_waits(make_settings, tmp_path, monkeypatch):
+    """seq 0 and seq 1 come at once (the engine held): seq 1 waits for the session's turn, which seq 0 holds until
+    its checkpoint's record is built, so that checkpoint pairs seq 0 with seq 0's response and frames; a later one
+    pairs seq 1 with its own."""
+    written = []
+    real = checkpoints_module.write_fenced
+    monkeypatch.setattr(checkpoints_module, "write_fenced", lambda folder, sid, tensors, metadata, **kw: written.append(
+        _saved(tensors, metadata)) or real(folder, sid, tensors, metadata, **kw))
+    with running_app(make_settings(snapshot_dir=tmp_path / "snaps", checkpoint_every_blocks=1)) as client:
+        services = client.app.state.services
+        sid = client.post("/v1/sessions").json()["session_id"]
+        handle = services.registry.existing(sid)
+        hold = EngineHold()
+        held = client.portal.start_task_soon(services.engine.call, hold)
+        hold.wait_started()
+        replies = {}
+
+        def send(seq: int, body: bytes) -> threading.Thread:
+            sender = threading.Thread(target=lambda: replies.update({seq: client.post(
+                f"/v1/sessions/{sid}/chunks?seq={seq}", content=body, headers=OCTET)}))
+            sender.start()
+            return sender
+
+        senders = [send(0, payload(FIRST, EMBEDS, MASK))]
+        wait_until(lambda: services.engine.outstanding == 1, "seq 0 to reach the engine")
+        senders.append(send(1, payload(SECOND)))
+        wait_until(lambda: handle.chunks.waiting == 2, "seq 1 to wait for the session's turn")
+        hold.release.set()
+        held.result(DEADLINE_S)
+        for sender in senders:
+            sender.join(DEADLINE_S)
+        assert [replies[seq].status_code for seq in (0, 1)] == [200, 200]
+        wait_until(lambda: handle.checkpoint_write is not None and handle.checkpoint_write.done(), "the checkpoints")
+    responses = {(1, 0, 5): replies[0].content, (2, 1, 10): replies[1].content}
+    assert written and (written[0][0]["next_seq"], written[0][0]["last_seq"], written[0][1]) == (1, 0, 5), written
+    for fields, frames, response in written:
+        assert response == responses[(fields["next_seq"], fields["last_seq"], frames)], (fields, frames)
