@@ -24,11 +24,12 @@ log = logging.getLogger("app")
 
 
 async def settle(registry: Registry, parking: Parking) -> list[SessionHandle]:
-    """Once the engine is paused: every committed unit delivered (so retained), and no checkpoint write still
-    in flight (it must not land after, and over, the drain's snapshot). Returns the live sessions."""
+    """Once the engine is paused: every committed unit delivered (so retained; an HTTP response's too), and no
+    checkpoint write still in flight (it must not land after, and over, the drain's snapshot). Returns the live
+    sessions."""
     handles = registry.handles()
     await asyncio.gather(*(h.deliveries.flush() for h in handles if h.deliveries is not None),
-                         return_exceptions=True)
+                         *(h.retaining for h in handles if h.retaining is not None), return_exceptions=True)
     await parking.settle()  # parked sessions' copies to the host complete before they are read
     writes = [h.checkpoint_write for h in handles if h.checkpoint_write is not None]
     if writes:

@@ -282,7 +282,13 @@ class SessionOps:
             services.metrics.frames_in.inc(result.frames_in)
             self.count_out(result.units, handle, received)
             self._offer(handle, copies, received, metadata, done=result.state.flushed)
-            payload = await encoder.run(build)
+            retaining = self._retain(handle, copies, received, metadata)
+            try:
+                payload = await encoder.run(build)
+            finally:
+                # Within the turn, so the next chunk's units are kept after these; waited for, not awaited: a
+                # response that failed keeps its own error.
+                await asyncio.wait([retaining])
             chunks.store(index, payload)
             # Still within the turn: no other chunk of this session runs.
             await self.store.checkpoints.write_due(handle)
@@ -397,6 +403,9 @@ class SessionOps:
             start = parse_resume_from(query.get("resume_from"))
         except ApiError as error:
             raise RefuseInBand(error) from None
+        while start is not None and handle.retaining is not None:
+            # An HTTP response's units, offered already, being kept (``_retain``): the replay must reach them.
+            await asyncio.wait([handle.retaining])
         outputs = handle.outputs.restrict(query.get("outputs"), query.get("video_format"), query.get("video_quality"))
         if len(handle.watchers) >= self.settings.max_watchers:
             # over_capacity, as a watcher past max_watch_encodings is: the engine is not what is busy.
@@ -538,6 +547,42 @@ class SessionOps:
                     watcher.offer(unit, received, None, metadata)
         if done:
             self._finish_watchers(handle)
+
+    def _retain(self, handle: SessionHandle, copies: list[UnitCopies], received: float,
+                metadata: dict[str, str]) -> asyncio.Future:
+        """Keep an HTTP response's units with the session's retained units (``ws_resume_units``), so that a
+        watcher's ``resume_from`` sends them again, on this replica or one that adopts the session. Each is
+        encoded as a watcher of the session's outputs gets it (from the response's host copies: the video is
+        encoded once), after every stream unit committed before them is retained, so the window stays in frame
+        order. Until they are kept, ``handle.retaining`` says so: a watcher's resume waits for it, since they were
+        offered to watchers already (``offered_until``). A unit that cannot be encoded (the response fails with
+        it) is not kept, nor any after it: a resume from before them is ``resume_unavailable``, never a hole."""
+        encoder, outputs = self.services.encoder, handle.outputs
+
+        def encode(unit: UnitCopies) -> bytes:
+            return encoder.unit_bytes(unit.wait(), outputs, received, metadata)
+
+        async def retain() -> None:
+            if handle.deliveries is not None:
+                await handle.deliveries.flush()
+            kept = copies[-handle.retained.capacity:]  # the window keeps no more
+            encoded = await asyncio.gather(*(encoder.run(functools.partial(encode, unit)) for unit in kept),
+                                           return_exceptions=True)
+            for unit, data in zip(kept, encoded):
+                if isinstance(data, BaseException):
+                    return
+                handle.retained.add(SentUnit(unit.unit.frame_start, unit.unit.frame_end, data, in_response=True))
+
+        task = asyncio.ensure_future(retain())
+        handle.retaining = task
+
+        def settled(done: asyncio.Future) -> None:
+            if handle.retaining is done:
+                handle.retaining = None
+            retrieve(done)
+
+        task.add_done_callback(settled)
+        return task
 
     def _finish_watchers(self, handle: SessionHandle) -> None:
         handle.finished = True

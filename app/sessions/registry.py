@@ -44,8 +44,11 @@ class SessionHandle:
     # The stream dropped before a flush; the session waits ws_reattach_grace_s for a reconnect.
     detached: bool = False
     detached_at: float = 0.0  # registry clock
-    # Units the streams of this session sent, for a client that reattaches (app.outputs.replay).
+    # Units this session returned, streamed or in HTTP responses, for a client that reattaches or a watcher that
+    # resumes (app.outputs.replay).
     retained: RetainedUnits = field(default_factory=lambda: RetainedUnits(32))
+    # The newest HTTP response's units being encoded to join ``retained`` (SessionOps._retain), or None.
+    retaining: Any = None
     # The stream subscribed to its units now (app.sessions.subscriptions: StreamSession.claim registers it), or
     # None while detached.
     stream: StreamSubscriber | None = None

@@ -79,7 +79,11 @@ def test_a_sessions_bytes_are_its_tensors_in_json_listing_metrics_and_info(make_
         assert body["state"] == "active"
         assert body["bytes"]["device"] == sum(t.nbytes for t in owned) > 0
         assert body["bytes"]["parts"]["kv_window"] == session.kv.window.nbytes
-        assert body["bytes"]["host"] == len(reply.content), "the last response kept for a repeated seq"
+        # The last response, kept for a repeated seq, and its units, kept for a watcher's resume_from.
+        kept = [unit.payload for unit in handle.retained]
+        assert [(unit.frame_start, unit.frame_end) for unit in handle.retained] == [(0, 1), (1, 4)]
+        assert body["bytes"]["host"] == len(reply.content) + sum(map(len, kept))
+        assert body["bytes"]["parts"]["retained_units"] == sum(map(len, kept))
         listed = client.get("/v1/sessions").json()["sessions"][0]
         assert listed["state"] == "active" and listed["bytes"]["device"] == body["bytes"]["device"]
         text = client.get("/metrics").text

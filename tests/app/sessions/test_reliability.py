@@ -50,8 +50,28 @@ def test_retained_units_resend_from_the_resume_index_and_drop_the_rest():
 def test_retained_units_restart_after_frames_that_went_out_another_way():
     kept = RetainedUnits(capacity=8)
     kept.add(unit(0, 1))
-    kept.add(unit(4, 7))  # frames [1, 4) went out over HTTP
+    kept.add(unit(4, 7))  # frames [1, 4) were not kept (an HTTP response's unit that could not be encoded)
     assert [u.frame_start for u in kept] == [4]
+
+
+def test_retained_units_returned_over_http_go_to_a_watchers_resume_not_to_a_streams():
+    """One window, bounded by its count whichever way its units went out. A watcher's replay sends all of them; a
+    stream's resume only the units it streamed since the last ones returned in HTTP responses (api.md: those are
+    answered in their responses), refusing one from before them as when they were not kept."""
+    kept = RetainedUnits(capacity=3)
+    for start, end, in_response in [(0, 1, False), (1, 4, False), (4, 7, True)]:
+        kept.add(SentUnit(start, end, f"{start}-{end}".encode(), in_response=in_response))
+    assert [u.frame_start for u in kept.replay(2, until=7)] == [1, 4]
+    assert [u.frame_start for u in kept.resume(2, frames_returned=7)] == [1], "not the response's unit"
+    assert kept.first_frame(7) == 1
+    kept.add(SentUnit(7, 10, b"7-10"))
+    assert [u.frame_start for u in kept] == [1, 4, 7], "an HTTP response's unit counts against ws_resume_units"
+    assert [u.frame_start for u in kept.replay(2, until=10)] == [1, 4, 7]
+    with pytest.raises(ApiError) as gone:
+        kept.resume(2, frames_returned=10)
+    assert gone.value.kind == "resume_unavailable" and "resume_from=7" in gone.value.message
+    assert len(kept) == 3, "a refused resume changes nothing"
+    assert [u.frame_start for u in kept.resume(8, frames_returned=10)] == [7]
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------

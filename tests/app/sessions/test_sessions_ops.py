@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import threading
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from app.sessions import subscriptions
 from app.sessions.operations import RefuseInBand
 from app.sessions.subscriptions import StreamSubscriber, WatchSubscriber
 
-from tests.app.conftest import expected_clip, make_clip, payload, read_latents, running_app
+from tests.app.conftest import DEADLINE_S, expected_clip, make_clip, payload, read_latents, running_app, wait_until
 
 
 class FakeConnection:
@@ -35,6 +37,9 @@ class FakeConnection:
 
     def offer(self, unit, received, sent=None, metadata=None):
         self.offered.append(unit)
+
+    def replay(self, units, outputs, resume_from):
+        self.replayed = list(units)
 
     def finish(self, frames):
         self.finished = frames
@@ -91,6 +96,42 @@ def test_chunks_through_the_operation_refine_replay_and_reach_watchers(make_sett
         assert described["frames_returned"] == 10 and described["next_seq"] == 2 and described["watchers"] == 1
         ops.unwatch(watcher)
         assert client.portal.call(ops.describe, session_id)["watchers"] == 0
+
+
+def test_a_watcher_resuming_while_a_responses_units_are_encoded_waits_for_them(make_settings):
+    """An HTTP response's units are offered to watchers at once and kept once encoded. A watcher resuming in
+    between (the only encoder thread held here) waits for them, then is sent them again: it is not refused
+    resume_unavailable for units the session is about to keep, nor left without units it was never offered."""
+    latents, embeds, mask = make_clip(frames=4)
+    with running_app(make_settings(encode_workers=1)) as client:
+        services = client.app.state.services
+        ops = services.sessions
+        session_id = client.portal.call(ops.create, _fields({}))["session_id"]
+        handle = services.registry.handles()[0]
+        gate = threading.Event()
+        held = client.portal.start_task_soon(services.encoder.run, gate.wait)
+        try:
+            chunk = client.portal.start_task_soon(ops.submit_chunk, session_id, None, False,
+                                                  _body(payload(latents, embeds, mask)))
+            wait_until(lambda: handle.offered_until == 4, "the response's units to be offered")
+
+            async def watch_while_held():
+                task = asyncio.ensure_future(ops.watch(session_id, {"resume_from": "0"},
+                                                       lambda sid, outputs: FakeConnection(sid, outputs)))
+                for _ in range(100):  # loop turns, no clock: enough for a watch that does not wait to be done
+                    await asyncio.sleep(0)
+                return task, task.done()
+
+            watch, done_while_held = client.portal.call(watch_while_held)
+        finally:
+            gate.set()
+        held.result(DEADLINE_S)
+        assert not done_while_held
+        watcher = client.portal.call(asyncio.wait_for, watch, DEADLINE_S)
+        chunk.result(DEADLINE_S)
+        assert [(unit.frame_start, unit.frame_end) for unit in watcher.replayed] == [(0, 1), (1, 4)]
+        assert all(unit.in_response for unit in watcher.replayed) and watcher.offered == []
+        ops.unwatch(watcher)
 
 
 def test_put_is_idempotent_for_one_config_and_refuses_another(make_settings):

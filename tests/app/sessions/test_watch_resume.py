@@ -97,10 +97,92 @@ def test_a_watcher_that_reconnects_gets_the_units_it_missed_then_live_ones(make_
     assert events[-1] == {"type": "done", "frames": 11}
 
 
+def response_units(responses: list[bytes], replayed: list[bytes]) -> None:
+    """Every replayed unit holds exactly the frames of the HTTP responses that returned them, bit for bit, and says
+    the seq of the request that did."""
+    frames_of = {}
+    for response in responses:
+        tensors, meta = decode_response(response)
+        for index in range(int(meta["frame_start"]), int(meta["frame_end"])):
+            frames_of[index] = (tensors["latents"][:, :, index - int(meta["frame_start"])], meta["seq"])
+    for unit in replayed:
+        tensors, meta = decode_response(unit)
+        start, end = int(meta["frame_start"]), int(meta["frame_end"])
+        assert [frames_of[index][1] for index in range(start, end)] == [meta["seq"]] * (end - start)
+        for index in range(start, end):
+            assert tensors["latents"][:, :, index - start].equal(frames_of[index][0])
+
+
+def test_a_watcher_of_a_session_fed_over_http_gets_the_units_it_missed(make_settings):
+    """A generator POSTs its chunks; the watcher leaves after the first response's units, two more responses are
+    returned while it is away, and back with resume_from=5 it gets their units (the ones returned in HTTP
+    responses are kept too), bit-equal to the responses' frames, then the flush's live and done."""
+    latents, embeds, mask = make_clip(frames=11, seed=25)
+    with LiveServer(make_settings()) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        chunks = f"/v1/sessions/{session_id}/chunks"
+        with watch(server, session_id) as first:
+            wait_until(lambda: watchers(server, session_id) == 1, "the watcher to join")
+            reply = http.post(chunks, content=payload(latents[:, :, :4], embeds, mask), headers=OCTET)
+            assert reply.status_code == 200, reply.text
+            seen, _ = units_of(first, 2)
+        assert frames(seen) == [(0, 1), (1, 4)]
+        response_units([reply.content], seen)
+        wait_until(lambda: watchers(server, session_id) == 0, "the watcher to leave")
+        responses = [http.post(chunks, content=payload(latents[:, :, start:start + 3]), headers=OCTET)
+                     for start in (4, 7)]
+        assert [r.status_code for r in responses] == [200, 200]
+        with watch(server, session_id, "?resume_from=5") as again:
+            replayed, events = units_of(again, 2)
+            assert frames(replayed) == [(4, 7), (7, 10)]
+            response_units([r.content for r in responses], replayed)
+            last = http.post(chunks, params={"flush": True}, content=payload(latents[:, :, 10:]), headers=OCTET)
+            assert last.status_code == 200, last.text
+            tail, more = rest_of(again)
+            assert again.close_code == 1000
+    assert frames(tail) == [(10, 11)]
+    response_units([last.content], tail)
+    events += more
+    assert [(e["frame_start"], e["frame_end"]) for e in events if e["type"] == "block"] == [(4, 7), (7, 10), (10, 11)]
+    assert events[-1] == {"type": "done", "frames": 11}
+
+
+def test_a_streams_resume_does_not_send_again_the_units_answered_over_http(make_settings):
+    """api.md: an HTTP chunk's units are answered in its HTTP response only. A stream dropped after four units,
+    then a chunk POSTed: the stream resuming from 4 gets its own two units again (resent_from 4), not the
+    response's, then its new ones. A watcher resuming from 4 gets all three."""
+    latents, embeds, mask = make_clip(frames=14, seed=26)
+    with LiveServer(make_settings()) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        stream = f"{server.ws_url}/v1/sessions/{session_id}/stream"
+        with connect(stream, open_timeout=DEADLINE_S, max_size=None) as producer:
+            producer.send(payload(latents[:, :, :10], embeds, mask))
+            produced, _ = units_of(producer, 4)  # [0, 1) [1, 4) [4, 7) [7, 10)
+        wait_until(lambda: http.get(f"/v1/sessions/{session_id}").json()["streaming"] is False, "the stream to end")
+        reply = http.post(f"/v1/sessions/{session_id}/chunks", content=payload(latents[:, :, 10:13]), headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        with watch(server, session_id, "?resume_from=4") as ws:
+            watched, _ = units_of(ws, 3)
+        assert watched[:2] == produced[2:] and frames(watched) == [(4, 7), (7, 10), (10, 13)]
+        response_units([reply.content], watched[2:])
+        with connect(f"{stream}?resume_from=4", open_timeout=DEADLINE_S, max_size=None) as producer:
+            event = json.loads(producer.recv(timeout=DEADLINE_S))
+            assert (event["frames_returned"], event["resume_from"], event["resent_from"]) == (13, 4, 4)
+            resent, _ = units_of(producer, 2)
+            assert resent == produced[2:]
+            producer.send(payload(latents[:, :, 13:]))
+            producer.send(FLUSH)
+            live, _ = units_of(producer, 1)
+            assert json.loads(producer.recv(timeout=DEADLINE_S)) == {"type": "done", "frames": 14}
+    assert frames(live) == [(13, 14)]
+
+
 def test_a_watchers_resume_is_refused_as_a_streams_is_and_changes_nothing(make_settings):
     """resume_from that is not a frame index, past the frames returned, or before what is kept (ws_resume_units=2;
-    units returned over HTTP are not kept) is an error event and close 1008 naming what to send instead; the session
-    keeps no watcher. From where the kept units allow, the watch goes on."""
+    a unit returned over HTTP counts among them) is an error event and close 1008 naming what to send instead; the
+    session keeps no watcher. From where the kept units allow, the watch goes on."""
     latents, embeds, mask = make_clip(frames=14, seed=22)
     with LiveServer(make_settings(ws_resume_units=2)) as server:
         http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
@@ -122,12 +204,15 @@ def test_a_watchers_resume_is_refused_as_a_streams_is_and_changes_nothing(make_s
         with watch(server, session_id, "?resume_from=4") as ws:
             replayed, _ = units_of(ws, 2)
         assert replayed == produced[2:]
-        # Frames returned over HTTP are not kept: a resume from before them would have a hole.
+        # A unit returned over HTTP is kept too, and the oldest kept unit makes way for it.
         reply = http.post(f"/v1/sessions/{session_id}/chunks", content=payload(latents[:, :, 10:13]), headers=OCTET)
         assert reply.status_code == 200, reply.text
-        event, code = refusal(server, session_id, "?resume_from=7")
+        event, code = refusal(server, session_id, "?resume_from=4")
         assert (event["error"]["code"], code) == ("resume_unavailable", 1008)
-        assert "frames [7, 13) are no longer kept" in event["error"]["message"]
+        assert "frames [4, 7) are no longer kept" in event["error"]["message"]
+        with watch(server, session_id, "?resume_from=7") as ws:
+            replayed, _ = units_of(ws, 2)
+        assert replayed[0] == produced[3] and frames(replayed) == [(7, 10), (10, 13)]
         wait_until(lambda: watchers(server, session_id) == 0, "no watcher left")
         state = http.get(f"/v1/sessions/{session_id}").json()
         assert (state["frames_returned"], state["next_seq"]) == (13, 2)
@@ -206,3 +291,4 @@ def test_a_watch_resumes_without_a_gap_across_a_drain_and_a_restart(make_setting
             tail, events = rest_of(again)
     assert tail == live and frames(live) == [(7, 10), (10, 11)]
     assert events[-1] == {"type": "done", "frames": 11}
+
