@@ -3,9 +3,9 @@
 A file holds what ``models.snapshot`` saves of the session (config, prompt, KV cache, generator state, pending
 frames, counters: ``session_to_tensors``) plus the service's own fields: the session id, ``next_seq``, the last
 ``seq``, its request (``app.core.chunk_request``: what a retry must repeat) and its stored response (a retry after
-the restart gets the same bytes), the units retained for a reattaching stream, its creation time, its outputs and its
-output stages' states (``app.outputs.stage``; for video its decoder's state, ``models.vae.video_to_tensors``, under
-``app.video``). Everything sits in one file so that one atomic rename commits all of it; a restart can never pair a
+the restart gets the same bytes), the units retained for a reattaching stream or watcher, its creation time, its
+outputs and its output stages' states (``app.outputs.stage``; for video its decoder's state,
+``models.vae.video_to_tensors``, under ``app.video``). Everything sits in one file so that one atomic rename commits all of it; a restart can never pair a
 session with another moment's seq counters or units.
 
 Sessions move through the folder: a draining replica writes its sessions (and a checkpoint is written the same
@@ -144,6 +144,9 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
         "has_last_response": record.last_response is not None,
         "last_request": None if record.last_request is None else record.last_request.to_fields(),
         "units": [[unit.frame_start, unit.frame_end] for unit in record.units],
+        # Which of them were returned in HTTP responses (a stream's resume does not send those again). A field of
+        # its own, so that a replica of an earlier version still reads "units" (and takes them all as streamed).
+        "units_in_responses": [index for index, unit in enumerate(record.units) if unit.in_response],
         "streaming": record.streaming,
         "created_at": record.created_at,
         "outputs": record.outputs.to_dict(),
@@ -344,8 +347,11 @@ def record_from_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     session_id = record_identity(path, metadata, expected_id)
     try:
         fields = json.loads(metadata["app"])
+        # Absent from files written before HTTP responses' units were kept: every unit there was streamed.
+        in_responses = {int(index) for index in fields.get("units_in_responses", [])}
         units = [
-            SentUnit(int(start), int(end), _tensor_bytes(tensors[UNIT_TENSOR.format(index)]))
+            SentUnit(int(start), int(end), _tensor_bytes(tensors[UNIT_TENSOR.format(index)]),
+                     in_response=index in in_responses)
             for index, (start, end) in enumerate(fields["units"])
         ]
         last_response = _tensor_bytes(tensors[LAST_RESPONSE_TENSOR]) if fields["has_last_response"] else None

@@ -292,3 +292,49 @@ def test_a_watch_resumes_without_a_gap_across_a_drain_and_a_restart(make_setting
     assert tail == live and frames(live) == [(7, 10), (10, 11)]
     assert events[-1] == {"type": "done", "frames": 11}
 
+
+@pytest.mark.slow
+def test_a_watch_of_a_session_fed_over_http_resumes_across_a_drain_and_a_restart(make_settings, tmp_path):
+    """The units of the HTTP responses returned while the watcher was away are saved with the session by the drain:
+    the watcher resuming on the replica that adopts it gets them, the same bytes as a resume before the drain, and
+    the responses' frames bit for bit; then the rest live. A stream resuming there is refused them as before the
+    drain (they were answered in their responses), and goes on from the frames returned."""
+    latents, embeds, mask = make_clip(frames=11, seed=27)
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    settings = make_settings(snapshot_dir=folder)
+    with LiveServer(settings) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        chunks = f"/v1/sessions/{session_id}/chunks"
+        with watch(server, session_id) as first:
+            wait_until(lambda: watchers(server, session_id) == 1, "the watcher to join")
+            assert http.post(chunks, content=payload(latents[:, :, :4], embeds, mask), headers=OCTET).status_code == 200
+            units_of(first, 2)
+        wait_until(lambda: watchers(server, session_id) == 0, "the watcher to leave")
+        reply = http.post(chunks, content=payload(latents[:, :, 4:7]), headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        with watch(server, session_id, "?resume_from=4") as before:
+            kept, _ = units_of(before, 1)
+    assert frames(kept) == [(4, 7)]
+    response_units([reply.content], kept)
+    with LiveServer(settings) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        with watch(server, session_id, "?resume_from=4") as again:  # adopts the session from the folder
+            replayed, _ = units_of(again, 1)
+            assert replayed == kept
+            stream = f"{server.ws_url}/v1/sessions/{session_id}/stream"
+            with connect(f"{stream}?resume_from=4", open_timeout=DEADLINE_S, max_size=None) as producer:
+                event = json.loads(producer.recv(timeout=DEADLINE_S))
+                rest_of(producer)
+            assert (event["error"]["code"], producer.close_code) == ("resume_unavailable", 1008)
+            assert "frames [4, 7) are no longer kept for a stream" in event["error"]["message"]
+            with connect(f"{stream}?resume_from=7", open_timeout=DEADLINE_S, max_size=None) as producer:
+                event = json.loads(producer.recv(timeout=DEADLINE_S))
+                assert (event["frames_returned"], event["resent_from"]) == (7, 7)
+                producer.send(payload(latents[:, :, 7:]))
+                producer.send(FLUSH)
+                live, _ = units_of(producer, 2)
+            tail, events = rest_of(again)
+    assert tail == live and frames(live) == [(7, 10), (10, 11)]
+    assert events[-1] == {"type": "done", "frames": 11}
