@@ -62,8 +62,7 @@ def watch_command(args: argparse.Namespace) -> int:
                 if isinstance(event, Rejoined):
                     if end is not None and event.frames_returned > end:
                         gap = (f"frames [{end}, {event.frames_returned}) were refined while the watch reconnected "
-                               "and the server no longer keeps them (its ws_resume_units; units returned in HTTP "
-                               "responses are not kept)")
+                               "and the server no longer keeps them (its ws_resume_units)")
                         break
                     continue
                 if isinstance(event, Finished):

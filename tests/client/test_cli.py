@@ -608,14 +608,16 @@ def test_watch_waits_out_a_restart_whose_warm_up_refuses_the_watch(checkpoint_di
     assert np.array_equal(watched, expected[:, :, 13 - watched.shape[2]:])
 
 
-@pytest.mark.parametrize("producer_kind", ["stream", "http"])
+@pytest.mark.parametrize(("producer_kind", "kept"), [("stream", 32), ("http", 32), ("http", 1)])
 def test_watch_resumes_across_a_restart_without_losing_the_blocks_refined_while_it_was_away(checkpoint_dir, tmp_path,
-                                                                                           producer_kind):
+                                                                                           producer_kind, kept):
     """``watch`` holds the sink and the first block when the session's server drains; while it is away (stopped, so
     that it surely is) the producer resumes on the restarted server and refines the rest of the clip. The watch
     reconnects with resume_from = the frames it holds and gets those blocks from the units the session kept (saved
-    by the drain): it exits 0 with the whole clip, where it named a gap (exit 2) before. A producer over HTTP: its
-    units are not kept, so the resume is refused and the gap named (exit 2), the file holding the frames before."""
+    by the drain): it exits 0 with the whole clip, where it named a gap (exit 2) before; with a producer over HTTP
+    too, whose responses' units are kept as a stream's are. When the server keeps fewer units than were refined
+    meanwhile (ws_resume_units=1), the resume is refused and the gap named (exit 2), the file holding the frames
+    before it."""
     import json
     import signal
     import threading
@@ -625,7 +627,7 @@ def test_watch_resumes_across_a_restart_without_losing_the_blocks_refined_while_
     from websockets.sync.client import connect
 
     port = free_port()
-    settings = dict(model=str(checkpoint_dir), device="cpu", dtype="float32", batching=False)
+    settings = dict(model=str(checkpoint_dir), device="cpu", dtype="float32", batching=False, ws_resume_units=kept)
     latents, prompt, mask = clip(13)
 
     def server() -> ServerProcess:
@@ -690,13 +692,13 @@ def test_watch_resumes_across_a_restart_without_losing_the_blocks_refined_while_
             process.kill()
     assert "restarting (close 1012)" in err
     watched = load_file(str(tmp_path / "watched.safetensors"))["latents"]
-    if producer_kind == "stream":
-        assert watcher.returncode == 0, err
-        assert f"session {session.id} is flushed" in "".join(lines)
-        assert re.findall(r"^frames \[(\d+), (\d+)\)", "".join(lines), re.M) == [
-            ("1", "4"), ("4", "7"), ("7", "10"), ("10", "13")]  # each block once, the replayed ones included
-        assert np.array_equal(watched, expected)
-    else:
+    if kept == 1:
         assert watcher.returncode == 2, err
         assert "error: frames [4, 13) were refined while the watch reconnected and the server no longer keeps" in err
         assert np.array_equal(watched, expected[:, :, :4])
+        return
+    assert watcher.returncode == 0, err
+    assert f"session {session.id} is flushed" in "".join(lines)
+    assert re.findall(r"^frames \[(\d+), (\d+)\)", "".join(lines), re.M) == [
+        ("1", "4"), ("4", "7"), ("7", "10"), ("10", "13")]  # each block once, the replayed ones included
+    assert np.array_equal(watched, expected)

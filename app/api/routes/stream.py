@@ -10,9 +10,9 @@ Reattach (docs/api.md, "Reattach: a dropped stream is not a lost session"): ``?r
 the connection a resume of the session's stream. It takes the session over from a previous connection that is
 still open (a dropped client whose socket the server has not noticed yet), waits until every message that
 connection handed to the engine is done, then sends ``{"type": "session", ...}`` (frames received and returned,
-next seq, flushed) and again every retained unit holding frames at or after N, before any new unit. Units are
-retained per session (``ws_resume_units``), not per connection, so units committed while no client is attached
-are kept too.
+next seq, flushed) and again every retained unit holding frames at or after N that the session streamed (not those
+returned in HTTP responses: ``RetainedUnits.streamed``), before any new unit. Units are retained per session
+(``ws_resume_units``), not per connection, so units committed while no client is attached are kept too.
 
 Flow control: one reader and one writer per connection. The reader submits a message only when the previous
 one is done and fewer than ``ws_outbound_queue`` units wait to be written, so a client that stops reading
