@@ -35,13 +35,16 @@ CONTENT_SECURITY_POLICY = (
 )
 
 
-# URL path -> (file in app/static, content type). JavaScript is text/javascript (RFC 9239); browsers refuse a module
-# served as anything but a JavaScript type. The module's TypeScript declarations sit beside it, for pages written in
-# TypeScript (docs/api.md, "TypeScript"); TypeScript has no registered media type, application/typescript is the one
-# its tools (Deno) read as TypeScript.
+# URL path -> (file in app/static, content type, headers of its own). JavaScript is text/javascript (RFC 9239);
+# browsers refuse a module served as anything but a JavaScript type. The module's TypeScript declarations sit beside
+# it, for pages written in TypeScript (docs/api.md, "TypeScript"); TypeScript has no registered media type,
+# application/typescript is the one its tools (Deno) read as TypeScript. The module names them in X-TypeScript-Types,
+# where Deno looks for the types of a module imported by URL; relative, as Deno resolves it against the module's URL,
+# so it names the file beside the module whatever path a proxy serves this server under (the server does not know it).
 STATIC_FILES = {
-    "/static/wm-refiner.js": ("wm-refiner.js", "text/javascript; charset=utf-8"),
-    "/static/wm-refiner.d.ts": ("wm-refiner.d.ts", "application/typescript; charset=utf-8"),
+    "/static/wm-refiner.js": ("wm-refiner.js", "text/javascript; charset=utf-8",
+                              {"x-typescript-types": "./wm-refiner.d.ts"}),
+    "/static/wm-refiner.d.ts": ("wm-refiner.d.ts", "application/typescript; charset=utf-8", {}),
 }
 # Served without the API key (app.api.factory adds them to its PUBLIC_PATHS).
 PUBLIC_PATHS = frozenset({"/view", *STATIC_FILES})
@@ -64,15 +67,15 @@ async def view() -> HTMLResponse:
     )
 
 
-def _serve_static(path: str, name: str, media_type: str) -> None:
+def _serve_static(path: str, name: str, media_type: str, headers: dict[str, str]) -> None:
     async def serve() -> Response:
         # no-cache: revalidated on each load, so a page never runs a module older than the server it talks to.
         return Response(static_text(name), media_type=media_type,
-                        headers={"cache-control": "no-cache", "x-content-type-options": "nosniff"})
+                        headers={"cache-control": "no-cache", "x-content-type-options": "nosniff", **headers})
 
     serve.__doc__ = f"app/static/{name}"
     router.add_api_route(path, serve, methods=["GET"], include_in_schema=False, name=f"static:{name}")
 
 
-for _path, (_name, _media_type) in STATIC_FILES.items():
-    _serve_static(_path, _name, _media_type)
+for _path, (_name, _media_type, _headers) in STATIC_FILES.items():
+    _serve_static(_path, _name, _media_type, _headers)

@@ -69,6 +69,25 @@ def test_the_declarations_are_served_beside_the_module_without_the_key(make_sett
         assert http.get("/static/wm-refiner.ts").status_code == 401  # nothing else under /static is public
 
 
+def test_the_module_names_its_declarations_in_the_header_deno_reads(make_settings):
+    """Deno takes the types of a module imported by URL from its X-TypeScript-Types header, resolved against the
+    module's URL: the header is relative, so it names the declarations beside the module on this server and behind a
+    proxy that serves the server under a path of its own (the server does not know that path)."""
+    from urllib.parse import urljoin
+
+    with LiveServer(make_settings(api_key=KEY)) as server, httpx.Client(base_url=server.base_url) as http:
+        module = http.get("/static/wm-refiner.js")  # no key
+        assert module.status_code == 200, module.text
+        named = module.headers["x-typescript-types"]
+        declarations = http.get(urljoin(f"{server.base_url}/static/wm-refiner.js", named))  # no key either
+        assert declarations.status_code == 200, declarations.text
+        assert declarations.headers["content-type"] == "application/typescript; charset=utf-8"
+        assert declarations.text == DECLARATIONS.read_text()
+        assert "x-typescript-types" not in declarations.headers  # the declarations are the types
+    assert urljoin("https://example.org/refiner/static/wm-refiner.js?v=2", named) == \
+        "https://example.org/refiner/static/wm-refiner.d.ts"
+
+
 # Runs in the page: the module script tsc emitted, its console.log collected; window.result once it finished.
 RUN_MODULE = """
 const [code] = arguments;
