@@ -35,6 +35,11 @@ The pieces between disabled attention functions see only tensors of the bucketed
 before ``/ready``. What would lift this: a guard-free form of the window and prompts (slot offsets and lengths as
 tensors, prompts in length buckets), measured against the pieces on a GPU.
 
+A compile that fails (no working triton on CUDA, an inductor error, the C++ compiler crashing in its subprocess)
+raises out of ``warm_up``; ``failure_reason`` turns it into the one line the service and the GPU check report (the
+backend's own error and, for a compiler, what it printed; not dynamo's advice or the compiler's command line).
+``compiler_problem`` names the one such failure that can be seen before tracing anything.
+
 Numerics: compiled kernels fuse differently from eager ones, so outputs differ from the reference in the last
 bits (the parity tolerance, not bit-exactness) and rows may differ between buckets; ``models.determinism``'s
 probe runs through this path when it is on, and the service reports what it finds.
@@ -50,6 +55,41 @@ from .step import RowForward, forward_body, run_batch
 
 
 GRAPHED_MODES = ("reduce-overhead", "max-autotune")
+# How much of a failure's text ``failure_reason`` keeps: a C++ compiler's output can run to pages.
+REASON_CHARS = 500
+
+
+def compiler_problem(device: torch.device, backend: str = "inductor") -> str | None:
+    """Why ``torch.compile``'s ``backend`` cannot compile for ``device`` on this machine, or None. On CUDA inductor
+    writes Triton kernels: with a triton that does not import (absent, or built for another torch; a CUDA torch wheel
+    brings its own) every compile fails at its first kernel, after tracing the model to reach it. On a CPU inductor
+    writes C++ and needs no triton; the other backends generate no code."""
+    if device.type != "cuda" or backend != "inductor":
+        return None
+    try:
+        import triton  # noqa: F401 -- whether it imports is the question
+    except Exception as exc:  # noqa: BLE001 -- an ImportError, or a broken build's any error at import
+        return f"triton does not import ({type(exc).__name__}: {exc}): inductor needs it to compile for CUDA"
+    return None
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A failed compile in one line: the backend's own error (dynamo wraps it: ``BackendCompilerFailed``) with its
+    message, less dynamo's advice on verbose logging and a compiler's command line, whitespace folded, at most
+    ``REASON_CHARS`` characters. A C++ compiler's crash keeps what the compiler printed (its ``Output:``)."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    lines, skip = [], False
+    for line in str(inner).splitlines():
+        line = line.strip()
+        if skip:  # the line after "Command:" is the command itself
+            skip = False
+            continue
+        if line == "Command:":
+            skip = True
+        elif line and not line.startswith("Set TORCHDYNAMO_VERBOSE"):
+            lines.append(line)
+    text = f"{type(inner).__name__}: {' '.join(lines)}" if lines else type(inner).__name__
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -87,6 +127,7 @@ class CompiledStep:
         self.model = model
         self.buckets = bucket_sizes(sizes, max_rows)
         self.mode = mode
+        self.backend = backend
         self.body = torch.compile(forward_body, dynamic=False, mode=None if mode == "default" else mode,
                                   backend=backend)
         # The modes that capture CUDA graphs on a GPU (max-autotune does too; max-autotune-no-cudagraphs does not).
@@ -132,7 +173,11 @@ class CompiledStep:
         """Run every bucket for each given forward (one per kind the service meets: a sink capture, a denoising
         forward, a commit forward, at each warm-up geometry: ``warmup_forwards``, consumed one at a time), repeating
         the forward to fill the rows, then seal the step (``__call__``: no compile after this). ``progress`` hears the
-        number of shapes compiled so far after each call. Returns the number of calls made."""
+        number of shapes compiled so far after each call. Returns the number of calls made. A compiler that cannot
+        run here (``compiler_problem``) raises at once, before any tracing."""
+        problem = compiler_problem(next(self.model.parameters()).device, self.backend)
+        if problem is not None:
+            raise RuntimeError(problem)
         self.sealed = False
         calls = 0
         for forward in forwards_by_kind:

@@ -27,3 +27,31 @@ def failing_forwards(model, session, message: str = "CUDA out of memory. Tried t
         yield calls
     finally:
         handle.remove()
+
+
+# What a C++ compiler that segfaults prints; ``crashing_compiler`` fails with it.
+COMPILER_CRASH = "g++: internal compiler error: Segmentation fault signal terminated program cc1plus"
+
+
+@contextlib.contextmanager
+def crashing_compiler():
+    """While active, torch.compile's inductor backend (``compile_backend``'s default) fails as when its C++ compiler
+    crashes, once dynamo has traced the function and hands inductor the graph: a ``RuntimeError`` worded as inductor
+    words a ``CppCompileError`` (the command, then the compiler's output), which dynamo raises as
+    ``BackendCompilerFailed``. Dynamo and whatever calls it run for real. Dynamo's caches are reset on entry and exit,
+    so nothing compiled before stands in for the compile and nothing half-compiled outlives it."""
+    import torch
+    import torch._inductor.compile_fx as inductor  # what torch.compile's inductor wrapper calls, looked up per call
+
+    def crashing(graph, example_inputs, **kwargs):
+        raise RuntimeError(f"C++ compile error\n\nCommand:\ng++ kernel.cpp -shared -o kernel.so\n\nOutput:\n"
+                           f"{COMPILER_CRASH}\n")
+
+    original = inductor.compile_fx
+    inductor.compile_fx = crashing
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        inductor.compile_fx = original
+        torch._dynamo.reset()

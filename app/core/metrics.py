@@ -112,6 +112,12 @@ class Metrics:
             "compiled)", registry=r,
         )
 
+        self.compile_failed = Gauge(
+            "refiner_compile_failed",
+            "1 when compile_step is on and compiling failed: the step runs eagerly (compile_fallback: eager) or the "
+            "server stays unready (fail); 0 otherwise", registry=r,
+        )
+
         self._memory = _MemoryCollector(dict, dict, dict)
         r.register(self._memory)
 

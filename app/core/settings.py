@@ -252,6 +252,17 @@ class Settings(_SessionDefaults):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         default="inductor", description="torch.compile backend of compile_step (the others are for debugging)"
     )
+    # Default eager: a compiled step is a speed-up, never a difference in what is served (eager gives the same
+    # results within the parity tolerance, and a shape the warm-up did not compile already runs eagerly), so a
+    # compiler that breaks on one machine (a missing triton, an inductor bug, a crashing C++ compiler) should cost
+    # speed, visibly, not the replica: with fail every replica of the same image stays unready, forever (a retry
+    # fails the same way). What the speed costs stays honest: admission: realtime admits by the costs it measures
+    # on the step that runs. fail is for an operator whose capacity plan holds only with the compiled step.
+    compile_fallback: Literal["eager", "fail"] = Field(
+        default="eager",
+        description="when compile_step's compiling fails: eager (log the reason once, serve the step eagerly, say so "
+        "in /v1/info's engine.step and refiner_compile_failed) or fail (stay unready, /ready's 503 naming the reason)",
+    )
     admission: Literal["none", "count", "realtime"] = Field(
         default="none",
         description="realtime: refuse a new realtime session (503 over_capacity) when, by the engine's measured "

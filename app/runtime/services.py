@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from models import ModelLoadError, Prompt, Refiner, RefinerError, RefinerSession, load_refiner
-from models.compiled import CompiledStep, warmup_forwards
+from models.compiled import CompiledStep, failure_reason, warmup_forwards
 from models.determinism import probe_batch_invariance
 from models.host_memory import keep_freed_memory
 from models.session import check_prompt
@@ -99,6 +99,7 @@ class Services:
         self.warmup_gate = warmup_gate
         self._tasks: list[asyncio.Task] = []
         self._uncompiled_logged: set[tuple[bool, int]] = set()  # uncompiled shapes already logged
+        self.compile_error: str | None = None  # why compile_step's compiling failed (compile_fallback), in one line
         self._drain_task: asyncio.Task | None = None
         self.drain_report: dict[str, Any] | None = None
 
@@ -214,24 +215,13 @@ class Services:
                 await self.engine.call(self.warmup_gate)
             settings, refiner, runner = self.settings, self.refiner, self.engine.runner
             if runner is not None:
-                # Every bucket and kind of forward compiled now, so that no client pays for it.
-                self.not_ready_reason = "compiling the batched step"
-                started = time.perf_counter()
-                geometries, config = settings.compile_geometries(), settings.session_defaults()
-                shapes = runner.shapes_to_compile(config, geometries)
-
-                def progress(done: int) -> None:  # /ready's reason says how far it got (minutes on a GPU)
-                    if not self.draining:
-                        self.not_ready_reason = f"compiling the batched step: {done} of {shapes} shapes"
-
-                # Every size's forwards in turn, built lazily on the engine thread: one throwaway window at a time.
-                forwards = itertools.chain.from_iterable(
-                    warmup_forwards(refiner, config, height, width, settings.warmup_prompt_tokens)
-                    for height, width in geometries)
-                calls = await self.engine.call(lambda: runner.warm_up(forwards, progress=progress))
-                log.info("compiled the batched step for batch sizes %s at latent sizes %s (%d warm-up calls) in "
-                         "%.1f s", runner.buckets, ", ".join(f"{h}x{w}" for h, w in geometries), calls,
-                         time.perf_counter() - started)
+                try:
+                    await self._compile(runner)
+                except Exception as exc:
+                    if self.draining:
+                        raise
+                    if not await self._compile_failed(exc):
+                        return
             if settings.warmup:
                 self.not_ready_reason = "warming up"
                 started = time.perf_counter()
@@ -255,6 +245,64 @@ class Services:
                 return
             log.exception("warm-up failed")
             self.not_ready_reason = f"warm-up failed: {exc}"
+
+    async def _compile(self, runner: CompiledStep) -> None:
+        """Every bucket and kind of forward compiled now, so that no client pays for it."""
+        settings, refiner = self.settings, self.refiner
+        self.not_ready_reason = "compiling the batched step"
+        started = time.perf_counter()
+        geometries, config = settings.compile_geometries(), settings.session_defaults()
+        shapes = runner.shapes_to_compile(config, geometries)
+
+        def progress(done: int) -> None:  # /ready's reason says how far it got (minutes on a GPU)
+            if not self.draining:
+                self.not_ready_reason = f"compiling the batched step: {done} of {shapes} shapes"
+
+        # Every size's forwards in turn, built lazily on the engine thread: one throwaway window at a time.
+        forwards = itertools.chain.from_iterable(
+            warmup_forwards(refiner, config, height, width, settings.warmup_prompt_tokens)
+            for height, width in geometries)
+        calls = await self.engine.call(lambda: runner.warm_up(forwards, progress=progress))
+        log.info("compiled the batched step for batch sizes %s at latent sizes %s (%d warm-up calls) in "
+                 "%.1f s", runner.buckets, ", ".join(f"{h}x{w}" for h, w in geometries), calls,
+                 time.perf_counter() - started)
+
+    async def _compile_failed(self, exc: Exception) -> bool:
+        """Compiling the step failed (``compile_fallback``): with ``eager`` the step runs eagerly from here, as with
+        ``compile_step: false``, and the warm-up goes on (True); with ``fail`` the server stays unready (False). Either
+        way the reason is logged once (one line: ``failure_reason``), shown by /v1/info's ``engine.step`` and
+        counted in ``refiner_compile_failed``. The real-time cost model needs nothing: it learns from the calls the
+        engine times, none of which the failed compile made, so it measures the eager step."""
+        self.compile_error = failure_reason(exc)
+        self.metrics.compile_failed.set(1)
+        # On the engine thread, the only one that runs model calls: the half-compiled step is dropped for good.
+        await self.engine.call(lambda: setattr(self.engine, "runner", None))
+        if self.settings.compile_fallback == "fail":
+            log.error("compiling the batched step failed: %s; not ready (compile_fallback: fail; eager would serve "
+                      "the step uncompiled)", self.compile_error)
+            self.not_ready_reason = (f"compiling the batched step failed: {self.compile_error} (compile_fallback: "
+                                     f"fail; set compile_fallback: eager to serve the step uncompiled, or "
+                                     f"compile_step: false)")
+            return False
+        log.warning("compiling the batched step failed: %s; serving the step eagerly (compile_fallback: eager)",
+                    self.compile_error)
+        return True
+
+    @property
+    def step(self) -> dict[str, str]:
+        """What runs the model calls (``mode``: ``eager``, ``compiling``, ``compiled``, or ``none`` when compiling
+        failed under ``compile_fallback: fail``) and why (``reason``): /v1/info's ``engine.step``."""
+        settings, runner = self.settings, self.engine.runner
+        if self.compile_error is not None:
+            fallback = settings.compile_fallback
+            return {"mode": "eager" if fallback == "eager" else "none",
+                    "reason": f"compile_step: true, but compiling failed ({self.compile_error}); compile_fallback: "
+                              + ("eager serves the step uncompiled" if fallback == "eager" else "fail serves nothing")}
+        if not settings.compile_step:
+            return {"mode": "eager", "reason": "compile_step: false"}
+        if runner is None or not runner.sealed:
+            return {"mode": "compiling", "reason": "compile_step: true; compiling before /ready"}
+        return {"mode": "compiled", "reason": "compile_step: true; compiled during the warm-up"}
 
     async def _decide_batching(self) -> None:
         """Start probing batch invariance (``app.engine.batching``): the warm-up's classes now (its block, its sink, a

@@ -63,6 +63,8 @@ async def info(services: ServicesDep) -> dict[str, Any]:
             "batched": services.engine.batching,  # whether model calls hold several sessions now
             "max_batch_rows": services.settings.max_batch_rows,
             "compile_step": services.settings.compile_step,
+            # What runs the model calls now (eager, compiling, compiled, none) and why: a failed compile shows here.
+            "step": services.step,
             # With compile_step: the batch sizes and latent sizes compiled before /ready (others run eagerly).
             "compiled": None if services.engine.runner is None else {
                 "batch_sizes": services.engine.runner.buckets,

@@ -137,6 +137,7 @@ def test_compiled_step_is_compiled_before_ready_and_serves_the_same_bytes(make_s
         info = client.get("/v1/info").json()["engine"]
         assert info["compile_step"] and info["batch_invariant"] is True
         assert info["compiled"] == {"batch_sizes": [1, 2], "latent_sizes": ["4x4", "2x6"], "mode": "default"}
+        assert info["step"] == {"mode": "compiled", "reason": "compile_step: true; compiled during the warm-up"}
         compiled = dynamo_utils.counters["stats"]["unique_graphs"]
         assert compiled > 0
         for height, width in ((4, 4), (2, 6), (3, 3)):  # the warm-up's, a listed one, one nobody listed
