@@ -45,6 +45,7 @@ import torch
 from models import RefinerSession, SessionConfig, from_model, refine_clip
 from models.checkpoints import PRESETS, VAE_PRESETS
 from models.clock import CallClock
+from models.compiled import compiler_problem, failure_reason
 from models.loading import resolve_device
 from models.move import moved_tensors, move_session, stage_host
 from models.plan import meta_model, released_config
@@ -424,20 +425,6 @@ MEASURE_ORDER = ("eager", "graphed", "compiled")
 MODE_MARGIN = 0.05  # a mode must beat the simpler one by 5% at every measured count to be recommended
 
 
-def compiler_problem(device: torch.device) -> str | None:
-    """Why ``torch.compile``'s inductor cannot compile for ``device`` on this machine, or None. On CUDA it writes
-    Triton kernels: with a triton that does not import (absent, or built for another torch; a CUDA torch wheel
-    brings its own) every compiled mode would fail at its first compile, so ``section_step_modes`` skips them with
-    this reason instead of tracing the model to reach that error. On a CPU it writes C++ and needs no triton."""
-    if device.type != "cuda":
-        return None
-    try:
-        import triton  # noqa: F401 -- whether it imports is the question
-    except Exception as exc:  # noqa: BLE001 -- an ImportError, or a broken build's any error at import
-        return f"triton does not import ({type(exc).__name__}: {exc}): inductor needs it to compile for CUDA"
-    return None
-
-
 def recommend(figures: dict[str, dict[str, Any]], counts, margin: float = MODE_MARGIN) -> str:
     """The mode the setting should follow: start from eager and step up (compiled, then graphed) only where the
     next mode's steady block is at least ``margin`` faster than the one recommended so far at every session count
@@ -552,8 +539,11 @@ def section_step_modes(ctx: Context) -> dict[str, Any]:
             try:
                 out[mode] = _measure_mode(ctx, sessions, mode, counts, spec["blocks"])
             except Exception as exc:  # fail soft per mode: one broken mode keeps the others' figures
-                errors[mode] = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc()
+                # A failed compile in the one line the service logs and /v1/info shows (the compiler's own words);
+                # a traceback only for anything else (a bug here, out of memory), where the stack says more.
+                errors[mode] = failure_reason(exc)
+                if not isinstance(exc, torch._dynamo.exc.TorchDynamoException):
+                    traceback.print_exc()
                 out[mode] = {f"batched_{n}_sessions_block_s": None for n in counts} | {"compile_s": None}
         # After the modes (graphed is the figure this section is for), within the run's end: eager, a few blocks.
         ctx.save("step_modes", _conclude(dict(out), counts, skipped, errors, partial=True))

@@ -109,3 +109,18 @@ def test_a_compiled_mode_the_compiler_cannot_run_is_skipped_not_failed(ctx, monk
     assert figures["eager"]["batched_2_sessions_block_s"] > 0
     assert figures["padding"]["exact_block_s"] > 0
     assert figures["mode_errors"] == [] and figures["recommended_mode"] == "eager"
+
+
+def test_a_compiled_mode_whose_compile_fails_is_reported_in_one_line_without_a_traceback(ctx, capsys):
+    """A compile that fails (the C++ compiler crashing under inductor, ``tests.faults.crashing_compiler``) is recorded
+    in ``mode_errors`` as the service logs and ``/v1/info`` shows it (``models.compiled.failure_reason``: the
+    compiler's own words, not dynamo's advice or its command line), with no traceback in the run's output; eager and
+    the padding are still measured, and eager is recommended."""
+    from tests.faults import COMPILER_CRASH, crashing_compiler
+
+    with crashing_compiler():
+        figures = gpu.section_step_modes(ctx)
+    assert figures["mode_errors"] == [f"compiled: RuntimeError: C++ compile error Output: {COMPILER_CRASH}"]
+    assert "Traceback" not in capsys.readouterr().err
+    assert figures["eager"]["batched_2_sessions_block_s"] > 0 and figures["padding"]["exact_block_s"] > 0
+    assert figures["recommended_mode"] == "eager"
