@@ -226,18 +226,106 @@ def widest_geometry(info: Mapping[str, Any]) -> tuple[int, int, int, int]:
     return numbers["max_batch"], numbers["channels"], numbers["max_frame_tokens"], 1
 
 
+# One WebSocket message is one unit (``unit_message_limit``): the safetensors header and metadata of one unit (a few
+# hundred bytes: tensor names, shapes, frame ranges, a preview's frame numbers) have this much room.
+MESSAGE_HEADER_BYTES = 64 * 2**10
+# Per encoded piece (a JPEG frame or preview, a row's H.264 frames), besides one byte per RGB value: its headers and
+# tables (a JPEG's about 600 bytes, an H.264 segment's boxes and init segment under 2 KiB, measured on 8 x 8 frames,
+# where they weigh most). The values take no more than raw uint8 does: measured, noise, binary noise and
+# checkerboards at the best quality (JPEG 100, H.264 CRF 0, yuv420p) take at most 0.77 of it on frames of 32 x 32
+# pixels and more (one latent pixel is 32 x 32).
+ENCODED_PIECE_OVERHEAD_BYTES = 4 * 2**10
+# Bytes of one RGB value by video format: the raw formats exactly; an encoded one (``jpeg``, ``h264``, or one this
+# client does not know) at most what uint8 takes, which is also what a unit whose encoding failed is sent as.
+MESSAGE_VIDEO_VALUE_BYTES = {"float32": 4, "uint8": 1}
+# An LTX-2 video VAE (the only kind the service loads): pixel frames per latent frame, pixels per latent pixel side.
+LTX2_TEMPORAL, LTX2_SPATIAL = 8, 32
+
+
+def unit_message_limit(geometry: tuple[int, int, int, int], config: Mapping[str, Any],
+                       vae: Mapping[str, Any] | None = None) -> int:
+    """The most bytes one unit of a session of ``config`` whose latents are ``geometry`` (B, C, H, W) can weigh as a
+    WebSocket message (a stream's or a watch's: one unit each), from what the server sends, not with a margin:
+
+    - its latents (with ``latents`` in ``outputs``): at most ``max(sink_frames, block_size)`` frames (a unit is the sink or one block, a flush's
+      shorter), ``LATENT_CHANNEL_BYTES`` a channel (float32, the widest ``response_dtype``);
+    - with video (``outputs``: ``video``, or a kind this client does not know): the pixel frames that became final
+      with it, at most the VAE's temporal factor times those frames plus the ones its decoder held back
+      (``video_lookahead``; ``exact``: the decoder's own, ``vae.lookahead_latent_frames`` of ``GET /v1/info``), of
+      H x W latent pixels times the spatial factor squared, 3 values each in ``video_format``
+      (``MESSAGE_VIDEO_VALUE_BYTES``; encoded: plus ``ENCODED_PIECE_OVERHEAD_BYTES`` a frame);
+    - with ``preview``: one JPEG per row, ``preview_width`` wide and as tall as the video's aspect makes it (a
+      session with a preview and no video decodes its video but does not send it);
+    - ``MESSAGE_HEADER_BYTES`` for the header.
+
+    ``vae``: ``GET /v1/info``'s ``vae`` (its ``temporal_compression``, ``spatial_compression`` and
+    ``lookahead_latent_frames``); without it (or a figure missing) an LTX-2 VAE's factors and
+    ``EXACT_LOOKAHEAD_FRAMES``. A field ``config`` lacks may have any value: the widest is assumed
+    (``UNKNOWN_HELD_FRAMES``, ``UNKNOWN_OUTPUTS``, ``UNKNOWN_VIDEO_FORMAT``, the widest preview)."""
+    batch, channels, height, width = (int(n) for n in geometry)
+    fields = {name: value for name, value in config.items() if value is not None}
+
+    def count(name: str, default: int, where: Mapping[str, Any] = fields) -> int:
+        value = where.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+    frames = max(count("sink_frames", UNKNOWN_HELD_FRAMES), count("block_size", UNKNOWN_HELD_FRAMES))
+    kinds = output_kinds(fields)
+    per_row = frames * height * width * channels * LATENT_CHANNEL_BYTES if "latents" in kinds else 0
+    if any(kind not in ("latents", "preview") for kind in kinds):  # video, or a kind this client does not know
+        vae = vae if isinstance(vae, Mapping) else {}
+        temporal = count("temporal_compression", LTX2_TEMPORAL, vae) or LTX2_TEMPORAL
+        spatial = count("spatial_compression", LTX2_SPATIAL, vae) or LTX2_SPATIAL
+        held = count("video_lookahead", count("lookahead_latent_frames", EXACT_LOOKAHEAD_FRAMES, vae))
+        video_format = fields.get("video_format", UNKNOWN_VIDEO_FORMAT)
+        pixel_frames = temporal * (frames + held)
+        pixels = height * width * spatial * spatial
+        per_row += pixel_frames * pixels * 3 * MESSAGE_VIDEO_VALUE_BYTES.get(video_format, 1)
+        if video_format not in MESSAGE_VIDEO_VALUE_BYTES:
+            per_row += pixel_frames * ENCODED_PIECE_OVERHEAD_BYTES
+    if "preview" in kinds:  # one JPEG a row, round(H_px * preview_width / W_px) tall (at least 1): not the video
+        preview = count("preview_width", spec.BY_NAME["preview_width"].maximum) or 1
+        tall = max(1, -(-height * preview // max(width, 1)))
+        per_row += 3 * preview * tall + ENCODED_PIECE_OVERHEAD_BYTES
+    return batch * per_row + MESSAGE_HEADER_BYTES
+
+
+def output_kinds(config: Mapping[str, Any]) -> list[str]:
+    """The output kinds of a session of ``config`` (``UNKNOWN_OUTPUTS`` when it does not say)."""
+    outputs = config.get("outputs")
+    outputs = UNKNOWN_OUTPUTS if outputs is None else outputs
+    return outputs.split(",") if isinstance(outputs, str) else list(outputs)
+
+
+def limit_needs_info(config: Mapping[str, Any], geometry: tuple[int, int, int, int] | None, watch: bool) -> bool:
+    """Whether a WebSocket's ``MessageLimit`` reads ``GET /v1/info``: for the widest geometry when the client has
+    not seen the session's latents, and, for a watch, for the VAE's figures (``unit_message_limit``) when its units
+    may hold pixels. A stream that knows its geometry does not: its first contact stays its WebSocket (a handle
+    made without a request learns the server's state from it), and it takes an LTX-2 VAE's figures."""
+    return geometry is None or (watch and any(kind != "latents" for kind in output_kinds(config)))
+
+
+def message_limit(what: str, config: Mapping[str, Any], geometry: tuple[int, int, int, int] | None,
+                  info: Mapping[str, Any] | None) -> MessageLimit:
+    """The ``MessageLimit`` of a connection (``what``) of a session of ``config``, from its latents' ``geometry``
+    (None: the widest ``info`` allows) and ``info``'s ``vae`` (``limit_needs_info`` says when ``info`` is needed)."""
+    if geometry is None:
+        geometry = widest_geometry(info)
+    return MessageLimit(what, geometry, config, None if info is None else info.get("vae"))
+
+
 class MessageLimit:
     """What one WebSocket connection may receive: a binary message (a unit) up to ``unit_bytes``
-    (``unit_answer_limit`` of one unit: a unit covers at most ``sink_frames`` or ``block_size`` latent frames, and with
-    video the frames its decoder held back, of the session's geometry ``(B, C, H, W)``), a text message (an event)
-    up to ``MAX_JSON_ANSWER_BYTES``. ``max_size`` (the larger) is websockets' own bound, which refuses a bigger
-    message from its frame header, before reading it (``too_big`` names it); ``check`` refuses a message of one kind
-    over its own bound. ``what``: the connection, for the message (``stream of session ...``)."""
+    (``unit_message_limit`` of the session's geometry ``(B, C, H, W)``, with ``vae``: ``GET /v1/info``'s, when the
+    client read it), a text message (an event) up to ``MAX_JSON_ANSWER_BYTES``. ``max_size`` (the larger) is
+    websockets' own bound, which refuses a bigger message from its frame header, before reading it (``too_big`` names
+    it); ``check`` refuses a message of one kind over its own bound. ``what``: the connection, for the message
+    (``stream of session ...``)."""
 
-    def __init__(self, what: str, geometry: tuple[int, int, int, int], config: Mapping[str, Any]):
-        batch, channels, height, width = geometry
+    def __init__(self, what: str, geometry: tuple[int, int, int, int], config: Mapping[str, Any],
+                 vae: Mapping[str, Any] | None = None):
         self.what = what
-        self.unit_bytes = unit_answer_limit((batch, channels, 0, height, width), config)
+        self.unit_bytes = unit_message_limit(geometry, config, vae)
         self.json_bytes = MAX_JSON_ANSWER_BYTES
         self.max_size = max(self.unit_bytes, self.json_bytes)
 

@@ -35,6 +35,8 @@ from ._common import (
     check_config,
     check_session_id,
     json_answer,
+    limit_needs_info,
+    message_limit,
     refine_query,
     resolve_api_key,
     resolve_url,
@@ -45,7 +47,6 @@ from ._common import (
     watch_open_failed,
     watch_open_timeout,
     watch_query,
-    widest_geometry,
     ws_url,
 )
 from .client import (
@@ -182,9 +183,10 @@ class AsyncClient:
             await asyncio.sleep(wait)
 
     async def _message_limit(self, what: str, config: Mapping[str, Any],
-                             geometry: tuple[int, int, int, int] | None) -> MessageLimit:
+                             geometry: tuple[int, int, int, int] | None, watch: bool = False) -> MessageLimit:
         """See ``Client._message_limit``."""
-        return MessageLimit(what, geometry if geometry is not None else widest_geometry(await self.info()), config)
+        info = await self.info() if limit_needs_info(config, geometry, watch) else None
+        return message_limit(what, config, geometry, info)
 
     async def _connect(self, path: str, query: Mapping[str, Any] | None = None, limit: MessageLimit | None = None,
                        open_timeout: float | None = None) -> ClientConnection:
@@ -308,7 +310,8 @@ class AsyncWatch(AsyncIterator["Unit | BlockEvent | DroppedEvent"]):
                    video_format: str | None) -> AsyncIterator[Unit | BlockEvent | DroppedEvent]:
         session, client = self.session, self.session.client
         what = f"watch of session {session.id}"
-        limit = await client._message_limit(what, _watched(session.config, video_format), session._geometry)
+        limit = await client._message_limit(what, _watched(session.config, video_format), session._geometry,
+                                            watch=True)
         deadline_s = client.retry.deadline_s
         try:
             ws = await client._connect(session_path(session.id, "/watch"), query, limit,

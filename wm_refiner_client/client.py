@@ -41,6 +41,8 @@ from ._common import (
     check_session_id,
     from_answer,
     json_answer,
+    limit_needs_info,
+    message_limit,
     redirect_error,
     refine_query,
     resolve_api_key,
@@ -53,7 +55,6 @@ from ._common import (
     watch_message,
     watch_open_failed,
     watch_open_timeout,
-    widest_geometry,
     watch_query,
     ws_url,
 )
@@ -250,10 +251,12 @@ class Client:
             time.sleep(wait)
 
     def _message_limit(self, what: str, config: Mapping[str, Any],
-                       geometry: tuple[int, int, int, int] | None) -> MessageLimit:
+                       geometry: tuple[int, int, int, int] | None, watch: bool = False) -> MessageLimit:
         """What a WebSocket of a session of ``config`` may receive (``MessageLimit``); its latents' ``geometry``
-        (B, C, H, W), when this client has not seen it, the widest the server allows (``GET /v1/info``)."""
-        return MessageLimit(what, geometry if geometry is not None else widest_geometry(self.info()), config)
+        (B, C, H, W), when this client has not seen it, the widest the server allows (``GET /v1/info``; a ``watch``
+        reads it for the VAE's figures too when its units may hold pixels: ``limit_needs_info``)."""
+        info = self.info() if limit_needs_info(config, geometry, watch) else None
+        return message_limit(what, config, geometry, info)
 
     def _connect(self, path: str, query: Mapping[str, Any] | None = None, limit: MessageLimit | None = None,
                  open_timeout: float | None = None) -> ClientConnection:
@@ -469,7 +472,8 @@ class Watch(Iterator["Unit | BlockEvent | DroppedEvent"]):
     def _run(self, query: dict[str, str], video_format: str | None) -> Iterator[Unit | BlockEvent | DroppedEvent]:
         session, client = self.session, self.session.client
         what = f"watch of session {session.id}"
-        limit = client._message_limit(what, _watched(session.config, video_format), session._geometry)
+        limit = client._message_limit(what, _watched(session.config, video_format), session._geometry,
+                                      watch=True)
         deadline_s = client.retry.deadline_s
         try:
             ws = client._connect(session_path(session.id, "/watch"), query, limit,

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from wm_refiner_client import AsyncClient, Client, ProtocolError, RetryPolicy
+from wm_refiner_client import AsyncClient, Client, ProtocolError, RetryPolicy, Unit
 
 SID = "abcdefgh1234"
 
@@ -508,7 +508,8 @@ def test_a_stream_unit_over_what_one_unit_can_weigh_is_refused():
         errors = stream_both(fake.url, config=LATENTS_ONLY)
     for error in errors:
         assert isinstance(error, ProtocolError), error
-        assert f"a binary message of {2 * 2**20} bytes, over this connection's limit of {2 * 4 * 4 + 2**20}" \
+        # One unit of one row, one channel, 1 x 1 latent pixels: a block of 3 frames' float32 values and a header.
+        assert f"a binary message of {2 * 2**20} bytes, over this connection's limit of {3 * 4 + 2**16}" \
             in str(error)
 
 
@@ -524,11 +525,11 @@ def watch_both(url, config, call=lambda session: session.watch(), retry=FAST, ti
 def test_an_endless_watch_message_is_cut_at_the_widest_unit_the_server_allows(kind):
     """A watcher has sent no latents: its limit follows from the server's limits (GET /v1/info: max_batch rows of
     the model's channels, max_frame_tokens latent pixels) and the session's config."""
-    from wm_refiner_client._common import MAX_JSON_ANSWER_BYTES, unit_answer_limit
+    from wm_refiner_client._common import MAX_JSON_ANSWER_BYTES, unit_message_limit
 
-    config = {**LATENTS_ONLY, "sink_frames": 16384}  # a unit of up to 16387 frames: over 16 MiB
-    unit_bytes = unit_answer_limit((2, 8, 0, 16, 1), config)  # a unit of 2 rows of 8 channels, 16 x 1 latent pixels
-    assert unit_bytes == 2 * 16387 * 2 * 16 * 8 * 4 + 2**20 > MAX_JSON_ANSWER_BYTES
+    config = {**LATENTS_ONLY, "sink_frames": 32768}  # a unit of up to 32768 frames: over 16 MiB
+    unit_bytes = unit_message_limit((2, 8, 16, 1), config)  # a unit of 2 rows of 8 channels, 16 x 1 latent pixels
+    assert unit_bytes == 2 * 32768 * 16 * 8 * 4 + 2**16 > MAX_JSON_ANSWER_BYTES
 
     async def handler(ws):
         await send_endless(ws, kind)
@@ -546,7 +547,7 @@ def test_a_watch_event_over_an_events_limit_is_refused():
     """Under the connection's bound (a large unit's) but over a JSON event's 16 MiB."""
     from wm_refiner_client._common import MAX_JSON_ANSWER_BYTES
 
-    config = {**LATENTS_ONLY, "sink_frames": 16384}
+    config = {**LATENTS_ONLY, "sink_frames": 32768}
     size = MAX_JSON_ANSWER_BYTES + 2**20
 
     async def handler(ws):
@@ -837,3 +838,100 @@ def test_a_watchs_handshake_stops_at_the_deadline():
         assert isinstance(error, TransportError), error
         assert str(error).startswith(f"watch of session {SID}: RetryPolicy.deadline_s (0.5 s) passed during the "
                                      "handshake"), error
+
+
+@pytest.fixture(scope="module")
+def video_server(make_settings, tmp_path_factory):
+    """A real server with the tiny VAE whose widest session (``max_batch``, ``max_frame_tokens``) is the 4 x 4 clips'
+    area: a watcher that has not seen the latents is bounded by what such a session's units weigh."""
+    from bench.live import ThreadServer
+    from models.checkpoints import write_vae_checkpoint
+
+    vae = write_vae_checkpoint(tmp_path_factory.mktemp("watch-vae"), "tiny-vae")
+    with ThreadServer(make_settings(vae=str(vae), max_batch=1, max_frame_tokens=16)) as live:
+        yield live
+
+
+def watched_messages(server, config) -> tuple[dict, list, list]:
+    """A session of ``config`` refining a 10-frame 4 x 4 clip in one flushed chunk, watched by this client (the
+    ``Unit`` s it reads, events left out) and by a bare WebSocket (every message the server sent, as sent, up to its ``done``).
+    Returns the session's whole config (as a handle has it), the units and the messages."""
+    import httpx
+    from websockets.sync.client import connect
+
+    from tests.client.conftest import clip
+
+    latents, prompt, mask = clip(frames=10)
+    with Client(server.base_url, retry=FAST, timeout=60.0) as client:
+        session = client.create_session(**config)
+        units, messages = [], []
+        watcher = threading.Thread(target=lambda: units.extend(client.get_session(session.id).watch()))
+        watcher.start()
+        with connect(f"{server.ws_url}/v1/sessions/{session.id}/watch", max_size=None) as raw:
+            pause = threading.Event()
+            while httpx.get(f"{server.base_url}/v1/sessions/{session.id}").json()["watchers"] < 2:
+                assert watcher.is_alive()
+                pause.wait(0.02)
+            session.send(latents, prompt, mask, flush=True)
+            while True:
+                message = raw.recv(timeout=60)
+                if isinstance(message, str) and json.loads(message)["type"] == "done":
+                    break
+                messages.append(message)
+        watcher.join(60)
+        return session.config, [unit for unit in units if isinstance(unit, Unit)], messages
+
+
+@pytest.mark.parametrize("video_format", ["float32", "uint8", "jpeg", "h264"])
+def test_a_watch_with_video_is_bounded_by_what_its_units_weigh_and_refuses_one_byte_more(video_server, video_format):
+    """A watcher's bound on one message (``MessageLimit``: ``unit_message_limit`` of the widest geometry the server
+    allows, its VAE's figures from ``GET /v1/info``) for each ``video_format`` the server sends: every real unit
+    passes, the bound is within a quarter of what the largest unit's frames weigh raw in the format (encoded: as
+    uint8, which no encoding exceeds), and a message one byte over it is refused naming its size (the real units
+    before it, replayed byte for byte, pass)."""
+    pytest.importorskip("PIL" if video_format == "jpeg" else "av")
+    from wm_refiner_client._common import message_limit
+
+    config, units, messages = watched_messages(video_server, {"outputs": ["latents", "video"],
+                                                              "video_format": video_format})
+    binary = [m for m in messages if isinstance(m, bytes)]
+    assert len(units) == len(binary) and units[-1].frame_end == 10 and units[-1].video_frame_end > 0
+    with Client(video_server.base_url) as client:
+        info = client.info()
+    limit = message_limit("watch", config, None, info).unit_bytes
+    largest = binary[-1]  # the flush's: the last block and the video's tail
+    assert len(largest) == max(map(len, binary))
+    # What the largest unit holds, raw in its format: its video frames (4 x 32 pixels a side, 3 values) and 3 frames
+    # of float32 latents (16 latent pixels, 128 channels).
+    video_frames = units[-1].video_frame_end - units[-1].video_frame_start
+    raw_bytes = video_frames * (4 * 32) ** 2 * 3 * (4 if video_format == "float32" else 1) + 3 * 16 * 128 * 4
+    assert len(largest) <= limit < 1.25 * raw_bytes, (len(largest), limit, raw_bytes)
+
+    over = largest + b"\0" * (limit + 1 - len(largest))
+    replayed = [over if message is largest else message for message in messages]
+
+    async def handler(ws):
+        for message in replayed:
+            await ws.send(message)
+        await asyncio.sleep(60)
+
+    with FakeWS(handler, info=info) as fake:
+        errors = watch_both(fake.url, config)
+    for error in errors:
+        assert isinstance(error, ProtocolError), error
+        assert f"a binary message of {limit + 1} bytes, over this connection's limit of {limit} bytes" in str(error)
+
+
+def test_a_preview_without_video_is_bounded_by_its_jpeg_not_by_video_frames():
+    """A session with a preview and no video decodes its video but sends only one JPEG a row per unit: its units are
+    bounded by the latents and that JPEG (``preview_width`` wide, the video's aspect), not by the video's frames."""
+    from wm_refiner_client._common import unit_message_limit
+
+    config = {"sink_frames": 1, "block_size": 3, "video_lookahead": "exact", "preview_width": 160}
+    latents = 3 * 4 * 4 * 128 * 4  # a block's float32 latents, 4 x 4 latent pixels, 128 channels
+    preview = unit_message_limit((1, 128, 4, 4), {**config, "outputs": ["latents", "preview"]})
+    assert preview == latents + 3 * 160 * 160 + 4096 + 2**16  # a 160 x 160 JPEG at most raw, its headers, the header
+    # 2 x 8 latent pixels: 160 x 40 previews; with video, its frames come on top.
+    assert unit_message_limit((1, 128, 2, 8), {**config, "outputs": ["preview"]}) == 3 * 160 * 40 + 4096 + 2**16
+    assert unit_message_limit((1, 128, 4, 4), {**config, "outputs": ["latents", "video", "preview"],
+                                               "video_format": "uint8"}) > preview + 8 * 3 * (4 * 32) ** 2
