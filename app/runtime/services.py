@@ -162,11 +162,15 @@ class Services:
             keep_freed_memory()
         if settings.compile_step:
             refiner = self.refiner
-            self.engine.runner = await self.engine.call(
-                lambda: CompiledStep(refiner.model, settings.max_batch_rows if settings.batching is not False else 1,
-                                     mode=settings.compile_mode, backend=settings.compile_backend,
-                                     sizes=settings.compile_buckets, on_uncompiled=self._uncompiled_call)
-            )
+            try:
+                self.engine.runner = await self.engine.call(
+                    lambda: CompiledStep(refiner.model,
+                                         settings.max_batch_rows if settings.batching is not False else 1,
+                                         mode=settings.compile_mode, backend=settings.compile_backend,
+                                         sizes=settings.compile_buckets, on_uncompiled=self._uncompiled_call)
+                )
+            except Exception as exc:  # torch.compile itself refused (a Python version dynamo does not support)
+                await self._compile_failed(exc)
         log.info("loaded %s", self.refiner.info.to_dict())
         if settings.vae:
             refiner = self.refiner
@@ -210,6 +214,8 @@ class Services:
 
     async def _warm_up(self) -> None:
         try:
+            if self.compile_error is not None and self.settings.compile_fallback == "fail":
+                return  # torch.compile refused at start-up: /ready keeps saying why (``_compile_failed``)
             if self.warmup_gate is not None:
                 self.not_ready_reason = "warming up"
                 await self.engine.call(self.warmup_gate)

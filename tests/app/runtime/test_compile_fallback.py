@@ -89,3 +89,25 @@ def test_without_compile_step_the_step_is_eager_by_the_setting(client):
     engine = client.get("/v1/info").json()["engine"]
     assert engine["step"] == {"mode": "eager", "reason": "compile_step: false"}
     assert metric_value(client.get("/metrics").text, "refiner_compile_failed") == 0
+
+
+@pytest.mark.parametrize("fallback", ["eager", "fail"])
+def test_a_torch_compile_that_refuses_at_start_up_falls_back_the_same_way(make_settings, monkeypatch, fallback):
+    """torch.compile itself may refuse before anything is traced (dynamo on a Python version it does not support
+    raises when the step is built, at start-up): the server still starts, and compile_fallback decides as for a
+    failed compile."""
+    def refuses(*args, **kwargs):
+        raise RuntimeError("Dynamo is not supported on Python 3.14+")
+
+    monkeypatch.setattr(torch, "compile", refuses)
+    with TestClient(create_app(compile_settings(make_settings, compile_fallback=fallback))) as client:
+        def settled():
+            ready = client.get("/ready")
+            return ready if ready.status_code == 200 or "failed" in ready.text else None
+
+        ready = wait_until(settled, "/ready to be ready or to say compiling failed")
+        assert ready.status_code == (200 if fallback == "eager" else 503)
+        step = client.get("/v1/info").json()["engine"]["step"]
+        assert step["mode"] == ("eager" if fallback == "eager" else "none")
+        assert "RuntimeError: Dynamo is not supported on Python 3.14+" in step["reason"]
+        assert metric_value(client.get("/metrics").text, "refiner_compile_failed") == 1
