@@ -234,8 +234,20 @@ def _model_key(refiner: Refiner) -> dict:
     }
 
 
-def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = None):
+def _on_host(tensor: torch.Tensor, own: bool) -> torch.Tensor:
+    host = tensor.to("cpu").contiguous()
+    if own and host.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        host = host.clone()  # still the session's memory (a CPU session): the one copy
+    return host
+
+
+def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = None, own: bool = False):
     """(tensors, metadata) describing the session completely; tensors are on the CPU and contiguous.
+
+    ``own``: no tensor shares memory with the live session (a crash checkpoint is written while the session goes
+    on). Each is copied once: a tensor on the GPU is already a copy once on the host (so is a non-contiguous one
+    made contiguous), and only a tensor that is still the session's own memory is cloned. Cloning after the move,
+    as this did, copied a 720p session's 9.6 GiB twice, the second time on the host on the engine thread.
 
     The cache is stored as its parts (per layer: pre-RoPE sink K, sink V, history K and V), not as the window
     buffers, so a file holds only what the session holds and any later layout of the buffers can read it."""
@@ -256,7 +268,7 @@ def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = N
             if state.history_frames:
                 tensors[f"history.{index}.key"] = parts["history_key"][index]
                 tensors[f"history.{index}.value"] = parts["history_value"][index]
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    tensors = {k: _on_host(v.detach(), own) for k, v in tensors.items()}
     counters = {
         "frames_received": state.frames_received,
         "frames_returned": state.frames_returned,

@@ -158,9 +158,8 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
         # Each stage's fields under its kind ("video": the decoder's, as before stages existed; None: stateless).
         stage_tensors, stage_fields = record.stages.to_tensors(STAGES_PREFIX)
         app_fields.update(stage_fields)
-    tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)})
-    if copy:
-        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    # ``copy``: each tensor copied once (``own``), on the device's side of the move when the session is on a GPU.
+    tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)}, own=copy)
     tensors.update(stage_tensors)  # immutable states: never written in place
     for index, unit in enumerate(record.units):
         tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.data(record.encode))

@@ -226,6 +226,22 @@ def test_an_adopted_session_built_on_the_host_comes_to_the_gpu_bit_exact(medium)
     assert torch.equal(units[0][-1].latents, units[1][-1].latents)
 
 
+def test_a_checkpoint_copies_a_gpu_session_to_the_host_once(medium):
+    """A crash checkpoint's tensors (``session_to_tensors(own=True)``, what ``record_tensors(copy=True)`` asks
+    for): the move to the host is the one copy, with no clone on the host after it (that was a 720p session's
+    9.6 GiB copied twice on the engine thread), and nothing shares memory with the session on the device."""
+    from models.snapshot import session_to_tensors
+    from tests.models.test_snapshot import _CopiedBytes
+
+    latents, embeds = clip(frames=16)
+    session = RefinerSession(medium, SessionConfig())
+    session.push(latents, embeds)
+    with _CopiedBytes() as copied:
+        owned, _ = session_to_tensors(session, own=True)
+    assert all(t.device.type == "cpu" for t in owned.values())
+    assert copied.bytes == sum(t.numel() * t.element_size() for t in owned.values())
+
+
 def test_kv_memory_is_allocated_once(medium):
     latents, embeds = clip(frames=1 + 3 * 12)
     session = RefinerSession(medium, SessionConfig())

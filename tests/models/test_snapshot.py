@@ -7,7 +7,9 @@ import torch
 
 from models import RefinerSession, SessionConfig, from_model
 from models.checkpoints import build_model
-from models.snapshot import SnapshotError, load_snapshot, save_snapshot
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models.snapshot import SnapshotError, _on_host, load_snapshot, save_snapshot, session_to_tensors
 
 from .conftest import make_inputs
 
@@ -141,3 +143,53 @@ def test_a_snapshot_from_another_kind_of_device_is_refused_with_the_reason(tmp_p
         load_snapshot(edited, refiner)
     restored, _ = load_snapshot(path, refiner)  # its own kind loads
     assert torch.equal(restored.state.rng_state, session.state.rng_state)
+
+
+class _CopiedBytes(TorchDispatchMode):
+    """Bytes written by copying ops (clone, copy_, _to_copy), as the device sees them."""
+
+    COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.COPIES:
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def _storages(session):
+    kv = session.kv.export()
+    return {t.untyped_storage().data_ptr() for part in kv.values() for t in part if t is not None}
+
+
+def test_a_checkpoints_tensors_are_the_sessions_copied_once(tmp_path):
+    """A crash checkpoint's tensors share no memory with the session going on, and each byte is copied once: a
+    tensor the move to the host (or to contiguous memory) copied already is not cloned again. On a GPU that second
+    copy was a 720p session's 9.6 GiB, on the host, on the engine thread (tests/gpu checks the device side)."""
+    refiner = from_model(build_model("tiny"))
+    session = RefinerSession(refiner, SessionConfig(block_size=2, kv_max_frames=5))
+    latents, embeds = make_inputs(frames=9, seed=3)
+    session.push(latents, embeds)
+    live = _storages(session)
+    shared, _ = session_to_tensors(session)
+    assert live & {t.untyped_storage().data_ptr() for t in shared.values()}  # a drain's record reads in place
+    with _CopiedBytes() as copied:
+        owned, _ = session_to_tensors(session, own=True)
+    assert not live & {t.untyped_storage().data_ptr() for t in owned.values()}
+    assert copied.bytes == sum(t.numel() * t.element_size() for t in owned.values())
+    assert all(torch.equal(owned[name], shared[name]) for name in shared)
+
+    # A tensor the move made contiguous is a copy already: not cloned again.
+    strided = torch.randn(8, 6).t()
+    with _CopiedBytes() as copied:
+        host = _on_host(strided, own=True)
+    assert host.is_contiguous() and torch.equal(host, strided)
+    assert copied.bytes == host.numel() * host.element_size()
+    dense = strided.contiguous()
+    with _CopiedBytes() as copied:
+        same = _on_host(dense, own=False)
+    assert copied.bytes == 0 and same is dense
