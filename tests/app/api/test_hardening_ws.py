@@ -498,3 +498,58 @@ def test_a_websocket_message_trickled_past_the_body_timeout_is_closed(make_setti
         _settled(server)
     assert any("not whole 1.5 s after its first byte" in r.getMessage() for r in uvicorn_log.records)
     assert uvicorn_log.errors() == []
+
+
+async def _fragments_held(server) -> list[tuple[int, int]]:
+    """(buffers, bytes) each WebSocket connection holds of the message it is receiving."""
+    from app.api.uvicorn_websocket import GuardedWebSocketProtocol
+
+    return [(len(c.frames), sum(len(part) for part in c.frames)) for c in server.server.server_state.connections
+            if isinstance(c, GuardedWebSocketProtocol)]
+
+
+def test_a_message_sent_in_many_tiny_fragments_is_held_as_one_buffer_and_refined(make_settings, refiner):
+    """uvicorn kept each fragment of a message as its own bytes object until the last: a client sending 1-byte
+    continuation frames (7 bytes on the wire) made the server hold about 44 bytes per payload byte (21 MB sent grew a
+    server by 133 MB), past what max_ws_message_bytes and max_inflight_body_bytes (counted on the wire) say it
+    holds, and empty fragments cost memory with no payload at all. The fragments now go into one buffer, and the
+    message still arrives whole: a chunk sent a byte per frame is refined as if sent at once."""
+    from websockets.frames import Frame, Opcode
+
+    from tests.app.conftest import expected_clip, raw_websocket
+
+    latents, embeds, mask = make_clip(frames=4, seed=3)
+    body = payload(latents, embeds, mask)
+    with LiveServer(make_settings(warmup=False)) as server:
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        sock, client = raw_websocket("127.0.0.1", server.port, f"/v1/sessions/{session_id}/stream")
+        try:
+            client.send_binary(body[:1], fin=False)
+            for i in range(1, len(body) - 1):
+                client.send_continuation(body[i:i + 1], fin=False)
+                if i % 1000 == 0:
+                    client.send_continuation(b"", fin=False)  # empty fragments too
+            sock.sendall(b"".join(client.data_to_send()))
+            held = wait_until(lambda: [h for h in server.on_loop(_fragments_held(server)).result(DEADLINE_S)
+                                       if h[1] == len(body) - 1], "the fragments sent to arrive")
+            assert held == [(1, len(body) - 1)], held
+
+            client.send_continuation(body[-1:], fin=True)
+            client.send_text(b'{"type": "flush"}')
+            sock.sendall(b"".join(client.data_to_send()))
+            units, done = [], None
+            while done is None:
+                data = sock.recv(65536)
+                assert data, "the server closed the stream before its done event"
+                client.receive_data(data)
+                for frame in client.events_received():
+                    if not isinstance(frame, Frame):  # the handshake's response, which opened the stream
+                        continue
+                    if frame.opcode == Opcode.BINARY:
+                        units.append(read_latents(bytes(frame.data))[0])
+                    elif frame.opcode == Opcode.TEXT:
+                        done = json.loads(frame.data)
+        finally:
+            sock.close()
+    assert done == {"type": "done", "frames": 4}
+    assert torch.equal(torch.cat(units, dim=2), expected_clip(refiner, latents, embeds, mask))
