@@ -158,27 +158,33 @@ class Checkpoints:
         interval = self.settings.session_lease_s / 3
         while True:
             await asyncio.sleep(interval)
-            held = dict(self.leases_held)
-            if not held:
-                continue
+            await self._renew_round(live)
 
-            def renew_all() -> dict[str, LeaseLost]:
-                lost = {}
-                for session_id, lease in held.items():
-                    try:
-                        leases.renew(lease)
-                    except LeaseLost as exc:
-                        lost[session_id] = exc
-                    except OSError as exc:  # a shared folder that fails now: try again next time, keep the session
-                        log.warning("renewing the lease on session %s failed: %r", session_id, exc)
-                return lost
+    async def _renew_round(self, live: Callable[[], list[SessionHandle]]) -> None:
+        """One round, in a call of its own: what it looked at (the sessions live then) goes with it. Kept in the
+        loop's locals, the last round's sessions stayed referenced while no lease was held (rounds with none to
+        renew replace nothing), so a deleted session's KV cache (device memory on CUDA) was not freed."""
+        held = dict(self.leases_held)
+        if not held:
+            return
 
-            lost = await asyncio.to_thread(renew_all)
-            handles = {handle.id: handle for handle in live()}
-            for session_id, exc in lost.items():
-                handle = handles.get(session_id)
-                if handle is not None and self.leases_held.get(session_id) is held[session_id]:
-                    self.lose(handle, exc)
+        def renew_all() -> dict[str, LeaseLost]:
+            lost = {}
+            for session_id, lease in held.items():
+                try:
+                    leases.renew(lease)
+                except LeaseLost as exc:
+                    lost[session_id] = exc
+                except OSError as exc:  # a shared folder that fails now: try again next time, keep the session
+                    log.warning("renewing the lease on session %s failed: %r", session_id, exc)
+            return lost
+
+        lost = await asyncio.to_thread(renew_all)
+        handles = {handle.id: handle for handle in live()}
+        for session_id, exc in lost.items():
+            handle = handles.get(session_id)
+            if handle is not None and self.leases_held.get(session_id) is held[session_id]:
+                self.lose(handle, exc)
 
 
 def _log_failed_checkpoint(task: asyncio.Future) -> None:

@@ -255,3 +255,35 @@ def test_a_generation_taken_again_after_a_release_fences_its_stalled_first_holde
     with pytest.raises(_leases.LeaseLost):
         _leases.renew(a)
     _leases.check(c)
+
+
+def test_a_deleted_session_is_let_go_while_no_other_session_holds_a_lease(make_settings, tmp_path):
+    """The lease renewal kept the sessions it last renewed in a local between its rounds, and a round with no lease
+    to renew did not replace them: once the last session was deleted, its handle (KV cache, pending frames, kept
+    units: on CUDA device memory the budget counted as free again) stayed referenced until another session took a
+    lease and a round passed. Now nothing of the server holds an ended session."""
+    import gc
+    import weakref
+
+    folder = tmp_path / "shared"
+    latents, embeds, mask = make_clip(frames=4)
+    settings = make_settings(snapshot_dir=folder, replica_id="replica-a", session_lease_s=0.3, warmup=False)
+    with LiveServer(settings) as server:
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        reply = httpx.post(f"{server.base_url}/v1/sessions/{session_id}/chunks", content=payload(latents, embeds, mask),
+                           headers=OCTET, timeout=DEADLINE_S)
+        assert reply.status_code == 200, reply.text
+        live = server.services.registry.get(session_id)
+        handle, session = weakref.ref(live), weakref.ref(live.session)
+        del live
+        lease = lease_path(folder, session_id, generations(folder, session_id)[-1])
+        renewed = os.stat(lease).st_mtime_ns
+        wait_until(lambda: os.stat(lease).st_mtime_ns != renewed, "a renewal round with the session live")
+        assert httpx.delete(f"{server.base_url}/v1/sessions/{session_id}").status_code == 204
+        wait_until(lambda: not server.services.store.checkpoints.removals, "its lease to be removed")
+
+        def let_go() -> bool:
+            gc.collect()
+            return handle() is None and session() is None
+
+        wait_until(let_go, "the deleted session and its model state to be let go", timeout=10)
