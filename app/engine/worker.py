@@ -351,37 +351,44 @@ class Engine:
     def _run(self) -> None:
         # The model has requires_grad off, but no_grad also keeps new session tensors (K/V, noise) graph-free.
         with torch.no_grad():
-            while True:
-                with self._cond:
-                    while (not self._inbox and (not self.scheduler.ring or self._paused) and not self._stopping
-                           and not (self.policy.pending and not self._paused) and self._bind is None):
-                        self._cond.wait()
-                    if self._stopping:
-                        self._fail_everything(Draining("the server stopped before this work ran; retry after "
-                                                       "restart"))
-                        return
-                    inbox = list(self._inbox)
-                    self._inbox.clear()
-                    bind, self._bind = self._bind, None
-                if bind is not None:
-                    use_device(bind)
-                for item in inbox:
-                    self._admit(item)
-                if self._paused:
-                    continue
-                batch = self.schedule()
-                if batch is not None:
-                    self.commit(self.execute(batch))
-                if self.scheduler.outputs_pending:
-                    self.output_step()
-                elif batch is None and self.policy.pending:
-                    self._probe(None)  # idle: probe a class seen for the first time
-                elif batch is None and any(t.verdict is not None for t in self.scheduler.ring):
-                    # Nothing to run but sessions at their verdict gate (their blocks still on the device): look
-                    # again shortly, or at once when work arrives, rather than spin or wait for one device event.
-                    with self._cond:
-                        if not self._inbox and not self._stopping:
-                            self._cond.wait(VERDICT_POLL_S)
+            while self._turn():
+                pass
+
+    def _turn(self) -> bool:
+        """One turn of the engine thread: wait for something to do, admit what came, run what is due; False once
+        stopping. A call of its own so that what a turn held (the work it admitted, the batch it ran) goes when it
+        ends: kept in the loop's locals while the thread waited for the next, the last work's session (its KV cache,
+        device memory on CUDA) stayed referenced after it was deleted, until other work came."""
+        with self._cond:
+            while (not self._inbox and (not self.scheduler.ring or self._paused) and not self._stopping
+                   and not (self.policy.pending and not self._paused) and self._bind is None):
+                self._cond.wait()
+            if self._stopping:
+                self._fail_everything(Draining("the server stopped before this work ran; retry after restart"))
+                return False
+            inbox = list(self._inbox)
+            self._inbox.clear()
+            bind, self._bind = self._bind, None
+        if bind is not None:
+            use_device(bind)
+        for item in inbox:
+            self._admit(item)
+        if self._paused:
+            return True
+        batch = self.schedule()
+        if batch is not None:
+            self.commit(self.execute(batch))
+        if self.scheduler.outputs_pending:
+            self.output_step()
+        elif batch is None and self.policy.pending:
+            self._probe(None)  # idle: probe a class seen for the first time
+        elif batch is None and any(t.verdict is not None for t in self.scheduler.ring):
+            # Nothing to run but sessions at their verdict gate (their blocks still on the device): look again
+            # shortly, or at once when work arrives, rather than spin or wait for one device event.
+            with self._cond:
+                if not self._inbox and not self._stopping:
+                    self._cond.wait(VERDICT_POLL_S)
+        return True
 
     def _admit(self, item) -> None:
         if isinstance(item, _CallJob):

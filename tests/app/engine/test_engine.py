@@ -318,3 +318,32 @@ def test_a_paged_in_session_waits_for_its_copies_before_its_chunk_touches_them(r
     result = run_with_engine(refiner, scenario)
     assert order == [("wait", event), ("append", None)] and paged.ready is None
     assert torch.equal(torch.cat([u.latents for u in result.units], dim=2), expected_clip(refiner, *clip))
+
+
+def test_a_deleted_session_is_not_held_by_the_idle_engine_thread(make_settings):
+    """The engine thread kept the work it last admitted in its loop's locals while it waited for more: a stream's
+    work holds its unit callback, so the last session streamed (its handle, its KV cache: device memory on CUDA)
+    stayed referenced after it was deleted, until other work came. Nothing else runs here after the deletion."""
+    import gc
+    import weakref
+
+    from tests.app.conftest import payload, running_app, wait_until
+
+    latents, embeds, mask = make_clip(frames=4)
+    with running_app(make_settings(warmup=False, batching="false")) as client:
+        session_id = client.post("/v1/sessions").json()["session_id"]
+        with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+            ws.send_bytes(payload(latents, embeds, mask))
+            ws.send_text('{"type": "flush"}')
+            while not (text := ws.receive().get("text")) or '"done"' not in text:
+                pass
+        live = client.app.state.services.registry.get(session_id)
+        handle, session = weakref.ref(live), weakref.ref(live.session)
+        del live
+        assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
+
+        def let_go() -> bool:
+            gc.collect()
+            return handle() is None and session() is None
+
+        wait_until(let_go, "the deleted session and its model state to be let go", timeout=10)
