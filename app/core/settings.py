@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (Field, PositiveFloat, PositiveInt, ValidationError, create_model, field_validator,
+from pydantic import (Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, create_model, field_validator,
                       model_validator)
 from pydantic_settings import (BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource,
                                SettingsConfigDict, SettingsError)
@@ -295,8 +295,9 @@ class Settings(_SessionDefaults):
     drain_timeout_s: PositiveFloat = 30.0
     # A dropped WebSocket keeps its session this long for the client to reattach (then 410).
     ws_reattach_grace_s: PositiveFloat = 60.0
-    # Units a session keeps after sending them, so a reattaching client can ask for what it missed.
-    ws_resume_units: PositiveInt = 32
+    # Units a session keeps after returning them (streamed or in HTTP responses), so a reattaching client can ask
+    # for what it missed. 0 keeps none (no resume sends anything again): a host that cannot spare the memory.
+    ws_resume_units: NonNegativeInt = 32
     flushed_session_ttl_s: PositiveFloat = Field(
         default=60.0, description="a flushed session is released this long after its last request (then 410)"
     )

@@ -128,7 +128,8 @@ class RetainedUnits:
         return streamed[0].frame_start if streamed else frames_returned
 
     def restore(self, units: list[SentUnit]) -> None:
-        self._units = deque(units[-self.capacity :])
+        # Not units[-0:] (every unit) for a capacity of 0: a file saved where more were kept brings none here.
+        self._units = deque(units[len(units) - self.capacity :] if self.capacity else ())
 
 
 def narrowed(data: bytes, dropped: dict[str, tuple[str, ...]]) -> bytes:

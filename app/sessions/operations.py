@@ -288,7 +288,8 @@ class SessionOps:
             finally:
                 # Within the turn, so the next chunk's units are kept after these; waited for, not awaited: a
                 # response that failed keeps its own error.
-                await asyncio.wait([retaining])
+                if retaining is not None:
+                    await asyncio.wait([retaining])
             chunks.store(index, payload)
             # Still within the turn: no other chunk of this session runs.
             await self.store.checkpoints.write_due(handle)
@@ -549,14 +550,18 @@ class SessionOps:
             self._finish_watchers(handle)
 
     def _retain(self, handle: SessionHandle, copies: list[UnitCopies], received: float,
-                metadata: dict[str, str]) -> asyncio.Future:
+                metadata: dict[str, str]) -> asyncio.Future | None:
         """Keep an HTTP response's units with the session's retained units (``ws_resume_units``), so that a
         watcher's ``resume_from`` sends them again, on this replica or one that adopts the session. Each is
         encoded as a watcher of the session's outputs gets it (from the response's host copies: the video is
         encoded once), after every stream unit committed before them is retained, so the window stays in frame
         order. Until they are kept, ``handle.retaining`` says so: a watcher's resume waits for it, since they were
         offered to watchers already (``offered_until``). A unit that cannot be encoded (the response fails with
-        it) is not kept, nor any after it: a resume from before them is ``resume_unavailable``, never a hole."""
+        it) is not kept, nor any after it: a resume from before them is ``resume_unavailable``, never a hole.
+        None with ``ws_resume_units: 0``: nothing is kept, so nothing is encoded for it and the response waits for
+        nothing."""
+        if not handle.retained.capacity:
+            return None
         encoder, outputs = self.services.encoder, handle.outputs
 
         def encode(unit: UnitCopies) -> bytes:

@@ -338,3 +338,45 @@ def test_a_watch_of_a_session_fed_over_http_resumes_across_a_drain_and_a_restart
             tail, events = rest_of(again)
     assert tail == live and frames(live) == [(7, 10), (10, 11)]
     assert events[-1] == {"type": "done", "frames": 11}
+
+
+def test_with_ws_resume_units_0_nothing_is_kept_and_a_resume_from_the_frames_returned_goes_on(make_settings, tmp_path):
+    """ws_resume_units: 0, for a host that cannot spare the memory: a session keeps no unit, streamed or returned
+    in HTTP responses, not even those its file brings from a replica that kept some (the drain below saved two). Its
+    HTTP chunks are answered as ever; a resume from before the frames returned is resume_unavailable naming them,
+    a stream's and a watcher's, and one from there goes on live."""
+    latents, embeds, mask = make_clip(frames=10, seed=28)
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    with LiveServer(make_settings(snapshot_dir=folder)) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        session_id = http.post("/v1/sessions").json()["session_id"]
+        chunks = f"/v1/sessions/{session_id}/chunks"
+        assert http.post(chunks, content=payload(latents[:, :, :4], embeds, mask), headers=OCTET).status_code == 200
+        assert http.get(f"/v1/sessions/{session_id}").json()["bytes"]["parts"]["retained_units"] > 0
+    with LiveServer(make_settings(snapshot_dir=folder, ws_resume_units=0)) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        reply = http.post(chunks, content=payload(latents[:, :, 4:7]), headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        assert decode_response(reply.content)[1]["frame_end"] == "7"
+        state = http.get(f"/v1/sessions/{session_id}").json()
+        assert (state["bytes"]["parts"]["retained_units"], state["resumable_from"]) == (0, 7)
+        event, code = refusal(server, session_id, "?resume_from=4")
+        assert (event["error"]["code"], code) == ("resume_unavailable", 1008)
+        assert "reconnect with resume_from=7" in event["error"]["message"]
+        stream = f"{server.ws_url}/v1/sessions/{session_id}/stream"
+        with connect(f"{stream}?resume_from=1", open_timeout=DEADLINE_S, max_size=None) as producer:
+            event = json.loads(producer.recv(timeout=DEADLINE_S))
+            rest_of(producer)
+        assert (event["error"]["code"], producer.close_code) == ("resume_unavailable", 1008)
+        with watch(server, session_id, "?resume_from=7") as watcher, \
+                connect(f"{stream}?resume_from=7", open_timeout=DEADLINE_S, max_size=None) as producer:
+            assert json.loads(producer.recv(timeout=DEADLINE_S))["resent_from"] == 7
+            wait_until(lambda: watchers(server, session_id) == 1, "the watcher to join")
+            producer.send(payload(latents[:, :, 7:]))
+            producer.send(FLUSH)
+            live, _ = units_of(producer, 1)
+            seen, events = rest_of(watcher)
+        assert seen == live and frames(live) == [(7, 10)]
+        assert events[-1] == {"type": "done", "frames": 10}
+        assert http.get(f"/v1/sessions/{session_id}").json()["bytes"]["parts"]["retained_units"] == 0
