@@ -96,6 +96,9 @@ class Services:
         self.metrics.track_memory(self.store.parking.totals, self.store.parking.counts, self.store.parking.report)
         self.default_prompt: Prompt | None = None  # settings.default_prompt, checked against the model
         self.not_ready_reason: str | None = "loading the model"
+        # When the server became ready (time.monotonic()): /ready says for how long, so that a browser page, which
+        # cannot read a refused WebSocket handshake's status, can tell that its handshake went out before then.
+        self.ready_since: float | None = None
         self.warmup_gate = warmup_gate
         self._tasks: list[asyncio.Task] = []
         self._uncompiled_logged: set[tuple[bool, int]] = set()  # uncompiled shapes already logged
@@ -239,6 +242,7 @@ class Services:
                 self.store.parking.resolve_budget(self.refiner.device)
             if not self.draining:
                 self.not_ready_reason = None
+                self.ready_since = time.monotonic()
             if not settings.warmup:
                 # Ready at once, as asked; every call serves one session until the probe (run now, between the
                 # sessions' forwards) has passed.

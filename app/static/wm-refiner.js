@@ -362,14 +362,14 @@ export class RefinerClient {
   stream(id, { resumeFrom } = {}) {
     return new RefinerStream(this.wsUrl(`/v1/sessions/${encodeURIComponent(id)}/stream`, { resume_from: resumeFrom }),
                              this.subprotocols(), this, id,
-                             (event) => this.handshakeRefusal(id, event, { stream: true, resumeFrom }));
+                             (event, sentAt) => this.handshakeRefusal(id, event, { stream: true, resumeFrom, sentAt }));
   }
   /** A read-only watcher (WS /v1/sessions/{id}/watch): every unit the session finalizes from now on. */
   watch(id, { outputs, videoFormat, videoQuality, resumeFrom } = {}) {
     const query = { outputs: Array.isArray(outputs) ? outputs.join(",") : outputs, video_format: videoFormat,
                     video_quality: videoQuality, resume_from: resumeFrom };
     return new MessageSocket(this.wsUrl(`/v1/sessions/${encodeURIComponent(id)}/watch`, query), this.subprotocols(),
-                             (event) => this.handshakeRefusal(id, event, {}));
+                             (event, sentAt) => this.handshakeRefusal(id, event, { sentAt }));
   }
 
   /** Why a WebSocket to session `id` closed before it opened, as a RefinerError. A browser hides a refused
@@ -378,15 +378,18 @@ export class RefinerClient {
    * with it (401 unauthorized, 404 session_not_found, 410 session_evicted, unreachable), GET /ready those of a
    * server starting or draining (503 not_ready, draining: a draining server still answers reads); a session that
    * answers flushed or streaming explains a stream refused without `resumeFrom` (409 stream_closed,
-   * stream_in_use). Anything else is `handshake_refused`, listing what is left. */
-  async handshakeRefusal(id, event, { stream = false, resumeFrom } = {}) {
+   * stream_in_use). A server that became ready after the handshake went out (`sentAt`, `performance.now()`; /ready's
+   * `ready_for_s`) was most likely starting when it refused it: 503 `not_ready`, which a retry gets past (the
+   * questions come too late to see it: a restarted server warms up between the two). Anything else is
+   * `handshake_refused`, listing what is left. */
+  async handshakeRefusal(id, event, { stream = false, resumeFrom, sentAt } = {}) {
     const what = `the WebSocket to session ${id} closed before it opened (code ${event.code}: how a browser shows a ` +
       "refused handshake)";
-    let state;
+    let state, ready;
     for (const path of ["/v1/sessions/" + encodeURIComponent(id), "/ready"]) {
       try {
         const answer = await this.json("GET", path);
-        if (!state) state = answer;
+        if (!state) state = answer; else ready = answer;
       } catch (err) {
         if (!(err instanceof RefinerError)) throw err;
         return new RefinerError(err.status, err.code, `${what}; GET ${path} says: ${err.detail}`, err.retryAfter,
@@ -400,6 +403,12 @@ export class RefinerClient {
     if (stream && resumeFrom === undefined && state.streaming) {
       return new RefinerError(409, "stream_in_use", `${what}: the session already has an open stream; close it ` +
         "before opening another, or reconnect with resumeFrom to take the session over");
+    }
+    const since = sentAt === undefined ? 0 : (performance.now() - sentAt) / 1000;
+    if (ready && typeof ready.ready_for_s === "number" && ready.ready_for_s <= since) {
+      return new RefinerError(503, "not_ready", `${what}: the server became ready ${ready.ready_for_s} s ago, after ` +
+        `this handshake went out ${since.toFixed(3)} s ago, so it was most likely refused as not ready yet (503 ` +
+        "not_ready); open it again", 0);
     }
     return new RefinerError(0, "handshake_refused", `${what}, though the session answers over HTTP with this key: ` +
       "this page's origin may not be in the server's cors_origins (403 origin_not_allowed), the watch may be past " +
@@ -441,6 +450,7 @@ export function readUnit(buffer) {
 export class MessageSocket {
   constructor(url, protocols, refusal = null) {
     this.queue = []; this.waiters = []; this.closeEvent = null;
+    const sentAt = performance.now();  // a refusal's questions compare it with when the server became ready
     const ws = this.ws = new WebSocket(url, protocols);
     ws.binaryType = "arraybuffer";
     // The first close listener, so that whoever handles `opened`'s rejection finds closeEvent set.
@@ -452,7 +462,7 @@ export class MessageSocket {
         if (open) return;
         const closed = new RefinerError(0, "closed", `the WebSocket closed before it opened (code ${event.code})`);
         if (!refusal) { reject(closed); return; }
-        refusal(event).then(reject, () => reject(closed));
+        refusal(event, sentAt).then(reject, () => reject(closed));
       }, { once: true });
     });
     this.opened.catch(() => {});  // an unawaited refusal is reported by `closed` and the iterator, not as unhandled

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 from fastapi import APIRouter
+from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse
 
 from app.api.deps import ServicesDep
@@ -25,9 +27,17 @@ async def health() -> dict[str, Literal["ok"]]:
 router.head("/health", include_in_schema=False)(health)
 
 
+class Ready(BaseModel):
+    status: Literal["ready"]
+    ready_for_s: float = Field(
+        description="seconds since the server became ready (its monotonic clock). A browser page sees a refused "
+                    "WebSocket handshake only as close code 1006: a handshake sent less than this long ago may have "
+                    "been refused as 503 not_ready (the JS module reports it so, and a retry opens)")
+
+
 @router.get(
     "/ready",
-    response_model=dict[str, Literal["ready"]],
+    response_model=Ready,
     responses={
         503: {
             "model": NotReady,
@@ -46,7 +56,7 @@ async def ready(services: ServicesDep) -> JSONResponse:
             status_code=error.status,
             headers=error.headers(services.settings.retry_after_s),
         )
-    return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": "ready", "ready_for_s": round(time.monotonic() - services.ready_since, 3)})
 
 
 router.head("/ready", include_in_schema=False)(ready)

@@ -719,6 +719,61 @@ def test_the_restart_example_in_api_md_runs(tmp_path, browser):
     assert all(end == start for (_, end), (start, _) in zip(units, units[1:])), units  # each frame once, in order
 
 
+# Runs in the page: a watch of session args[0] on a server still warming up, whose refusal's HTTP questions wait
+# until the test has let the server become ready (as when a restarted server's warm-up ends between the refused
+# handshake and the questions); then the same watch again.
+REFUSED_WHILE_STARTING = """
+const client = new m.RefinerClient(location.origin), json = client.json;
+const answer = new Promise((resolve) => { window.answer = resolve; });
+client.json = async function (...call) { window.asking = true; await answer; return json.apply(this, call); };
+const first = client.watch(args[0]);
+const refusal = await first.opened.then(() => null, (err) => [err.name, err.status, err.code, err.detail]);
+client.json = json;
+const again = client.watch(args[0]);
+const opened = await again.opened.then(() => "opened", (err) => String(err));
+again.close();
+return { refusal, opened };
+"""
+
+
+def test_a_handshake_refused_while_the_server_started_is_not_ready_though_it_is_ready_when_asked(
+        make_settings, tmp_path, browser):
+    """A page sees a refused handshake only as 1006 and asks over HTTP why; a restarted server that refused the
+    handshake as not ready (503 not_ready) may be ready when asked, and the session answer: the refusal is then
+    503 not_ready (what the restart example retries), not `handshake_refused` (a refusal the page stops on), from
+    /ready's `ready_for_s` against when the handshake went out. The next watch opens. (It made the restart example
+    fail now and then.)"""
+    settings = make_settings(snapshot_dir=tmp_path / "snapshots")
+    with LiveServer(settings) as first:
+        session = httpx.post(f"{first.base_url}/v1/sessions", json={}).json()["session_id"]
+    release = threading.Event()
+    second = LiveServer(settings)
+    second.services.warmup_gate = lambda: release.wait(DEADLINE_S)  # the warm-up holds until the test says
+    second.thread.start()
+    try:
+        wait_until(lambda: second.server.started, "the second server to listen")
+        assert httpx.get(f"{second.base_url}/ready").status_code == 503
+        browser.get(f"{second.base_url}/health")
+        browser.execute_script("""window.result = null;
+            const [url, body, id] = arguments;
+            import(url).then((m) => (new Function("m", "args", "return (async () => {" + body + "})();"))(m, [id]))
+              .then((value) => { window.result = { value }; }, (err) => { window.result = { error: String(err.stack || err) }; });""",
+                               f"{second.base_url}/static/wm-refiner.js", REFUSED_WHILE_STARTING, session)
+        wait_until(lambda: browser.execute_script("return window.asking || window.result"), "the refusal's questions")
+        release.set()
+        wait_until(lambda: httpx.get(f"{second.base_url}/ready").status_code == 200, "the warm-up to end")
+        browser.execute_script("window.answer()")
+        result = wait_until(lambda: browser.execute_script("return window.result"), "the page to finish")
+    finally:
+        release.set()
+        second.stop()
+    assert "error" not in result, result["error"]
+    name, status, code, detail = result["value"]["refusal"]
+    assert (name, status, code) == ("RefinerError", 503, "not_ready"), detail
+    assert "became ready" in detail and "open it again" in detail
+    assert result["value"]["opened"] == "opened"
+
+
 # Runs in the page: a stream whose messages carry the prompt only when it changes, written the way JavaScript (and the
 # TypeScript declarations' optional fields) invite: `prompt_embeds: switching ? prompt : undefined`.
 OPTIONAL_PROMPT = """
