@@ -77,8 +77,22 @@ STAGES_PREFIX = "app"  # a stage's tensors are named app.<kind>.*
 GENERATION_KEY = "lease_generation"  # metadata: the lease generation the file was written under
 
 
+# Versions. ``APP_FORMAT`` stays ``/1`` as long as every earlier reader can read a file: a field a later version adds
+# goes beside the others, and a reader that does not know it reads the file as it did before. Where such a reader
+# would misread the file, the field's name goes into ``requires`` too (``units_in_responses``: an earlier reader
+# takes every kept unit as streamed, and a stream's resume could send one answered over HTTP again). A reader leaves
+# a file that requires what it does not know (or that says a later format) where it is (``NewerRecord``): a replica
+# of the version that wrote it serves it, as during a rolling upgrade. Replicas before this rule read a later format
+# as a corrupt file (set aside), which is why the format itself is not bumped.
+APP_FEATURES = frozenset({"units_in_responses"})
+
+
 class StaleRecord(SnapshotError):
     """A session file older than the session's last write (below its floor, ``app.persistence.leases``): not loaded."""
+
+
+class NewerRecord(SnapshotError):
+    """A session file written by a later version of the service, which this one would misread: left where it is."""
 
 
 @dataclass
@@ -147,6 +161,8 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
         # Which of them were returned in HTTP responses (a stream's resume does not send those again). A field of
         # its own, so that a replica of an earlier version still reads "units" (and takes them all as streamed).
         "units_in_responses": [index for index, unit in enumerate(record.units) if unit.in_response],
+        # What an earlier reader would misread (see APP_FEATURES): a replica that knows none of it leaves the file.
+        "requires": ["units_in_responses"] if any(unit.in_response for unit in record.units) else [],
         "streaming": record.streaming,
         "created_at": record.created_at,
         "outputs": record.outputs.to_dict(),
@@ -393,11 +409,19 @@ def record_identity(path: Path, metadata: dict[str, str], expected_id: str | Non
     adoption asks it before building anything from the file (``read_record``'s ``expected_id``)."""
     try:
         fields = json.loads(metadata["app"])
-        if fields.get("format") != APP_FORMAT:
-            raise SnapshotError(f"{path.name}: not a service snapshot (format {fields.get('format')!r})")
+        written = fields.get("format")
+        if written != APP_FORMAT:
+            if isinstance(written, str) and written.startswith("wm-refiner-app/"):
+                raise NewerRecord(f"{path.name}: written in format {written!r} by another version of wm-refiner; "
+                                  f"this one reads {APP_FORMAT!r}")
+            raise SnapshotError(f"{path.name}: not a service snapshot (format {written!r})")
         session_id = spec.check_session_id(str(fields["session_id"]))
+        unknown = sorted(set(map(str, fields.get("requires", []))) - APP_FEATURES)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
+    if unknown:
+        raise NewerRecord(f"{path.name}: written by a later version of wm-refiner: it requires {unknown[:5]}, which "
+                          "this version would misread")
     if (expected_id is None and path.name != f"{session_id}{SUFFIX}") or expected_id not in (None, session_id):
         raise SnapshotError(f"{path.name}: holds session {session_id}, not the one its name says")
     return session_id

@@ -52,8 +52,8 @@ from app.outputs.stage import OutputStages
 from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld, LeaseLost
 from app.persistence.records import (
-    SessionRecord, StaleRecord, has_snapshot, host_session, read_record, record_from_tensors, snapshot_limits,
-    snapshot_path,
+    NewerRecord, SessionRecord, StaleRecord, has_snapshot, host_session, read_record, record_from_tensors,
+    snapshot_limits, snapshot_path,
 )
 from app.sessions.checkpoints import Checkpoints
 from app.sessions.endings import Endings
@@ -432,6 +432,16 @@ class SessionStore:
                                                            f"it (set aside as {aside.name}): {exc}")
                     await to_thread_to_the_end(_set_aside, path, aside, folder, session_id, lease)
                     return None
+                except NewerRecord as exc:
+                    # A later version wrote it (a rolling upgrade): this one would misread it, and the file is not at
+                    # fault; it stays for a replica of that version (the router's retry, once the lease is free).
+                    await to_thread_to_the_end(leases.release, folder, session_id, lease)
+                    log.warning("session %s in snapshot_dir was written by a later version (%s); the file is kept",
+                                session_id, exc)
+                    raise ApiError("server_busy", f"session {session_id} is saved in snapshot_dir by a later version "
+                                                  f"of wm-refiner than this replica's ({exc}); nothing was changed: "
+                                                  "retry, and a replica of that version serves it",
+                                   retry_after_s=settings.retry_after_s) from None
                 except SnapshotUnreadable as exc:
                     # An I/O error (the volume, this process's open files, a permission): the file is not known to
                     # be at fault and stays, for a retry here or another replica.

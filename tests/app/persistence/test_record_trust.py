@@ -266,3 +266,29 @@ def test_a_file_holding_another_session_is_refused_before_it_is_read_or_built(ma
         assert reads == [] and builds == []
         assert _adopted(client, session_id) == 200  # the session's own file, under its own id
         assert len(reads) == 1 and len(builds) == 1
+
+
+@pytest.mark.parametrize("later", ["requires", "format"])
+def test_a_file_a_later_version_wrote_is_left_for_it_not_set_aside(make_settings, tmp_path, later):
+    """A file that requires what this version does not know (or says a later format), as a newer replica sharing the
+    folder during a rolling upgrade writes it, would be misread here: 503 server_busy naming why, the file stays
+    where it is (not set aside as corrupt, which would make its id a 404 for ever) and its lease is let go; the same
+    file without it is adopted. A file whose units were answered over HTTP says that it requires
+    units_in_responses (an earlier reader would take them as streamed)."""
+    folder = tmp_path / "snapshots"
+    session_id = _drained(make_settings, folder)
+    path = _record(folder, session_id)
+    tensors, metadata = _read(path)
+    fields = json.loads(metadata["app"])
+    assert fields["requires"] == ["units_in_responses"] and fields["units_in_responses"]
+    newer = dict(fields, requires=[*fields["requires"], "a-later-feature"]) if later == "requires" else \
+        dict(fields, format="wm-refiner-app/2")
+    save_file(tensors, str(path), metadata={**metadata, "app": json.dumps(newer)})
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        refused = client.get(f"/v1/sessions/{session_id}")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_busy", refused.text
+        message = refused.json()["error"]["message"]
+        assert "later version" in message and ("a-later-feature" in message or "wm-refiner-app/2" in message)
+        assert path.is_file() and not list(folder.glob("*.corrupt"))
+        save_file(tensors, str(path), metadata=metadata)  # as this version wrote it
+        assert _adopted(client, session_id) == 200  # its lease was let go: the retry takes it
