@@ -1,7 +1,8 @@
 """Moving a live session's tensors to another device (parking to the host, a page-in back) without a host wait:
 the copies run on a side stream of the CUDA device (``Move``), and ``move_session`` moves every tensor a session
 holds in place. Used by ``app.sessions.parking`` on the engine thread, after ``stage_host`` has page-locked the host
-memory the move needs on a worker thread."""
+memory the move needs on a worker thread, and by a crash checkpoint's copy (``models.snapshot.copy_session``, its
+buffers locked by ``stage_tensors``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class Move:
     Both ways the copies run on a side stream of the CUDA device, so neither the engine thread nor the engine's
     (compute) stream waits for them:
 
-    - Device to host (parking): the side stream first waits for everything queued on the compute stream (the last
+    - Device to host (parking, a crash checkpoint's copy): the side stream first waits for everything queued on the compute stream (the last
       forwards that wrote the cache); the copies go into exact-size pinned host buffers
       (``models.transfer.pinned_empty``: the caching host allocator would round a 9 GiB window up to 16 GiB and
       keep it); the source tensors are marked as used by the side stream (``record_stream``), so the caching
@@ -77,13 +78,16 @@ class Move:
             if self._sources:
                 _in_flight.append((self.ready, self._sources))
 
-    def __call__(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    def __call__(self, tensor: torch.Tensor | None, key=None) -> torch.Tensor | None:
+        """``tensor`` on the target device. ``key``: what ``host`` holds its staged buffer under (default: the
+        tensor's id, as ``stage_host`` keys it; a checkpoint's views are made anew on the engine thread, so it keys
+        them by name, ``models.snapshot.stage_copy``)."""
         if tensor is None:
             return None
         if tensor.device.type == self.device.type and (self.device.type == "cpu" or tensor.device == self.device):
             return tensor.clone() if self.copy else tensor
         if self.device.type == "cpu":  # from CUDA, on the side stream
-            host = self._staged(tensor)
+            host = self._staged(tensor, key)
             if host is None:  # not staged: locked here, on the engine thread (seconds for gigabytes)
                 host = pinned_empty(tensor.shape, tensor.dtype)
             host.copy_(tensor, non_blocking=True)
@@ -92,7 +96,7 @@ class Move:
             # plain host memory (unregistered and freed with its tensor) that the copy would go on writing into.
             self._sources.append(host)
             return host
-        staged = self._staged(tensor)
+        staged = self._staged(tensor, key)
         if staged is None:  # a spilled session's tensors come back from a file in plain memory
             staged = pinned_copy(tensor)
         moved = staged.to(self.device, non_blocking=True)
@@ -100,8 +104,8 @@ class Move:
         self._sources.append(staged)
         return moved
 
-    def _staged(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        staged = self.host.pop(id(tensor), None)
+    def _staged(self, tensor: torch.Tensor, key=None) -> torch.Tensor | None:
+        staged = self.host.pop(id(tensor) if key is None else key, None)
         if staged is not None and (staged.shape != tensor.shape or staged.dtype != tensor.dtype):
             return None  # staged for another tensor that had this id (it changed since): not this one's
         return staged
@@ -153,18 +157,24 @@ def stage_host(session, device: torch.device) -> dict[int, torch.Tensor]:
     the engine thread would stall every session; a worker thread calls this (``app.sessions.parking``) while the
     session is excluded from scheduling (its tensors are only read here, by shape, or copied on the host). Nothing
     without CUDA."""
+    return stage_tensors({id(tensor): tensor for tensor in moved_tensors(session)}, device)
+
+
+def stage_tensors(tensors: dict, device: torch.device) -> dict:
+    """``stage_host`` for any tensors, under the caller's keys: what a ``Move`` to ``device`` of each needs in
+    pinned host memory (``Move(host=)``, each called with its key). Off the engine thread."""
     device = torch.device(device)
-    held = moved_tensors(session)
-    cuda = next((t.device for t in held if t.device.type == "cuda"), device if device.type == "cuda" else None)
+    cuda = next((t.device for t in tensors.values() if t.device.type == "cuda"),
+                device if device.type == "cuda" else None)
     if cuda is None:
         return {}
     use_device(cuda)  # a thread with no current device would open a context on cuda:0 for the registration
     staged = {}
-    for tensor in held:
+    for key, tensor in tensors.items():
         if device.type == "cpu" and tensor.device.type == "cuda":
-            staged[id(tensor)] = pinned_empty(tensor.shape, tensor.dtype)
+            staged[key] = pinned_empty(tensor.shape, tensor.dtype)
         elif device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
-            staged[id(tensor)] = pinned_copy(tensor)
+            staged[key] = pinned_copy(tensor)
     return staged
 
 

@@ -33,6 +33,7 @@ from .errors import RefinerError
 from .forward import Prompt
 from .loading import Refiner
 from .kv import SessionKV, WindowLayout
+from .move import Move, stage_tensors
 from .session import Geometry, RefinerSession, SessionState, _generator_device
 
 FORMAT = "wm-refiner-session/1"
@@ -244,13 +245,61 @@ def _on_host(tensor: torch.Tensor, own: bool) -> torch.Tensor:
 def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = None, own: bool = False):
     """(tensors, metadata) describing the session completely; tensors are on the CPU and contiguous.
 
-    ``own``: no tensor shares memory with the live session (a crash checkpoint is written while the session goes
-    on). Each is copied once: a tensor on the GPU is already a copy once on the host (so is a non-contiguous one
-    made contiguous), and only a tensor that is still the session's own memory is cloned. Cloning after the move,
-    as this did, copied a 720p session's 9.6 GiB twice, the second time on the host on the engine thread.
+    ``own``: no tensor shares memory with the live session. Each is copied once: a tensor on the GPU is already a
+    copy once on the host (so is a non-contiguous one made contiguous), and only a tensor that is still the
+    session's own memory is cloned. Cloning after the move, as this did, copied a 720p session's 9.6 GiB twice, the
+    second time on the host on the engine thread. A crash checkpoint uses ``copy_session`` instead, which on CUDA
+    does not wait for the copies at all.
 
     The cache is stored as its parts (per layer: pre-RoPE sink K, sink V, history K and V), not as the window
     buffers, so a file holds only what the session holds and any later layout of the buffers can read it."""
+    tensors = {name: _on_host(tensor, own) for name, tensor in _session_parts(session).items()}
+    return tensors, _session_metadata(session, extra)
+
+
+def stage_copy(session: RefinerSession) -> dict[str, torch.Tensor]:
+    """The exact-size pinned host buffers a ``copy_session`` of ``session`` now needs, by tensor name (nothing for a
+    session off CUDA). Locking a 720p session's 9.6 GiB takes seconds, so a worker thread calls this before the
+    engine's turn (``app.sessions.checkpoints``), while no work of the session runs (its tensors are only read
+    here by shape); a buffer that no longer fits when the copy is queued is allocated then, on the engine thread."""
+    return stage_tensors(_session_parts(session), torch.device("cpu"))
+
+
+def copy_session(session: RefinerSession, extra: dict[str, str] | None = None,
+                 host: dict[str, torch.Tensor] | None = None):
+    """(tensors, metadata, ready): ``session_to_tensors(own=True)`` without waiting for the device, for a crash
+    checkpoint written while the session goes on. On the engine thread.
+
+    On CUDA each tensor is copied once, on the device-to-host side stream of ``models.move.Move`` (which first waits
+    for everything queued on the compute stream, so the copies see the last forwards' writes), into the pinned
+    buffers ``stage_copy`` prepared (``host``); nothing here waits. ``ready`` is the event the copies complete with:
+    whoever reads the tensors waits for it first (the checkpoint's writer thread, ``synchronize``).
+
+    The session must not write what is still being copied: its pending frames, prompt and generator state are
+    replaced by new tensors when they change (``SessionState`` is immutable), but the KV cache is written in place
+    (each forward writes its block slot and rotates the sink keys into the window, a commit with a full history
+    shifts the history left, a rollback shifts it back). So the session's next work must make the compute stream
+    wait for ``ready`` on the device (``app.engine.worker.wait_for``, as after a page-in); other sessions' work does
+    not wait. Freed meanwhile (the session deleted), the cache's memory is reused only once the copies are done
+    (``Move`` marks the sources used by its stream, ``record_stream``).
+
+    Elsewhere (a CPU session, or one parked in host memory) ``ready`` is None and each tensor is cloned, as
+    ``session_to_tensors(own=True)`` does: there is no stream to copy on. So it is with ``host`` None (no pinned
+    memory could be locked for it, ``transfer.HostMemoryError``): then a CUDA session is copied into plain host
+    memory, which waits for the device, as checkpoints did before."""
+    parts = _session_parts(session)
+    metadata = _session_metadata(session, extra)
+    source = next((t.device for t in parts.values() if t.device.type == "cuda"), None)
+    if source is None or host is None:
+        return {name: _on_host(tensor, own=True) for name, tensor in parts.items()}, metadata, None
+    with Move(torch.device("cpu"), cuda_device=source, host=host) as move:
+        tensors = {name: move(tensor, key=name) if tensor.device.type == "cuda" else _on_host(tensor, own=True)
+                   for name, tensor in parts.items()}
+    return tensors, metadata, move.ready
+
+
+def _session_parts(session: RefinerSession) -> dict[str, torch.Tensor]:
+    """Every tensor a file of ``session`` holds, where the session holds it (views into its cache buffers)."""
     state = session.state
     tensors: dict[str, torch.Tensor] = {"rng_state": state.rng_state.cpu()}
     if state.pending is not None:
@@ -268,7 +317,11 @@ def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = N
             if state.history_frames:
                 tensors[f"history.{index}.key"] = parts["history_key"][index]
                 tensors[f"history.{index}.value"] = parts["history_value"][index]
-    tensors = {k: _on_host(v.detach(), own) for k, v in tensors.items()}
+    return {name: tensor.detach() for name, tensor in tensors.items()}
+
+
+def _session_metadata(session: RefinerSession, extra: dict[str, str] | None) -> dict[str, str]:
+    state = session.state
     counters = {
         "frames_received": state.frames_received,
         "frames_returned": state.frames_returned,
@@ -280,14 +333,13 @@ def session_to_tensors(session: RefinerSession, extra: dict[str, str] | None = N
         "history_rotated": bool(state.history_frames and session.config.positions == "absolute"),
         "geometry": None if state.geometry is None else list(vars(state.geometry).values()),
     }
-    metadata = {
+    return {
         "format": FORMAT,
         "config": json.dumps(session.config.to_dict()),
         "model": json.dumps(_model_key(session.refiner)),
         "state": json.dumps(counters),
         **(extra or {}),
     }
-    return tensors, metadata
 
 
 def _read_metadata(metadata: dict[str, str]) -> tuple[dict, SessionConfig, dict]:

@@ -227,9 +227,10 @@ def test_an_adopted_session_built_on_the_host_comes_to_the_gpu_bit_exact(medium)
 
 
 def test_a_checkpoint_copies_a_gpu_session_to_the_host_once(medium):
-    """A crash checkpoint's tensors (``session_to_tensors(own=True)``, what ``record_tensors(copy=True)`` asks
-    for): the move to the host is the one copy, with no clone on the host after it (that was a 720p session's
-    9.6 GiB copied twice on the engine thread), and nothing shares memory with the session on the device."""
+    """A session's tensors owned on the host (``session_to_tensors(own=True)``, what a crash checkpoint falls back
+    to when no pinned memory can be locked): the move to the host is the one copy, with no clone on the host after
+    it (that was a 720p session's 9.6 GiB copied twice on the engine thread), and nothing shares memory with the
+    session on the device."""
     from models.snapshot import session_to_tensors
     from tests.models.test_snapshot import _CopiedBytes
 
@@ -240,6 +241,77 @@ def test_a_checkpoint_copies_a_gpu_session_to_the_host_once(medium):
         owned, _ = session_to_tensors(session, own=True)
     assert all(t.device.type == "cpu" for t in owned.values())
     assert copied.bytes == sum(t.numel() * t.element_size() for t in owned.values())
+
+
+def test_a_checkpoint_queues_its_copies_and_the_session_refines_on(medium):
+    """What a crash checkpoint does on CUDA (``app.sessions.checkpoints``): its exact-size pinned host buffers locked
+    on a worker thread (``stage_copy``), then on the engine thread ``copy_session`` only queues the copies into them
+    on a side stream: no synchronising call (sync debug mode), no device-to-host copy that blocks (each goes into
+    pinned memory with ``non_blocking``, into the staged buffer of its tensor). The session refines on meanwhile, its
+    next forward waiting for the copies on the device as the engine makes it (``wait_for``), and its commits shift
+    the history in place over what was copied; once the event passed, the copy is the session as it was, bit for
+    bit, and the session's blocks are its twin's that was never checkpointed."""
+    import threading
+    import warnings
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from app.engine.worker import EngineSession, wait_for
+    from models.snapshot import copy_session, session_to_tensors, stage_copy
+
+    class DeviceToHost(TorchDispatchMode):
+        """Every copy from a CUDA tensor to the host: (op, into pinned memory, non_blocking asked for)."""
+
+        def __init__(self):
+            super().__init__()
+            self.copies = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.copy_.default and args[0].device.type == "cpu" and args[1].is_cuda:
+                non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+                self.copies.append(("copy_", args[0].is_pinned(), bool(non_blocking)))
+            elif (func is torch.ops.aten._to_copy.default and args[0].is_cuda
+                  and torch.device(kwargs.get("device") or args[0].device).type == "cpu"):
+                self.copies.append(("_to_copy", False, bool(kwargs.get("non_blocking", False))))
+            return func(*args, **kwargs)
+
+    latents, embeds = clip(frames=13)
+    config = SessionConfig(block_size=2, kv_max_frames=4)  # a full history of 3 frames: each commit shifts it
+    twins = [RefinerSession(medium, config) for _ in range(2)]
+    for session in twins:
+        session.push(latents[:, :, :9], embeds)
+    session = twins[1]
+    before, _ = session_to_tensors(session, own=True)  # the reference, read the blocking way
+    staged = {}
+    worker = threading.Thread(target=lambda: staged.update(stage_copy(session)))
+    worker.start()
+    worker.join(60)
+    assert staged and all(buffer.is_pinned() for buffer in staged.values())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, DeviceToHost() as audit:
+            warnings.simplefilter("always")
+            copied, _, ready = copy_session(session, host=staged)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, "host syncs while a checkpoint's copies were queued:\n" + "\n".join(syncs)
+    assert len(audit.copies) == len(staged), audit.copies
+    assert all(op == "copy_" and pinned and non_blocking for op, pinned, non_blocking in audit.copies), audit.copies
+    assert all(copied[name].data_ptr() == buffer.data_ptr() for name, buffer in staged.items())
+    assert ready is not None and copied.keys() == before.keys()
+
+    engine_session = EngineSession(session)
+    engine_session.ready = ready  # what the checkpoint leaves for the session's next work
+    wait_for(engine_session)  # what the engine does before the session's next model call
+    units = [twin.push(latents[:, :, 9:]) for twin in twins]  # two blocks, each commit shifting the history
+    ready.synchronize()  # what the checkpoint's writer does before it reads the bytes
+    assert all(torch.equal(copied[name], want) for name, want in before.items())
+    after, _ = session_to_tensors(session)
+    assert any(not torch.equal(after[name], before[name]) for name in before if name.startswith("history."))
+    assert torch.equal(units[0][-1].latents, units[1][-1].latents)
 
 
 def test_kv_memory_is_allocated_once(medium):

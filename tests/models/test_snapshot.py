@@ -9,7 +9,15 @@ from models import RefinerSession, SessionConfig, from_model
 from models.checkpoints import build_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.snapshot import SnapshotError, _on_host, load_snapshot, save_snapshot, session_to_tensors
+from models.snapshot import (
+    SnapshotError,
+    _on_host,
+    copy_session,
+    load_snapshot,
+    save_snapshot,
+    session_to_tensors,
+    stage_copy,
+)
 
 from .conftest import make_inputs
 
@@ -193,3 +201,23 @@ def test_a_checkpoints_tensors_are_the_sessions_copied_once(tmp_path):
     with _CopiedBytes() as copied:
         same = _on_host(dense, own=False)
     assert copied.bytes == 0 and same is dense
+
+
+def test_a_crash_checkpoints_copy_of_a_cpu_session_is_one_clone_with_nothing_in_flight():
+    """``copy_session``, what a crash checkpoint copies with: on a CPU there is no side stream, so it is
+    ``session_to_tensors(own=True)``'s one clone, done when it returns (no event to wait for), and there is nothing
+    to stage (``stage_copy``); without staged buffers (``host`` None: no pinned memory could be had) the same."""
+    refiner = from_model(build_model("tiny"))
+    session = RefinerSession(refiner, SessionConfig(block_size=2, kv_max_frames=5))
+    latents, embeds = make_inputs(frames=9, seed=3)
+    session.push(latents, embeds)
+    live = _storages(session)
+    shared, metadata = session_to_tensors(session, {"app": "{}"})
+    assert stage_copy(session) == {}
+    for host in ({}, None):
+        with _CopiedBytes() as copied:
+            owned, owned_metadata, ready = copy_session(session, {"app": "{}"}, host)
+        assert ready is None and owned_metadata == metadata and owned.keys() == shared.keys()
+        assert not live & {t.untyped_storage().data_ptr() for t in owned.values()}
+        assert copied.bytes == sum(t.numel() * t.element_size() for t in owned.values())
+        assert all(torch.equal(owned[name], shared[name]) for name in shared)
