@@ -119,8 +119,9 @@ class EngineSession:
     queued: int = 0
     # A real-time session's deadlines and late blocks (app.engine.pacing); None when it is not real time.
     pacing: Pacing | None = None
-    # The CUDA event of copies that brought its tensors to the device on a side stream (a page-in): the engine's
-    # stream waits for it on the device before the session's next work touches them (``wait_for``, first thing in
+    # The CUDA event of copies of its tensors on a side stream (a page-in's to the device, a crash checkpoint's to
+    # the host: its cache is written in place): the engine's stream waits for it on the device before the
+    # session's next work touches them (``wait_for``, first thing in
     # ``_next_forward``; a record read for saving waits too: ``app.sessions.saving``), so other sessions' calls
     # queued before do not.
     ready: Any = None

@@ -47,6 +47,7 @@ from models.snapshot import (
     SnapshotLimits,
     TensorHeader,
     check_header,
+    copy_session,
     fsync_dir,
     read_tensors,
     session_from_tensors,
@@ -147,9 +148,30 @@ def snapshot_path(folder: Path, session_id: str) -> Path:
     return folder / f"{spec.check_session_id(session_id)}{SUFFIX}"
 
 
-def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """What a file of ``record`` holds. ``copy``: tensors that do not share memory with the live session (a
-    checkpoint is written while the session goes on); on the engine thread."""
+def record_tensors(record: SessionRecord) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What a file of ``record`` holds, its session's tensors read in place (a drain's, a spill's: the session does
+    not go on meanwhile); on the engine thread."""
+    app_metadata, app_tensors = _app_parts(record, checkpoint=False)
+    tensors, metadata = session_to_tensors(record.session, app_metadata)
+    tensors.update(app_tensors)
+    return tensors, metadata
+
+
+def record_copy(record: SessionRecord, host: dict[str, torch.Tensor] | None = None):
+    """(tensors, metadata, ready): what a crash checkpoint of ``record`` holds, none of it sharing memory with the
+    session, which goes on meanwhile; on the engine thread. On CUDA the session's tensors are still being copied to
+    the host when this returns (``models.snapshot.copy_session``, into the buffers ``host`` staged by
+    ``stage_copy``): read them only once ``ready`` has passed, and make the session's next work wait for it on the
+    device. ``ready`` is None when nothing is in flight."""
+    app_metadata, app_tensors = _app_parts(record, checkpoint=True)
+    tensors, metadata, ready = copy_session(record.session, app_metadata, host)
+    tensors.update(app_tensors)
+    return tensors, metadata, ready
+
+
+def _app_parts(record: SessionRecord, checkpoint: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The service's part of a file of ``record``: its metadata entry and its tensors (output stages' states,
+    retained units, the last response), all new or immutable host tensors."""
     app_fields = {
         "format": APP_FORMAT,
         "session_id": record.session_id,
@@ -166,7 +188,7 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
         "streaming": record.streaming,
         "created_at": record.created_at,
         "outputs": record.outputs.to_dict(),
-        "checkpoint": copy,  # a crash checkpoint: its clients may be ahead of it
+        "checkpoint": checkpoint,  # a crash checkpoint: its clients may be ahead of it
         "realtime": record.realtime,
     }
     stage_tensors: dict[str, torch.Tensor] = {}
@@ -174,14 +196,12 @@ def record_tensors(record: SessionRecord, copy: bool = False) -> tuple[dict[str,
         # Each stage's fields under its kind ("video": the decoder's, as before stages existed; None: stateless).
         stage_tensors, stage_fields = record.stages.to_tensors(STAGES_PREFIX)
         app_fields.update(stage_fields)
-    # ``copy``: each tensor copied once (``own``), on the device's side of the move when the session is on a GPU.
-    tensors, metadata = session_to_tensors(record.session, {"app": json.dumps(app_fields)}, own=copy)
-    tensors.update(stage_tensors)  # immutable states: never written in place
+    tensors = dict(stage_tensors)  # immutable states: never written in place
     for index, unit in enumerate(record.units):
         tensors[UNIT_TENSOR.format(index)] = _bytes_tensor(unit.data(record.encode))
     if record.last_response is not None:
         tensors[LAST_RESPONSE_TENSOR] = _bytes_tensor(record.last_response)
-    return tensors, metadata
+    return {"app": json.dumps(app_fields)}, tensors
 
 
 def write_record(folder: Path, session_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,

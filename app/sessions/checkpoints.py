@@ -2,8 +2,10 @@
 of a session that ended.
 
 - ``write_due``: between two pieces of a session's work, its checkpoint when one is due
-  (``checkpoint_every_blocks`` / ``checkpoint_interval_s``): the engine copies its tensors, a worker thread writes
-  the file under the session's lease (``app.persistence.records.write_fenced``) while the session goes on.
+  (``checkpoint_every_blocks`` / ``checkpoint_interval_s``): a worker thread locks the host buffers, the engine
+  queues the copies of its tensors into them (on CUDA on a side stream, without waiting: the session's next work
+  waits for them on the device), a worker thread writes the file under the session's lease once they are done
+  (``app.persistence.records.write_fenced``) while the session goes on.
 - ``renew_forever``: every lease this replica holds (a live session holds one from its creation with a
   ``snapshot_dir``, checkpoints or not) is renewed every third of ``session_lease_s``; one found lost drops its
   session (``lose``).
@@ -24,6 +26,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from models.snapshot import stage_copy
+from models.transfer import HostMemoryError
+
 from app.core.metrics import Metrics
 from app.core.settings import Settings
 from app.engine.engine_errors import Draining
@@ -31,7 +36,7 @@ from app.engine.worker import Engine
 from app.outputs.delivery import Encoder
 from app.persistence import leases
 from app.persistence.leases import Lease, LeaseHeld, LeaseLost
-from app.persistence.records import record_tensors, write_fenced
+from app.persistence.records import record_copy, write_fenced
 from app.sessions.endings import Endings
 from app.sessions.registry import SessionHandle
 from app.sessions.saving import record_of
@@ -80,9 +85,11 @@ class Checkpoints:
     async def write_due(self, handle: SessionHandle) -> None:
         """Write the session's checkpoint when one is due (``checkpoint_every_blocks`` / ``checkpoint_interval_s``).
         Called by a chunk or stream message that just finished, within the session's turn, so the session is
-        between two pieces of work: the engine copies its tensors (one ``call``, between two model calls), and the
-        file is serialized and written on a worker thread while the session goes on. A write still in flight makes
-        this one wait for the next chance; the drain waits for them before it saves (``app.sessions.drain``)."""
+        between two pieces of work: a worker thread locks the host buffers, the engine queues the copies of its
+        tensors into them (one ``call``, between two model calls; on CUDA it does not wait for them, on a CPU it
+        clones), and once they are done the file is serialized and written on a worker thread while the session
+        goes on. A write still in flight makes this one wait for the next chance; the drain waits for them before it
+        saves (``app.sessions.drain``)."""
         settings, folder = self.settings, self.folder
         every, interval = settings.checkpoint_every_blocks, settings.checkpoint_interval_s
         if folder is None or self.draining() or not (every or interval) or _ended(handle):
@@ -96,8 +103,25 @@ class Checkpoints:
             await handle.deliveries.flush()  # the units it streamed are retained, for a resume after the crash
         record = record_of(handle, self.encoder)
         frames = handle.session.state.frames_received  # the session's turn: nothing of it runs meanwhile
+        # The copy's pinned host buffers (a 720p session's 9.6 GiB), locked here: on the engine thread that would
+        # stall every session for seconds. Nothing without CUDA.
         try:
-            tensors, metadata = await self.engine.call(lambda: record_tensors(record(), copy=True))
+            host = await asyncio.to_thread(stage_copy, handle.session)
+        except HostMemoryError as exc:
+            # Durability first: copied into plain memory on the engine thread, as before staging (a stall).
+            log.warning("session %s: its checkpoint is copied without pinned memory, which stalls the engine "
+                        "(%s)", handle.id, exc)
+            host = None
+
+        def copy():
+            tensors, metadata, ready = record_copy(record(), host)
+            # The copies are queued, not done: the session's next work waits for them on the device (``wait_for``;
+            # its cache is written in place), the writer below waits for them before it reads the bytes.
+            handle.engine_session.ready = ready
+            return tensors, metadata, ready
+
+        try:
+            tensors, metadata, ready = await self.engine.call(copy)
         except Draining:  # the engine stopped (drain): the drain saves the session itself
             return
         metrics, lease = self.metrics, self.leases_held.get(handle.id)
@@ -109,6 +133,8 @@ class Checkpoints:
         handle.checkpoint_blocks, handle.checkpoint_at = blocks, time.monotonic()
 
         def write() -> None:
+            if ready is not None:
+                ready.synchronize()  # the copies to the host, queued by the engine thread
             started = time.perf_counter()
             # Fenced by the session's lease: a replica that lost it never writes over its new owner's file.
             _, path = write_fenced(folder, handle.id, tensors, metadata, lease=lease,
