@@ -678,6 +678,9 @@ class Engine:
         """Undo the committed block ``verdict`` judged NaN/Inf: it is the session's last one (the gate held every
         later forward), so its checkpoint is exactly the session before it. In atomic work the work's failure rolls
         the session back to before the work (``_fail``), as a CPU commit's error would."""
+        # The rollback writes the cache in place, and may come before any forward of the session waited for a crash
+        # checkpoint's copies of it (a drain fails work that never started, ``_fail_everything``): they come first.
+        wait_for(target)
         if verdict.before is not None:
             target.session.rollback(verdict.before)
         self.pacer.undo(verdict.paced)  # neither paced nor late; its frames' arrivals listed again

@@ -15,16 +15,36 @@ from safetensors.torch import load_file
 
 import app.engine.worker as worker_module
 import app.sessions.checkpoints as checkpoints_module
+from app.core.metrics import Metrics
+from app.engine.worker import Engine, EngineSession, PendingVerdict
 from app.persistence.records import snapshot_path
+from models import RefinerSession, SessionConfig, from_model
+from models.checkpoints import build_model
 from models.snapshot import session_to_tensors
 from models.transfer import HostMemoryError
 
 from tests.app.conftest import DEADLINE_S, OCTET, make_clip, payload, running_app, wait_until
+from tests.models.conftest import make_inputs
 
 LATENTS, EMBEDS, MASK = make_clip(frames=10, seed=41)
 FIRST, SECOND = LATENTS[:, :, :5], LATENTS[:, :, 5:]
 # A history of 3 frames at most: the second chunk's commits shift it left in place, over what the first copied.
 CONFIG = {"block_size": 2, "kv_max_frames": 4}
+
+
+class _Copies:
+    """Stands for the CUDA event a checkpoint's side-stream copies complete with."""
+
+
+class _Stream:
+    """Stands for torch.cuda's current stream: notes each wait for a checkpoint's copies."""
+
+    def __init__(self, note):
+        self.note = note
+
+    def wait_event(self, event):
+        if isinstance(event, _Copies):
+            self.note("compute stream waits")
 
 
 def _send(client, sid: str, seq: int, body: bytes) -> None:
@@ -43,16 +63,11 @@ def test_a_checkpoints_copies_are_waited_for_by_its_writer_and_by_its_sessions_n
     def note(what: str) -> None:
         order.append((what, threading.current_thread().name))
 
-    class Copies:  # stands for the CUDA event of the checkpoint's side-stream copies
+    class Copies(_Copies):
         def synchronize(self):
             note("writer waits")
 
-    class Stream:
-        def wait_event(self, event):
-            if isinstance(event, Copies):
-                note("compute stream waits")
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(note))
     real_stage, real_copy, real_write = (checkpoints_module.stage_copy, checkpoints_module.record_copy,
                                          checkpoints_module.write_fenced)
     real_run = worker_module.run_isolated
@@ -146,3 +161,21 @@ def test_a_checkpoint_without_pinned_memory_is_still_written(make_settings, tmp_
             saved = load_file(snapshot_path(folder, sid))
     assert all(torch.equal(saved[name], tensor) for name, tensor in expected.items())
     assert any("without pinned memory" in r.getMessage() and "ulimit -l" in r.getMessage() for r in caplog.records)
+
+
+def test_undoing_a_late_non_finite_block_waits_for_a_checkpoints_copies_first(monkeypatch):
+    """A drain fails the session's queued work before any forward of it ran (``_fail_everything``), reading its last
+    block's verdict: NaN/Inf rolls the cache back in place, so the compute stream must first wait for a checkpoint's
+    copies of that cache still in flight, or the file would hold bytes of both moments."""
+    order = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(order.append))
+    session = RefinerSession(from_model(build_model("tiny")), SessionConfig(block_size=2))
+    latents, embeds = make_inputs(frames=3, seed=5)
+    session.push(latents, embeds)
+    target = EngineSession(session=session, name="checkpointed")
+    before = session.checkpoint()
+    real_rollback = session.rollback
+    monkeypatch.setattr(session, "rollback", lambda mark: order.append("rollback") or real_rollback(mark))
+    target.ready = _Copies()  # what the checkpoint left for the session's next work
+    Engine(Metrics(), 8, 4)._withdraw(target, PendingVerdict(object(), before))
+    assert order == ["compute stream waits", "rollback"] and target.ready is None
