@@ -17,8 +17,8 @@
 #    figure named with its unit; the second process adds to it) and OUT/summary.md; a broken section is recorded
 #    there and the rest runs.
 # 2. the -m gpu tests (tests/gpu: bf16 parity with diffusers' reference, batched vs solo rows, no host sync inside a
-#    block, KV memory allocated once, the compiled step with CUDA graphs, a late NaN/Inf verdict undone by the
-#    engine), output in OUT/gpu-tests.txt.
+#    block, KV memory allocated once, a crash checkpoint's copies queued without a host wait, the compiled step with
+#    CUDA graphs, a late NaN/Inf verdict undone by the engine), output in OUT/gpu-tests.txt.
 # No network on the GPU machine: --wheels DIR installs what it lacks from a folder filled here by
 # `bash bench/gpu_wheels.sh DIR` (pip --no-index; the project's pins where the machine's own copy misses them, the
 # machine's packages where they satisfy them). Should pip's resolver refuse that mix, the wheels of the projects the
