@@ -266,14 +266,17 @@ def stage_copy(session: RefinerSession) -> dict[str, torch.Tensor]:
 
 
 def copy_session(session: RefinerSession, extra: dict[str, str] | None = None,
-                 host: dict[str, torch.Tensor] | None = None):
+                 host: dict[str, torch.Tensor] | None = None, after=None):
     """(tensors, metadata, ready): ``session_to_tensors(own=True)`` without waiting for the device, for a crash
     checkpoint written while the session goes on. On the engine thread.
 
     On CUDA each tensor is copied once, on the device-to-host side stream of ``models.move.Move`` (which first waits
     for everything queued on the compute stream, so the copies see the last forwards' writes), into the pinned
     buffers ``stage_copy`` prepared (``host``); nothing here waits. ``ready`` is the event the copies complete with:
-    whoever reads the tensors waits for it first (the checkpoint's writer thread, ``synchronize``).
+    whoever reads the tensors waits for it first (the checkpoint's writer thread, ``synchronize``). ``after``: an
+    event of copies still bringing the session's tensors (a page-in no forward has waited for yet: a message that
+    only added pending frames); the copies wait for it first, and ``ready`` then covers it too, so the session's
+    next work, which waits for ``ready`` in its place, still waits for the page-in.
 
     The session must not write what is still being copied: its pending frames, prompt and generator state are
     replaced by new tensors when they change (``SessionState`` is immutable), but the KV cache is written in place
@@ -292,7 +295,7 @@ def copy_session(session: RefinerSession, extra: dict[str, str] | None = None,
     source = next((t.device for t in parts.values() if t.device.type == "cuda"), None)
     if source is None or host is None:
         return {name: _on_host(tensor, own=True) for name, tensor in parts.items()}, metadata, None
-    with Move(torch.device("cpu"), cuda_device=source, host=host) as move:
+    with Move(torch.device("cpu"), cuda_device=source, host=host, after=after) as move:
         tensors = {name: move(tensor, key=name) if tensor.device.type == "cuda" else _on_host(tensor, own=True)
                    for name, tensor in parts.items()}
     return tensors, metadata, move.ready

@@ -157,14 +157,15 @@ def record_tensors(record: SessionRecord) -> tuple[dict[str, torch.Tensor], dict
     return tensors, metadata
 
 
-def record_copy(record: SessionRecord, host: dict[str, torch.Tensor] | None = None):
+def record_copy(record: SessionRecord, host: dict[str, torch.Tensor] | None = None, after=None):
     """(tensors, metadata, ready): what a crash checkpoint of ``record`` holds, none of it sharing memory with the
     session, which goes on meanwhile; on the engine thread. On CUDA the session's tensors are still being copied to
     the host when this returns (``models.snapshot.copy_session``, into the buffers ``host`` staged by
     ``stage_copy``): read them only once ``ready`` has passed, and make the session's next work wait for it on the
-    device. ``ready`` is None when nothing is in flight."""
+    device. ``ready`` is None when nothing is in flight. ``after``: copies still bringing the session's tensors
+    (``copy_session``)."""
     app_metadata, app_tensors = _app_parts(record, checkpoint=True)
-    tensors, metadata, ready = copy_session(record.session, app_metadata, host)
+    tensors, metadata, ready = copy_session(record.session, app_metadata, host, after)
     tensors.update(app_tensors)
     return tensors, metadata, ready
 

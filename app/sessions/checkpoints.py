@@ -114,10 +114,13 @@ class Checkpoints:
             host = None
 
         def copy():
-            tensors, metadata, ready = record_copy(record(), host)
+            # A page-in no forward has waited for yet (a message that only added pending frames) comes first: the
+            # copies wait for it, and their event, which takes its place, covers it.
+            tensors, metadata, ready = record_copy(record(), host, after=handle.engine_session.ready)
             # The copies are queued, not done: the session's next work waits for them on the device (``wait_for``;
             # its cache is written in place), the writer below waits for them before it reads the bytes.
-            handle.engine_session.ready = ready
+            if ready is not None:
+                handle.engine_session.ready = ready
             return tensors, metadata, ready
 
         try:

@@ -314,6 +314,24 @@ def test_a_checkpoint_queues_its_copies_and_the_session_refines_on(medium):
     assert torch.equal(units[0][-1].latents, units[1][-1].latents)
 
 
+def test_a_checkpoint_right_after_a_page_in_copies_the_paged_in_session(medium):
+    """A checkpoint can come before any forward waited for a page-in (a message that only added pending frames):
+    its copies wait for the page-in's event (``after``), so they read the session as it was paged in, and their
+    event, which the engine then waits for in the page-in's place, covers both."""
+    from models.move import move_session
+    from models.snapshot import copy_session, session_to_tensors, stage_copy
+
+    latents, embeds = clip(frames=9)
+    session = RefinerSession(medium, SessionConfig(block_size=2, kv_max_frames=4))
+    session.push(latents, embeds)
+    before, _ = session_to_tensors(session, own=True)
+    parked = move_session(session, torch.device("cpu"))
+    paged_in = move_session(session, medium.device, after=parked)  # not waited for: the copies may be in flight
+    copied, _, ready = copy_session(session, host=stage_copy(session), after=paged_in)
+    ready.synchronize()
+    assert all(torch.equal(copied[name], want) for name, want in before.items())
+
+
 def test_kv_memory_is_allocated_once(medium):
     latents, embeds = clip(frames=1 + 3 * 12)
     session = RefinerSession(medium, SessionConfig())

@@ -72,8 +72,8 @@ def test_a_checkpoints_copies_are_waited_for_by_its_writer_and_by_its_sessions_n
                                          checkpoints_module.write_fenced)
     real_run = worker_module.run_isolated
 
-    def record_copy(record, host):
-        tensors, metadata, ready = real_copy(record, host)
+    def record_copy(record, host, after=None):
+        tensors, metadata, ready = real_copy(record, host, after)
         assert ready is None and host == {}, "a CPU session: nothing staged, cloned at once"
         note("copies queued")
         return tensors, metadata, Copies()
@@ -110,10 +110,10 @@ def test_a_checkpoint_holds_its_session_as_it_was_while_the_session_refines_on(m
     at_copy, gate, held = {}, threading.Event(), threading.Event()
     real_copy, real_write = checkpoints_module.record_copy, checkpoints_module.write_fenced
 
-    def record_copy(record, host):
+    def record_copy(record, host, after=None):
         if not at_copy:
             at_copy.update(session_to_tensors(record.session, own=True)[0])
-        return real_copy(record, host)
+        return real_copy(record, host, after)
 
     def write_fenced(*args, **kwargs):
         if not held.is_set():
