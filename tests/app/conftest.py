@@ -110,6 +110,72 @@ def live_server(make_settings):
         yield server
 
 
+# --- behind a reverse proxy ------------------------------------------------------------------------------------
+# docs/api.md "Behind a reverse proxy": the server mounted under a path prefix, as a site serves it beside others.
+NGINX = "/usr/sbin/nginx"
+NGINX_CONF = """user {user};
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log;
+events {{ worker_connections 256; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy; fastcgi_temp_path {dir}/fastcgi;
+  uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+  map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location {prefix} {{
+      proxy_pass http://127.0.0.1:{upstream}/;
+      proxy_http_version 1.1;
+      proxy_set_header Upgrade $http_upgrade;
+      proxy_set_header Connection $connection_upgrade;
+      proxy_set_header Host $http_host;
+      client_max_body_size 64m;
+    }}
+    location / {{ return 404; }}  # the rest of the site is another app's: nothing of this server's is at the root
+  }}
+}}
+"""
+
+
+@contextlib.contextmanager
+def nginx_prefix(upstream_port: int, workdir: Path, prefix: str = "/refiner/") -> Iterator[str]:
+    """Debian's nginx on a free loopback port, serving the server on ``upstream_port`` under ``prefix`` (the
+    docs' configuration: WebSocket upgrade passed on, the client's Host kept); yields the prefix's URL, without its
+    trailing slash. The server itself knows nothing of the prefix."""
+    import getpass
+    import subprocess
+
+    import httpx
+
+    from bench.live import free_port
+
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    conf = workdir / "nginx.conf"
+    # user: the one running the tests (root in CI, whose workers would otherwise be nobody, locked out of workdir).
+    conf.write_text(NGINX_CONF.format(user=getpass.getuser(), dir=workdir, port=port, prefix=prefix,
+                                      upstream=upstream_port))
+    process = subprocess.Popen([NGINX, "-p", str(workdir), "-c", str(conf), "-g", "daemon off;"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
+
+    def answers() -> bool:
+        assert process.poll() is None, (workdir / "error.log").read_text()
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(answers, "nginx in front of the server")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(DEADLINE_S)
+
+
 # --- payloads ----------------------------------------------------------------------------------------------
 def make_clip(frames: int = 11, height: int = 4, width: int = 4, prompt_len: int = 6, seed: int = 0, mask=True):
     generator = torch.Generator().manual_seed(seed)

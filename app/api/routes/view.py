@@ -28,7 +28,8 @@ router = APIRouter(tags=["view"])
 # What the page may load: its own inline script and style, and requests to this origin; nothing else (a
 # regression that pulls a script or font from a CDN fails in the browser test instead of silently needing a network).
 # media-src blob: is the page's own MediaSource (H.264 segments from the watch), never a remote medium.
-# script-src 'self': the page's module imports /static/wm-refiner.js from this origin.
+# script-src 'self': the page's module imports ./static/wm-refiner.js from this origin (beside the page, so under the
+# same path prefix when a reverse proxy serves this server under one; docs/api.md "Behind a reverse proxy").
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
     "img-src 'self' data:; media-src blob:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"

@@ -26,7 +26,7 @@ import torch
 
 from app.core.codec import decode_response
 
-from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, wait_until
+from tests.app.conftest import DEADLINE_S, NGINX, OCTET, LiveServer, make_clip, nginx_prefix, payload, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -325,6 +325,40 @@ def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, 
         assert "late" not in row(plain)
         wait_until(lambda: browser.find_element(By.ID, "late-blocks").text == "2", "the stats counter to show 2")
 
+
+
+@pytest.mark.skipif(not os.path.exists(NGINX), reason="needs Debian's nginx (apt-get install nginx)")
+def test_behind_a_proxy_under_a_path_prefix_the_page_lists_watches_and_plays(make_settings, vae_dir, browser,
+                                                                             tmp_path):
+    """nginx serves the server under /refiner/ and nothing of it at the root (docs/api.md "Behind a reverse proxy").
+    The page at /refiner/view loads its module, lists the sessions and watches one through the prefix, over HTTP
+    and the WebSocket, while a client streams the clip through the same prefix; it draws every frame. It had
+    imported /static/wm-refiner.js and called the API at the page's origin: at the root, where nothing answers."""
+    latent_frames = 7
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            nginx_prefix(server.port, tmp_path / "nginx") as url, \
+            httpx.Client(base_url=url, timeout=DEADLINE_S) as http:
+        assert httpx.get(f"{url.removesuffix('/refiner')}/static/wm-refiner.js").status_code == 404  # not at the root
+        created = http.post("/v1/sessions", json={"outputs": ["video"], "block_size": 2, "fps": 32.0})
+        assert created.status_code == 201, created.text
+        session_id, config = created.json()["session_id"], created.json()["config"]
+        browser.get(f"{url}/view?session={session_id}")
+        wait_for_page(browser, lambda state: state["status"] == "attached", "attached through the prefix")
+        row = f'#sessions li[data-session-id="{session_id}"]'
+        wait_until(lambda: browser.execute_script(f"return document.querySelector('{row}')"), "the session listed")
+
+        blocks, video = stream_clip(http, session_id, config, latent_frames)
+        expected = 8 * (latent_frames - 1) + 1 - config["sink_frames"]
+        assert sum(part.shape[1] for part in video) == expected
+        state = wait_for_page(browser, lambda state: state["done"] and state["framesDrawn"] >= expected,
+                              f"{expected} frames drawn")
+        page_url = browser.current_url
+
+    assert state["framesReceived"] == state["framesDrawn"] == expected
+    assert [(b["frame_start"], b["frame_end"]) for b in state["blocks"]] == blocks and len(blocks) == 3
+    assert state["shown"] == {"drawn": str(expected), "received": str(expected), "blocks": str(len(blocks))}
+    assert state["error"] is None and state["status"] == "done"
+    assert page_url == f"{url}/view?session={session_id}"  # the page's own address keeps the prefix
 
 # --- a page on another origin (cors_origins, app/api/cors.py) ------------------------------------------------------
 # What a web app on its own origin does: read /v1/info, create a session, read an error's JSON, open the stream's
