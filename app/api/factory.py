@@ -47,8 +47,11 @@ PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", *view.PUBLIC_PATHS})
 BROWSER_PAGES = frozenset(view.PUBLIC_PATHS)
 
 
+# Relative, not "/asyncapi.yaml": resolved against the page that shows it (/docs, /redoc) or against /openapi.json
+# itself, it names the document beside them, also behind a proxy that serves this server under a path prefix
+# (/refiner/docs -> /refiner/asyncapi.yaml; docs/api.md "Behind a reverse proxy"), where the origin's root is not ours.
 ASYNCAPI_LINK = ("The WebSocket routes (`/v1/sessions/{id}/stream`, `/v1/sessions/{id}/watch`) and their messages: "
-                 "[/asyncapi.yaml](/asyncapi.yaml) (AsyncAPI 3.0).")
+                 "[asyncapi.yaml](asyncapi.yaml) (AsyncAPI 3.0).")
 
 
 # --- the app ---------------------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 import httpx
 import jsonschema
@@ -24,6 +26,7 @@ from websockets.sync.client import connect
 
 from app.core.error_kinds import ERRORS
 from bench.live import ROOT
+from tests.app.conftest import NGINX, nginx_prefix
 from wm_refiner_client.units import encode, read_metadata
 
 from .conftest import clip
@@ -104,7 +107,21 @@ def test_the_server_serves_the_document(server):
     assert response.status_code == 200 and response.text == DOCUMENT_PATH.read_text()
     # /openapi.json (the HTTP routes) points at it, where a client generator starts.
     description = httpx.get(f"{server.base_url}/openapi.json").json()["info"]["description"]
-    assert "[/asyncapi.yaml](/asyncapi.yaml)" in description
+    assert "[asyncapi.yaml](asyncapi.yaml)" in description
+
+
+@pytest.mark.skipif(not os.path.exists(NGINX), reason="needs Debian's nginx (apt-get install nginx)")
+def test_behind_a_proxy_under_a_path_prefix_openapi_links_the_document_under_the_prefix(server, tmp_path):
+    """/openapi.json's link to this document is relative: resolved against the pages that show it (/docs, /redoc)
+    or the document itself, behind nginx under /refiner/ it names /refiner/asyncapi.yaml. It was /asyncapi.yaml,
+    the origin's root, where nothing of this server's is (docs/api.md "Behind a reverse proxy")."""
+    with nginx_prefix(server.port, tmp_path / "nginx") as url:
+        description = httpx.get(f"{url}/openapi.json").json()["info"]["description"]
+        link = re.search(r"\[[^\]]*\]\(([^)]*asyncapi[^)]*)\)", description).group(1)
+        for page in ("docs", "redoc", "openapi.json"):
+            target = urljoin(f"{url}/{page}", link)
+            response = httpx.get(target)
+            assert response.status_code == 200 and response.text == DOCUMENT_PATH.read_text(), (page, target)
 
 
 def test_what_a_live_server_sends_matches_the_document(server):
