@@ -15,6 +15,7 @@ from typing import Callable
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import QueryParams
@@ -80,10 +81,12 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
         # (a relative link: OpenAPI's externalDocs wants an absolute URL, which a server behind a router cannot know).
         description=f"{QUERY_RULE}\n\n{ASYNCAPI_LINK}",
         lifespan=lifespan,
+        docs_url=None, redoc_url=None,  # add_docs_pages serves them, with the schema's URL relative
     )
     app.state.services = services
     for module in (health, prometheus, info, sessions, chunks, refine, stream, watch, admin, view):
         app.include_router(module.router)
+    add_docs_pages(app)
 
     install_error_handlers(app, services)
     if settings.api_key:
@@ -104,6 +107,30 @@ def create_app(settings: Settings | None = None, *, warmup_gate: Callable[[], No
     # Outermost: every answer says its replica, the CORS refusals and preflights included.
     app.add_middleware(ReplicaHeader, replica_id=settings.replica_id)
     return app
+
+
+def add_docs_pages(app: FastAPI) -> None:
+    """FastAPI's /docs (Swagger UI, with its OAuth2 redirect page) and /redoc, as FastAPI serves them but for the
+    schema's URL: relative to the page, ``openapi.json`` (beside /docs and /redoc), where FastAPI writes
+    ``/openapi.json``. Behind a proxy that serves this server under a path prefix, /refiner/docs then loads
+    /refiner/openapi.json, not the origin's root, which is not this server's (docs/api.md "Behind a reverse proxy")."""
+
+    async def swagger_ui(request: Request) -> Response:
+        return get_swagger_ui_html(
+            openapi_url="openapi.json", title=f"{app.title} - Swagger UI",
+            oauth2_redirect_url=app.swagger_ui_oauth2_redirect_url, init_oauth=app.swagger_ui_init_oauth,
+            swagger_ui_parameters=app.swagger_ui_parameters,
+        )
+
+    async def swagger_ui_redirect(request: Request) -> Response:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    async def redoc(request: Request) -> Response:
+        return get_redoc_html(openapi_url="openapi.json", title=f"{app.title} - ReDoc")
+
+    app.add_route("/docs", swagger_ui, include_in_schema=False)
+    app.add_route(app.swagger_ui_oauth2_redirect_url, swagger_ui_redirect, include_in_schema=False)
+    app.add_route("/redoc", redoc, include_in_schema=False)
 
 
 class ReplicaHeader:

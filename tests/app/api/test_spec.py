@@ -27,6 +27,8 @@ from models.errors import InvalidConfigError
 from wm_refiner_client import Client, spec
 from wm_refiner_client._common import CONFIG_FIELDS, check_config, refine_query
 
+from tests.app.conftest import NGINX, LiveServer, nginx_prefix
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -191,6 +193,27 @@ def test_refines_query_parameters_are_the_specs_query_fields(schema):
         else:  # lists and the look-ahead are text, read by SessionField.from_text
             assert value["type"] == "string", field.name
 
+
+
+@pytest.mark.skipif(not os.path.exists(NGINX), reason="needs Debian's nginx (apt-get install nginx)")
+def test_behind_a_proxy_under_a_path_prefix_the_docs_pages_load_the_schema_under_the_prefix(make_settings, tmp_path):
+    """/docs and /redoc name the schema relative to themselves: behind nginx under /refiner/ they load
+    /refiner/openapi.json (FastAPI's pages named /openapi.json, at the origin's root, where nothing of this server's
+    is; docs/api.md "Behind a reverse proxy"). At the root they load /openapi.json, as before."""
+    import re
+    from urllib.parse import urljoin
+
+    import httpx
+
+    with LiveServer(make_settings()) as server, nginx_prefix(server.port, tmp_path / "nginx") as url:
+        expected = httpx.get(f"{server.base_url}/openapi.json").json()
+        for base in (url, server.base_url):
+            for page, named in (("docs", r"url: '([^']+)'"), ("redoc", r'spec-url="([^"]+)"')):
+                html = httpx.get(f"{base}/{page}")
+                assert html.status_code == 200, html.text
+                target = urljoin(f"{base}/{page}", re.search(named, html.text).group(1))
+                assert target == f"{base}/openapi.json"
+                assert httpx.get(target).json() == expected, target
 
 # --- the command line --------------------------------------------------------------------------------------------
 def _help(command: str) -> str:
