@@ -131,6 +131,7 @@ http {{
       proxy_set_header Upgrade $http_upgrade;
       proxy_set_header Connection $connection_upgrade;
       proxy_set_header Host $http_host;
+      proxy_redirect http://$http_host/ {prefix};
       client_max_body_size 64m;
     }}
     location / {{ return 404; }}  # the rest of the site is another app's: nothing of this server's is at the root
@@ -142,8 +143,9 @@ http {{
 @contextlib.contextmanager
 def nginx_prefix(upstream_port: int, workdir: Path, prefix: str = "/refiner/") -> Iterator[str]:
     """Debian's nginx on a free loopback port, serving the server on ``upstream_port`` under ``prefix`` (the
-    docs' configuration: WebSocket upgrade passed on, the client's Host kept); yields the prefix's URL, without its
-    trailing slash. The server itself knows nothing of the prefix."""
+    docs' configuration: WebSocket upgrade passed on, the client's Host kept, the server's redirects brought back
+    under the prefix); yields the prefix's URL, without its trailing slash. The server itself knows nothing of the
+    prefix."""
     import getpass
     import subprocess
 

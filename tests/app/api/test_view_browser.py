@@ -339,6 +339,10 @@ def test_behind_a_proxy_under_a_path_prefix_the_page_lists_watches_and_plays(mak
             nginx_prefix(server.port, tmp_path / "nginx") as url, \
             httpx.Client(base_url=url, timeout=DEADLINE_S) as http:
         assert httpx.get(f"{url.removesuffix('/refiner')}/static/wm-refiner.js").status_code == 404  # not at the root
+        # The server's redirect of a trailing slash stays under the prefix (the docs' proxy_redirect): it named the
+        # origin's root, http://host/view.
+        slash = httpx.get(f"{url}/view/?session=s", follow_redirects=True)
+        assert (str(slash.url), slash.status_code) == (f"{url}/view?session=s", 200)
         created = http.post("/v1/sessions", json={"outputs": ["video"], "block_size": 2, "fps": 32.0})
         assert created.status_code == 201, created.text
         session_id, config = created.json()["session_id"], created.json()["config"]
