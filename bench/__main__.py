@@ -12,6 +12,7 @@
     python -m bench realtime [...] paced realtime sessions: how many each server mode keeps with no late block
     python -m bench encode [...]   encoded video (jpeg, h264): bytes and PSNR vs raw, encode ms, JPEG watchers
     python -m bench watch-mix [...] a producer's time with 8 watchers of mixed encodings vs none
+    python -m bench http-retain [...] HTTP chunk latency with the units kept for a resuming watcher vs none kept
     python -m bench gpu OUT [--smoke] the GPU check's figures in one process (bench/gpu_check.sh runs it)
     python -m bench loadmodel [...] loading a released-width checkpoint: load_refiner vs safetensors' load_file
     python -m bench warmup [...]   compile_step's warm-up by compile_buckets and inductor cache state; padding's cost
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.watch_mix import main as watch_mix_main
 
         return watch_mix_main(rest)
+    if command == "http-retain":
+        from bench.http_retain import main as http_retain_main
+
+        return http_retain_main(rest)
     if command == "warmup":
         from bench.warmup import main as warmup_main
 
