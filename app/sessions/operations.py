@@ -282,9 +282,10 @@ class SessionOps:
             services.metrics.frames_in.inc(result.frames_in)
             self.count_out(result.units, handle, received)
             self._offer(handle, copies, received, metadata, done=result.state.flushed)
-            retaining = self._retain(handle, copies, received, metadata)
+            response = asyncio.ensure_future(encoder.run(build))
+            retaining = self._retain(handle, copies, received, metadata, response)
             try:
-                payload = await encoder.run(build)
+                payload = await response
             finally:
                 # Within the turn, so the next chunk's units are kept after these; waited for, not awaited: a
                 # response that failed keeps its own error.
@@ -550,7 +551,7 @@ class SessionOps:
             self._finish_watchers(handle)
 
     def _retain(self, handle: SessionHandle, copies: list[UnitCopies], received: float,
-                metadata: dict[str, str]) -> asyncio.Future | None:
+                metadata: dict[str, str], response: asyncio.Future) -> asyncio.Future | None:
         """Keep an HTTP response's units with the session's retained units (``ws_resume_units``), so that a
         watcher's ``resume_from`` sends them again, on this replica or one that adopts the session. Each is
         encoded as a watcher of the session's outputs gets it (from the response's host copies: the video is
@@ -559,7 +560,12 @@ class SessionOps:
         offered to watchers already (``offered_until``). A unit that cannot be encoded (the response fails with
         it) is not kept, nor any after it: a resume from before them is ``resume_unavailable``, never a hole.
         None with ``ws_resume_units: 0``: nothing is kept, so nothing is encoded for it and the response waits for
-        nothing."""
+        nothing.
+
+        A response of one unit with a payload of every output kind (a chunk of one block, the usual case) is that
+        unit's bytes as a watcher gets them: ``response`` (its bytes, being built) is kept as they are, so the unit
+        is serialized once and a resuming watcher gets exactly the bytes the HTTP client got. Each unit of another
+        response is encoded on its own (a watcher gets a response's units one by one)."""
         if not handle.retained.capacity:
             return None
         encoder, outputs = self.services.encoder, handle.outputs
@@ -571,8 +577,11 @@ class SessionOps:
             if handle.deliveries is not None:
                 await handle.deliveries.flush()
             kept = copies[-handle.retained.capacity:]  # the window keeps no more
-            encoded = await asyncio.gather(*(encoder.run(functools.partial(encode, unit)) for unit in kept),
-                                           return_exceptions=True)
+            if len(copies) == 1 and set(outputs.kinds) <= set(copies[0].unit.payloads):
+                encoded = await asyncio.gather(asyncio.shield(response), return_exceptions=True)
+            else:
+                encoded = await asyncio.gather(*(encoder.run(functools.partial(encode, unit)) for unit in kept),
+                                               return_exceptions=True)
             for unit, data in zip(kept, encoded):
                 if isinstance(data, BaseException):
                     return

@@ -691,11 +691,13 @@ def test_a_drain_saves_a_chunk_accepted_before_its_response_is_encoded_with_that
     """The drain pauses the engine right after seq 1's forward and saves the session while seq 1's response is still
     being encoded (held here). The file counts the chunk (accepted on the loop before the pause's answer reaches the
     drain) and pairs seq 1 with seq 1's response (built for the file from the same builder), never seq 0's bytes or
-    frames next_seq does not count; the adopting server replays seq 1 with the bytes its client got."""
+    frames next_seq does not count; the adopting server replays seq 1 with the bytes its client got.
+    ws_resume_units: 0, since a session that keeps its units keeps a one-unit response's own bytes, and its drain
+    waits for them (the response is then encoded before the session is saved: no race left to hold)."""
     armed = threading.Event()
     gate, entered = _gate_threads(monkeypatch, delivery_module, "encode", when=lambda *a, **k: armed.is_set())
     folder = tmp_path / "snaps"
-    with running_app(make_settings(snapshot_dir=folder)) as client:
+    with running_app(make_settings(snapshot_dir=folder, ws_resume_units=0)) as client:
         services = client.app.state.services
         sid = client.post("/v1/sessions").json()["session_id"]
         _start(client, sid)

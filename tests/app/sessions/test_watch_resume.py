@@ -11,6 +11,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from app.core.codec import decode_response
+from app.outputs import delivery
 from models.checkpoints import write_vae_checkpoint
 
 from tests.app.conftest import DEADLINE_S, OCTET, LiveServer, make_clip, payload, wait_until
@@ -146,6 +147,42 @@ def test_a_watcher_of_a_session_fed_over_http_gets_the_units_it_missed(make_sett
     events += more
     assert [(e["frame_start"], e["frame_end"]) for e in events if e["type"] == "block"] == [(4, 7), (7, 10), (10, 11)]
     assert events[-1] == {"type": "done", "frames": 11}
+
+
+@pytest.mark.parametrize("fields", [{}, {"outputs": ["latents", "video"], "video_format": "jpeg",
+                                         "video_lookahead": 0}], ids=["latents", "latents+jpeg"])
+def test_a_one_unit_response_is_kept_as_the_client_got_it_and_serialized_once(make_settings, tmp_path, monkeypatch,
+                                                                             fields):
+    """A chunk of one block is answered with one unit: the session keeps the response's bytes themselves for a
+    resuming watcher (bit for bit what the HTTP client got), not a second serialization of the same unit (which
+    would differ: another latency_ms, and safetensors writes the metadata in no fixed order). A response of two
+    units (the sink and a block) is still kept unit by unit."""
+    serialized = []
+    real_encode = delivery.encode
+
+    def counting_encode(tensors, metadata=None):
+        serialized.append(str(metadata["frame_start"]))
+        return real_encode(tensors, metadata)
+
+    monkeypatch.setattr(delivery, "encode", counting_encode)
+    vae = {"vae": str(write_vae_checkpoint(tmp_path / "vae", "tiny-vae"))} if fields else {}
+    latents, embeds, mask = make_clip(frames=7, seed=29)
+    with LiveServer(make_settings(**vae)) as server:
+        http = httpx.Client(base_url=server.base_url, timeout=DEADLINE_S)
+        session_id = http.post("/v1/sessions", json=fields).json()["session_id"]
+        chunks = f"/v1/sessions/{session_id}/chunks"
+        first = http.post(chunks, content=payload(latents[:, :, :4], embeds, mask), headers=OCTET)
+        assert first.status_code == 200, first.text
+        assert sorted(serialized) == ["0", "0", "1"]  # the response, then its two units, each on its own
+        serialized.clear()
+        reply = http.post(chunks, content=payload(latents[:, :, 4:7]), headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        assert serialized == ["4"]  # the response only
+        with watch(server, session_id, "?resume_from=0") as ws:
+            replayed, _ = units_of(ws, 3)
+    assert frames(replayed) == [(0, 1), (1, 4), (4, 7)]
+    assert replayed[2] == reply.content
+    response_units([first.content], replayed[:2])
 
 
 def test_a_streams_resume_does_not_send_again_the_units_answered_over_http(make_settings):
