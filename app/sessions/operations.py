@@ -408,6 +408,9 @@ class SessionOps:
         while start is not None and handle.retaining is not None:
             # An HTTP response's units, offered already, being kept (``_retain``): the replay must reach them.
             await asyncio.wait([handle.retaining])
+            # Looked up again: a session ended meanwhile (deleted, evicted, moved) told the watchers it had, not
+            # this one, which nothing would end once registered on it; it is refused as a watch of it is now.
+            handle = await self.store.lookup(session_id)
         outputs = handle.outputs.restrict(query.get("outputs"), query.get("video_format"), query.get("video_quality"))
         if len(handle.watchers) >= self.settings.max_watchers:
             # over_capacity, as a watcher past max_watch_encodings is: the engine is not what is busy.

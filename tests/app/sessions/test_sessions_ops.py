@@ -134,6 +134,47 @@ def test_a_watcher_resuming_while_a_responses_units_are_encoded_waits_for_them(m
         ops.unwatch(watcher)
 
 
+def test_a_watcher_resuming_while_its_session_is_deleted_is_refused_not_left_waiting(make_settings):
+    """A watcher resuming while an HTTP response's units are being kept waits for them; a DELETE meanwhile ends the
+    session and closes its watchers, but not this one, not registered yet. It is refused as a watch of a deleted
+    session is (session_not_found), never registered on the ended session, where nothing would ever end it."""
+    latents, embeds, mask = make_clip(frames=4)
+    with running_app(make_settings(encode_workers=1)) as client:
+        services = client.app.state.services
+        ops = services.sessions
+        session_id = client.portal.call(ops.create, _fields({}))["session_id"]
+        handle = services.registry.handles()[0]
+        gate = threading.Event()
+        held = client.portal.start_task_soon(services.encoder.run, gate.wait)
+        try:
+            chunk = client.portal.start_task_soon(ops.submit_chunk, session_id, None, False,
+                                                  _body(payload(latents, embeds, mask)))
+            wait_until(lambda: handle.offered_until == 4, "the response's units to be offered")
+            watchers = []
+
+            def subscribe(sid, outputs):
+                watchers.append(FakeConnection(sid, outputs))
+                return watchers[-1]
+
+            async def watch_then_delete():
+                task = asyncio.ensure_future(ops.watch(session_id, {"resume_from": "0"}, subscribe))
+                for _ in range(100):  # loop turns, no clock: the watch is waiting for the response's units
+                    await asyncio.sleep(0)
+                await ops.delete(session_id)
+                return task, task.done()
+
+            watch, done_before_delete = client.portal.call(watch_then_delete)
+        finally:
+            gate.set()
+        held.result(DEADLINE_S)
+        assert not done_before_delete
+        with pytest.raises(ApiError) as refused:
+            client.portal.call(asyncio.wait_for, watch, DEADLINE_S)
+        assert refused.value.kind == "session_not_found"
+        assert watchers == [] and handle.watchers == set()
+        chunk.result(DEADLINE_S)  # run before the DELETE: its response is answered
+
+
 def test_put_is_idempotent_for_one_config_and_refuses_another(make_settings):
     with running_app(make_settings()) as client:
         ops = client.app.state.services.sessions
