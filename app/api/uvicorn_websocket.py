@@ -28,6 +28,10 @@ with HTTP request bodies (``app.api.guards.BodyBudget``, the one budget). Each c
 message (``max_ws_message_bytes``), but connections are not capped, so six clients each holding a 60 MiB message
 unfinished held 390 MiB. A connection whose next read would pass the budget while others hold some of it is closed
 with 1013 (try again later: a stream reconnects and resends from where the server is); what it held is given back.
+A connection the server has sent its close frame on (a refused resume, a finished watch) counts too: it is read
+until the client's close frame or the close timeout (10 s), and a message sent meanwhile was held uncounted (four
+such connections held 380 KB each past a 300 KB budget, any number of them 64 MiB each by default); past the budget
+it is dropped at once, its goodbye said already.
 And a message has ``request_body_timeout_s`` from its first byte to its last, as an HTTP body has from its headers:
 a message trickled in (the keep-alive pings answered all the while) held its share of the budget for ever; past
 the limit the connection is closed with 1013. A connection's count is what it sent since its last whole message
@@ -77,14 +81,16 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
                                               message_timeout_s=message_timeout_s))
 
     def data_received(self, data: bytes) -> None:
-        if self.handshake_complete and not self.close_sent and not self.disconnected and data:
+        # Counted after the server's close frame too: the connection is read until the client's close frame or the
+        # close timeout, and a message arriving meanwhile is held as any is (then discarded).
+        if self.handshake_complete and not self.disconnected and data:
             budget = self.budget
             # Alone, a message always may arrive (max_ws_message_bytes may be over the budget: a setting that
             # predates this bound must not refuse every large message).
             if budget is not None and budget.held + len(data) > budget.limit and budget.held > self.message_bytes:
                 self._over_budget(budget)
                 return
-            if not self.message_bytes and self.message_timeout_s is not None:
+            if not self.message_bytes and self.message_timeout_s is not None and not self.close_sent:
                 self._message_timer = self.loop.call_later(self.message_timeout_s, self._too_slow)
             if budget is not None:
                 budget.held += len(data)
@@ -110,6 +116,11 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         held = budget.held
         self._settled()
         prefix = "%s:%d - " % self.client if self.client else ""
+        if self.close_sent:  # the server said goodbye already: nothing it sends now is read, so it goes at once
+            self.logger.warning("%sWebSocket dropped after its close frame: request bytes in flight at "
+                                "max_inflight_body_bytes (%d of %d held)", prefix, held, budget.limit)
+            self.transport.abort()
+            return
         self.logger.warning("%sWebSocket closed with 1013: request bytes in flight at max_inflight_body_bytes "
                             "(%d of %d held)", prefix, held, budget.limit)
         self.conn.send_close(WS_TRY_AGAIN_LATER, "the server holds too many request bytes in flight "

@@ -466,6 +466,48 @@ def test_unfinished_websocket_messages_count_against_the_bytes_in_flight_budget(
     assert uvicorn_log.errors() == []
 
 
+def test_messages_sent_after_the_servers_close_frame_count_against_the_budget_too(make_settings, uvicorn_log):
+    """After its close frame (here a refused resume: an error event, close 1008) the server reads the connection
+    until the client's close frame or the close timeout, and a message sent meanwhile was held uncounted: four such
+    connections each held 380 KB past a 300 KB budget (by default 64 MiB each, any number of them). It counts now;
+    one whose next read would pass the budget is dropped (it was told goodbye already), and a stream is refused
+    1013 beside one that holds the budget."""
+    from tests.app.conftest import metric_value
+
+    settings = make_settings(max_body_bytes=200_000, max_ws_message_bytes=400_000, max_inflight_body_bytes=300_000)
+    with LiveServer(settings) as server:
+        uvicorn_log.attach()
+        held = lambda: metric_value(httpx.get(f"{server.base_url}/metrics").text,  # noqa: E731
+                                    "refiner_request_body_bytes_in_flight")
+        session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+        header = bytes([0x82, 0x80 | 127]) + struct.pack("!Q", 190_000) + b"\0\0\0\0"
+        refused = []
+        for _ in range(2):
+            sock, head = _handshake(server, f"/v1/sessions/{session_id}/stream?resume_from=x")
+            assert head.startswith(b"HTTP/1.1 101")
+            assert _close_code(sock) == 1008  # the server's goodbye; the client does not answer it
+            refused.append(sock)
+        refused[0].sendall(header + b"\0" * 180_000)
+        wait_until(lambda: held() >= 180_000, "the message sent after the close frame to count")
+        stream, head = _handshake(server, f"/v1/sessions/{session_id}/stream")
+        assert head.startswith(b"HTTP/1.1 101")
+        stream.sendall(header + b"\0" * 180_000)
+        assert _close_code(stream) == 1013
+        stream.close()
+        refused[1].sendall(header + b"\0" * 180_000)
+        with pytest.raises(ConnectionResetError):
+            while refused[1].recv(65536):  # dropped: nothing more is sent, and what was sent is not read
+                pass
+        # What the first one sent (counted as it came on the wire, its frame header included) is all that is held.
+        wait_until(lambda: held() == len(header) + 180_000, "the dropped connection's bytes to be given back")
+        for sock in refused:
+            sock.close()
+        wait_until(lambda: held() == 0, "every connection's bytes to be given back")
+        _settled(server)
+    assert sum("dropped after its close frame" in r.getMessage() for r in uvicorn_log.records) == 1
+    assert uvicorn_log.errors() == []
+
+
 def test_a_websocket_message_trickled_past_the_body_timeout_is_closed(make_settings, uvicorn_log):
     """A message has request_body_timeout_s from its first byte to its last, as an HTTP body has: trickled in while
     the client answers the keep-alive pings, it held its share of the bytes-in-flight budget for ever."""
