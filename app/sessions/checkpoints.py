@@ -73,6 +73,11 @@ class Checkpoints:
         self.endings = endings
         self.draining = draining
         self.lose = lose
+        # Sessions a drain is writing (``app.sessions.drain.save_all``): it lets go of each one's lease as soon as
+        # it is written, before the lease table forgets them all, so a renewal round finding such a lease gone must
+        # not take it for another replica's. One that another replica did take is the drain's to find (its write
+        # is refused: not saved).
+        self.saving: set[str] = set()
         self.removals: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
 
     @property
@@ -212,7 +217,8 @@ class Checkpoints:
         handles = {handle.id: handle for handle in live()}
         for session_id, exc in lost.items():
             handle = handles.get(session_id)
-            if handle is not None and self.leases_held.get(session_id) is held[session_id]:
+            if (handle is not None and self.leases_held.get(session_id) is held[session_id]
+                    and session_id not in self.saving):
                 self.lose(handle, exc)
 
 

@@ -38,10 +38,12 @@ async def settle(registry: Registry, parking: Parking) -> list[SessionHandle]:
 
 
 async def save_all(handles: list[SessionHandle], *, folder: Path | None, settings: Settings, engine: Engine,
-                   encoder: Encoder, leases_held: dict[str, Lease]) -> set[str]:
+                   encoder: Encoder, leases_held: dict[str, Lease], saving: set[str]) -> set[str]:
     """Write every session of ``handles`` to ``folder`` (snapshot_dir; none when None), on the engine thread
     (paused by now, so no forward can run while a session is read), each under its lease in ``leases_held`` (the
-    store's table: a saved session's lease is released and leaves it). Returns the ids written."""
+    store's table: a saved session's lease is released and leaves it). Their ids are in ``saving`` (the lease
+    renewal's: ``Checkpoints.saving``) while they are written, since each lease is let go of as its session is
+    written and the table forgets them once all are. Returns the ids written."""
     if folder is None:
         return set()
     # The service's fields that live on the loop are read here, on the loop.
@@ -66,11 +68,14 @@ async def save_all(handles: list[SessionHandle], *, folder: Path | None, setting
             written.add(session_id)
         return written
 
+    saving.update(records)
     try:
         written = await engine.call(write_all)
     except Exception:
         log.exception("drain: saving sessions to %s failed", folder)
         return set()
+    finally:
+        saving.difference_update(records)
     for session_id in written:
         leases_held.pop(session_id, None)
     log.info("drain: saved %d of %d session(s) to %s", len(written), len(handles), folder)

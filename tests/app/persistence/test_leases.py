@@ -287,3 +287,63 @@ def test_a_deleted_session_is_let_go_while_no_other_session_holds_a_lease(make_s
             return handle() is None and session() is None
 
         wait_until(let_go, "the deleted session and its model state to be let go", timeout=10)
+
+
+def test_a_drain_that_outlasts_a_renewal_round_keeps_the_sessions_it_saved(make_settings, tmp_path, monkeypatch):
+    """A drain writes each session and lets go of its lease at once, but the lease table forgot them only once every
+    session was written, and renewals go on meanwhile (sessions not written yet keep their leases). A round in
+    between found the saved session's lease gone, took it for another replica's and dropped it: a WARNING
+    "dropping this replica's copy", its watcher told session_moved instead of the drain's 1012 "session saved".
+    Here the second session's write waits until a round has passed after the first was saved."""
+    import json
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    import app.sessions.drain as drain
+    from app.persistence.records import has_snapshot
+
+    folder = tmp_path / "shared"
+    latents, embeds, mask = make_clip(frames=4)
+    settings = make_settings(snapshot_dir=folder, replica_id="replica-a", session_lease_s=0.3, warmup=False)
+    written, go_on = [], threading.Event()
+    real_write = drain.write_fenced
+
+    def write_fenced(folder, session_id, *args, **kwargs):
+        if written:  # the first session is saved and its lease released: hold the next until a round passed
+            assert go_on.wait(DEADLINE_S)
+        result = real_write(folder, session_id, *args, **kwargs)
+        written.append(session_id)
+        return result
+
+    monkeypatch.setattr(drain, "write_fenced", write_fenced)
+    with LiveServer(settings) as server:
+        sessions = []
+        for _ in range(2):
+            session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+            reply = httpx.post(f"{server.base_url}/v1/sessions/{session_id}/chunks", headers=OCTET,
+                               content=payload(latents, embeds, mask), timeout=DEADLINE_S)
+            assert reply.status_code == 200, reply.text
+            sessions.append(session_id)
+        watchers = [connect(f"{server.ws_url}/v1/sessions/{sid}/watch", open_timeout=DEADLINE_S) for sid in sessions]
+        wait_until(lambda: all(httpx.get(f"{server.base_url}/v1/sessions/{sid}").json()["watchers"] == 1
+                               for sid in sessions), "both watchers to join")
+        drained = server.on_loop(server.services.drain())
+        wait_until(lambda: written, "the first session to be saved")
+        held = [sid for sid in sessions if sid not in written][0]
+        lease = lease_path(folder, held, generations(folder, held)[-1])
+        renewed = os.stat(lease).st_mtime_ns
+        wait_until(lambda: os.stat(lease).st_mtime_ns != renewed, "a renewal round after the first was saved")
+        go_on.set()
+        report = drained.result(DEADLINE_S)
+        ends = []
+        for ws in watchers:
+            events = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    events.append(json.loads(ws.recv(timeout=DEADLINE_S)))
+            ends.append((events, ws.close_code, ws.close_reason))
+    assert report["sessions_saved"] == 2 and sorted(written) == sorted(sessions)
+    assert all(has_snapshot(folder, sid) for sid in sessions)
+    for events, code, reason in ends:
+        assert (events, code) == ([], 1012) and reason.startswith("service restart: session saved"), (events, code)
