@@ -558,6 +558,9 @@ class StreamProtocol:
             value = event.get(name, None if name == "durable_frames" else "missing")
             if value is not None and (type(value) is not int or value < 0):
                 raise ProtocolError(f"the session event's {name} is {value!r}, not a frame count: {str(event)[:200]}")
+        if type(event.get("flushed")) is not bool:  # read as truth, "no" would say flushed; missing, a KeyError
+            raise ProtocolError(f"the session event's flushed is {event.get('flushed', 'missing')!r}, not true or "
+                                f"false: {str(event)[:200]}")
         if self.base is None:
             self.base = event["frames_received"]
         if self._connections:
@@ -574,7 +577,7 @@ class StreamProtocol:
         self.source.rewind(event["frames_received"] - self.base, ahead=self.from_session_start)
         if event.get("durable_frames") is not None:
             self.source.durable(event["durable_frames"] - self.base)
-        self.server_flushed = bool(event["flushed"])
+        self.server_flushed = event["flushed"]
         if self.server_flushed and not self.source.exhausted and not self.from_session_start:
             raise StreamClosedError(f"session {self.session_id} is flushed: it takes no more frames", status=409)
         self._flush_sent = False

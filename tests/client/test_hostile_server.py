@@ -287,6 +287,24 @@ def test_a_session_event_without_a_frame_count_is_a_protocol_error(event):
             assert isinstance(error, ProtocolError) and "not a frame count" in str(error)
 
 
+@pytest.mark.parametrize("flushed", ["missing", "no", 0, None])
+def test_a_session_event_whose_flushed_is_not_a_boolean_is_a_protocol_error(flushed):
+    """Without "flushed" the stream ended with a bare KeyError; "no" (truthy) read as flushed made it a
+    StreamClosedError 409 saying the session takes no more frames."""
+    event = {"type": "session", "session_id": SID, "frames_received": 0}
+    if flushed != "missing":
+        event["flushed"] = flushed
+
+    async def handler(ws):
+        await ws.send(json.dumps(event))
+        await asyncio.sleep(60)
+
+    with FakeWS(handler) as fake:
+        for error in stream_both(fake.url):
+            assert isinstance(error, ProtocolError), error
+            assert f"the session event's flushed is {flushed!r}, not true or false" in str(error)
+
+
 # --- answers that do not end, or end too late --------------------------------------------------------------------
 def endless(piece=b" " * 65536, pause=0.0):
     """A body that never ends: ``piece`` after ``piece`` (``pause`` s apart) until the client closes."""
