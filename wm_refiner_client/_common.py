@@ -477,13 +477,21 @@ def watch_item(message: str | bytes, return_tensors) -> Any:
         return Unit.from_payload(message, return_tensors)
     event = parse_event(message)
     kind = event["type"]
+
+    def count(name: str) -> int:
+        # The service sends counts as JSON integers: int() would take 2.5, "7" or true, and raise OverflowError
+        # for Infinity (which Python's json reads).
+        value = event[name]
+        if type(value) is not int or value < 0:
+            raise ValueError(name)
+        return value
+
     try:
         if kind == "block":
             latency = event.get("latency_ms")
-            return BlockEvent(int(event["frame_start"]), int(event["frame_end"]),
-                              None if latency is None else float(latency))
+            return BlockEvent(count("frame_start"), count("frame_end"), None if latency is None else float(latency))
         if kind == "dropped":
-            return DroppedEvent(int(event["units"]))
+            return DroppedEvent(count("units"))
     except (KeyError, TypeError, ValueError):
         raise ProtocolError(f"the server sent a {kind} event that is not the service's: {message[:200]!r}") from None
     if kind == "done":

@@ -580,6 +580,23 @@ def test_a_watch_event_over_an_events_limit_is_refused():
             in str(error)
 
 
+@pytest.mark.parametrize("event", ['{"type": "block", "frame_start": Infinity, "frame_end": 1}',
+                                   '{"type": "dropped", "units": -Infinity}', '{"type": "dropped", "units": -3}',
+                                   '{"type": "block", "frame_start": "1", "frame_end": 4.5}'])
+def test_a_watch_event_whose_counts_are_not_counts_is_a_protocol_error(event):
+    """Infinity (which Python's json reads) ended the watch with a bare OverflowError; a negative or fractional
+    count, or one in a string, was handed on as a frame number."""
+    async def handler(ws):
+        await ws.send(event)
+        await asyncio.sleep(60)
+
+    with FakeWS(handler, info=INFO) as fake:
+        errors = watch_both(fake.url, LATENTS_ONLY)
+    for error in errors:
+        assert isinstance(error, ProtocolError), error
+        assert f"event that is not the service's: {event!r}" in str(error)
+
+
 @pytest.mark.parametrize("info, said", [({"model": {}, "limits": {"max_batch": 2, "max_frame_tokens": 16}},
                                          "model.channels is None"),
                                         ({**INFO, "limits": {"max_batch": "2", "max_frame_tokens": 16}},
