@@ -671,7 +671,12 @@ class StreamProtocol:
             base = self.base or 0
             self._check_within_input(unit, base)
             if "durable_frames" in unit.metadata:
-                self.source.durable(int(unit.metadata["durable_frames"]) - base)
+                durable = unit.metadata["durable_frames"]
+                if not (isinstance(durable, str) and durable.isascii() and durable.isdigit()):
+                    # int() of "x" or "inf" raised a bare ValueError; of "-5", a count below any frame
+                    raise ProtocolError(f"stream of session {self.session_id}: the server sent a unit whose "
+                                        f"durable_frames {durable!r} is not a frame count; not the service's")
+                self.source.durable(int(durable) - base)
             fresh = self.tracker.accept(unit)
             if fresh is None:
                 return None

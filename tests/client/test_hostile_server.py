@@ -531,6 +531,23 @@ def test_a_stream_unit_over_what_one_unit_can_weigh_is_refused():
             in str(error)
 
 
+@pytest.mark.parametrize("durable", ["x", "inf", "-5", "1e3"])
+def test_a_stream_unit_whose_durable_frames_is_not_a_count_is_a_protocol_error(durable):
+    """A unit's durable_frames (its metadata: text) went through int(): "x" ended the stream with a bare
+    ValueError, "-5" was taken as a frame count."""
+    async def handler(ws):
+        await ws.send(SESSION_EVENT)
+        await ws.recv()  # the client's 4 frames
+        await ws.send(_safetensors({"frame_start": "0", "frame_end": "1", "durable_frames": durable}, {}))
+        await asyncio.sleep(60)
+
+    with FakeWS(handler) as fake:
+        errors = stream_both(fake.url)
+    for error in errors:
+        assert isinstance(error, ProtocolError), error
+        assert f"a unit whose durable_frames {durable!r} is not a frame count" in str(error)
+
+
 INFO = {"model": {"channels": 8}, "limits": {"max_batch": 2, "max_frame_tokens": 16}}
 
 
