@@ -300,6 +300,91 @@ def test_after_a_restart_the_page_watches_the_session_again(tmp_path, browser):
     assert state["error"] is None
 
 
+@pytest.mark.parametrize("kept_units", [None, 1], ids=["every-unit-kept", "a-gap"])
+def test_after_a_drain_and_a_restart_the_page_resumes_from_the_frames_it_has(tmp_path, vae_dir, browser, kept_units):
+    """The page watches a uint8 video session (as JPEG, its default) and has its first unit (frames [0, 3)) when
+    its server drains. While the page keeps trying that server's port, another replica on the same snapshot_dir
+    adopts the session, a stream there refines two more blocks and flushes, and that replica drains too; a third
+    starts on the page's port. The page resumes from frame 3: the kept units come in the session's own format (the
+    server keeps them as the session encoded them, and refuses a JPEG resume), each block charted once, then the
+    flush's done, and it stops. With ws_resume_units=1 the third server keeps only the last unit: the page shows the
+    gap and goes on from the first kept frame."""
+    import json
+
+    from websockets.sync.client import connect
+
+    from bench.live import ServerProcess, free_port
+
+    port, elsewhere = free_port(), free_port()
+    starts = iter(range(3))
+
+    def server(at: int, **settings) -> ServerProcess:
+        return ServerProcess(at, tmp_path / "cache", tmp_path / "snapshots", tmp_path / f"server-{next(starts)}.log",
+                             batching=False, vae=str(vae_dir), **settings).start()
+
+    latents, embeds, mask = make_clip(frames=7)
+    config = {"outputs": ["video"], "video_format": "uint8", "video_lookahead": 0, "block_size": 2, "fps": 32.0}
+    first = server(port)
+    try:
+        with httpx.Client(base_url=first.base_url, timeout=DEADLINE_S) as http:
+            session_id = http.post("/v1/sessions", json=config).json()["session_id"]
+            browser.get(f"{first.base_url}/view?session={session_id}")
+            wait_for_page(browser, lambda state: state["status"] == "attached", "attached")
+            response = http.post(f"/v1/sessions/{session_id}/chunks", params={"seq": 0},
+                                 content=payload(latents[:, :, :3], embeds, mask), headers=OCTET)
+            assert response.status_code == 200, response.text
+            frames = decode_response(response.content)[0]["video"].shape[1]
+            wait_for_page(browser, lambda state: state["framesReceived"] == frames, "frames [0, 3)")
+            assert http.post("/v1/admin/drain").json()["sessions_saved"] == 1
+            wait_for_page(browser, lambda state: state["status"] == "reconnecting", "reconnecting after the drain")
+        assert first.terminate() in (0, -15), first.log()
+    finally:
+        first.kill()
+
+    other = server(elsewhere)  # not the page's: the page still finds its own port closed
+    try:
+        units = []
+        with connect(f"{other.ws_url}/v1/sessions/{session_id}/stream?resume_from=3", open_timeout=DEADLINE_S,
+                     max_size=None) as producer:
+            assert json.loads(producer.recv(timeout=DEADLINE_S))["frames_received"] == 3
+            producer.send(payload(latents[:, :, 3:5]))
+            producer.send(payload(latents[:, :, 5:7]))
+            producer.send(json.dumps({"type": "flush"}))
+            while not isinstance(message := producer.recv(timeout=DEADLINE_S), str) or \
+                    json.loads(message)["type"] != "done":
+                if isinstance(message, bytes):
+                    units.append(decode_response(message))
+        assert httpx.post(f"{other.base_url}/v1/admin/drain", timeout=DEADLINE_S).json()["sessions_saved"] == 1
+        assert other.terminate() in (0, -15), other.log()
+    finally:
+        other.kill()
+    assert page_state(browser)["status"] == "reconnecting"
+    bounds = [(int(meta["frame_start"]), int(meta["frame_end"])) for _, meta in units]
+    assert bounds[:2] == [(3, 5), (5, 7)], bounds
+    kept = units[-kept_units:] if kept_units else units
+    kept_from = int(kept[0][1]["frame_start"])
+
+    third = server(port, **({"ws_resume_units": kept_units} if kept_units else {}))
+    try:
+        state = wait_for_page(browser, lambda state: state["done"], "the flush's done")
+        state = wait_for_page(browser, lambda state: state["framesDrawn"] == state["framesReceived"], "all drawn")
+        wait_until(lambda: httpx.get(f"{third.base_url}/v1/sessions/{session_id}").json()["watchers"] == 0,
+                   "the page to have closed its watch")
+    finally:
+        third.kill()
+    assert state["status"] == "done" and state["error"] is None
+    blocks = [(1, 3)] + [(int(m["frame_start"]), int(m["frame_end"])) for _, m in kept
+                         if int(m["frame_end"]) > int(m["frame_start"])]
+    assert [(b["frame_start"], b["frame_end"]) for b in state["blocks"]] == blocks  # each block once
+    assert state["framesReceived"] == frames + sum(tensors["video"].shape[1] for tensors, _ in kept)
+    assert state["held"] == 7
+    assert state["gaps"] == ([[3, kept_from]] if kept_from > 3 else [])
+    assert state["resumes"] == [{"from": max(3, kept_from), "ownFormat": True}]
+    shown = browser.execute_script("return document.getElementById('note').textContent")
+    assert "the session's own video format" in shown, shown
+    assert (f"frames 3 to {kept_from} were no longer kept" in shown) == (kept_from > 3), shown
+
+
 def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, browser):
     """A realtime session whose engine clock runs 30 s behind (every block late): its line in the list and the
     stats' counter show its late blocks; a session that is not real time shows none."""
