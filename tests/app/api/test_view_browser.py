@@ -385,6 +385,33 @@ def test_after_a_drain_and_a_restart_the_page_resumes_from_the_frames_it_has(tmp
     assert (f"frames 3 to {kept_from} were no longer kept" in shown) == (kept_from > 3), shown
 
 
+def test_a_watch_whose_connection_is_lost_resumes_from_the_frames_the_page_has(make_settings, browser):
+    """The page reaches the server through a TCP proxy that resets every connection (the browser sees close 1006,
+    no drain): it reconnects with resume_from= the frames it has, and the next chunk's block is charted once."""
+    from tests.client.proxy import Proxy
+
+    latents, embeds, mask = make_clip(frames=7)
+    with LiveServer(make_settings()) as server, Proxy(server.port) as proxy, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        session_id = http.post("/v1/sessions", json={"block_size": 3}).json()["session_id"]
+        browser.get(f"{proxy.base_url}/view?session={session_id}")
+        wait_for_page(browser, lambda state: state["status"] == "attached", "attached")
+        for seq, (start, end) in enumerate([(0, 4), (4, 7)]):
+            if seq:
+                assert proxy.cut() >= 1
+                wait_for_page(browser, lambda state: state["status"] == "reconnecting", "reconnecting")
+                wait_until(lambda: page_state(browser)["status"] == "attached"
+                           and http.get(f"/v1/sessions/{session_id}").json()["watchers"] == 1, "watching again")
+            response = http.post(f"/v1/sessions/{session_id}/chunks", params={"seq": seq},
+                                 content=payload(latents[:, :, start:end], *((embeds, mask) if not seq else ())),
+                                 headers=OCTET)
+            assert response.status_code == 200, response.text
+            state = wait_for_page(browser, lambda state: len(state["blocks"]) == seq + 1, f"block {seq} charted")
+    assert [(b["frame_start"], b["frame_end"]) for b in state["blocks"]] == [(1, 4), (4, 7)]
+    assert state["resumes"] == [{"from": 4, "ownFormat": False}] and state["gaps"] == []
+    assert state["held"] == 7 and state["error"] is None
+
+
 def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, browser):
     """A realtime session whose engine clock runs 30 s behind (every block late): its line in the list and the
     stats' counter show its late blocks; a session that is not real time shows none."""
