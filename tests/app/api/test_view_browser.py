@@ -412,6 +412,29 @@ def test_a_watch_whose_connection_is_lost_resumes_from_the_frames_the_page_has(m
     assert state["held"] == 7 and state["error"] is None
 
 
+def test_a_watch_dropped_as_soon_as_it_opens_backs_off_rather_than_reopening_every_half_second(make_settings,
+                                                                                                 browser):
+    """The watch's connection goes through a TCP proxy that resets it each time the server has taken the watcher
+    (opened, nothing sent yet: an idle session): no reconnection recovers, so each wait is longer than the one before
+    and the status counts the attempts up; it once started over at attempt 1 after every reopened connection, and so
+    reopened every half second for as long as the server or proxy kept doing that."""
+    from tests.client.proxy import Proxy
+
+    def detail() -> str:
+        return browser.execute_script("return document.getElementById('status-detail').textContent")
+
+    with LiveServer(make_settings()) as server, Proxy(server.port) as proxy, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        session_id = http.post("/v1/sessions", json={}).json()["session_id"]
+        browser.get(f"{proxy.base_url}/view?session={session_id}")
+        for attempt in range(1, 4):
+            wait_until(lambda: page_state(browser)["status"] == "attached"
+                       and http.get(f"/v1/sessions/{session_id}").json()["watchers"] == 1, f"watching ({attempt})")
+            assert proxy.cut() >= 1
+            wait_until(lambda: f"attempt {attempt}" in detail(), f"reconnecting, attempt {attempt}: {detail()}")
+        assert page_state(browser)["error"] is None
+
+
 def test_the_page_shows_a_realtime_sessions_late_blocks(make_settings, vae_dir, browser):
     """A realtime session whose engine clock runs 30 s behind (every block late): its line in the list and the
     stats' counter show its late blocks; a session that is not real time shows none."""
