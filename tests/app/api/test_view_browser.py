@@ -78,6 +78,17 @@ def page_state(browser) -> dict:
     )
 
 
+def hide_page(browser) -> str:
+    """Put the page in a background tab (another tab opened in front of it, as a user does); returns the page's
+    window handle. The page is then ``opener`` of the front tab."""
+    front = browser.current_window_handle
+    browser.execute_script("window.open(location.origin + '/health', '_blank')")
+    wait_until(lambda: len(browser.window_handles) == 2, "the second tab")
+    browser.switch_to.window(next(handle for handle in browser.window_handles if handle != front))
+    assert browser.execute_script("return opener.document.visibilityState") == "hidden"
+    return front
+
+
 def wait_for_page(browser, predicate, what: str) -> dict:
     return wait_until(lambda: (lambda state: predicate(state) and state)(page_state(browser)), f"the page: {what}")
 
@@ -821,11 +832,7 @@ def test_a_page_in_a_background_tab_comes_back_live_not_as_far_behind_as_it_was_
         before = wait_for_page(browser, lambda state: state["framesDrawn"] == state["framesReceived"] == shown > 0,
                                "the first frames drawn")
 
-        front = browser.current_window_handle
-        browser.execute_script("window.open(location.origin + '/health', '_blank')")
-        wait_until(lambda: len(browser.window_handles) == 2, "the second tab")
-        browser.switch_to.window(next(handle for handle in browser.window_handles if handle != front))
-        assert browser.execute_script("return opener.document.visibilityState") == "hidden"
+        front = hide_page(browser)
         for seq in range(2, len(bounds) - 1):  # the session goes on while the page is hidden
             send(seq)
         total = sum(part.shape[1] for part in video)
