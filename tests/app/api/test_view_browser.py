@@ -70,11 +70,12 @@ def browser():
 
 
 def page_state(browser) -> dict:
-    """window.wmView plus the numbers and status the page shows."""
+    """window.wmView plus the numbers and status the page shows (queued: the frames it has yet to draw)."""
     return browser.execute_script(
         """const text = (id) => document.getElementById(id).textContent;
         return {...window.wmView, status: text("status"), shown: {drawn: text("frames-drawn"),
-                received: text("frames-received"), blocks: text("blocks-charted")}};"""
+                received: text("frames-received"), blocks: text("blocks-charted")},
+                queued: parseInt(text("queued"))};"""
     )
 
 
@@ -87,6 +88,13 @@ def hide_page(browser) -> str:
     browser.switch_to.window(next(handle for handle in browser.window_handles if handle != front))
     assert browser.execute_script("return opener.document.visibilityState") == "hidden"
     return front
+
+
+def show_page(browser, front: str) -> None:
+    """Bring the page ``hide_page`` hid back in front (the tab in front of it closed), and wait until it says so."""
+    browser.close()
+    browser.switch_to.window(front)
+    wait_until(lambda: browser.execute_script("return document.visibilityState") == "visible", "the page in front")
 
 
 def wait_for_page(browser, predicate, what: str) -> dict:
@@ -841,12 +849,68 @@ def test_a_page_in_a_background_tab_comes_back_live_not_as_far_behind_as_it_was_
         queued = browser.execute_script("return opener.document.getElementById('queued').textContent")
         assert hidden["framesDrawn"] == before["framesDrawn"], "frames drawn in a hidden tab"
 
-        browser.close()
-        browser.switch_to.window(front)
-        state = wait_for_page(browser, lambda state: state["framesDrawn"] == before["framesDrawn"] + 1,
-                              "the newest frame drawn once in front")
+        show_page(browser, front)
+        state = wait_for_page(browser, lambda state: state["framesDrawn"] > before["framesDrawn"]
+                              and not state["queued"], "the newest frame drawn in front, nothing left queued")
+        assert state["framesDrawn"] == before["framesDrawn"] + 1, (state, before)  # not the backlog played out
         assert state["framesSkipped"] == total - shown - 1, (state, queued)
         last = next(part for part in reversed(video) if part.shape[1])[0, -1]
         scale, drawn = canvas_frame(browser, last.shape[0], last.shape[1])
         assert scale >= 2
         assert torch.equal(torch.tensor(drawn, dtype=torch.uint8), last.flatten())
+
+
+def test_in_a_background_tab_the_h264_player_holds_only_the_last_drawn_and_the_newest_unit(make_settings, vae_dir,
+                                                                                          browser):
+    """The page plays H.264 through a MediaSource. In a background tab it draws nothing, so the video element never
+    moves on; each unit's segment was still appended, so the MediaSource grew with every unit for as long as the tab
+    was hidden. It holds only the unit under the element's position (the last drawn) and what the page may still
+    draw: hidden, the newest unit (units are removed whole, each its own GOP). Back in front that unit's last frame
+    is drawn: the seek to it completes (it once never did, the data under the position removed)."""
+    sink, block, latent_frames, fps = 1, 2, 13, 32.0
+    with LiveServer(make_settings(vae=str(vae_dir))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        config = {"outputs": ["video"], "video_format": "uint8", "video_lookahead": 0, "block_size": block, "fps": fps}
+        session_id = http.post("/v1/sessions", json=config).json()["session_id"]
+        browser.get(f"{server.base_url}/view?session={session_id}&format=h264")
+        wait_for_page(browser, lambda state: state["status"] == "attached", "attached")
+        assert page_state(browser)["format"] == "h264"
+        latents, embeds, mask = make_clip(frames=latent_frames)
+        bounds = [0, sink, *range(sink + block, latent_frames, block), latent_frames]
+        units = []  # (video_frame_start, video_frame_end) of each unit
+
+        def send(seq: int) -> None:
+            start, end = bounds[seq], bounds[seq + 1]
+            body = payload(latents[:, :, start:end], *((embeds, mask) if seq == 0 else ()))
+            response = http.post(f"/v1/sessions/{session_id}/chunks", params={"seq": seq}, content=body, headers=OCTET)
+            assert response.status_code == 200, response.text
+            metadata = decode_response(response.content)[1]
+            units.append((int(metadata["video_frame_start"]), int(metadata["video_frame_end"])))
+
+        for seq in range(2):  # in front: every frame drawn
+            send(seq)
+        shown = units[-1][1] - units[0][0]
+        before = wait_for_page(browser, lambda state: state["framesDrawn"] == state["framesReceived"] == shown > 0,
+                               "the first frames drawn")
+
+        front = hide_page(browser)
+        for seq in range(2, len(bounds) - 1):  # five more units, 2.5 s of video, while the page is hidden
+            send(seq)
+        total, (newest_start, newest_end) = units[-1][1] - units[0][0], units[-1]
+        hidden = wait_until(lambda: (lambda view: view["framesReceived"] == total and view["videoBuffered"]
+                                     and view["videoBuffered"][-1][1] >= (newest_end - 1) / fps and view)(
+            browser.execute_script("return opener.wmView")), "the newest unit in the MediaSource")
+        assert hidden["framesDrawn"] == before["framesDrawn"], "frames drawn in a hidden tab"
+        assert hidden["error"] is None
+        held = hidden["videoBuffered"]  # [start, end) s; a browser may round a range's ends by under a frame
+        drawn_start, drawn_end = next(unit for unit in units if unit[0] < units[1][1] <= unit[1])  # the last drawn
+        assert len(held) == 2, (held, units)
+        assert (drawn_start - 1) / fps <= held[0][0] and held[0][1] <= (drawn_end + 1) / fps, (held, units)
+        assert held[1][0] >= (newest_start - 1) / fps, (held, units)  # nothing between the two units
+
+        show_page(browser, front)
+        state = wait_for_page(browser, lambda state: state["framesDrawn"] > before["framesDrawn"]
+                              and not state["queued"], "the newest frame drawn in front, nothing left queued")
+    assert state["framesDrawn"] == before["framesDrawn"] + 1, (state, before)
+    assert state["framesSkipped"] == total - shown - 1
+    assert state["error"] is None
