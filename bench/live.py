@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -36,14 +37,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_ready(base_url: str, deadline_s: float, alive=lambda: True, why=lambda: "") -> None:
+def wait_ready(base_url: str, deadline_s: float, alive=lambda: True, why=lambda: "", replica: str | None = None) -> None:
+    """Until ``base_url`` answers /ready with 200. ``replica``: the ``replica_id`` of the server started for it; a
+    port picked by ``free_port`` can be taken by another process before the server binds it, and that process's
+    answer (another test's server) must not pass for this one's: it fails here, saying so."""
     deadline = time.monotonic() + deadline_s
     with httpx.Client(base_url=base_url, timeout=5) as http:
         while time.monotonic() < deadline:
             if not alive():
                 raise ServerFailure(f"the server stopped before it was ready:\n{why()}")
             try:
-                if http.get("/ready").status_code == 200:
+                answer = http.get("/ready")
+                if replica is not None and answer.headers.get("x-replica") != replica:
+                    raise ServerFailure(f"{base_url} answers as replica {answer.headers.get('x-replica')!r}, not "
+                                        f"{replica!r}: another process took the port before this server bound it")
+                if answer.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -87,7 +95,8 @@ class ThreadServer:
             time.sleep(0.02)
         if not self.server.started:
             raise ServerFailure("uvicorn did not start")
-        wait_ready(self.base_url, max(deadline - time.monotonic(), 1.0), self.thread.is_alive)
+        wait_ready(self.base_url, max(deadline - time.monotonic(), 1.0), self.thread.is_alive,
+                   replica=self.settings.replica_id)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -128,12 +137,15 @@ class ServerProcess:
 
     def start(self, ready_timeout: float = 120.0) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(self.env)
+        # Named per start, as the default is random per process, so that wait_ready knows this process's answer.
+        replica = env.setdefault("WM_REFINER_REPLICA_ID", f"test-{secrets.token_hex(6)}")
         with self.log_path.open("a") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve"], cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+                [sys.executable, "-m", "app", "serve"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
             )
         try:
-            wait_ready(self.base_url, ready_timeout, lambda: self.process.poll() is None, self.log)
+            wait_ready(self.base_url, ready_timeout, lambda: self.process.poll() is None, self.log, replica)
         except ServerFailure:
             self.kill()
             raise
