@@ -375,7 +375,7 @@ class Services:
         store = self.store
         saved = await save_all(await settle(store.registry, store.parking), folder=store.snapshot_folder,
                                settings=self.settings, engine=self.engine, encoder=self.encoder,
-                               leases_held=store.leases, saving=store.checkpoints.saving)
+                               leases_held=store.leases, saving=store.checkpoints.saving, lose=store.lose)
         streams = list(self.store.connections)
         for stream in streams:
             if stream.session_id in saved:

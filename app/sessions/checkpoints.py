@@ -75,8 +75,8 @@ class Checkpoints:
         self.lose = lose
         # Sessions a drain is writing (``app.sessions.drain.save_all``): it lets go of each one's lease as soon as
         # it is written, before the lease table forgets them all, so a renewal round finding such a lease gone must
-        # not take it for another replica's. One that another replica did take is the drain's to find (its write
-        # is refused: not saved).
+        # not take it for another replica's. One that another replica did take is the drain's to find and drop (its
+        # write is refused: ``app.sessions.drain.save_all``).
         self.saving: set[str] = set()
         self.removals: set[asyncio.Future] = set()  # removals of ended sessions' files, kept until done
 

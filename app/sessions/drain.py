@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Callable
 
 from app.core.settings import Settings
 from app.engine.worker import Engine
@@ -38,17 +39,22 @@ async def settle(registry: Registry, parking: Parking) -> list[SessionHandle]:
 
 
 async def save_all(handles: list[SessionHandle], *, folder: Path | None, settings: Settings, engine: Engine,
-                   encoder: Encoder, leases_held: dict[str, Lease], saving: set[str]) -> set[str]:
+                   encoder: Encoder, leases_held: dict[str, Lease], saving: set[str],
+                   lose: Callable[[SessionHandle, BaseException], None]) -> set[str]:
     """Write every session of ``handles`` to ``folder`` (snapshot_dir; none when None), on the engine thread
     (paused by now, so no forward can run while a session is read), each under its lease in ``leases_held`` (the
     store's table: a saved session's lease is released and leaves it). Their ids are in ``saving`` (the lease
     renewal's: ``Checkpoints.saving``) while they are written, since each lease is let go of as its session is
-    written and the table forgets them once all are. Returns the ids written."""
+    written and the table forgets them once all are, so the renewal does not drop one of them: a session found to
+    be another replica's now (its write refused) is dropped here instead (``lose``: its clients are sent to its
+    new owner, not told to come back here). Returns the ids written."""
     if folder is None:
         return set()
     # The service's fields that live on the loop are read here, on the loop.
     records = {handle.id: record_of(handle, encoder) for handle in handles}
     held = dict(leases_held)
+
+    lost: dict[str, BaseException] = {}
 
     def write_all() -> set[str]:
         written = set()
@@ -61,6 +67,7 @@ async def save_all(handles: list[SessionHandle], *, folder: Path | None, setting
                              key=settings.signing_key, release=True)
             except (LeaseHeld, LeaseLost) as exc:
                 log.warning("drain: session %s is another replica's now (%s); not saved", session_id, exc)
+                lost[session_id] = exc
                 continue
             except Exception:  # one session that cannot be saved must not cost the others
                 log.exception("drain: could not save session %s", session_id)
@@ -78,5 +85,8 @@ async def save_all(handles: list[SessionHandle], *, folder: Path | None, setting
         saving.difference_update(records)
     for session_id in written:
         leases_held.pop(session_id, None)
+    for handle in handles:
+        if handle.id in lost and leases_held.get(handle.id) is held.get(handle.id):  # not ended meanwhile
+            lose(handle, lost[handle.id])
     log.info("drain: saved %d of %d session(s) to %s", len(written), len(handles), folder)
     return written

@@ -347,3 +347,56 @@ def test_a_drain_that_outlasts_a_renewal_round_keeps_the_sessions_it_saved(make_
     assert all(has_snapshot(folder, sid) for sid in sessions)
     for events, code, reason in ends:
         assert (events, code) == ([], 1012) and reason.startswith("service restart: session saved"), (events, code)
+
+
+def test_a_session_another_replica_takes_during_a_drain_is_dropped_not_promised_back(make_settings, tmp_path,
+                                                                                    monkeypatch):
+    """The renewal leaves the sessions a drain writes to the drain, so a session another replica took meanwhile is
+    the drain's to drop: its write is refused, and its clients are sent to the new owner (1012 "... moved to
+    another replica"), not told 1001 "reconnect after it restarts" to come back to a replica that no longer holds
+    it. The other session is saved as before."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    import app.sessions.drain as drain
+
+    folder = tmp_path / "shared"
+    latents, embeds, mask = make_clip(frames=4)
+    settings = make_settings(snapshot_dir=folder, replica_id="replica-a", session_lease_s=30.0, warmup=False)
+    real_write = drain.write_fenced
+    taken = []
+
+    def write_fenced(folder, session_id, *args, **kwargs):
+        if not taken:  # the first session the drain writes: replica B took it over just before
+            lease_path(folder, session_id, generations(folder, session_id)[-1]).unlink()
+            acquire(folder, session_id, "replica-b", 30.0)
+            taken.append(session_id)
+        return real_write(folder, session_id, *args, **kwargs)
+
+    monkeypatch.setattr(drain, "write_fenced", write_fenced)
+    with LiveServer(settings) as server:
+        sessions = []
+        for _ in range(2):
+            session_id = httpx.post(f"{server.base_url}/v1/sessions").json()["session_id"]
+            reply = httpx.post(f"{server.base_url}/v1/sessions/{session_id}/chunks", headers=OCTET,
+                               content=payload(latents, embeds, mask), timeout=DEADLINE_S)
+            assert reply.status_code == 200, reply.text
+            sessions.append(session_id)
+        watchers = {sid: connect(f"{server.ws_url}/v1/sessions/{sid}/watch", open_timeout=DEADLINE_S)
+                    for sid in sessions}
+        wait_until(lambda: all(httpx.get(f"{server.base_url}/v1/sessions/{sid}").json()["watchers"] == 1
+                               for sid in sessions), "both watchers to join")
+        report = server.on_loop(server.services.drain()).result(DEADLINE_S)
+        ends = {}
+        for sid, ws in watchers.items():
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    ws.recv(timeout=DEADLINE_S)
+            ends[sid] = (ws.close_code, ws.close_reason)
+    [lost] = taken
+    [saved] = [sid for sid in sessions if sid != lost]
+    assert report["sessions_saved"] == 1
+    assert ends[lost][0] == 1012 and "moved to another replica" in ends[lost][1], ends[lost]
+    assert ends[saved][0] == 1012 and ends[saved][1].startswith("service restart: session saved"), ends[saved]
+    with pytest.raises(LeaseHeld, match="replica-b"):  # B's lease is left alone
+        acquire(folder, lost, "replica-c", 30.0)
