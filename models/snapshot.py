@@ -289,11 +289,15 @@ def copy_session(session: RefinerSession, extra: dict[str, str] | None = None,
     Elsewhere (a CPU session, or one parked in host memory) ``ready`` is None and each tensor is cloned, as
     ``session_to_tensors(own=True)`` does: there is no stream to copy on. So it is with ``host`` None (no pinned
     memory could be locked for it, ``transfer.HostMemoryError``): then a CUDA session is copied into plain host
-    memory, which waits for the device, as checkpoints did before."""
+    memory, which waits for the device (and for ``after`` first), as checkpoints did before."""
     parts = _session_parts(session)
     metadata = _session_metadata(session, extra)
     source = next((t.device for t in parts.values() if t.device.type == "cuda"), None)
     if source is None or host is None:
+        if source is not None and after is not None:
+            # Copied on the compute stream, which has not waited for the page-in's side stream yet: the copies
+            # would read the cache while it is still being brought in.
+            torch.cuda.current_stream(source).wait_event(after)
         return {name: _on_host(tensor, own=True) for name, tensor in parts.items()}, metadata, None
     with Move(torch.device("cpu"), cuda_device=source, host=host, after=after) as move:
         tensors = {name: move(tensor, key=name) if tensor.device.type == "cuda" else _on_host(tensor, own=True)

@@ -332,6 +332,24 @@ def test_a_checkpoint_right_after_a_page_in_copies_the_paged_in_session(medium):
     assert all(torch.equal(copied[name], want) for name, want in before.items())
 
 
+def test_a_checkpoint_without_pinned_memory_right_after_a_page_in_copies_the_paged_in_session(medium):
+    """Without pinned buffers (``stage_copy`` refused: ``HostMemoryError``) a checkpoint copies the session into
+    plain memory on the compute stream, which had not waited for the page-in's side stream: its copies read a
+    cache still being brought in (whatever the allocator's reused block held). ``after`` is waited for first."""
+    from models.move import move_session
+    from models.snapshot import copy_session, session_to_tensors
+
+    latents, embeds = clip(frames=9)
+    session = RefinerSession(medium, SessionConfig(block_size=2, kv_max_frames=4))
+    session.push(latents, embeds)
+    before, _ = session_to_tensors(session, own=True)
+    parked = move_session(session, torch.device("cpu"))
+    paged_in = move_session(session, medium.device, after=parked)  # not waited for: the copies may be in flight
+    copied, _, ready = copy_session(session, host=None, after=paged_in)
+    assert ready is None
+    assert all(torch.equal(copied[name], want) for name, want in before.items())
+
+
 def test_kv_memory_is_allocated_once(medium):
     latents, embeds = clip(frames=1 + 3 * 12)
     session = RefinerSession(medium, SessionConfig())
