@@ -125,7 +125,12 @@ http {{
   map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
   server {{
     listen 127.0.0.1:{port};
-    location {prefix} {{
+{locations}
+    location / {{ return 404; }}  # the rest of the site is another app's: nothing of this server's is at the root
+  }}
+}}
+"""
+NGINX_LOCATION = """    location {prefix} {{
       proxy_pass http://127.0.0.1:{upstream}/;
       proxy_http_version 1.1;
       proxy_set_header Upgrade $http_upgrade;
@@ -133,11 +138,7 @@ http {{
       proxy_set_header Host $http_host;
       proxy_redirect http://$http_host/ {prefix};
       client_max_body_size 64m;
-    }}
-    location / {{ return 404; }}  # the rest of the site is another app's: nothing of this server's is at the root
-  }}
-}}
-"""
+    }}"""
 
 
 @contextlib.contextmanager
@@ -146,6 +147,14 @@ def nginx_prefix(upstream_port: int, workdir: Path, prefix: str = "/refiner/") -
     docs' configuration: WebSocket upgrade passed on, the client's Host kept, the server's redirects brought back
     under the prefix); yields the prefix's URL, without its trailing slash. The server itself knows nothing of the
     prefix."""
+    with nginx_prefixes({prefix: upstream_port}, workdir) as urls:
+        yield urls[prefix]
+
+
+@contextlib.contextmanager
+def nginx_prefixes(upstreams: dict[str, int], workdir: Path) -> Iterator[dict[str, str]]:
+    """``nginx_prefix`` for several servers on one origin, each under its prefix (``upstreams``: prefix -> port), as
+    a site serves several apps; yields each prefix's URL."""
     import getpass
     import subprocess
 
@@ -156,23 +165,24 @@ def nginx_prefix(upstream_port: int, workdir: Path, prefix: str = "/refiner/") -
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     conf = workdir / "nginx.conf"
+    locations = "\n".join(NGINX_LOCATION.format(prefix=prefix, upstream=upstream)
+                           for prefix, upstream in upstreams.items())
     # user: the one running the tests (root in CI, whose workers would otherwise be nobody, locked out of workdir).
-    conf.write_text(NGINX_CONF.format(user=getpass.getuser(), dir=workdir, port=port, prefix=prefix,
-                                      upstream=upstream_port))
+    conf.write_text(NGINX_CONF.format(user=getpass.getuser(), dir=workdir, port=port, locations=locations))
     process = subprocess.Popen([NGINX, "-p", str(workdir), "-c", str(conf), "-g", "daemon off;"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
+    urls = {prefix: f"http://127.0.0.1:{port}{prefix.rstrip('/')}" for prefix in upstreams}
 
     def answers() -> bool:
         assert process.poll() is None, (workdir / "error.log").read_text()
         try:
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+            return all(httpx.get(f"{url}/health", timeout=5).status_code == 200 for url in urls.values())
         except httpx.TransportError:
             return False
 
     try:
-        wait_until(answers, "nginx in front of the server")
-        yield url
+        wait_until(answers, "nginx in front of the servers")
+        yield urls
     finally:
         process.terminate()
         process.wait(DEADLINE_S)

@@ -26,7 +26,9 @@ import torch
 
 from app.core.codec import decode_response
 
-from tests.app.conftest import DEADLINE_S, NGINX, OCTET, LiveServer, make_clip, nginx_prefix, payload, wait_until
+from tests.app.conftest import (
+    DEADLINE_S, NGINX, OCTET, LiveServer, make_clip, nginx_prefix, nginx_prefixes, payload, wait_until,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -517,6 +519,32 @@ def test_behind_a_proxy_under_a_path_prefix_the_page_lists_watches_and_plays(mak
     assert state["shown"] == {"drawn": str(expected), "received": str(expected), "blocks": str(len(blocks))}
     assert state["error"] is None and state["status"] == "done"
     assert page_url == f"{url}/view?session={session_id}"  # the page's own address keeps the prefix
+
+def test_servers_under_two_prefixes_of_one_origin_each_keep_their_own_api_key(make_settings, browser, tmp_path):
+    """Pages of one origin share its localStorage: behind a proxy that serves two servers under /a/ and /b/, the key
+    entered on /a/view was stored under one name for the whole origin, so /b/view sent server A's key to server B
+    (and showed it in its field), and entering B's replaced A's. Each page keeps the key of the server it is under;
+    at the root the name is the one it always was (test_with_an_api_key_the_page_lists_and_watches_once_the_key_is_
+    entered: a reload keeps it)."""
+    from selenium.webdriver.common.by import By
+
+    keys = {"/a/": "key-of-server-a", "/b/": "key-of-server-b"}
+    with LiveServer(make_settings(api_key=keys["/a/"])) as a, LiveServer(make_settings(api_key=keys["/b/"])) as b, \
+            nginx_prefixes({"/a/": a.port, "/b/": b.port}, tmp_path / "nginx") as urls:
+        note = lambda: browser.find_element(By.ID, "sessions-note").text
+        field = lambda: browser.find_element(By.ID, "api-key").get_attribute("value")
+        for prefix in ("/a/", "/b/"):
+            browser.get(f"{urls[prefix]}/view")
+            wait_until(lambda: "API key" in note(), f"{prefix}view to ask for its key")
+            assert field() == ""  # nothing entered for this server yet: not the other's key
+            browser.find_element(By.ID, "api-key").send_keys(keys[prefix])
+            browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+            wait_until(lambda: note() == "no sessions on this server yet", f"{prefix}view to list with its key")
+        for prefix in ("/a/", "/b/"):  # each remembered its own
+            browser.get(f"{urls[prefix]}/view")
+            wait_until(lambda: note() == "no sessions on this server yet", f"{prefix}view to list with its key")
+            assert field() == keys[prefix]
+
 
 # --- a page on another origin (cors_origins, app/api/cors.py) ------------------------------------------------------
 # What a web app on its own origin does: read /v1/info, create a session, read an error's JSON, open the stream's
