@@ -437,7 +437,12 @@ def record_identity(path: Path, metadata: dict[str, str], expected_id: str | Non
                                   f"this one reads {APP_FORMAT!r}")
             raise SnapshotError(f"{path.name}: not a service snapshot (format {written!r})")
         session_id = spec.check_session_id(str(fields["session_id"]))
-        unknown = sorted(set(map(str, fields.get("requires", []))) - APP_FEATURES)
+        requires = fields.get("requires", [])
+        # A list of names, as every version writes it: anything else is a damaged file, not a later version's (a
+        # string was read as its letters, each an unknown feature: the file left alone, its id 503 for ever).
+        if not (isinstance(requires, list) and all(isinstance(name, str) for name in requires)):
+            raise ValueError(f"requires is {str(requires)[:80]!r}, not a list of names")
+        unknown = sorted(set(requires) - APP_FEATURES)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SnapshotError(f"{path.name}: service fields are unreadable ({exc!r})") from None
     if unknown:

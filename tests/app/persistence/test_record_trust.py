@@ -292,3 +292,19 @@ def test_a_file_a_later_version_wrote_is_left_for_it_not_set_aside(make_settings
         assert path.is_file() and not list(folder.glob("*.corrupt"))
         save_file(tensors, str(path), metadata=metadata)  # as this version wrote it
         assert _adopted(client, session_id) == 200  # its lease was let go: the retry takes it
+
+
+@pytest.mark.parametrize("requires", ["a-later-feature", [1], {"a-later-feature": True}, None])
+def test_a_file_whose_requires_is_not_a_list_of_names_is_set_aside_as_corrupt(make_settings, tmp_path, requires):
+    """Every version writes ``requires`` as a list of names: anything else is a damaged file, set aside as corrupt
+    (its id then a 404), not a later version's left in place (a string was read as its letters, each an unknown
+    feature: 503 server_busy for ever, retried by every client through the router)."""
+    folder = tmp_path / "snapshots"
+    session_id = _drained(make_settings, folder)
+    path = _record(folder, session_id)
+    tensors, metadata = _read(path)
+    damaged = dict(json.loads(metadata["app"]), requires=requires)
+    save_file(tensors, str(path), metadata={**metadata, "app": json.dumps(damaged)})
+    with running_app(make_settings(snapshot_dir=folder)) as client:
+        assert client.get(f"/v1/sessions/{session_id}").status_code == 404
+        assert not path.exists() and list(folder.glob("*.corrupt"))
