@@ -479,12 +479,9 @@ def watch_item(message: str | bytes, return_tensors) -> Any:
     kind = event["type"]
 
     def count(name: str) -> int:
-        # The service sends counts as JSON integers: int() would take 2.5, "7" or true, and raise OverflowError
-        # for Infinity (which Python's json reads).
-        value = event[name]
-        if type(value) is not int or value < 0:
+        if not is_count(event[name]):
             raise ValueError(name)
-        return value
+        return event[name]
 
     try:
         if kind == "block":
@@ -531,10 +528,16 @@ def watch_open_failed(exc: BaseException, what: str, timeout: float, deadline_s:
     return exc
 
 
+def is_count(value: Any) -> bool:
+    """A count as the service sends it: a JSON integer >= 0. Not what ``int()`` takes: 2.5, "7" or true would pass
+    for one, and Infinity (which Python's json reads) raises OverflowError."""
+    return type(value) is int and value >= 0
+
+
 def done_frames(message: str) -> int | None:
     """The ``frames`` of a ``done`` event (the frames the session returned in all; None when it has none)."""
     frames = parse_event(message).get("frames")
-    if frames is not None and (type(frames) is not int or frames < 0):
+    if frames is not None and not is_count(frames):
         raise ProtocolError(f"the server sent a done event whose frames are not a frame count: {message[:200]!r}")
     return frames
 

@@ -33,6 +33,7 @@ from ._common import (
     StreamStats,
     event_error,
     geometry_of,
+    is_count,
     parse_event,
 )
 from .errors import (
@@ -556,7 +557,7 @@ class StreamProtocol:
             raise ProtocolError(f"expected the session event first, got {event}")
         for name in ("frames_received", "durable_frames"):
             value = event.get(name, None if name == "durable_frames" else "missing")
-            if value is not None and (type(value) is not int or value < 0):
+            if value is not None and not is_count(value):
                 raise ProtocolError(f"the session event's {name} is {value!r}, not a frame count: {str(event)[:200]}")
         if type(event.get("flushed")) is not bool:  # read as truth, "no" would say flushed; missing, a KeyError
             raise ProtocolError(f"the session event's flushed is {event.get('flushed', 'missing')!r}, not true or "

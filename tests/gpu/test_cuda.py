@@ -314,10 +314,14 @@ def test_a_checkpoint_queues_its_copies_and_the_session_refines_on(medium):
     assert torch.equal(units[0][-1].latents, units[1][-1].latents)
 
 
-def test_a_checkpoint_right_after_a_page_in_copies_the_paged_in_session(medium):
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_checkpoint_right_after_a_page_in_copies_the_paged_in_session(medium, pinned):
     """A checkpoint can come before any forward waited for a page-in (a message that only added pending frames):
     its copies wait for the page-in's event (``after``), so they read the session as it was paged in, and their
-    event, which the engine then waits for in the page-in's place, covers both."""
+    event, which the engine then waits for in the page-in's place, covers both. Without pinned buffers
+    (``stage_copy`` refused: ``HostMemoryError``) it copies into plain memory on the compute stream, which had not
+    waited for the page-in's side stream (its copies would read a cache still being brought in): ``after`` is
+    waited for first there too."""
     from models.move import move_session
     from models.snapshot import copy_session, session_to_tensors, stage_copy
 
@@ -327,26 +331,11 @@ def test_a_checkpoint_right_after_a_page_in_copies_the_paged_in_session(medium):
     before, _ = session_to_tensors(session, own=True)
     parked = move_session(session, torch.device("cpu"))
     paged_in = move_session(session, medium.device, after=parked)  # not waited for: the copies may be in flight
-    copied, _, ready = copy_session(session, host=stage_copy(session), after=paged_in)
-    ready.synchronize()
-    assert all(torch.equal(copied[name], want) for name, want in before.items())
-
-
-def test_a_checkpoint_without_pinned_memory_right_after_a_page_in_copies_the_paged_in_session(medium):
-    """Without pinned buffers (``stage_copy`` refused: ``HostMemoryError``) a checkpoint copies the session into
-    plain memory on the compute stream, which had not waited for the page-in's side stream: its copies read a
-    cache still being brought in (whatever the allocator's reused block held). ``after`` is waited for first."""
-    from models.move import move_session
-    from models.snapshot import copy_session, session_to_tensors
-
-    latents, embeds = clip(frames=9)
-    session = RefinerSession(medium, SessionConfig(block_size=2, kv_max_frames=4))
-    session.push(latents, embeds)
-    before, _ = session_to_tensors(session, own=True)
-    parked = move_session(session, torch.device("cpu"))
-    paged_in = move_session(session, medium.device, after=parked)  # not waited for: the copies may be in flight
-    copied, _, ready = copy_session(session, host=None, after=paged_in)
-    assert ready is None
+    copied, _, ready = copy_session(session, host=stage_copy(session) if pinned else None, after=paged_in)
+    if pinned:
+        ready.synchronize()
+    else:
+        assert ready is None
     assert all(torch.equal(copied[name], want) for name, want in before.items())
 
 
