@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from bench.encode import _payload, cpu_model
+from bench.load import _percentile
 
 # The output kinds measured: (name, the session's fields).
 KINDS = {
@@ -96,8 +97,7 @@ def _post(http, url: str, body: bytes) -> None:
 
 def _figures(kept: list[float], none: list[float]) -> dict[str, Any]:
     def p95(values: list[float]) -> float:
-        ordered = sorted(values)
-        return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+        return _percentile(values, 0.95)
 
     return {"chunks": len(kept), "kept_p50_ms": statistics.median(kept) * 1000, "kept_p95_ms": p95(kept) * 1000,
             "none_p50_ms": statistics.median(none) * 1000, "none_p95_ms": p95(none) * 1000,
