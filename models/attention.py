@@ -169,18 +169,25 @@ class KVWrites:
 
 
 class LayerWindow:
-    """What one layer's self-attention reads and writes during one forward (diffusers' layer cache slot)."""
+    """What one layer's self-attention reads and writes during one forward (diffusers' layer cache slot).
 
-    def __init__(self, window: ForwardWindow, index: int):
-        self.window = window
+    It holds the forward's rows and writes, never the ``ForwardWindow`` itself: a window that held its layers and
+    layers that held their window were a reference cycle, so each forward's RoPE tables and row views outlived it
+    until Python's cyclic collector ran (on CUDA the device memory grew by a block's tables per block, then fell
+    when a collection happened to run; seen on an H200 by ``tests/gpu/test_cuda.py``)."""
+
+    def __init__(self, rows: list[RowWindow], writes: KVWrites, kv_cache_mode: str, index: int):
+        self.rows = rows
+        self.writes = writes
+        self.kv_cache_mode = kv_cache_mode
         self.index = index
 
     def check_mode(self, kv_cache_mode: str | None) -> None:
-        expected = self.window.kv_cache_mode
+        expected = self.kv_cache_mode
         if kv_cache_mode != expected:
             raise CaptureError(
                 f"layer {self.index}: the forward ran with kv_cache_mode={kv_cache_mode!r} but its window was "
-                f"created for mode {self.window.writes.mode!r}, which needs kv_cache_mode={expected!r}. Cause: "
+                f"created for mode {self.writes.mode!r}, which needs kv_cache_mode={expected!r}. Cause: "
                 f"capture enabled in one mode and collected in another. Fix: {_FIX}."
             )
 
@@ -199,7 +206,7 @@ class ForwardWindow:
         self.rows = list(rows)
         self.writes = KVWrites([row.mode for row in rows], num_layers)
         self.sink_pe = None  # diffusers' forward reads this attribute; our rows carry their own tables
-        self._layers = [LayerWindow(self, i) for i in range(num_layers)]
+        self._layers = [LayerWindow(self.rows, self.writes, self.kv_cache_mode, i) for i in range(num_layers)]
 
     @property
     def kv_cache_mode(self) -> str:
@@ -313,9 +320,8 @@ def _window_attention(attn, layer: LayerWindow, kv_cache_mode, query, key, value
     """Each session's rows of one layer: write the block's K/V into its window, attend, gate. (R, N, D); rows
     past the last session (a compiled step's padding) are zeros."""
     layer.check_mode(kv_cache_mode)
-    window = layer.window
     outputs = []
-    for index, row in enumerate(window.rows):
+    for index, row in enumerate(layer.rows):
         rows = slice(row.row_start, row.row_end)
         kv = row.kv
         start, end = row.slot
@@ -332,7 +338,7 @@ def _window_attention(attn, layer: LayerWindow, kv_cache_mode, query, key, value
         values[:, start:end] = value[rows]
         hidden = _attend(row_query, keys[:, :end], values[:, :end], attn.heads, backend, parallel)
         outputs.append(_gate(attn, hidden, None if gate_logits is None else gate_logits[rows]))
-        window.writes.mark(layer.index, index)
+        layer.writes.mark(layer.index, index)
     return _assemble(outputs, query)
 
 

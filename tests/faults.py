@@ -15,7 +15,7 @@ def failing_forwards(model, session, message: str = "CUDA out of memory. Tried t
 
     def hook(module, args, kwargs):
         layer = kwargs.get("kv_cache")
-        if layer is None or not any(row.owner is session for row in layer.window.rows):
+        if layer is None or not any(row.owner is session for row in layer.rows):
             return
         seen["n"] += 1
         if when is None or when(seen["n"]):

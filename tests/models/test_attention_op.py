@@ -59,9 +59,9 @@ def test_a_transformer_block_compiles_whole(tiny_refiner):
         for hook in hooks:
             hook.remove()
     kwargs = seen["kwargs"]
-    assert len(kwargs["kv_cache"].window.rows) == 2
+    assert len(kwargs["kv_cache"].rows) == 2
     # A fresh write record over the same rows: the block writes the same K/V to the same slots again.
-    window = ForwardWindow(kwargs["kv_cache"].window.rows, len(model.transformer_blocks))
+    window = ForwardWindow(kwargs["kv_cache"].rows, len(model.transformer_blocks))
     kwargs["kv_cache"] = window.get(0)
     torch._dynamo.reset()
     with fullgraph(), torch.no_grad():

@@ -206,7 +206,7 @@ def test_a_failing_row_is_isolated_and_the_others_keep_their_bytes(refiner):
     broken = sessions[1][0]
 
     def fail_for_broken(module, args, kwargs):
-        if any(row.owner is broken for row in kwargs["kv_cache"].window.rows):
+        if any(row.owner is broken for row in kwargs["kv_cache"].rows):
             raise RuntimeError("CUDA out of memory (injected for one session)")
 
     handle = refiner.model.transformer_blocks[1].register_forward_pre_hook(fail_for_broken, with_kwargs=True)

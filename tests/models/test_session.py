@@ -372,3 +372,37 @@ def test_a_float32_twin_of_a_bfloat16_run_draws_its_noise():
     fp32 = torch.randn(low_x.shape, generator=generator)
     if not torch.allclose(bf16, fp32, atol=0.01):  # where this torch draws apart, the default does not match
         assert not torch.equal(first_block(high).to(torch.bfloat16), low_x)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu-check", "deferred-check"])
+def test_a_forward_frees_its_window_and_rope_tables_without_the_cyclic_collector(tiny_refiner, monkeypatch, deferred):
+    """Every forward's cache view (``models.attention.ForwardWindow``, its rows and their RoPE tables) is freed by
+    reference counting as soon as the forward is done. Its layers once held the window back (a cycle): on an H200
+    the device memory grew by a block's tables each block until a collection ran (tests/gpu/test_cuda.py)."""
+    import gc
+    import weakref
+
+    import models.step as step_module
+
+    made = []
+    real = step_module.build_window
+
+    def recording(forwards, num_layers):
+        window = real(forwards, num_layers)
+        made.append((weakref.ref(window), [weakref.ref(t) for row in window.rows for t in row.tables]))
+        return window
+
+    monkeypatch.setattr(step_module, "build_window", recording)
+    latents, embeds = make_inputs(frames=10)
+    session = RefinerSession(tiny_refiner, SessionConfig())
+    session.defer_finite_check = deferred
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        units = session.push(latents, embeds)
+        assert len(units) == 4 and len(made) == 1 + 3 * (session.config.steps + 1)  # the sink, 3 blocks
+        alive = [i for i, (window, tables) in enumerate(made) if window() is not None or any(t() for t in tables)]
+        assert not alive, f"forwards {alive} of {len(made)} still held after the push"
+    finally:
+        if collecting:
+            gc.enable()

@@ -45,7 +45,7 @@ class Recorder:
         self._handle = model.transformer_blocks[0].register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
-        rows = kwargs["kv_cache"].window.rows
+        rows = kwargs["kv_cache"].rows
         self.calls.append([self.names.get(id(row.owner), "?") for row in rows])
 
     def name(self, engine_session: EngineSession) -> EngineSession:
