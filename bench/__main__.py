@@ -14,6 +14,7 @@
     python -m bench watch-mix [...] a producer's time with 8 watchers of mixed encodings vs none
     python -m bench http-retain [...] HTTP chunk latency with the units kept for a resuming watcher vs none kept
     python -m bench gpu OUT [--smoke] the GPU check's figures in one process (bench/gpu_check.sh runs it)
+    python -m bench gpu-serve OUT [--smoke] the service from a released-size checkpoint on disk: ready, serve, drain
     python -m bench loadmodel [...] loading a released-width checkpoint: load_refiner vs safetensors' load_file
     python -m bench warmup [...]   compile_step's warm-up by compile_buckets and inductor cache state; padding's cost
     python -m bench.soak   [...]   the soak: sessions, drops and a restart, checked bit for bit
@@ -86,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.gpu import main as gpu_main
 
         return gpu_main(rest)
+    if command == "gpu-serve":
+        from bench.gpu_serve import main as gpu_serve_main
+
+        return gpu_serve_main(rest)
     if command == "loadmodel":
         from bench.loadmodel import main as loadmodel_main
 

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Every check that needs a CUDA GPU, in one command, sized for one loan (typically about 8 minutes: the install
-# takes seconds from a wheels folder, the figures 350 s in two processes, the tests up to 180 s). Each step is
-# bounded by its own time and by the script's deadline (--deadline-s, default 560 s from its start, inside the loan's
-# 570): a step gets what is left when that is less than its own time, and one with under 10 s left is skipped and
-# named, so the files come back whatever each step takes (the steps' own times add up to about 10.5 minutes).
+# Every check that needs a CUDA GPU, in one command, sized for one loan (the first run on an H200, 4 December 2026:
+# the install seconds, the figures 157 s in two processes, the tests 53 s; the served check, added after it, up to
+# 300 s). Each step is bounded by its own time and by the script's deadline (--deadline-s, default 560 s from its
+# start, inside the loan's 570): a step gets what is left when that is less than its own time, and one with under
+# 10 s left is skipped and named, so the files come back whatever each step takes (the steps' own bounds add up to
+# about 15 minutes).
 #   bash bench/gpu_check.sh [--wheels DIR] OUT     on a machine with one NVIDIA GPU and a CUDA build of torch >= 2.11
 #   bash bench/gpu_check.sh --smoke OUT            the same script on the CPU with the tiny preset (CI, < 2 minutes)
 #   bash bench/gpu_check.sh --install-only [--wheels DIR] OUT   the install and import check alone (seconds)
+#   --steps bench,tests,serve (the default: all three) runs only the steps named, e.g. --steps tests,serve to check
+#   a fix in a second loan without measuring the figures again.
 # 1. `python -m bench gpu OUT` (bench/gpu.py): the released refiner from its config with random weights in bf16 on
 #    the GPU; start-up, steady block latency at 480p/720p for 1/2/4 sessions batched and one at a time (CUDA events),
 #    sessions in the memory budget, real-time sessions at 16 fps, bf16 vs fp32 parity, streaming VAE decode frames/s,
@@ -18,7 +21,11 @@
 #    there and the rest runs.
 # 2. the -m gpu tests (tests/gpu: bf16 parity with diffusers' reference, batched vs solo rows, no host sync inside a
 #    block, KV memory allocated once, a crash checkpoint's copies queued without a host wait, the compiled step with
-#    CUDA graphs, a late NaN/Inf verdict undone by the engine), output in OUT/gpu-tests.txt.
+#    CUDA graphs, a late NaN/Inf verdict undone by the engine), output in OUT/gpu-tests.txt (dynamo's DEBUG records
+#    left out: the first run's file was 194 KB of them).
+# 3. `python -m bench gpu-serve OUT` (bench/gpu_serve.py): the service as an operator starts it, from a released-size
+#    checkpoint written to disk (26 GB): spawn to /ready, examples/quickstart.py, a 720p stream over HTTP, /metrics,
+#    the drain; then a second server's start-up with compile_step on. OUT/serve.json, OUT/serve-log.txt.
 # No network on the GPU machine: --wheels DIR installs what it lacks from a folder filled here by
 # `bash bench/gpu_wheels.sh DIR` (pip --no-index; the project's pins where the machine's own copy misses them, the
 # machine's packages where they satisfy them). Should pip's resolver refuse that mix, the wheels of the projects the
@@ -28,22 +35,27 @@
 # with no editable install pointing at a folder that goes away (`pip install -e .` would also keep its CUDA torch).
 # $PYTHON (default python3, the interpreter that holds the CUDA torch on the workplace's image) runs everything.
 # In this workplace, with a device lent: `bash bench/gpu_wheels.sh .whl` here, then the device tool's run with
-# carry [".whl"] and the command `bash bench/gpu_check.sh --wheels .whl "$OUT"` (timeout_s 570): OUT's 6 files
-# come back (summary.json, summary.md, machine.txt, install.txt, bench.txt, gpu-tests.txt).
+# carry [".whl"] and the command `bash bench/gpu_check.sh --wheels .whl "$OUT"` (timeout_s 570): OUT's 8 files
+# come back (summary.json, summary.md, machine.txt, install.txt, bench.txt, gpu-tests.txt, serve.json, serve-log.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-smoke=0 wheels="" install_only=0 deadline_s=560 started=$(date +%s)
+smoke=0 wheels="" install_only=0 deadline_s=560 steps="bench,tests,serve" started=$(date +%s)
 while (($#)); do
   case "$1" in
     --smoke) smoke=1; shift ;;
     --install-only) install_only=1; shift ;;
     --wheels) wheels="$2"; shift 2 ;;
     --deadline-s) deadline_s="$2"; shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
 done
 [[ "$deadline_s" =~ ^[0-9]+$ ]] || { echo "--deadline-s takes whole seconds, not '$deadline_s'" >&2; exit 2; }
+[[ ",$steps," =~ ^,((bench|tests|serve),)+$ ]] \
+  || { echo "--steps takes a comma-separated list of bench, tests, serve; not '$steps'" >&2; exit 2; }
+# wanted STEP: whether --steps names STEP.
+wanted() { [[ ",$steps," == *",$1,"* ]]; }
 out="${1:-${OUT:-gpu-check}}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
@@ -122,6 +134,9 @@ if ((smoke)); then  # the same two processes as the loan's run
   bounded "bench gpu step_modes" 300 "$py" -m bench gpu --smoke --only step_modes "$out" >> "$out/bench.txt" 2>&1 \
     || status=1
   tail -n 5 "$out/bench.txt"
+  # The served check without its second, compiled server (a minute of compiling on a CPU).
+  bounded "gpu serve" 120 "$py" -m bench gpu-serve --smoke --no-compiled-startup "$out" > "$out/serve.txt" 2>&1 \
+    || { status=1; tail -n 20 "$out/serve.txt"; }
   exit $status
 fi
 
@@ -141,25 +156,36 @@ except Exception as error:
 PY
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 
-echo "== bench gpu"
-# Bounded so that the tests still run within the loan: summary.json is written after every section (and the step
-# modes' after each mode), so a process stopped here keeps what it measured. The first process: the block
-# latencies left after --budget-s are skipped (null), the sections after them take ~40 s. The second: start-up
-# again (random weights, ~20 s), then the step modes (about 100 s: two compiles), which start no mode with under
-# 45 s left before its --end-at, counted from here (the process's imports included), 10 s before its timeout.
-bounded "bench gpu" 200 "$py" -m bench gpu --skip step_modes --budget-s 115 --end-at "$(end_at 190)" "$out" 2>&1 \
-  | tee "$out/bench.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu: some sections failed (errors in $out/summary.json)"; }
-bounded "bench gpu step_modes" 150 "$py" -m bench gpu --only step_modes --end-at "$(end_at 140)" "$out" 2>&1 \
-  | tee -a "$out/bench.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu step_modes: failed or cut short (see $out/summary.json)"; }
-echo "== gpu tests"
-# Two runs: the compiled (CUDA graphs) test compiles, the slowest by far, so it runs last and alone; should it
-# overrun, the other tests' results are already in the file.
-bounded "gpu tests" 75 "$py" -m pytest -q -rA -m gpu -s -p no:cacheprovider tests/gpu -k "not compiled_step" 2>&1 \
-  | tee "$out/gpu-tests.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu tests FAILED"; }
-bounded "gpu tests (compiled step)" 105 "$py" -m pytest -q -rA -m gpu -s -p no:cacheprovider tests/gpu \
-  -k "compiled_step" 2>&1 | tee -a "$out/gpu-tests.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu tests (compiled step) FAILED or timed out"; }
+if wanted bench; then
+  echo "== bench gpu"
+  # Bounded so that the tests still run within the loan: summary.json is written after every section (and the step
+  # modes' after each mode), so a process stopped here keeps what it measured. The first process: the block
+  # latencies left after --budget-s are skipped (null), the sections after them take ~40 s. The second: start-up
+  # again (random weights, ~20 s), then the step modes (about 100 s: two compiles), which start no mode with under
+  # 45 s left before its --end-at, counted from here (the process's imports included), 10 s before its timeout.
+  bounded "bench gpu" 200 "$py" -m bench gpu --skip step_modes --budget-s 115 --end-at "$(end_at 190)" "$out" 2>&1 \
+    | tee "$out/bench.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu: some sections failed (errors in $out/summary.json)"; }
+  bounded "bench gpu step_modes" 150 "$py" -m bench gpu --only step_modes --end-at "$(end_at 140)" "$out" 2>&1 \
+    | tee -a "$out/bench.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== bench gpu step_modes: failed or cut short (see $out/summary.json)"; }
+fi
+if wanted tests; then
+  echo "== gpu tests"
+  # Two runs: the compiled (CUDA graphs) test compiles, the slowest by far, so it runs last and alone; should it
+  # overrun, the other tests' results are already in the file.
+  bounded "gpu tests" 75 "$py" -m pytest -q -rA -m gpu -s -p no:cacheprovider -o log_level=INFO tests/gpu -k "not compiled_step" 2>&1 \
+    | tee "$out/gpu-tests.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu tests FAILED"; }
+  bounded "gpu tests (compiled step)" 105 "$py" -m pytest -q -rA -m gpu -s -p no:cacheprovider -o log_level=INFO \
+    tests/gpu -k "compiled_step" 2>&1 | tee -a "$out/gpu-tests.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu tests (compiled step) FAILED or timed out"; }
+fi
+if wanted serve; then
+  echo "== gpu serve"
+  # The service from a released-size checkpoint on disk (bench/gpu_serve.py): ready, quickstart, a 720p stream,
+  # /metrics, the drain, then a second server's start-up with compile_step on, until --end-at.
+  bounded "gpu serve" 300 "$py" -m bench gpu-serve --end-at "$(end_at 290)" "$out" 2>&1 | tail -n 60
+  [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu serve: some steps failed (errors in $out/serve.json)"; }
+fi
 exit $status

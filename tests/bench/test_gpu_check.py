@@ -25,13 +25,36 @@ WORDS = {"latent_height_width", "compared", "ops", "kernels", "flash_ran", "fps"
 
 
 @pytest.fixture(scope="module")
-def summary(tmp_path_factory) -> dict:
+def smoke_out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gpu-check")
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke", str(out)], cwd=ROOT, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, (result.stdout[-3000:], (out / "bench.txt").read_text()[-3000:])
     assert (out / "summary.md").read_text().startswith("# GPU check (smoke")
-    return json.loads((out / "summary.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def summary(smoke_out) -> dict:
+    return json.loads((smoke_out / "summary.json").read_text())
+
+
+def test_the_served_check_loads_from_disk_serves_over_http_and_drains(smoke_out):
+    """``bench/gpu_serve.py`` as the smoke runs it: a server started from a checkpoint written to disk, ready, the
+    quickstart's three paths identical, a stream's blocks timed by the server, /metrics, the drain; its log kept."""
+    served = json.loads((smoke_out / "serve.json").read_text())
+    assert served["errors"] == {}, served["errors"]
+    assert served["checkpoint"]["bytes"] > 0 and served["startup"]["ready_s"] > 0
+    assert served["startup"]["engine"]["step"]["mode"] == "eager" and served["startup"]["warmup_s"] is not None
+    assert served["quickstart"]["exit_status"] == 0
+    latencies = served["stream"]["block_latency_s"]
+    assert len(latencies) == 3 and all(value > 0 for value in latencies)
+    assert served["metrics"]["refiner_samples_count"] > 100
+    assert served["metrics"]["compile_failed"] == {"refiner_compile_failed": 0.0}
+    assert served["drain"]["exit_status"] in (0, -15)  # drained: uvicorn's exit, or SIGTERM's own after the drain
+    assert "compiled_startup" not in served  # --no-compiled-startup in the smoke: a minute of compiling on a CPU
+    log = (smoke_out / "serve-log.txt").read_text()
+    assert log.startswith("===== the server") and "warm-up done" in log
 
 
 def _figures(figures: dict, prefix=""):
