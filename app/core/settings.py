@@ -247,7 +247,8 @@ class Settings(_SessionDefaults):
         "compiles at start-up, 3 rows run as 4), or a comma-separated list (max_batch_rows is added)",
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
-        default="reduce-overhead", description="torch.compile mode of compile_step; reduce-overhead adds CUDA graphs"
+        default="default", description="torch.compile mode of compile_step; reduce-overhead adds CUDA graphs (on an "
+        "H200 slower than default, and 3.4x the compile time: docs/benchmarks.md, GPU)"
     )
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         default="inductor", description="torch.compile backend of compile_step (the others are for debugging)"
