@@ -35,6 +35,7 @@ import re
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -73,6 +74,37 @@ def write_released(folder: Path, smoke: bool) -> dict[str, Any]:
     return {"write_s": time.perf_counter() - started, "bytes": size}
 
 
+class ReadyReasons(threading.Thread):
+    """Polls a server's ``/ready`` every second on a thread of its own and keeps each distinct reason it gave, with
+    the seconds since ``started_after`` when it first appeared (``summary``)."""
+
+    def __init__(self, started_after: float):
+        super().__init__(daemon=True)
+        self.started_after, self.url, self.reasons = started_after, None, {}
+        self._done = threading.Event()
+
+    def follow(self, base_url: str) -> None:
+        self.url = f"{base_url}/ready"
+
+    def run(self) -> None:
+        while not self._done.wait(1.0):
+            if self.url is None:
+                continue
+            try:
+                body = httpx.get(self.url, timeout=5).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            reason = body.get("error", {}).get("message") or body.get("status")
+            self.reasons.setdefault(str(reason), round(time.time() - self.started_after, 1))
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(10)
+
+    def summary(self) -> str:
+        return "; ".join(f"{reason!r} from {at} s" for reason, at in self.reasons.items()) or "none"
+
+
 def _log_seconds(log: str, pattern: str) -> float | None:
     found = re.findall(pattern, log)
     return float(found[-1]) if found else None
@@ -107,8 +139,10 @@ def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_comp
             values.update(compile_mode="default", compile_buckets="every")  # what bench gpu's step_modes recommended
         return values
 
-    def started(compiled: bool, log: Path) -> tuple[ServerProcess, float]:
+    def started(compiled: bool, log: Path, follow=None) -> tuple[ServerProcess, float]:
         process = ServerProcess(free_port(), work / "cache", None, log, threads=None, **settings(compiled))
+        if follow is not None:
+            follow(process.base_url)
         begun = time.perf_counter()
         process.start(ready_timeout=max(10.0, end_at - 30 - time.time()))
         return process, time.perf_counter() - begun
@@ -169,18 +203,24 @@ def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_comp
 
     def compiled_startup() -> dict[str, Any]:
         """A second server, compile_step on (compile_mode default, every bucket, each warm-up geometry): until
-        /ready or the run's end; its log's compile line says what was compiled in how long."""
+        /ready or the run's end; its log's compile line says what was compiled in how long. Cut short, the error
+        names the last reason /ready gave (``compiling the batched step: k of N shapes``): how far it got."""
         nonlocal server
         second = work / "server-compiled.log"
+        seen = ReadyReasons(started_after=time.time())
+        seen.start()
         try:
-            server, ready = started(True, second)
+            server, ready = started(True, second, seen.follow)
+        except Exception as exc:
+            raise RuntimeError(f"{exc.__class__.__name__}; /ready's reasons seen meanwhile: {seen.summary()}") from exc
         finally:
+            seen.stop()
             if second.exists():  # after the first server's log in serve-log.txt (a loan brings back 8 files)
                 shutil.copy(second, out / "serve-compiled-log.part")
         log = second.read_text()
         info = httpx.get(f"{server.base_url}/v1/info", timeout=30).json()
         server.kill()
-        return {"ready_s": ready, "engine": info.get("engine"),
+        return {"ready_s": ready, "engine": info.get("engine"), "ready_reasons_s": seen.reasons,
                 "warmup_s": _log_seconds(log, r"warm-up done in ([0-9.]+) s"),
                 "compile_line": next((line for line in log.splitlines() if "compiled the batched step" in line), None)}
 
