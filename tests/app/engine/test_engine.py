@@ -347,3 +347,38 @@ def test_a_deleted_session_is_not_held_by_the_idle_engine_thread(make_settings):
             return handle() is None and session() is None
 
         wait_until(let_go, "the deleted session and its model state to be let go", timeout=10)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu-check", "deferred-check"])
+def test_served_blocks_leave_no_tensor_to_the_cyclic_collector(make_settings, monkeypatch, deferred):
+    """A session's blocks served over HTTP free every tensor they made by reference counting: none waits for Python's
+    cyclic collector, which runs when it likes (on a GPU, memory that grows block by block until it does: a cycle
+    in the model's cache view did that on an H200). ``deferred``: the finite check read late, as on an accelerator."""
+    import gc
+
+    from tests.app.conftest import OCTET, payload, running_app
+
+    monkeypatch.setattr(RefinerSession, "defer_finite_check", deferred)
+    latents, embeds, mask = make_clip(frames=1 + 3 * 7, seed=5)
+    with running_app(make_settings()) as client:
+        sid = client.post("/v1/sessions").json()["session_id"]
+        reply = client.post(f"/v1/sessions/{sid}/chunks?seq=0", content=payload(latents[:, :, :4], embeds, mask),
+                            headers=OCTET)
+        assert reply.status_code == 200, reply.text
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for seq in range(1, 7):
+                chunk = latents[:, :, 1 + 3 * seq : 4 + 3 * seq]
+                reply = client.post(f"/v1/sessions/{sid}/chunks?seq={seq}", content=payload(chunk), headers=OCTET)
+                assert reply.status_code == 200, reply.text
+            gc.collect()
+            left = [(tuple(o.shape), o.dtype) for o in gc.garbage if isinstance(o, torch.Tensor)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            if collecting:
+                gc.enable()
+        assert not left, f"tensors freed only by the cyclic collector: {left[:8]}"
