@@ -25,7 +25,8 @@
 #    left out: the first run's file was 194 KB of them).
 # 3. `python -m bench gpu-serve OUT` (bench/gpu_serve.py): the service as an operator starts it, from a released-size
 #    checkpoint written to disk (26 GB): spawn to /ready, examples/quickstart.py, a 720p stream over HTTP, /metrics,
-#    the drain; then a second server's start-up with compile_step on. OUT/serve.json, OUT/serve-log.txt.
+#    the drain; then a second server with compile_step on (batch size 1 only: batching: false), its start-up to
+#    /ready and, ready, the same 720p stream. OUT/serve.json, OUT/serve-log.txt.
 # No network on the GPU machine: --wheels DIR installs what it lacks from a folder filled here by
 # `bash bench/gpu_wheels.sh DIR` (pip --no-index; the project's pins where the machine's own copy misses them, the
 # machine's packages where they satisfy them). Should pip's resolver refuse that mix, the wheels of the projects the
@@ -184,7 +185,7 @@ fi
 if wanted serve; then
   echo "== gpu serve"
   # The service from a released-size checkpoint on disk (bench/gpu_serve.py): ready, quickstart, a 720p stream,
-  # /metrics, the drain, then a second server's start-up with compile_step on, until --end-at.
+  # /metrics, the drain, then a compiled server (batch size 1) to /ready and its 720p stream, until --end-at.
   bounded "gpu serve" 300 "$py" -m bench gpu-serve --end-at "$(end_at 290)" "$out" 2>&1 | tail -n 60
   [ "${PIPESTATUS[0]}" = 0 ] || { status=1; echo "== gpu serve: some steps failed (errors in $out/serve.json)"; }
 fi

@@ -18,10 +18,12 @@ server's log):
 4. ``stream``: one session at the warm-up geometry (720p latents, 22x40) over HTTP chunks: the sink, then blocks;
    each block's server latency (``latency_ms``, chunk read to unit ready) and the client's round trip.
 5. ``metrics``: ``/metrics``' ``refiner_`` sample count and compile failures; then SIGTERM: the drain's exit status.
-6. ``compiled_startup``: a second server with ``compile_step`` on (``compile_mode: default``, every bucket: what
-   ``bench gpu``'s ``step_modes`` recommended) until ``/ready`` or the run's end, and its log's compile line: what
-   compiling every batch size at every warm-up geometry adds to a start-up (``--no-compiled-startup`` skips it;
-   ``gpu_check.sh --smoke`` does, as it costs a minute on a CPU). Its log follows the first's in serve-log.txt.
+6. ``compiled_startup``: a second server with ``compile_step`` on (``compile_mode: default``, what ``bench gpu``'s
+   ``step_modes`` recommended; ``batching: false``, so only batch size 1 is compiled: the first H200 run found
+   batching worth at most 2% there, and every batch size, 48 shapes, not ready after 132 s) until ``/ready`` or the
+   run's end, with its log's compile line and ``/ready``'s reasons as they came; ready, ``compiled_stream``: the
+   stream of step 4 on it (``--no-compiled-startup`` skips both; ``gpu_check.sh --smoke`` does, as compiling costs
+   a minute on a CPU). Its log follows the first's in serve-log.txt.
 
 ``--smoke``: the same on the CPU with the ``tiny`` preset and a small geometry (CI, through ``gpu_check.sh --smoke``).
 Every step fails soft into ``errors``; the server is always stopped.
@@ -136,7 +138,10 @@ def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_comp
         else:
             values["config"] = str(ROOT / "configs" / "sana-wm.yaml")
         if compiled:
-            values.update(compile_mode="default", compile_buckets="every")  # what bench gpu's step_modes recommended
+            # compile_mode default: what bench gpu's step_modes recommended. One session per call (batching: false,
+            # so batch size 1 alone is compiled: 6 shapes at sana-wm.yaml's two sizes, not 48): on an H200 batching
+            # bought at most 2% and every batch size did not compile within 132 s (4 December 2026).
+            values.update(compile_mode="default", batching=False)
         return values
 
     def started(compiled: bool, log: Path, follow=None) -> tuple[ServerProcess, float]:
@@ -202,9 +207,10 @@ def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_comp
         return {"refiner_samples_count": len(samples), "compile_failed": failed}
 
     def compiled_startup() -> dict[str, Any]:
-        """A second server, compile_step on (compile_mode default, every bucket, each warm-up geometry): until
-        /ready or the run's end; its log's compile line says what was compiled in how long. Cut short, the error
-        names the last reason /ready gave (``compiling the batched step: k of N shapes``): how far it got."""
+        """A second server, compile_step on (``settings(True)``: compile_mode default, batch size 1 at each token
+        count of each warm-up size): until /ready or the run's end; its log's compile line says what was compiled
+        in how long. Cut short, the error names the last reason /ready gave (``compiling the batched step: k of N
+        shapes``): how far it got. Ready, the stream below runs on it too (``compiled_stream``)."""
         nonlocal server
         second = work / "server-compiled.log"
         seen = ReadyReasons(started_after=time.time())
@@ -219,7 +225,6 @@ def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_comp
                 shutil.copy(second, out / "serve-compiled-log.part")
         log = second.read_text()
         info = httpx.get(f"{server.base_url}/v1/info", timeout=30).json()
-        server.kill()
         return {"ready_s": ready, "engine": info.get("engine"), "ready_reasons_s": seen.reasons,
                 "warmup_s": _log_seconds(log, r"warm-up done in ([0-9.]+) s"),
                 "compile_line": next((line for line in log.splitlines() if "compiled the batched step" in line), None)}
@@ -234,6 +239,8 @@ def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_comp
             step("drain", lambda: {"exit_status": server.terminate(timeout=120)})
         if then_compiled and not compiled:
             step("compiled_startup", compiled_startup)
+            if "compiled_startup" in summary:  # ready: the same stream, compiled
+                step("compiled_stream", stream)
     finally:
         if server is not None:
             server.kill()
