@@ -112,7 +112,7 @@ def _log_seconds(log: str, pattern: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_compiled: bool = True) -> dict[str, Any]:
+def run(out: Path, smoke: bool, end_at: float, then_compiled: bool = True) -> dict[str, Any]:
     summary: dict[str, Any] = {"smoke": smoke, "errors": {}}
     work = Path(tempfile.mkdtemp(prefix="wm-gpu-serve-"))
     log_path = work / "server.log"
@@ -154,26 +154,18 @@ def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_comp
 
     def start() -> dict[str, Any]:
         nonlocal server
-        server, ready = started(compiled, log_path)
+        server, ready = started(False, log_path)
         info = httpx.get(f"{server.base_url}/v1/info", timeout=30).json()
         log = server.log_path.read_text()
-        return {"ready_s": ready, "compile_step": compiled,
+        return {"ready_s": ready,
                 "warmup_s": _log_seconds(log, r"warm-up done in ([0-9.]+) s"),
                 "engine": info.get("engine"), "model": info.get("model"), "memory": info.get("memory")}
 
     def quickstart() -> dict[str, Any]:
         import runpy
-        import sys
 
-        argv = sys.argv
-        sys.argv = ["quickstart.py", "--server", server.base_url]
-        try:
-            runpy.run_path(str(ROOT / "examples" / "quickstart.py"), run_name="__main__")
-        except SystemExit as exit_:
-            return {"exit_status": exit_.code}
-        finally:
-            sys.argv = argv
-        return {"exit_status": None}
+        quickstart_main = runpy.run_path(str(ROOT / "examples" / "quickstart.py"))["main"]
+        return {"exit_status": quickstart_main(["--server", server.base_url])}
 
     def stream() -> dict[str, Any]:
         from wm_refiner_client import Client
@@ -237,7 +229,7 @@ def run(out: Path, smoke: bool, end_at: float, compiled: bool = False, then_comp
             step("stream", stream)
             step("metrics", metrics)
             step("drain", lambda: {"exit_status": server.terminate(timeout=120)})
-        if then_compiled and not compiled:
+        if then_compiled:
             step("compiled_startup", compiled_startup)
             if "compiled_startup" in summary:  # ready: the same stream, compiled
                 step("compiled_stream", stream)
@@ -260,12 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="folder for serve.json and serve-log.txt")
     parser.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU (CI)")
     parser.add_argument("--end-at", type=float, default=None, help="epoch second to end by (default: 15 min on)")
-    parser.add_argument("--compiled", action="store_true", help="serve with compile_step on from the start")
     parser.add_argument("--no-compiled-startup", action="store_true",
                         help="skip the second server (compile_step on) that only measures its start-up")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = run(args.out, args.smoke, args.end_at or time.time() + 900, args.compiled, not args.no_compiled_startup)
+    summary = run(args.out, args.smoke, args.end_at or time.time() + 900, not args.no_compiled_startup)
     print(json.dumps({k: v for k, v in summary.items() if k != "errors"}, indent=1, default=str)[:4000])
     for name, error in summary["errors"].items():
         print(f"== {name}: {error}")

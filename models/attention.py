@@ -206,7 +206,8 @@ class ForwardWindow:
         self.rows = list(rows)
         self.writes = KVWrites([row.mode for row in rows], num_layers)
         self.sink_pe = None  # diffusers' forward reads this attribute; our rows carry their own tables
-        self._layers = [LayerWindow(self.rows, self.writes, self.kv_cache_mode, i) for i in range(num_layers)]
+        mode = self.kv_cache_mode
+        self._layers = [LayerWindow(self.rows, self.writes, mode, i) for i in range(num_layers)]
 
     @property
     def kv_cache_mode(self) -> str:
