@@ -320,6 +320,17 @@ def test_a_paged_in_session_waits_for_its_copies_before_its_chunk_touches_them(r
     assert torch.equal(torch.cat([u.latents for u in result.units], dim=2), expected_clip(refiner, *clip))
 
 
+def _stream_whole(client, session_id: str, latents, embeds, mask) -> None:
+    """The clip over the session's WebSocket stream in one message, flushed, read until ``done``."""
+    from tests.app.conftest import payload
+
+    with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
+        ws.send_bytes(payload(latents, embeds, mask))
+        ws.send_text('{"type": "flush"}')
+        while not (text := ws.receive().get("text")) or '"done"' not in text:
+            pass
+
+
 def test_a_deleted_session_is_not_held_by_the_idle_engine_thread(make_settings):
     """The engine thread kept the work it last admitted in its loop's locals while it waited for more: a stream's
     work holds its unit callback, so the last session streamed (its handle, its KV cache: device memory on CUDA)
@@ -327,16 +338,12 @@ def test_a_deleted_session_is_not_held_by_the_idle_engine_thread(make_settings):
     import gc
     import weakref
 
-    from tests.app.conftest import payload, running_app, wait_until
+    from tests.app.conftest import running_app, wait_until
 
     latents, embeds, mask = make_clip(frames=4)
     with running_app(make_settings(warmup=False, batching="false")) as client:
         session_id = client.post("/v1/sessions").json()["session_id"]
-        with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
-            ws.send_bytes(payload(latents, embeds, mask))
-            ws.send_text('{"type": "flush"}')
-            while not (text := ws.receive().get("text")) or '"done"' not in text:
-                pass
+        _stream_whole(client, session_id, latents, embeds, mask)
         live = client.app.state.services.registry.get(session_id)
         handle, session = weakref.ref(live), weakref.ref(live.session)
         del live
@@ -407,11 +414,7 @@ def test_a_deleted_session_is_freed_without_the_cyclic_collector(make_settings, 
                     reply = client.post(f"/v1/sessions/{session_id}/chunks?seq={seq}", content=body, headers=OCTET)
                     assert reply.status_code == 200, reply.text
             else:
-                with client.websocket_connect(f"/v1/sessions/{session_id}/stream") as ws:
-                    ws.send_bytes(payload(latents, embeds, mask))
-                    ws.send_text('{"type": "flush"}')
-                    while not (text := ws.receive().get("text")) or '"done"' not in text:
-                        pass
+                _stream_whole(client, session_id, latents, embeds, mask)
             live = client.app.state.services.registry.get(session_id)
             handle, session = weakref.ref(live), weakref.ref(live.session)
             del live
